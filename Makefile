@@ -1,0 +1,28 @@
+# Two commands on a fresh machine:  `make run` (the default matrix) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CORES ?= 1
+
+.PHONY: setup run test bench report clean-results
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+run: setup
+	$(BIN)/snakemake --cores $(CORES) --resources gpu=1
+
+test: setup
+	$(BIN)/pytest -q -ra
+
+bench: setup
+	$(BIN)/python bench/bench_formats.py
+	$(BIN)/python bench/bench_engine.py
+
+report: setup
+	$(BIN)/snakemake --cores $(CORES) --resources gpu=1 --report report.html

@@ -1,0 +1,11 @@
+"""kvarn: how much does a quantized KV cache damage a language model?
+
+The package holds every number the pipeline produces: KV-cache formats
+(`kvarn.formats`), byte accounting (`kvarn.memory`), the cache model inside
+transformers (`kvarn.cache`), the teacher-forced KLD engine (`kvarn.engine`),
+metrics (`kvarn.metrics`) and the tables and figures (`kvarn.report`).
+The numerics contract is SPEC.md (shared/design); docs/CONTRACTS.md lists the
+interfaces between modules.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""llama.cpp block types (SPEC §3). Owned by the formats-standard work."""

@@ -1,0 +1,1 @@
+"""KVarN (SPEC §4). Owned by the KVarN work."""

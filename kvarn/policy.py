@@ -1,0 +1,49 @@
+"""Which key positions a query reads exactly (SPEC §2): the sink and the tail.
+
+For a query at p and a key at j <= p (and p - j < W on a sliding layer of window W),
+attention reads the exact copy if j < sink or p - j < tail, else the body copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    sink: int  # exact leading tokens
+    tail: int  # exact most recent tokens (effective, after rounding and capping)
+    window: int | None  # sliding window W, None on full-attention layers
+
+
+def pair_family(k_fmt, v_fmt) -> str:
+    """'kvarn' or 'standard'; KVarN cannot be mixed with other types in one cache."""
+    fams = {k_fmt.family == "kvarn", v_fmt.family == "kvarn"}
+    if len(fams) != 1:
+        raise ValueError(
+            f"K type {k_fmt.name!r} and V type {v_fmt.name!r} mix KVarN with a standard type; "
+            "use kvarnN for both K and V, or standard types for both"
+        )
+    return "kvarn" if True in fams else "standard"
+
+
+def layer_policy(k_fmt, v_fmt, tail: int, window: int | None = None) -> LayerPolicy:
+    """The sink and effective tail one layer uses for a requested tail.
+
+    Standard types: sink 0, tail as requested. KVarN: sink 128 on full-attention layers
+    (0 on sliding ones), tail max(128, roundup(tail, 128)) capped at the window.
+    """
+    if not isinstance(tail, int) or tail < 0:
+        raise ValueError(f"tail must be an integer >= 0, got {tail!r}")
+    pair_family(k_fmt, v_fmt)
+    eff = max(k_fmt.effective_tail(tail), v_fmt.effective_tail(tail))
+    sink = max(k_fmt.sink, v_fmt.sink)
+    if window is not None:
+        sink = 0
+        eff = min(eff, window)
+    return LayerPolicy(sink=sink, tail=eff, window=window)
+
+
+def default_tail_dtype(k_fmt, v_fmt) -> str:
+    """BF16 exact copy for standard types, F16 for KVarN (SPEC §2)."""
+    return "f16" if pair_family(k_fmt, v_fmt) == "kvarn" else "bf16"
