@@ -1,0 +1,149 @@
+"""kvarn.metrics against hand computations (formulas of llama.cpp perplexity.cpp)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvarn import metrics
+
+
+def test_two_tokens_by_hand():
+    base = torch.tensor([[0.8, 0.2], [0.1, 0.9]]).log()
+    q = torch.tensor([[0.6, 0.4], [0.7, 0.3]]).log()
+    m = metrics.token_metrics(q, base, torch.tensor([1, 1]))
+    kld = [0.8 * math.log(0.8 / 0.6) + 0.2 * math.log(0.2 / 0.4),
+           0.1 * math.log(0.1 / 0.7) + 0.9 * math.log(0.9 / 0.3)]
+    np.testing.assert_allclose(m["kld"], kld, rtol=1e-6)
+    np.testing.assert_allclose(m["nll"], [-math.log(0.4), -math.log(0.3)], rtol=1e-6)
+    np.testing.assert_allclose(m["nll_base"], [-math.log(0.2), -math.log(0.9)], rtol=1e-6)
+    np.testing.assert_allclose(m["dp"], [0.4 - 0.2, 0.3 - 0.9], atol=1e-7)
+    assert m["same_top"].tolist() == [True, False]
+    assert m["kld"].dtype == np.float64 and m["same_top"].dtype == bool
+
+
+def test_kld_zero_for_identical_and_nonnegative():
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(40, 50, generator=g)
+    base = torch.log_softmax(logits, -1)
+    targets = torch.randint(0, 50, (40,), generator=g)
+    same = metrics.token_metrics(base, base, targets)
+    assert np.all(same["kld"] == 0)
+    assert same["same_top"].all() and np.all(same["dp"] == 0)
+    q = torch.log_softmax(logits + 0.5 * torch.randn(40, 50, generator=g), -1)
+    m = metrics.token_metrics(q, base, targets)
+    assert np.all(m["kld"] >= 0) and m["kld"].max() > 0
+    # Logits in place of log-probs for Q are refused.
+    with pytest.raises(ValueError, match="is not normalised"):
+        metrics.token_metrics(q + 3.0, base, targets)
+
+
+def test_base_entries_at_or_below_floor_left_out():
+    # Entry 2's base log-prob is -20 (< -16): llama.cpp leaves it out of the sum.
+    base = torch.tensor([[math.log(0.5), math.log(0.5), -20.0]], dtype=torch.float64)
+    q = torch.tensor([[math.log(0.25), math.log(0.5), math.log(0.25)]], dtype=torch.float64)
+    m = metrics.token_metrics(q, base, torch.tensor([0]))
+    assert m["kld"][0] == pytest.approx(0.5 * math.log(2.0), rel=1e-12)
+
+
+def test_shape_mismatch():
+    with pytest.raises(ValueError, match="shapes disagree"):
+        metrics.token_metrics(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2))
+
+
+def test_percentile_linear_interpolation():
+    v = np.array([1.0, 2.0, 3.0, 4.0, 10.0])
+    assert metrics.percentile(v, 0.9) == pytest.approx(0.4 * 4 + 0.6 * 10)  # at 3.6
+    assert metrics.percentile(v, 0.5) == 3.0
+    assert metrics.percentile(v, 0.1) == pytest.approx(1.4)  # at 0.4
+    assert metrics.percentile(v, 0.0) == 1.0 and metrics.percentile(v, 1.0) == 10.0
+    assert metrics.percentile(np.array([1.0, 2.0, 3.0, 4.0]), 0.5) == 2.5  # llama's even median
+
+
+def _hand_vector():
+    n = 12
+    return {
+        "nll": np.array([1.0, 3.0] * 6),
+        "nll_base": np.array([1.0, 2.0] * 6),
+        "kld": np.array([0.0, 1.0] * 6),
+        "dp": np.array([0.1, -0.1, 0.3, -0.3] * 3),
+        "same_top": np.array([True, True, True, False] * 3),
+    }, n
+
+
+def test_summarize_errors_by_hand():
+    pt, n = _hand_vector()
+    s = metrics.summarize(pt)
+    r11 = math.sqrt(n - 1)
+    assert s["n_tokens"] == 12
+    # ln PPL(Q): mean 2, variance E[x²]−mean² = 5−4 = 1, error sqrt(1/11).
+    assert s["ppl_q"] == pytest.approx(math.exp(2))
+    assert s["ppl_q_err"] == pytest.approx(math.exp(2) / r11)
+    # ln PPL(base): mean 1.5, variance 2.5−2.25 = 0.25.
+    assert s["ppl_base"] == pytest.approx(math.exp(1.5))
+    assert s["ppl_base_err"] == pytest.approx(math.exp(1.5) * 0.5 / r11)
+    # cov of the means: (E[ab] − E[a]E[b])/(n−1) = (3.5 − 3)/11; correlation 1.
+    cov = 0.5 / 11
+    assert s["ppl_cor"] == pytest.approx(1.0)
+    ln_err = math.sqrt(1 / 11 + 0.25 / 11 - 2 * cov)
+    assert s["ln_ppl_ratio"] == pytest.approx(0.5)
+    assert s["ln_ppl_ratio_err"] == pytest.approx(ln_err)
+    assert s["ppl_ratio"] == pytest.approx(math.exp(0.5))
+    assert s["ppl_ratio_err"] == pytest.approx(math.exp(0.5) * ln_err)
+    pq, pb = math.exp(2), math.exp(1.5)
+    assert s["ppl_diff"] == pytest.approx(pq - pb)
+    assert s["ppl_diff_err"] == pytest.approx(
+        math.sqrt((pq / r11) ** 2 + (pb * 0.5 / r11) ** 2 - 2 * pq * pb * cov))
+    # KLD: mean 0.5, variance 0.25.
+    assert s["kld_mean"] == pytest.approx(0.5)
+    assert s["kld_mean_err"] == pytest.approx(0.5 / r11)
+    assert (s["kld_max"], s["kld_min"], s["kld_median"]) == (1.0, 0.0, 0.5)
+    assert s["kld_p90"] == 1.0 and s["kld_p10"] == 0.0
+    # Δp: mean 0, variance (0.01+0.09)/2 = 0.05; sorted [-.3×3, -.1×3, .1×3, .3×3].
+    assert s["dp_mean"] == pytest.approx(0.0, abs=1e-15)
+    assert s["dp_mean_err"] == pytest.approx(math.sqrt(0.05 / 11))
+    assert s["dp_median"] == pytest.approx(0.0, abs=1e-15)
+    assert s["dp_p25"] == pytest.approx(0.25 * -0.3 + 0.75 * -0.1)  # at 2.75
+    assert s["dp_p75"] == pytest.approx(0.75 * 0.1 + 0.25 * 0.3)  # at 8.25
+    assert s["dp_max"] == 0.3 and s["dp_min"] == -0.3
+    # RMS Δp: MSE 0.05; its error from Δp⁴: E = (1e-4 + 81e-4)/2 = 41e-4, var 16e-4.
+    assert s["dp_rms"] == pytest.approx(math.sqrt(0.05))
+    assert s["dp_rms_err"] == pytest.approx(0.5 / math.sqrt(0.05) * 0.04 / r11)
+    # Same top: 9 of 12.
+    assert s["same_top"] == 0.75
+    assert s["same_top_err"] == pytest.approx(math.sqrt(0.75 * 0.25 / 11))
+
+
+def test_summarize_small_n_has_no_error_and_contract_keys():
+    pt, _ = _hand_vector()
+    s = metrics.summarize({k: v[:8] for k, v in pt.items()})  # llama.cpp: no error at n <= 10
+    assert s["kld_mean_err"] == 0.0 and s["ppl_q_err"] == 0.0
+    keys = ("n_tokens ppl_q ppl_q_err ppl_base ppl_base_err ppl_ratio ppl_ratio_err ln_ppl_ratio "
+            "ln_ppl_ratio_err ppl_cor kld_mean kld_mean_err kld_max kld_p99_9 kld_p99 kld_p95 "
+            "kld_p90 kld_median kld_p10 kld_p05 kld_p01 kld_p00_1 kld_min dp_mean dp_mean_err "
+            "dp_max dp_p99_9 dp_p99 dp_p95 dp_p90 dp_median dp_p10 dp_p05 dp_p01 dp_p00_1 dp_min "
+            "dp_rms dp_rms_err same_top same_top_err").split()
+    assert set(keys) <= set(s)
+
+
+def test_summarize_polars_and_format_llama():
+    pl = pytest.importorskip("polars")
+    pt, _ = _hand_vector()
+    s = metrics.summarize(pl.DataFrame(pt))
+    assert s == metrics.summarize(pt)
+    text = metrics.format_llama(s)
+    lines = text.splitlines()
+    assert "====== KL divergence statistics ======" in lines
+    assert f"Mean    KLD: {0.5:10.6f} ± {0.5 / math.sqrt(11):10.6f}" in lines
+    assert "99.9%   KLD:   1.000000" in lines
+    assert "Median  KLD:   0.500000" in lines
+    assert " 0.1%   KLD:   0.000000" in lines
+    assert "Cor(ln(PPL(Q)), ln(PPL(base))): 100.00%" in lines
+    assert "Same top p: 75.000 ± 13.056 %" in lines
+    assert "75.0%   Δp: 15.000%" in lines
+
+
+def test_summarize_rejects_missing_columns():
+    with pytest.raises(ValueError, match="same_top"):
+        metrics.summarize({"kld": [1.0], "nll": [1.0], "nll_base": [1.0], "dp": [0.0]})
