@@ -1,0 +1,40 @@
+# kvarn: how much does a quantized KV cache damage a language model?
+# One cell of the matrix = one path; see docs/notes/workflow.md and config/README.md.
+import sys
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+sys.path.insert(0, workflow.basedir)  # kvarn/ beside this file, venv or not
+
+
+configfile: "config/matrix.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+wildcard_constraints:
+    model=kvm.MODEL_PATTERN,
+    n_ctx=r"\d+",
+    chunks=r"\d+",
+    k=kvm.TYPE_PATTERN,
+    v=kvm.TYPE_PATTERN,
+    tail=r"\d+",
+    opts=kvm.OPTS_PATTERN,
+
+
+include: "workflow/rules/models.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/baseline.smk"
+include: "workflow/rules/cells.smk"
+include: "workflow/rules/aggregate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        all_targets(),

@@ -1,0 +1,281 @@
+"""The study matrix: `config/matrix.yaml` expanded into cells, and the checks a JSON schema cannot make.
+
+A *cell* is one quantized run: (model, n_ctx, chunks, K type, V type, requested tail,
+rot, tail dtype, KVarN iters). Its identity is its path,
+
+    results/{model}/ctx{n_ctx}-c{chunks}/cells/{k}-{v}-t{tail}{opts}/
+
+where `opts` spells only the non-default options (`-norot`, `-td{dtype}`, `-i{iters}`), so
+the default cell's path is the one in docs/CONTRACTS.md and the workflow can read every
+per-cell parameter back from the path (`parse_opts`). Adding a cell to the config adds a
+path; nothing else moves.
+
+Config shape (documented key by key in config/README.md):
+
+    models:
+      - {name: smollm2-135m, source: "embedded:smollm2-135m", n_ctx: [512], chunks: 2}
+    cells:
+      - {types: [q8_0, q4_0], tail: [0, 128]}          # K = V, each tail
+      - {k: [q8_0, q4_0], v: [q8_0, q4_0], tail: 128}  # the K x V product
+      - {pairs: [q8_0/q4_0], tail: 0}                  # explicit K/V pairs
+      - {types: [kvarn4], tail: 0}                     # KVarN: tail 0 runs as 128 ("128*")
+
+This module is pure Python over `kvarn.formats` (no model, no download), so
+`snakemake -n` of any matrix, the article's included, plans without a network.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_ITERS = 16  # KVarN variance-normalization passes (SPEC §4)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TAIL_DTYPES = ("bf16", "f16", "f32")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
+SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
+MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto"}
+CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS}
+
+# Wildcard patterns: a type name has no "-", so "{k}-{v}-t{tail}{opts}" parses one way.
+TYPE_PATTERN = r"[a-z0-9_]+"
+OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+)*"
+MODEL_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+
+
+class MatrixError(ValueError):
+    """A config the workflow refuses; the message starts with the offending field."""
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    source: str
+    revision: str | None
+    n_ctx: tuple[int, ...]
+    chunks: int
+    ubatch: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    n_ctx: int
+    chunks: int
+    k: str
+    v: str
+    tail: int
+    rot: bool = True
+    tail_dtype: str | None = None  # None: the family's default (bf16 standard, f16 KVarN)
+    iters: int = DEFAULT_ITERS
+
+    @property
+    def opts(self) -> str:
+        return (("" if self.rot else "-norot")
+                + (f"-td{self.tail_dtype}" if self.tail_dtype else "")
+                + (f"-i{self.iters}" if self.iters != DEFAULT_ITERS else ""))
+
+    @property
+    def name(self) -> str:
+        return f"{self.k}-{self.v}-t{self.tail}{self.opts}"
+
+    @property
+    def run_dir(self) -> str:
+        return f"results/{self.model}/ctx{self.n_ctx}-c{self.chunks}"
+
+    @property
+    def dir(self) -> str:
+        return f"{self.run_dir}/cells/{self.name}"
+
+
+@dataclass
+class Matrix:
+    models: dict[str, Model]
+    cells: list[Cell] = field(default_factory=list)
+
+    def runs(self) -> list[tuple[str, int, int]]:
+        """The (model, n_ctx, chunks) baselines the cells need, in first-use order."""
+        return list(dict.fromkeys((c.model, c.n_ctx, c.chunks) for c in self.cells))
+
+
+def parse_opts(opts: str) -> dict:
+    """rot, tail_dtype, iters from a cell path's `opts` suffix (inverse of Cell.opts)."""
+    out = dict(CELL_DEFAULTS)
+    for tok in re.findall(r"-(norot|td[a-z0-9]+|i[0-9]+)", opts or ""):
+        if tok == "norot":
+            out["rot"] = False
+        elif tok.startswith("td"):
+            out["tail_dtype"] = tok[2:]
+        else:
+            out["iters"] = int(tok[1:])
+    return out
+
+
+def _formats():
+    from kvarn import formats  # imports torch: only when a matrix is expanded
+
+    return formats
+
+
+def family(k: str, v: str) -> str:
+    """'kvarn' or 'standard' (raises naming both types if they mix)."""
+    from kvarn.policy import pair_family
+
+    f = _formats()
+    return pair_family(f.get_format(k, role="k"), f.get_format(v, role="v"))
+
+
+def tail_label(k: str, v: str, tail: int) -> str:
+    """The tail as tables print it: the effective tail, starred where it exceeds the request."""
+    f = _formats()
+    eff = max(f.get_format(k, role="k").effective_tail(tail), f.get_format(v, role="v").effective_tail(tail))
+    return f"{eff}*" if eff != tail else str(tail)
+
+
+def format_version(name: str, role: str = "k") -> int:
+    return int(_formats().get_format(name, role=role).version)
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _int(where: str, x, lo: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+        raise MatrixError(f"{where}: {x!r} must be an integer >= {lo}")
+    return x
+
+
+def _models(config: dict) -> dict[str, Model]:
+    raw = config.get("models")
+    if not isinstance(raw, list) or not raw:
+        raise MatrixError("models: give a non-empty list of models (name, source, n_ctx, ...)")
+    models: dict[str, Model] = {}
+    for i, m in enumerate(raw):
+        where = f"models[{i}]"
+        if not isinstance(m, dict):
+            raise MatrixError(f"{where}: expected a mapping with name and source, got {m!r}")
+        m = {**MODEL_DEFAULTS, **m}
+        name = m.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise MatrixError(f"{where}.name: {name!r} is not a model name (letters, digits, '.', '_', '-')")
+        if name in models:
+            j = [x.get("name") for x in raw].index(name)
+            raise MatrixError(f"{where}.name: duplicate model name {name!r} (also models[{j}].name)")
+        source = m.get("source")
+        if not isinstance(source, str) or not SOURCE_RE.match(source):
+            raise MatrixError(
+                f"{where}.source: model {name!r} needs a source: 'embedded:NAME', 'hf:org/repo' "
+                f"or a local directory or .gguf path; got {source!r}")
+        n_ctx = tuple(_int(f"{where}.n_ctx", n, 4) for n in _as_list(m["n_ctx"]))
+        for n in n_ctx:
+            if n % 2:
+                raise MatrixError(f"{where}.n_ctx: {n} is odd; n_ctx must be even (scored positions n_ctx/2 .. n_ctx-2)")
+        if len(set(n_ctx)) != len(n_ctx) or not n_ctx:
+            raise MatrixError(f"{where}.n_ctx: {list(n_ctx)} must be a non-empty list without repeats")
+        if m["dtype"] not in DTYPES:
+            raise MatrixError(f"{where}.dtype: {m['dtype']!r}; accepted: {', '.join(DTYPES)}")
+        models[name] = Model(name, source, m["revision"], n_ctx, _int(f"{where}.chunks", m["chunks"], 1),
+                             _int(f"{where}.ubatch", m["ubatch"], 1), m["dtype"])
+    return models
+
+
+def _pairs(where: str, entry: dict, known: list[str]) -> list[tuple[str, str, str]]:
+    """(k, v, field) for one cells entry, checking each name against the format registry."""
+
+    def check(field_, name):
+        if name not in known:
+            raise MatrixError(f"{field_}: unknown KV cache type {name!r}; accepted: {', '.join(known)}")
+        return name
+
+    kinds = [key for key in ("types", "k", "pairs") if key in entry]
+    if kinds == ["k"] and "v" in entry:
+        ks = [check(f"{where}.k[{i}]", n) for i, n in enumerate(_as_list(entry["k"]))]
+        vs = [check(f"{where}.v[{i}]", n) for i, n in enumerate(_as_list(entry["v"]))]
+        return [(k, v, f"{where}.k/v") for k in ks for v in vs]
+    if kinds == ["types"] and "v" not in entry:
+        fields = [f"{where}.types[{i}]" for i in range(len(_as_list(entry["types"])))]
+        return [(check(f, t), t, f) for f, t in zip(fields, _as_list(entry["types"]))]
+    if kinds == ["pairs"] and "v" not in entry:
+        out = []
+        for i, p in enumerate(_as_list(entry["pairs"])):
+            parts = p.split("/") if isinstance(p, str) else p
+            if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+                raise MatrixError(f"{where}.pairs[{i}]: {p!r} is not a pair; write it 'K/V', e.g. q8_0/q4_0")
+            out.append((check(f"{where}.pairs[{i}]", parts[0]), check(f"{where}.pairs[{i}]", parts[1]),
+                        f"{where}.pairs[{i}]"))
+        return out
+    raise MatrixError(f"{where}: give exactly one of 'types' (K = V), 'k' and 'v' (their product) or 'pairs' ('K/V')")
+
+
+def expand(config: dict) -> Matrix:
+    """The checked, de-duplicated cell list of a (schema-validated or raw) config."""
+    models = _models(config)
+    known = list(_formats().names())
+    cells: dict[Cell, None] = {}
+    raw = config.get("cells")
+    if not isinstance(raw, list) or not raw:
+        raise MatrixError("cells: give a non-empty list of cell groups (types/k+v/pairs with tail)")
+    for i, entry in enumerate(raw):
+        where = f"cells[{i}]"
+        if not isinstance(entry, dict):
+            raise MatrixError(f"{where}: expected a mapping, got {entry!r}")
+        opts = {**CELL_DEFAULTS, **{k: entry[k] for k in CELL_DEFAULTS if k in entry}}
+        tails = [_int(f"{where}.tail", t, 0) for t in _as_list(entry.get("tail", 0))]
+        if not isinstance(opts["rot"], bool):
+            raise MatrixError(f"{where}.rot: {opts['rot']!r} must be true or false")
+        if opts["tail_dtype"] is not None and opts["tail_dtype"] not in TAIL_DTYPES:
+            raise MatrixError(f"{where}.tail_dtype: {opts['tail_dtype']!r}; accepted: {', '.join(TAIL_DTYPES)}")
+        _int(f"{where}.iters", opts["iters"], 1)
+        names = _as_list(entry.get("models", list(models)))
+        for n in names:
+            if n not in models:
+                raise MatrixError(f"{where}.models: unknown model {n!r}; defined: {', '.join(models)}")
+        for k, v, fld in _pairs(where, entry, known):
+            try:
+                fam = family(k, v)
+            except ValueError as e:
+                raise MatrixError(f"{fld}: {e}") from None
+            for name in names:
+                m = models[name]
+                for n_ctx in m.n_ctx:
+                    for tail in tails:
+                        if tail >= n_ctx:
+                            raise MatrixError(f"{where}.tail: {tail} must be < n_ctx {n_ctx} of model {name!r}")
+                        cells[_normalize(Cell(name, n_ctx, m.chunks, k, v, tail, **opts), fam)] = None
+    return Matrix(models, list(cells))
+
+
+def _normalize(cell: Cell, fam: str) -> Cell:
+    """One path per distinct run: options that cannot change the numbers are dropped.
+
+    KVarN always rotates and iters only matter to KVarN; a tail dtype equal to the
+    family default is the default.
+    """
+    from dataclasses import replace
+
+    default_td = "f16" if fam == "kvarn" else "bf16"
+    return replace(cell,
+                   rot=True if fam == "kvarn" else cell.rot,
+                   iters=cell.iters if fam == "kvarn" else DEFAULT_ITERS,
+                   tail_dtype=None if cell.tail_dtype == default_td else cell.tail_dtype)
+
+
+def summary_row(summary: dict, k: str, v: str, tail: int, opts: str = "") -> dict:
+    """One tidy row of results/summary.parquet from a cell's summary.json.
+
+    Adds what the tables need and the engine does not write: the pair's family, the
+    requested tail and its printed label (`128*`), the cell's path name, the K and V
+    numerics versions, and the KV bytes saved or spent against the same pair at tail 0.
+    """
+    row = dict(summary)
+    row["family"] = family(k, v)
+    row["tail_requested"] = tail
+    row["tail_label"] = tail_label(k, v, tail)
+    row["cell"] = f"{k}-{v}-t{tail}{opts}"
+    row["k_version"] = format_version(k, "k")
+    row["v_version"] = format_version(v, "v")
+    if "kv_total_bytes" in row and "kv_total_bytes_tail0" in row:
+        row["kv_delta_bytes_vs_tail0"] = row["kv_total_bytes"] - row["kv_total_bytes_tail0"]
+    return row

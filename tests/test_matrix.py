@@ -1,0 +1,102 @@
+"""kvarn.matrix: the config -> cells expansion and the checks a JSON schema cannot make."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvarn import matrix as kvm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BASE = {
+    "models": [{"name": "smollm2-135m", "source": "embedded:smollm2-135m", "n_ctx": [512], "chunks": 2}],
+    "cells": [
+        {"types": ["q8_0", "q4_0"], "tail": [0, 128]},
+        {"types": ["kvarn4"], "tail": 0},
+        {"k": ["q8_0", "q4_0"], "v": ["q8_0", "q4_0"], "tail": 128},
+    ],
+}
+
+
+def with_(path, value):
+    """BASE with the field at `path` (a tuple of keys/indices) set to `value`."""
+    cfg = copy.deepcopy(BASE)
+    node = cfg
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return cfg
+
+
+def test_expand_dedupes_and_encodes_the_cell_in_its_path():
+    m = kvm.expand(BASE)
+    names = [c.name for c in m.cells]
+    # 2 types x 2 tails + kvarn4 + the 2x2 product at 128 minus its 2 diagonal cells already listed
+    assert len(names) == len(set(names)) == 4 + 1 + 2
+    assert "q8_0-q4_0-t128" in names and "kvarn4-kvarn4-t0" in names
+    assert m.cells[0].dir == "results/smollm2-135m/ctx512-c2/cells/q8_0-q8_0-t0"
+    assert m.runs() == [("smollm2-135m", 512, 2)]
+
+
+def test_options_roundtrip_through_the_path_and_normalize():
+    cfg = copy.deepcopy(BASE)
+    cfg["cells"] = [
+        {"types": ["q4_0"], "tail": 0, "rot": False, "tail_dtype": "f16"},
+        {"types": ["q4_0"], "tail": 0, "tail_dtype": "bf16", "iters": 8},  # = the default cell
+        {"types": ["kvarn4"], "tail": 0, "rot": False, "iters": 8},  # KVarN always rotates
+    ]
+    cells = kvm.expand(cfg).cells
+    assert [c.name for c in cells] == ["q4_0-q4_0-t0-norot-tdf16", "q4_0-q4_0-t0", "kvarn4-kvarn4-t0-i8"]
+    for c in cells:
+        assert kvm.parse_opts(c.opts) == {"rot": c.rot, "tail_dtype": c.tail_dtype, "iters": c.iters}
+
+
+def test_tail_label_and_family():
+    assert kvm.tail_label("kvarn4", "kvarn4", 0) == "128*"
+    assert kvm.tail_label("kvarn4", "kvarn4", 128) == "128"
+    assert kvm.tail_label("q4_0", "q4_0", 0) == "0"
+    assert kvm.family("q8_0", "q4_0") == "standard" and kvm.family("kvarn6", "kvarn5") == "kvarn"
+
+
+def test_summary_row_adds_the_table_columns():
+    row = kvm.summary_row({"kv_total_bytes": 1000, "kv_total_bytes_tail0": 900, "kld_median": 0.1},
+                          "kvarn4", "kvarn4", 0)
+    assert row["family"] == "kvarn" and row["tail_label"] == "128*" and row["tail_requested"] == 0
+    assert row["kv_delta_bytes_vs_tail0"] == 100 and row["cell"] == "kvarn4-kvarn4-t0"
+    assert isinstance(row["k_version"], int)
+
+
+# (bad config, the field the message must name, a word the message must contain)
+BAD = {
+    "unknown type": (with_(("cells", 0, "types"), ["q8_0", "q9_9"]), "cells[0].types[1]", "q9_9"),
+    "kvarn9": (with_(("cells", 1, "types"), ["kvarn9"]), "cells[1].types[0]", "kvarn9"),
+    "negative tail": (with_(("cells", 0, "tail"), [0, -1]), "cells[0].tail", "-1"),
+    "tail >= n_ctx": (with_(("cells", 0, "tail"), 512), "cells[0].tail", "n_ctx 512"),
+    "odd n_ctx": (with_(("models", 0, "n_ctx"), [511]), "models[0].n_ctx", "511"),
+    "duplicate model": (with_(("models",), BASE["models"] * 2), "models[1].name", "duplicate"),
+    "missing source": (with_(("models", 0), {"name": "x", "n_ctx": [512]}), "models[0].source", "source"),
+    "kvarn mixed": (with_(("cells", 0), {"pairs": ["kvarn4/q4_0"]}), "cells[0].pairs[0]", "mix"),
+    "two pair kinds": (with_(("cells", 0, "pairs"), ["q8_0/q8_0"]), "cells[0]", "exactly one"),
+    "unknown model": (with_(("cells", 0, "models"), ["nope"]), "cells[0].models", "nope"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_config_is_rejected_naming_the_field(name):
+    cfg, field, word = BAD[name]
+    with pytest.raises(kvm.MatrixError) as e:
+        kvm.expand(cfg)
+    assert str(e.value).startswith(field) and word in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["matrix.yaml", "article.yaml"])
+def test_shipped_configs_expand(name):
+    cfg = yaml.safe_load((ROOT / "config" / name).read_text())
+    m = kvm.expand(cfg)
+    fams = {kvm.family(c.k, c.v) for c in m.cells}
+    assert fams == {"standard", "kvarn"}
+    if name == "article.yaml":  # 48 standard pairs x tails 0, 128 + 15 KVarN pairs, per model
+        per_model = [sum(c.model == mm for c in m.cells) for mm in m.models]
+        assert per_model == [48 * 2 + 15] * 2

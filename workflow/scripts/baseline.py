@@ -1,0 +1,18 @@
+"""Rule baseline: the BF16-cache log-prob dump of one (model, n_ctx, chunks) (kvarn.engine.run_baseline)."""
+
+import json
+from pathlib import Path
+
+from _wf import atomic, model_spec, start
+
+start(snakemake)  # noqa: F821
+from kvarn.engine import run_baseline  # noqa: E402
+
+w, p = snakemake.wildcards, snakemake.params  # noqa: F821
+with atomic(snakemake.output[0]) as tmp:  # noqa: F821
+    info = run_baseline(
+        model_spec(snakemake), int(w.n_ctx), int(w.chunks), out=tmp, ubatch=p.ubatch,  # noqa: F821
+        text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
+        cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
+    )
+print(json.dumps(info, indent=1, default=str))

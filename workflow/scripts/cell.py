@@ -1,0 +1,28 @@
+"""Rule cell: one quantized run (kvarn.engine.run_cell) -> tokens.parquet + summary.json, atomically."""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from _wf import model_spec, start
+
+start(snakemake)  # noqa: F821
+from kvarn.engine import run_cell  # noqa: E402
+
+w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
+cell_dir = Path(out.summary).parent
+tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cell_dir))
+try:
+    summary = run_cell(
+        model_spec(snakemake), int(w.n_ctx), int(w.chunks), w.k, w.v, int(w.tail),  # noqa: F821
+        baseline=Path(snakemake.input.baseline), out_dir=tmp, ubatch=p.ubatch, rot=p.rot,  # noqa: F821
+        tail_dtype=p.tail_dtype, iters=p.iters, text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
+        cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
+    )
+    os.replace(tmp / "tokens.parquet", out.tokens)  # summary.json last: its presence means done
+    os.replace(tmp / "summary.json", out.summary)
+finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+print(json.dumps(summary, indent=1, default=str))

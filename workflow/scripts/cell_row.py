@@ -1,0 +1,17 @@
+"""Rule cell_row: one tidy row (parquet) from a cell's summary.json, with the columns tables need."""
+
+import json
+
+import polars as pl
+from _wf import atomic, start
+
+start(snakemake)  # noqa: F821
+from kvarn.matrix import summary_row  # noqa: E402
+
+w = snakemake.wildcards  # noqa: F821
+with open(snakemake.input[0]) as f:  # noqa: F821
+    summary = json.load(f)
+row = summary_row(summary, w.k, w.v, int(w.tail), w.opts)
+with atomic(snakemake.output[0]) as tmp:  # noqa: F821
+    pl.DataFrame([row]).write_parquet(tmp)
+print(row)
