@@ -1,0 +1,323 @@
+"""Shaping results for tables and figures: one prepared row per cell, and per-token data.
+
+Input is `results/summary.parquet` (one row per cell, the summary.json keys of
+docs/CONTRACTS.md plus what the aggregate rule adds) and the per-cell `tokens.parquet`
+files. Everything here is a pure function of polars DataFrames; nothing draws.
+
+Conventions the report follows (and the README states):
+* A pair is written `K-V` (`q4_0-q4_0`, `kvarn6-kvarn5`).
+* KVarN's tail request 0 means an effective 128-token tail (SPEC §2); it prints `128*`.
+* The standard floor is the standard row with the lowest median KLD (any tail).
+* MiB are 2^20 bytes; Δ MiB is against the same pair at tail 0.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import polars as pl
+
+MIB = float(1 << 20)
+
+#: Series names of the Pareto figure, in legend order.
+SERIES_STANDARD_T0 = "standard, tail 0"
+SERIES_STANDARD_T128 = "standard, tail 128"
+SERIES_KVARN = "KVarN, tail 128*"
+
+# The cell directory name written by the workflow: {k}-{v}-t{tail}
+_CELL_RE = re.compile(r"^(?P<k>[A-Za-z0-9_]+)-(?P<v>[A-Za-z0-9_]+)-t(?P<tail>\d+)$")
+_RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+)$")
+
+
+def type_bits(name: str) -> int | None:
+    """Nominal bit width of a cache type name: q4_0 -> 4, kvarn6 -> 6, bf16 -> 16."""
+    m = re.search(r"(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def same_width_partner(kvarn_type: str) -> str | None:
+    """The standard type compared with a KVarN width: kvarnN -> qN_0."""
+    m = re.fullmatch(r"kvarn(\d+)", kvarn_type)
+    return f"q{m.group(1)}_0" if m else None
+
+
+def family_of(k_type: str) -> str:
+    return "kvarn" if k_type.startswith("kvarn") else "standard"
+
+
+def tail_label(family: str, tail_requested: int, tail_eff: int | None) -> str:
+    """`128*` for a KVarN request whose effective tail differs from the request."""
+    if family == "kvarn" and tail_eff is not None and tail_eff != tail_requested:
+        return f"{tail_eff}*"
+    return str(tail_requested)
+
+
+def series_of(family: str, tail_requested: int, tail_eff: int | None) -> str:
+    if family == "kvarn":
+        return f"KVarN, tail {tail_label(family, tail_requested, tail_eff)}"
+    return f"standard, tail {tail_requested}"
+
+
+def select_run(summary: pl.DataFrame, model: str) -> pl.DataFrame:
+    """The rows of one model's run; with several contexts, the largest n_ctx (then chunks)."""
+    df = summary.filter(pl.col("model") == model)
+    if df.is_empty():
+        known = sorted(summary["model"].unique().to_list())
+        raise ValueError(f"model {model!r} has no rows in the summary; models present: {known}")
+    if "n_ctx" in df.columns and "chunks" in df.columns:
+        best = df.select(["n_ctx", "chunks"]).unique().sort(["n_ctx", "chunks"]).row(-1)
+        df = df.filter((pl.col("n_ctx") == best[0]) & (pl.col("chunks") == best[1]))
+    return df
+
+
+def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
+    """One prepared row per cell: the summary keys plus names, bits, MiB and series.
+
+    Columns added: pair, family (if missing), tail_requested (if missing), tail_label,
+    series, k_bits, v_bits, width (symmetric same-type pairs only), kv_mib, body_mib,
+    overlay_mib, delta_mib, is_floor, below_floor.
+    """
+    df = select_run(summary, model) if model is not None else summary
+    if "family" not in df.columns:
+        df = df.with_columns(pl.col("k_type").map_elements(family_of, return_dtype=pl.String).alias("family"))
+    if "tail_requested" not in df.columns:
+        df = df.with_columns(pl.col("tail").alias("tail_requested"))
+    if "kv_delta_bytes" not in df.columns:
+        df = df.with_columns((pl.col("kv_total_bytes") - pl.col("kv_total_bytes_tail0")).alias("kv_delta_bytes"))
+    if "tail_eff_full" not in df.columns:
+        df = df.with_columns(pl.col("tail_requested").alias("tail_eff_full"))
+
+    rows = df.to_dicts()
+    for r in rows:
+        r["pair"] = f"{r['k_type']}-{r['v_type']}"
+        r["tail_label"] = tail_label(r["family"], r["tail_requested"], r["tail_eff_full"])
+        r["series"] = series_of(r["family"], r["tail_requested"], r["tail_eff_full"])
+        r["k_bits"] = type_bits(r["k_type"])
+        r["v_bits"] = type_bits(r["v_type"])
+        symmetric = r["k_type"] == r["v_type"] and (
+            r["family"] == "kvarn" or re.fullmatch(r"q\d+_0", r["k_type"]) is not None
+        )
+        r["width"] = r["k_bits"] if symmetric else None
+    out = pl.DataFrame(rows, infer_schema_length=None).with_columns(
+        (pl.col("kv_total_bytes") / MIB).alias("kv_mib"),
+        (pl.col("kv_body_bytes") / MIB).alias("body_mib"),
+        (pl.col("kv_overlay_bytes") / MIB).alias("overlay_mib"),
+        (pl.col("kv_delta_bytes") / MIB).alias("delta_mib"),
+        pl.col("width").cast(pl.Int64),
+    )
+    floor = standard_floor(out)
+    fm = floor["kld_median"] if floor is not None else None
+    out = out.with_columns(
+        (
+            (pl.col("pair") == (floor["pair"] if floor else None))
+            & (pl.col("tail_requested") == (floor["tail_requested"] if floor else None))
+            & (pl.col("family") == "standard")
+        ).fill_null(False).alias("is_floor"),
+        (pl.col("kld_median") < fm).fill_null(False).alias("below_floor")
+        if fm is not None
+        else pl.lit(False).alias("below_floor"),
+    )
+    return out.sort(["family", "k_bits", "v_bits", "k_type", "v_type", "tail_requested"],
+                    descending=[True, True, True, False, False, False])
+
+
+def standard_floor(prep: pl.DataFrame) -> dict | None:
+    """The best standard row by median KLD (ties: the smaller cache); None without standard rows."""
+    std = prep.filter(pl.col("family") == "standard")
+    if std.is_empty():
+        return None
+    return std.sort(["kld_median", "kv_total_bytes"]).row(0, named=True)
+
+
+def pareto_frontier(prep: pl.DataFrame, family: str = "standard") -> pl.DataFrame:
+    """Running minimum of median KLD over cache size: the best a family reaches at <= x MiB.
+
+    Rows: every cell of the family sorted by kv_mib, with `frontier_kld` the running min.
+    """
+    fam = prep.filter(pl.col("family") == family).sort(["kv_mib", "kld_median"])
+    return fam.select(["pair", "tail_label", "kv_mib", "kld_median"]).with_columns(
+        pl.col("kld_median").cum_min().alias("frontier_kld")
+    )
+
+
+def figure_rows(prep: pl.DataFrame) -> pl.DataFrame:
+    """Cells a figure draws: KVarN requests that duplicate the request-0 cell are dropped.
+
+    A KVarN request of 128 gives the same cache as request 0 (both an effective 128), so
+    only the `128*` row is drawn when both exist.
+    """
+    kv0 = prep.filter((pl.col("family") == "kvarn") & (pl.col("tail_requested") == 0)).select(
+        ["pair", "tail_eff_full"]
+    ).with_columns(pl.lit(True).alias("_dup"))
+    out = prep.join(kv0, on=["pair", "tail_eff_full"], how="left").filter(
+        ~((pl.col("family") == "kvarn") & (pl.col("tail_requested") > 0) & pl.col("_dup").fill_null(False))
+    )
+    return out.drop("_dup")
+
+
+def same_width(prep: pl.DataFrame, tail: int = 128) -> pl.DataFrame:
+    """KVarN width N (kvarnN-kvarnN at effective tail `tail`) vs qN_0-qN_0 at tail `tail`.
+
+    One row per width that has both partners (missing partners are skipped), with the
+    median and mean of each and the % change of KVarN against standard (negative: KVarN
+    damages less), plus body/overlay MiB of both.
+    """
+    kv = figure_rows(prep).filter(
+        (pl.col("family") == "kvarn") & pl.col("width").is_not_null() & (pl.col("tail_eff_full") == tail)
+    )
+    std = prep.filter(
+        (pl.col("family") == "standard") & pl.col("width").is_not_null() & (pl.col("tail_requested") == tail)
+    )
+    cols = ["width", "pair", "tail_label", "kld_median", "kld_mean", "body_mib", "overlay_mib", "kv_mib"]
+    j = kv.select(cols).join(std.select(cols), on="width", suffix="_std")
+    return j.rename({c: f"{c}_kvarn" for c in cols if c != "width"}).with_columns(
+        ((pl.col("kld_median_kvarn") / pl.col("kld_median_std") - 1) * 100).alias("pct_median"),
+        ((pl.col("kld_mean_kvarn") / pl.col("kld_mean_std") - 1) * 100).alias("pct_mean"),
+    ).sort("width")
+
+
+def tail_effect(prep: pl.DataFrame) -> pl.DataFrame:
+    """% change of the median (and mean) from tail 0 to each longer tail, per standard width."""
+    std = prep.filter((pl.col("family") == "standard") & pl.col("width").is_not_null())
+    t0 = std.filter(pl.col("tail_requested") == 0).select(
+        "width", "pair", pl.col("kld_median").alias("median_t0"), pl.col("kld_mean").alias("mean_t0")
+    )
+    tn = std.filter(pl.col("tail_requested") > 0).select(
+        "width", pl.col("tail_requested").alias("tail"),
+        pl.col("kld_median").alias("median_tail"), pl.col("kld_mean").alias("mean_tail"),
+    )
+    return t0.join(tn, on="width").with_columns(
+        ((pl.col("median_tail") / pl.col("median_t0") - 1) * 100).alias("pct_median"),
+        ((pl.col("mean_tail") / pl.col("mean_t0") - 1) * 100).alias("pct_mean"),
+    ).sort(["width", "tail"])
+
+
+# ---------------------------------------------------------------- per-token data
+
+
+def parse_cell_path(path: str | Path) -> dict:
+    """`results/{model}/ctx{n}-c{c}/cells/{k}-{v}-t{tail}/tokens.parquet` -> the cell's keys."""
+    p = Path(path)
+    cell, run, model = p.parent.name, p.parent.parent.parent.name, p.parent.parent.parent.parent.name
+    mc, mr = _CELL_RE.match(cell), _RUN_RE.match(run)
+    if not (mc and mr and p.parent.parent.name == "cells"):
+        raise ValueError(
+            f"{str(path)!r} is not a cell path; expected results/{{model}}/ctx{{n_ctx}}-c{{chunks}}/"
+            "cells/{k}-{v}-t{tail}/tokens.parquet"
+        )
+    return {
+        "model": model, "n_ctx": int(mr["n_ctx"]), "chunks": int(mr["chunks"]),
+        "k_type": mc["k"], "v_type": mc["v"], "tail_requested": int(mc["tail"]),
+    }
+
+
+def cell_name(k_type: str, v_type: str, tail_requested: int, tail_eff: int | None = None) -> str:
+    """How a cell is named in legends: `q4_0-q4_0 t128`, `kvarn4-kvarn4 t128*`."""
+    fam = family_of(k_type)
+    if tail_eff is None:
+        tail_eff = max(128, -(-tail_requested // 128) * 128) if fam == "kvarn" else tail_requested
+    return f"{k_type}-{v_type} t{tail_label(fam, tail_requested, tail_eff)}"
+
+
+def default_cells(cells: Iterable[dict], widths: Sequence[int] = (2, 4, 8), tail: int = 128) -> list[dict]:
+    """A few standard widths at `tail` plus the KVarN cells of the same widths (request 0).
+
+    `cells` are dicts with k_type, v_type, tail_requested (from the summary or from
+    parse_cell_path). Cells absent from the input are skipped. With none of `widths`
+    present, the standard and KVarN symmetric widths that exist are used instead.
+    """
+    cells = list(cells)
+
+    def pick(ws):
+        out = []
+        for w in ws:
+            for c in cells:
+                std = c["k_type"] == c["v_type"] == f"q{w}_0" and c["tail_requested"] == tail
+                kv = c["k_type"] == c["v_type"] == f"kvarn{w}" and c["tail_requested"] == 0
+                if std or kv:
+                    out.append(c)
+        return out
+
+    chosen = pick(widths)
+    if not chosen:
+        present = sorted({type_bits(c["k_type"]) for c in cells if c["k_type"] == c["v_type"]} - {None})
+        chosen = pick(present[:: max(1, len(present) // 3)])
+    return chosen
+
+
+def select_token_paths(
+    paths: Iterable[str | Path], cells: Sequence[str] | None = None, widths: Sequence[int] = (2, 4, 8),
+    tail: int = 128,
+) -> list[str]:
+    """The token parquets a position/distribution figure reads, chosen from their paths.
+
+    `cells`: explicit `{k}-{v}-t{tail}` names (as in the cell directory); else
+    `default_cells(widths, tail)`. Only the largest run (n_ctx, chunks) of a model is used.
+    """
+    parsed = [(str(p), parse_cell_path(p)) for p in paths]
+    if not parsed:
+        return []
+    best = max((d["n_ctx"], d["chunks"]) for _, d in parsed)
+    parsed = [(p, d) for p, d in parsed if (d["n_ctx"], d["chunks"]) == best]
+    if cells:
+        want = set(cells)
+        return [p for p, _ in parsed if Path(p).parent.name in want]
+    chosen = default_cells([d for _, d in parsed], widths=widths, tail=tail)
+    return [p for p, d in parsed if d in chosen]
+
+
+def load_tokens(paths: Iterable[str | Path]) -> pl.DataFrame:
+    """Concatenate per-token parquets, tagged with their cell (parsed from the path)."""
+    frames = []
+    for p in paths:
+        d = parse_cell_path(p)
+        fam = family_of(d["k_type"])
+        frames.append(
+            pl.read_parquet(p, columns=["chunk", "pos", "kld"]).with_columns(
+                pl.lit(d["model"]).alias("model"),
+                pl.lit(d["n_ctx"]).alias("n_ctx"),
+                pl.lit(cell_name(d["k_type"], d["v_type"], d["tail_requested"])).alias("cell"),
+                pl.lit(fam).alias("family"),
+                pl.lit(type_bits(d["k_type"])).alias("width"),
+            )
+        )
+    if not frames:
+        raise ValueError("no token parquets given; the position and distribution figures need at least one cell")
+    return pl.concat(frames, how="vertical_relaxed")
+
+
+def position_bins(tokens: pl.DataFrame, n_bins: int = 24) -> pl.DataFrame:
+    """Mean per-token KLD per position bin and cell (equal-width bins over the scored range)."""
+    lo, hi = tokens["pos"].min(), tokens["pos"].max()
+    width = max(1.0, (hi - lo + 1) / n_bins)
+    return (
+        tokens.with_columns(((pl.col("pos") - lo) / width).floor().cast(pl.Int32).clip(0, n_bins - 1).alias("bin"))
+        .group_by(["cell", "family", "width", "bin"])
+        .agg(
+            pl.col("kld").mean().alias("kld_mean"),
+            pl.col("kld").median().alias("kld_median"),
+            pl.len().alias("n"),
+            pl.col("pos").min().alias("pos_lo"),
+            pl.col("pos").max().alias("pos_hi"),
+        )
+        .with_columns(((pl.col("pos_lo") + pl.col("pos_hi")) / 2).alias("pos_mid"))
+        .sort(["cell", "bin"])
+    )
+
+
+def ecdf(tokens: pl.DataFrame, points: int = 200, floor: float = 1e-8) -> pl.DataFrame:
+    """Per-cell ECDF of per-token KLD, thinned to ~`points` quantiles (dense in the upper tail).
+
+    KLD below `floor` (0 or rounding noise) is clipped to it so a log axis can show it.
+    """
+    import numpy as np
+
+    probs = np.unique(np.concatenate([np.linspace(0, 0.99, points // 2), 1 - np.geomspace(1e-2, 1e-4, points // 2), [1.0]]))
+    out = []
+    for (cell, fam, width), g in tokens.group_by(["cell", "family", "width"], maintain_order=True):
+        v = np.sort(np.clip(g["kld"].to_numpy(), floor, None))
+        q = np.quantile(v, probs)
+        out.append(pl.DataFrame({"cell": cell, "family": fam, "width": width, "kld": q, "fraction": probs}))
+    return pl.concat(out).sort(["cell", "fraction"])

@@ -1,0 +1,344 @@
+"""The report's figures as Altair charts, and how they are written (Vega-Lite JSON, SVG, PNG).
+
+Every builder is a pure function of prepared DataFrames (kvarn.report.data) returning an
+`alt.TopLevelMixin`; `save_chart` writes the spec and renders it offline with vl-convert.
+Damage is always median (or mean) per-token KLD against the BF16-cache baseline; lower is
+better, and KLD axes are logarithmic because widths differ by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import altair as alt
+import polars as pl
+
+from kvarn.report import data as D
+
+# One colour per Pareto series; other tails (if a matrix has them) get the spare colours.
+SERIES_COLORS = {D.SERIES_STANDARD_T0: "#9a9a9a", D.SERIES_STANDARD_T128: "#4c78a8", D.SERIES_KVARN: "#e45756"}
+SPARE_COLORS = ["#72b7b2", "#b279a2", "#f58518", "#54a24b", "#eeca3b"]
+FAMILY_DASH = alt.Scale(domain=["standard", "kvarn"], range=[[5, 3], [1, 0]])
+FLOOR_COLOR = "#2f7d32"
+WIDTH, HEIGHT = 520, 320
+KLD_FMT = ".3~g"
+
+FIGURES = ("pareto", "same_width", "tail_effect", "heatmap", "position", "distribution")
+
+
+def _log_kld(title: str) -> alt.Scale:
+    return alt.Scale(type="log")
+
+
+def _title(model: str, text: str, subtitle: str) -> alt.TitleParams:
+    return alt.TitleParams(f"{model}: {text}", subtitle=subtitle, anchor="start")
+
+
+def _run_desc(prep: pl.DataFrame) -> str:
+    r = prep.row(0, named=True)
+    return f"n_ctx {r['n_ctx']}, {r['chunks']} chunks, {r['n_tokens']} scored tokens per cell"
+
+
+def _placeholder(model: str, name: str, why: str) -> alt.Chart:
+    """A chart that says why a figure is empty (a matrix without the cells it compares)."""
+    return alt.Chart(alt.Data(values=[{"why": why}]), title=_title(model, name, "")).mark_text(
+        fontSize=14, color="#555").encode(text="why:N").properties(width=WIDTH, height=80)
+
+
+def _series_scale(series: Iterable[str]) -> alt.Scale:
+    present = set(series)
+    domain = [s for s in SERIES_COLORS if s in present] + sorted(present - set(SERIES_COLORS))
+    spare = iter(SPARE_COLORS * 4)
+    return alt.Scale(domain=domain, range=[SERIES_COLORS.get(s) or next(spare) for s in domain])
+
+
+# ---------------------------------------------------------------- figures from the summary
+
+
+def pareto(prep: pl.DataFrame) -> alt.LayerChart:
+    """Median KLD (log) vs KV cache MiB, one series per family/tail, the standard frontier and floor."""
+    model = prep["model"][0]
+    rows = D.figure_rows(prep).with_columns(
+        pl.col("same_top").mul(100).alias("same_top_pct"),
+        pl.when(pl.col("family") == "kvarn").then(pl.col("pair")).otherwise(pl.lit("")).alias("point_label"),
+    )
+    tooltip = [
+        alt.Tooltip("pair:N", title="K-V pair"), alt.Tooltip("tail_label:N", title="tail"),
+        alt.Tooltip("tail_eff_full:Q", title="tail eff (full layers)"),
+        alt.Tooltip("tail_eff_sliding:Q", title="tail eff (sliding layers)"),
+        alt.Tooltip("sink:Q", title="sink"), alt.Tooltip("rot:N", title="rot"),
+        alt.Tooltip("kv_mib:Q", title="KV MiB total", format=".2f"),
+        alt.Tooltip("body_mib:Q", title="MiB body", format=".2f"),
+        alt.Tooltip("overlay_mib:Q", title="MiB overlay", format=".2f"),
+        alt.Tooltip("kld_median:Q", title="median KLD", format=KLD_FMT),
+        alt.Tooltip("kld_mean:Q", title="mean KLD", format=KLD_FMT),
+        alt.Tooltip("same_top_pct:Q", title="same top %", format=".2f"),
+    ]
+    tooltip = [t for t in tooltip if t.to_dict()["field"] in rows.columns]
+    x = alt.X("kv_mib:Q", title="KV cache MiB (body + exact overlay)", scale=alt.Scale(zero=False))
+    y = alt.Y("kld_median:Q", title="median KLD vs BF16 cache (log)", scale=_log_kld("median"))
+    series = _series_scale(rows["series"].to_list())
+    points = alt.Chart(rows, name="cells").mark_point(filled=True, size=70, opacity=0.9).encode(
+        x=x, y=y, color=alt.Color("series:N", scale=series, title=None, legend=alt.Legend(orient="top-right")),
+        shape=alt.Shape("series:N", scale=alt.Scale(domain=series.domain), title=None), tooltip=tooltip,
+    )
+    labels = alt.Chart(rows).mark_text(align="left", dx=7, fontSize=9, color=SERIES_COLORS[D.SERIES_KVARN]).encode(
+        x="kv_mib:Q", y="kld_median:Q", text="point_label:N")
+    layers = [points, labels]
+    front = D.pareto_frontier(prep)
+    if not front.is_empty():
+        layers.insert(0, alt.Chart(front, name="standard_frontier").mark_line(
+            interpolate="step-after", color=SERIES_COLORS[D.SERIES_STANDARD_T128], strokeWidth=1.5, opacity=0.6,
+        ).encode(x="kv_mib:Q", y="frontier_kld:Q", tooltip=[
+            alt.Tooltip("frontier_kld:Q", title="best standard median at ≤ this MiB", format=KLD_FMT),
+            alt.Tooltip("kv_mib:Q", title="MiB", format=".2f")]))
+    floor = D.standard_floor(prep)
+    if floor is not None:
+        fl = pl.DataFrame({"floor_kld": [floor["kld_median"]],
+                           "floor_label": [f"standard floor: {floor['pair']} t{floor['tail_label']} "
+                                           f"({floor['kld_median']:.3g})"]})
+        layers += [alt.Chart(fl, name="standard_floor").mark_rule(color=FLOOR_COLOR, strokeDash=[6, 4]
+                                                                  ).encode(y="floor_kld:Q"),
+                   alt.Chart(fl, name="standard_floor_label").mark_text(align="left", baseline="bottom", dy=-3, x=4, color=FLOOR_COLOR, fontSize=10
+                                  ).encode(y="floor_kld:Q", text="floor_label:N")]
+    return alt.layer(*layers).properties(
+        width=WIDTH, height=HEIGHT,
+        title=_title(model, "damage vs cache size",
+                     f"{_run_desc(prep)}; lower left is better. Step line: standard frontier; dashed: standard floor"),
+    )
+
+
+def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Chart:
+    """KVarN vs the same-width standard type at matched tail: % change of median and mean, and MiB."""
+    model = prep["model"][0]
+    sw = D.same_width(prep, tail=tail)
+    if sw.is_empty():
+        return _placeholder(model, "same-width comparison", f"no width has both kvarnN-kvarnN and qN_0-qN_0 at tail {tail}")
+    base = sw.with_columns(
+        (pl.col("pair_kvarn") + " t" + pl.col("tail_label_kvarn") + " vs " + pl.col("pair_std") + " t"
+         + pl.col("tail_label_std")).alias("comparison"))
+    long = pl.concat([
+        base.select("width", "comparison", pl.lit("median").alias("statistic"), pl.col("pct_median").alias("pct"),
+                    pl.col("kld_median_kvarn").alias("kvarn"), pl.col("kld_median_std").alias("standard")),
+        base.select("width", "comparison", pl.lit("mean").alias("statistic"), pl.col("pct_mean").alias("pct"),
+                    pl.col("kld_mean_kvarn").alias("kvarn"), pl.col("kld_mean_std").alias("standard")),
+    ]).with_columns(pl.col("pct").round(1).alias("pct_text"))
+    xw = alt.X("width:O", title="width (bits)", axis=alt.Axis(labelAngle=0))
+    stat = alt.Scale(domain=["median", "mean"], range=["#e45756", "#f2a5a4"])
+    tt = [alt.Tooltip("comparison:N"), alt.Tooltip("statistic:N"),
+          alt.Tooltip("kvarn:Q", title="KVarN KLD", format=KLD_FMT),
+          alt.Tooltip("standard:Q", title="standard KLD", format=KLD_FMT),
+          alt.Tooltip("pct:Q", title="% change", format="+.1f")]
+    bars = alt.Chart(long, name="pct_change").mark_bar().encode(
+        x=xw, xOffset=alt.XOffset("statistic:N", scale=alt.Scale(domain=["median", "mean"])),
+        y=alt.Y("pct:Q", title="KVarN vs same-width standard, % change of KLD", scale=alt.Scale(padding=16)),
+        color=alt.Color("statistic:N", scale=stat, title="KLD statistic", legend=alt.Legend(orient="bottom")),
+        tooltip=tt)
+    text = alt.Chart(long.filter(pl.col("statistic") == "median")).mark_text(fontSize=9, dy=alt.ExprRef("datum.pct < 0 ? 8 : -6")).encode(
+        x=xw, xOffset=alt.XOffset("statistic:N", scale=alt.Scale(domain=["median", "mean"])), y="pct:Q",
+        text=alt.Text("pct:Q", format="+.1f"))
+    zero = alt.Chart(pl.DataFrame({"zero": [0.0]})).mark_rule(color="#333").encode(y="zero:Q")
+    left = alt.layer(bars, zero, text).properties(
+        width=WIDTH * 0.55, height=HEIGHT,
+        title=alt.TitleParams("below 0: KVarN damages less (labels: median)", fontSize=11))
+
+    mem = pl.concat([
+        base.select("width", pl.col(f"pair_{fam}").alias("pair"), pl.lit(label).alias("family"),
+                    pl.lit(part).alias("part"), pl.lit(f"{label} {part}").alias("component"),
+                    pl.lit(part == "overlay").cast(pl.Int8).alias("part_order"),
+                    pl.col(f"{part}_mib_{fam}").alias("mib"))
+        for fam, label in (("std", "standard"), ("kvarn", "KVarN")) for part in ("body", "overlay")
+    ])
+    comp = alt.Scale(domain=["standard body", "standard overlay", "KVarN body", "KVarN overlay"],
+                     range=["#4c78a8", "#a6c3e0", "#e45756", "#f5b7b6"])
+    right = alt.Chart(mem, name="memory").mark_bar().encode(
+        x=xw, xOffset=alt.XOffset("family:N", scale=alt.Scale(domain=["standard", "KVarN"])),
+        y=alt.Y("mib:Q", title="KV cache MiB", stack="zero"),
+        color=alt.Color("component:N", scale=comp, title="memory", legend=alt.Legend(orient="bottom")),
+        order=alt.Order("part_order:Q"),
+        tooltip=[alt.Tooltip("pair:N"), alt.Tooltip("component:N"), alt.Tooltip("mib:Q", title="MiB", format=".2f")],
+    ).properties(width=WIDTH * 0.45, height=HEIGHT,
+                 title=alt.TitleParams("cache size: quantized body + exact overlay", fontSize=11))
+    return alt.hconcat(left, right).resolve_scale(color="independent").properties(
+        title=_title(model, "KVarN vs the same-width standard type",
+                     f"kvarnN-kvarnN (tail 128*) vs qN_0-qN_0 (tail {tail}); {_run_desc(prep)}"))
+
+
+def tail_effect(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
+    """% change of the median KLD from tail 0 to tail N, per standard width."""
+    model = prep["model"][0]
+    te = D.tail_effect(prep)
+    if te.is_empty():
+        return _placeholder(model, "tail effect", "no standard qN_0-qN_0 pair measured at tail 0 and a longer tail")
+    te = te.with_columns(pl.format("tail 0 → {}", pl.col("tail")).alias("change"))
+    xw = alt.X("width:O", title="standard width (qN_0-qN_0, bits)", axis=alt.Axis(labelAngle=0))
+    tails = sorted(te["change"].unique().to_list(), key=lambda s: int(s.split()[-1]))
+    tt = [alt.Tooltip("pair:N"), alt.Tooltip("change:N"),
+          alt.Tooltip("median_t0:Q", title="median KLD at tail 0", format=KLD_FMT),
+          alt.Tooltip("median_tail:Q", title="median KLD with the tail", format=KLD_FMT),
+          alt.Tooltip("pct_median:Q", title="% change of median", format="+.1f"),
+          alt.Tooltip("pct_mean:Q", title="% change of mean", format="+.1f")]
+    bars = alt.Chart(te, name="tail_change").mark_bar(color=SERIES_COLORS[D.SERIES_STANDARD_T128]).encode(
+        x=xw, xOffset=alt.XOffset("change:N", sort=tails),
+        y=alt.Y("pct_median:Q", title="% change of median KLD", scale=alt.Scale(padding=16)),
+        color=alt.Color("change:N", sort=tails, title=None, scale=alt.Scale(scheme="blues"),
+                        legend=alt.Legend(orient="bottom") if len(tails) > 1 else None),
+        tooltip=tt)
+    text = alt.Chart(te).mark_text(fontSize=10, dy=alt.ExprRef("datum.pct_median < 0 ? 9 : -6")).encode(
+        x=xw, xOffset=alt.XOffset("change:N", sort=tails), y="pct_median:Q",
+        text=alt.Text("pct_median:Q", format="+.1f"))
+    zero = alt.Chart(pl.DataFrame({"zero": [0.0]})).mark_rule(color="#333").encode(y="zero:Q")
+    return alt.layer(bars, zero, text).properties(
+        width=WIDTH * 0.8, height=HEIGHT,
+        title=_title(model, "what an exact recent tail buys a standard cache",
+                     f"median KLD, tail 0 → tail N, same pair; below 0: the tail helps. {_run_desc(prep)}"))
+
+
+def heatmap(prep: pl.DataFrame) -> alt.HConcatChart | alt.Chart:
+    """Median KLD of every measured K×V pair, one panel per family (standard tail 0, KVarN 128*)."""
+    model = prep["model"][0]
+    panels = []
+    sel = {"standard": (pl.col("family") == "standard") & (pl.col("tail_requested") == 0),
+           "kvarn": (pl.col("family") == "kvarn") & (pl.col("tail_requested") == 0)}
+    names = {"standard": "standard, tail 0", "kvarn": "KVarN, tail 128*"}
+    allv = prep.filter(sel["standard"] | sel["kvarn"])["kld_median"]
+    if allv.is_empty():
+        return _placeholder(model, "K×V heatmap", "no standard tail-0 or KVarN cells measured")
+    mid = (allv.min() * allv.max()) ** 0.5  # text turns white above the geometric middle
+    color = alt.Color("kld_median:Q", title="median KLD", scale=alt.Scale(type="log", scheme="yelloworangered"),
+                      legend=alt.Legend(format=KLD_FMT))
+    for fam in ("standard", "kvarn"):
+        cells = prep.filter(sel[fam])
+        if cells.is_empty():
+            continue
+        order = sorted(set(cells["k_type"]) | set(cells["v_type"]), key=lambda t: (-(D.type_bits(t) or 0), t))
+        k_order = [t for t in order if t in set(cells["k_type"])]
+        v_order = [t for t in order if t in set(cells["v_type"])]
+        base = alt.Chart(cells).encode(
+            x=alt.X("v_type:O", sort=v_order, title="V type", axis=alt.Axis(labelAngle=-40)), y=alt.Y("k_type:O", sort=k_order, title="K type"))
+        rect = base.mark_rect().properties(name=f"heatmap_{fam}").encode(color=color, tooltip=[
+            alt.Tooltip("pair:N"), alt.Tooltip("tail_label:N", title="tail"),
+            alt.Tooltip("kld_median:Q", title="median KLD", format=KLD_FMT),
+            alt.Tooltip("kld_mean:Q", title="mean KLD", format=KLD_FMT),
+            alt.Tooltip("kv_mib:Q", title="KV MiB", format=".2f")])
+        text = base.mark_text(fontSize=9).encode(
+            text=alt.Text("kld_median:Q", format=KLD_FMT),
+            color=alt.condition(f"datum.kld_median > {mid!r}", alt.value("white"), alt.value("black")))
+        side = 52
+        panels.append(alt.layer(rect, text).properties(
+            width=side * len(v_order), height=side * len(k_order), title=names[fam]))
+    return alt.hconcat(*panels).resolve_scale(color="shared").properties(
+        title=_title(model, "median KLD of every K×V pair", f"log colour scale shared by both panels; {_run_desc(prep)}"))
+
+
+# ---------------------------------------------------------------- figures from per-token data
+
+
+def _cell_encodings(tokens_like: pl.DataFrame):
+    widths = sorted(tokens_like["width"].unique().to_list())
+    color = alt.Color("width:O", title="width (bits)", legend=alt.Legend(orient="bottom"),
+                      scale=alt.Scale(scheme="viridis", domain=widths, reverse=True))
+    dash = alt.StrokeDash("family:N", scale=FAMILY_DASH, title="family (dashed: standard)",
+                          legend=alt.Legend(orient="bottom"))
+    return color, dash
+
+
+def position(tokens: pl.DataFrame, n_bins: int = 24) -> alt.LayerChart:
+    """Mean per-token KLD per position bin inside the context: does the error grow with depth?"""
+    model = tokens["model"][0]
+    bins = D.position_bins(tokens, n_bins=n_bins)
+    color, dash = _cell_encodings(bins)
+    tt = [alt.Tooltip("cell:N"), alt.Tooltip("pos_lo:Q", title="from pos"), alt.Tooltip("pos_hi:Q", title="to pos"),
+          alt.Tooltip("kld_mean:Q", title="mean KLD", format=KLD_FMT),
+          alt.Tooltip("kld_median:Q", title="median KLD", format=KLD_FMT), alt.Tooltip("n:Q", title="tokens")]
+    base = alt.Chart(bins).encode(
+        x=alt.X("pos_mid:Q", title="position in the context (token)", scale=alt.Scale(zero=False)),
+        y=alt.Y("kld_mean:Q", title="mean KLD in the bin (log)", scale=alt.Scale(type="log")),
+        color=color, detail="cell:N")
+    lines = base.mark_line(strokeWidth=2).properties(name="position_lines").encode(strokeDash=dash)
+    pts = base.mark_point(filled=True, size=18).encode(tooltip=tt)
+    ends = bins.filter(pl.col("bin") == pl.col("bin").max().over("cell"))
+    lab = alt.Chart(ends).mark_text(align="left", dx=5, fontSize=9).encode(
+        x="pos_mid:Q", y="kld_mean:Q", text="cell:N", color=color)
+    return alt.layer(lines, pts, lab).properties(
+        width=WIDTH, height=HEIGHT,
+        title=_title(model, "KLD by position in the context",
+                     f"mean per-token KLD in {n_bins} equal bins of the scored positions, n_ctx {tokens['n_ctx'][0]}; "
+                     "a rising line is error accumulating"))
+
+
+def distribution(tokens: pl.DataFrame) -> alt.LayerChart:
+    """ECDF of per-token KLD (log x) per chosen cell: the whole distribution, tail included."""
+    model = tokens["model"][0]
+    e = D.ecdf(tokens)
+    color, dash = _cell_encodings(e)
+    lines = alt.Chart(e, name="ecdf").mark_line(strokeWidth=2, interpolate="step-after").encode(
+        x=alt.X("kld:Q", title="per-token KLD (log; values below 1e-8 shown at 1e-8)", scale=alt.Scale(type="log")),
+        y=alt.Y("fraction:Q", title="fraction of tokens with KLD ≤ x", scale=alt.Scale(domain=[0, 1])),
+        color=color, strokeDash=dash, detail="cell:N",
+        tooltip=[alt.Tooltip("cell:N"), alt.Tooltip("kld:Q", title="KLD", format=KLD_FMT),
+                 alt.Tooltip("fraction:Q", title="fraction ≤", format=".4f")])
+    half = alt.Chart(pl.DataFrame({"median": [0.5]})).mark_rule(color="#999", strokeDash=[2, 2]).encode(y="median:Q")
+    return alt.layer(half, lines).properties(
+        width=WIDTH, height=HEIGHT,
+        title=_title(model, "distribution of per-token KLD",
+                     "ECDF; further left is better, the right end is the worst tokens; dotted: the median"))
+
+
+# ---------------------------------------------------------------- writing
+
+
+def summary_figure(name: str, prep: pl.DataFrame) -> alt.TopLevelMixin:
+    builders = {"pareto": pareto, "same_width": same_width, "tail_effect": tail_effect, "heatmap": heatmap}
+    if name not in builders:
+        raise ValueError(f"unknown summary figure {name!r}; expected one of {sorted(builders)}")
+    return builders[name](prep)
+
+
+def token_figure(name: str, tokens: pl.DataFrame) -> alt.TopLevelMixin:
+    builders = {"position": position, "distribution": distribution}
+    if name not in builders:
+        raise ValueError(f"unknown per-token figure {name!r}; expected one of {sorted(builders)}")
+    return builders[name](tokens)
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_chart(chart: alt.TopLevelMixin, stem: str | Path, formats=("vl.json", "svg", "png"), scale: float = 2.0) -> list[Path]:
+    """Write `stem.vl.json` (the Vega-Lite spec), `stem.svg`, `stem.png`, each atomically.
+
+    Rendering is offline (vl-convert); PNG at `scale`× for a sharp README image.
+    """
+    import vl_convert as vlc
+
+    stem = Path(stem)
+    spec = chart.to_dict()
+    vl_version = alt.SCHEMA_VERSION.lstrip("v").rsplit(".", 1)[0]  # "6.4"
+    written = []
+    for fmt in formats:
+        path = stem.with_name(f"{stem.name}.{fmt}")
+        if fmt == "vl.json":
+            payload = chart.to_json(indent=1).encode()
+        elif fmt == "svg":
+            payload = vlc.vegalite_to_svg(spec, vl_version=vl_version).encode()
+        elif fmt == "png":
+            payload = vlc.vegalite_to_png(spec, vl_version=vl_version, scale=scale)
+        else:
+            raise ValueError(f"unknown figure format {fmt!r}; expected vl.json, svg or png")
+        _atomic_write(path, payload)
+        written.append(path)
+    return written

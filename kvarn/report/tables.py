@@ -1,0 +1,117 @@
+"""The per-model benchmark table (numbers as a DataFrame, then Markdown and HTML text).
+
+Shaped like the study's table: K/V pair, tail (KVarN request 0 printed `128*`), KV cache
+MiB with the Δ against the same pair at tail 0 in brackets, mean KLD ± standard error,
+median, p99, p99.9, same-top % ±, tokens/s. The standard floor (the best standard row by
+median KLD) is marked; rows whose median KLD is below the floor are highlighted (bold in
+Markdown, class `below-floor` in HTML).
+"""
+
+from __future__ import annotations
+
+import html
+
+import polars as pl
+
+from kvarn.report.data import prepare
+
+#: Columns of the numeric table (the parquet), in order.
+TABLE_COLUMNS = [
+    "model", "n_ctx", "chunks", "n_tokens", "family", "k_type", "v_type", "pair", "tail_requested",
+    "tail_eff_full", "tail_label", "kv_mib", "delta_mib", "body_mib", "overlay_mib", "kld_mean",
+    "kld_mean_err", "kld_median", "kld_p99", "kld_p99_9", "same_top", "same_top_err", "tokens_per_s",
+    "is_floor", "below_floor",
+]
+
+HEADERS = ["K/V pair", "tail", "KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD",
+           "p99.9 KLD", "same top %", "tokens/s", "note"]
+FLOOR_NOTE = "standard floor"
+BELOW_NOTE = "below floor"
+
+
+def build_table(summary: pl.DataFrame, model: str) -> pl.DataFrame:
+    """The numeric table of one model: one row per cell, standard rows first, widest first."""
+    prep = prepare(summary, model)
+    return prep.select([c for c in TABLE_COLUMNS if c in prep.columns])
+
+
+def _fmt_kld(x: float | None) -> str:
+    return "–" if x is None else f"{x:.6f}"
+
+
+def format_rows(table: pl.DataFrame) -> list[dict]:
+    """Each row as display strings keyed by HEADERS, plus the floor / below-floor flags."""
+    out = []
+    for r in table.iter_rows(named=True):
+        mib = f"{r['kv_mib']:.2f}"
+        if r["tail_requested"] != 0:  # a tail-0 row is its own reference
+            mib += f" ({r['delta_mib']:+.2f})"
+        st = f"{100 * r['same_top']:.3f} ± {100 * r['same_top_err']:.3f}"
+        note = FLOOR_NOTE if r["is_floor"] else BELOW_NOTE if r["below_floor"] else ""
+        out.append({
+            "K/V pair": r["pair"], "tail": r["tail_label"], "KV cache MiB (Δ)": mib,
+            "mean KLD ± err": f"{r['kld_mean']:.6f} ± {r['kld_mean_err']:.6f}",
+            "median KLD": _fmt_kld(r["kld_median"]), "p99 KLD": _fmt_kld(r["kld_p99"]),
+            "p99.9 KLD": _fmt_kld(r["kld_p99_9"]), "same top %": st,
+            "tokens/s": "–" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
+            "note": note, "_floor": r["is_floor"], "_below": r["below_floor"],
+        })
+    return out
+
+
+def _caption(table: pl.DataFrame) -> str:
+    r = table.row(0, named=True)
+    return (f"{r['model']}: n_ctx {r['n_ctx']}, {r['chunks']} chunks, {r['n_tokens']} scored tokens per cell. "
+            "Tail `128*`: KVarN's request 0 (an effective 128-token tail, SPEC §2). "
+            "Δ: MiB against the same pair at tail 0. "
+            f"*{FLOOR_NOTE}*: the best standard row by median KLD; "
+            f"**bold** rows ({BELOW_NOTE}): median KLD lower than the standard floor.")
+
+
+def to_markdown(table: pl.DataFrame) -> str:
+    """GitHub Markdown: a caption paragraph, then the table; below-floor rows in bold."""
+    rows = format_rows(table)
+    right = {"KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD", "p99.9 KLD", "same top %", "tokens/s"}
+    lines = [f"### {table['model'][0]}", "", _caption(table), "",
+             "| " + " | ".join(HEADERS) + " |",
+             "|" + "|".join("---:" if h in right else "---" for h in HEADERS) + "|"]
+    for r in rows:
+        cells = [r[h] for h in HEADERS]
+        if r["_below"]:
+            cells = [f"**{c}**" if c else c for c in cells]
+        elif r["_floor"]:
+            cells[-1] = f"*{cells[-1]}*"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+_CSS = """
+table.kvarn { border-collapse: collapse; font: 13px system-ui, sans-serif; }
+table.kvarn th, table.kvarn td { padding: 3px 8px; border-bottom: 1px solid #ddd; white-space: nowrap; }
+table.kvarn td.num { text-align: right; font-variant-numeric: tabular-nums; }
+table.kvarn tr.kvarn td { background: #f6f9ff; }
+table.kvarn tr.floor td { border-top: 2px solid #333; border-bottom: 2px solid #333; font-style: italic; }
+table.kvarn tr.below-floor td { background: #dff3e4; font-weight: bold; }
+"""
+
+
+def to_html(table: pl.DataFrame, standalone: bool = True) -> str:
+    """An HTML table; rows carry classes `standard`/`kvarn`, `floor`, `below-floor`."""
+    rows = format_rows(table)
+    num = {"KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD", "p99.9 KLD", "same top %", "tokens/s"}
+    fams = table["family"].to_list()
+    body = []
+    for r, fam in zip(rows, fams):
+        cls = [fam] + (["floor"] if r["_floor"] else []) + (["below-floor"] if r["_below"] else [])
+        tds = "".join(f'<td class="num">{html.escape(r[h])}</td>' if h in num else f"<td>{html.escape(r[h])}</td>"
+                      for h in HEADERS)
+        body.append(f'<tr class="{" ".join(cls)}">{tds}</tr>')
+    cap = html.escape(_caption(table)).replace("*", "")
+    tbl = (f'<table class="kvarn">\n<caption style="caption-side: bottom; text-align: left">{cap}</caption>\n'
+           "<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS) + "</tr></thead>\n<tbody>\n"
+           + "\n".join(body) + "\n</tbody>\n</table>\n")
+    if not standalone:
+        return tbl
+    title = html.escape(f"kvarn: {table['model'][0]}")
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
+            f"<style>{_CSS}</style></head>\n<body>\n<h3>{title}</h3>\n{tbl}</body></html>\n")
