@@ -1,1 +1,327 @@
-"""KVarN (SPEC §4). Owned by the KVarN work."""
+"""KVarN (SPEC §4): variance-normalized KV-cache quantization, the pure-torch reference.
+
+For every (head, group of G = 128 tokens):
+
+1. rotate each token by the normalized Sylvester Hadamard H_D over the whole head;
+2. cut the rotated group into tiles: K tile [channels x tokens] (rows = channels, so K is
+   quantized per channel over the group's tokens), V tile [tokens x channels] (rows =
+   tokens, V quantized per token). D <= 128: one tile of D channels; D > 128: 128-channel
+   slices, each its own tile (the Hadamard still spans the whole head);
+3. variance-normalize the tile with per-column log-scales `a` and per-row log-scales `b`
+   (`iters` alternating passes, keep the least imbalanced pass);
+4. round each row of the normalized tile to `bits` bits, asymmetric min/max;
+5. store the codes as one dense LSB-first bitstream + fp16 scale[row], zero[row],
+   other[col]; decode (q * scale + zero) * other in the rotated frame, rotate back.
+
+Tile bytes: ceil(R*C*bits/8) + 2*(2R + C). Per head and group (G = 128):
+
+    D = 64        K: R=64,  C=128 -> 1024*b + 512  (b + 0.5   bits/value)
+                  V: R=128, C=64  -> 1024*b + 640  (b + 0.625 bits/value)
+    D = 128       K and V: 2048*b + 768            (b + 0.375 bits/value)
+    D = 256, 512  D/128 tiles of 2048*b + 768      (b + 0.375 bits/value)
+
+Rounding: half away from zero (BeeLlama's `roundf`), not vLLM's half-to-even. The
+argument (y - lo)/step is never negative, so this is floor(v) + (v - floor(v) >= 0.5);
+the fraction v - floor(v) is exact in fp32, so the rule has no double-rounding corner.
+
+The Triton kernels (kvarn/formats/kvarn_triton.py, imported only when a CUDA tensor is
+encoded, or by name) implement `quantize_pack_ref` and `unpack_dequantize_ref` with the
+same signatures.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import KVFormat, Packed
+from .hadamard import hadamard
+from .registry import register
+
+GROUP = 128  # tokens per tile (G)
+SLICE = 128  # most channels in one tile; wider heads are cut into 128-channel slices
+SINK = 128  # exact leading tokens on full-attention layers (SPEC §2)
+WIDTHS = tuple(range(2, 9))  # BeeLlama ships 2..6 and 8; 7 costs nothing
+ITERS = 16  # normalization passes: BeeLlama and the paper-era reference (vLLM now uses 8)
+
+STD_MIN, STD_MAX = 1e-3, 1e3  # clamp on a measured std before taking its log
+LOG_MIN, LOG_MAX = -0.3, 10.0  # clamp on the accumulated log-scales a, b
+RATIO_FLOOR = 1e-8  # denominator floor of the imbalance ratios
+STEP_MIN = 1e-10  # floor of the RTN step (a constant row quantizes to code 0)
+
+
+# --- geometry -------------------------------------------------------------------
+def check_head_dim(head_dim: int, name: str = "kvarn") -> None:
+    """KVarN tiles need a power-of-two head dim in [64, 512]."""
+    ok = isinstance(head_dim, int) and 64 <= head_dim <= 512 and not head_dim & (head_dim - 1)
+    if not ok:
+        raise ValueError(
+            f"{name}: head dim {head_dim!r} is not supported; KVarN accepts a power of two "
+            "in [64, 512] (64, 128, 256, 512: one tile of D channels for D <= 128, "
+            "128-channel tiles otherwise)"
+        )
+
+
+def tile_shape(role: str, head_dim: int) -> tuple[int, int, int]:
+    """(rows, cols, slices per group) of one head's tiles for K (role 'k') or V ('v')."""
+    ch = min(head_dim, SLICE)
+    rows, cols = (ch, GROUP) if role == "k" else (GROUP, ch)
+    return rows, cols, head_dim // ch
+
+
+def payload_nbytes(rows: int, cols: int, bits: int) -> int:
+    return math.ceil(rows * cols * bits / 8)
+
+
+def tile_nbytes(rows: int, cols: int, bits: int) -> int:
+    """Codes (dense bitstream) + fp16 scale[rows] + fp16 zero[rows] + fp16 other[cols]."""
+    return payload_nbytes(rows, cols, bits) + 2 * (2 * rows + cols)
+
+
+def to_tiles(xr: torch.Tensor, role: str) -> torch.Tensor:
+    """Rotated [..., T, D] -> tiles [..., T/G, slices, R, C] (K transposed: rows = channels)."""
+    *lead, t, d = xr.shape
+    ch = min(d, SLICE)
+    y = xr.reshape(*lead, t // GROUP, GROUP, d // ch, ch).transpose(-3, -2)  # [.., g, s, G, ch]
+    return (y.transpose(-2, -1) if role == "k" else y).contiguous()
+
+
+def from_tiles(tiles: torch.Tensor, role: str) -> torch.Tensor:
+    """Inverse of to_tiles: [..., T/G, slices, R, C] -> [..., T, D] (contiguous)."""
+    y = tiles.transpose(-2, -1) if role == "k" else tiles  # [.., g, s, G, ch]
+    *lead, g, s, gs, ch = y.shape
+    return y.transpose(-3, -2).reshape(*lead, g * gs, s * ch)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ H_D over the last dim (H symmetric and orthonormal, so this also rotates back)."""
+    return x @ hadamard(x.shape[-1], dtype=x.dtype, device=x.device)
+
+
+# --- variance normalization (SPEC §4.3) ----------------------------------------------
+def sample_std(y: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sample standard deviation (n - 1), two-pass, as the kernels compute it."""
+    n = y.shape[dim]
+    mean = y.sum(dim, keepdim=True) / n
+    dev = y - mean
+    return torch.sqrt((dev * dev).sum(dim) / (n - 1))
+
+
+def scaled(tiles: torch.Tensor, log_col: torch.Tensor, log_row: torch.Tensor) -> torch.Tensor:
+    """Y = X / (e^b_row * e^a_col)."""
+    return tiles / (torch.exp(log_row)[..., :, None] * torch.exp(log_col)[..., None, :])
+
+
+def imbalance(std_col: torch.Tensor, std_row: torch.Tensor) -> torch.Tensor:
+    """max/min std over columns + max/min std over rows (min floored at 1e-8)."""
+    col = std_col.amax(-1) / std_col.amin(-1).clamp_min(RATIO_FLOOR)
+    row = std_row.amax(-1) / std_row.amin(-1).clamp_min(RATIO_FLOOR)
+    return col + row
+
+
+def _log_update(log_scale: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    return (log_scale + torch.log(std.clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
+
+
+def normalize_ref(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-scales (a per column [..., C], b per row [..., R]) of the least imbalanced pass.
+
+    tiles: float32 [..., R, C], normalized independently over the leading dims. The
+    unscaled tile (a = b = 0) is the first candidate; a later pass replaces the best
+    one when its imbalance is lower or equal (ties -> later).
+    """
+    a = tiles.new_zeros(tiles.shape[:-2] + tiles.shape[-1:])
+    b = tiles.new_zeros(tiles.shape[:-1])
+    std_col, std_row = sample_std(tiles, -2), sample_std(tiles, -1)
+    best_a, best_b, best = a, b, imbalance(std_col, std_row)
+    for _ in range(iters):
+        a = _log_update(a, std_col)
+        std_row = sample_std(scaled(tiles, a, b), -1)
+        b = _log_update(b, std_row)
+        y = scaled(tiles, a, b)
+        std_col, std_row = sample_std(y, -2), sample_std(y, -1)
+        cur = imbalance(std_col, std_row)
+        better = cur <= best
+        best = torch.where(better, cur, best)
+        best_a = torch.where(better[..., None], a, best_a)
+        best_b = torch.where(better[..., None], b, best_b)
+    return best_a, best_b
+
+
+# --- per-row asymmetric RTN (SPEC §4.4-4.5) ----------------------------------------
+def round_half_away(v: torch.Tensor) -> torch.Tensor:
+    """Round v >= 0 to the nearest integer, halves up (= away from zero for v >= 0)."""
+    fl = torch.floor(v)
+    return torch.where(v - fl >= 0.5, fl + 1, fl)
+
+
+def quantize_rows(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (uint8 [..., R, C]), lo [..., R] and step [..., R] of the normalized tile y."""
+    qmax = 2**bits - 1
+    lo, hi = y.amin(-1), y.amax(-1)
+    step = ((hi - lo) / qmax).clamp_min(STEP_MIN)
+    q = round_half_away((y - lo[..., None]) / step[..., None]).clamp(0, qmax)
+    return q.to(torch.uint8), lo, step
+
+
+def quantize_tiles_ref(tiles: torch.Tensor, bits: int, iters: int = ITERS):
+    """Tiles [..., R, C] -> (codes uint8 [..., R, C], scale f16 [..., R], zero f16 [..., R],
+    other f16 [..., C]): normalize, quantize each row, fold the scales into fp16 metadata."""
+    a, b = normalize_ref(tiles, iters)
+    q, lo, step = quantize_rows(scaled(tiles, a, b), bits)
+    s_row = torch.exp(b)
+    return q, (s_row * step).half(), (s_row * lo).half(), torch.exp(a).half()
+
+
+def dequantize_tiles_ref(codes, scale, zero, other) -> torch.Tensor:
+    """x = (q * scale[row] + zero[row]) * other[col], fp32, in the rotated frame."""
+    x = codes.float() * scale.float()[..., :, None] + zero.float()[..., :, None]
+    return x * other.float()[..., None, :]
+
+
+# --- dense LSB-first bit packing (SPEC §4.6) ---------------------------------------
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., n] -> uint8 [..., ceil(n*bits/8)]: code i at bit offset i*bits."""
+    n = codes.shape[-1]
+    nbytes = math.ceil(n * bits / 8)
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
+    stream = ((codes[..., None] >> shifts) & 1).reshape(*codes.shape[:-1], n * bits)
+    stream = torch.nn.functional.pad(stream, (0, nbytes * 8 - n * bits))
+    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32)).to(torch.uint8)
+    return (stream.reshape(*codes.shape[:-1], nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_codes(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of pack_codes: uint8 [..., ceil(n*bits/8)] -> uint8 codes [..., n]."""
+    shifts = torch.arange(8, device=data.device, dtype=torch.uint8)
+    stream = ((data[..., None] >> shifts) & 1).reshape(*data.shape[:-1], -1)[..., : n * bits]
+    weights = (1 << torch.arange(bits, device=data.device, dtype=torch.int32)).to(torch.uint8)
+    return (stream.reshape(*data.shape[:-1], n, bits) * weights).sum(-1, dtype=torch.uint8)
+
+
+def quantize_pack_ref(tiles: torch.Tensor, bits: int, iters: int = ITERS):
+    """Tiles fp32 [N, R, C] -> (payload uint8 [N, ceil(R*C*bits/8)], scale f16 [N, R],
+    zero f16 [N, R], other f16 [N, C]). The Triton kernel `quantize_pack` matches it."""
+    q, scale, zero, other = quantize_tiles_ref(tiles, bits, iters)
+    return pack_codes(q.flatten(-2), bits), scale, zero, other
+
+
+def unpack_dequantize_ref(payload, scale, zero, other, bits: int) -> torch.Tensor:
+    """Inverse of quantize_pack_ref up to quantization: fp32 tiles [N, R, C]."""
+    rows, cols = scale.shape[-1], other.shape[-1]
+    q = unpack_codes(payload, bits, rows * cols).reshape(*payload.shape[:-1], rows, cols)
+    return dequantize_tiles_ref(q, scale, zero, other)
+
+
+# --- the format -----------------------------------------------------------------
+class KVarNFormat(KVFormat):
+    """kvarnN: N-bit KVarN for K (role 'k', per-channel) or V (role 'v', per-token).
+
+    impl: "ref" (pure torch), "triton" (kernels; CUDA, or CPU under TRITON_INTERPRET=1),
+    "auto" (Triton for CUDA tensors, else the reference).
+    """
+
+    family = "kvarn"
+    group = GROUP
+    sink = SINK
+    tail_quantum = GROUP
+    min_tail = GROUP
+    default_tail_dtype = "f16"
+    version = 1
+
+    def __init__(self, bits: int, role: str = "k", iters: int = ITERS, impl: str = "auto"):
+        super().__init__(role)
+        if bits not in WIDTHS:
+            raise ValueError(f"KVarN width must be one of {WIDTHS}, got {bits!r}")
+        if not isinstance(iters, int) or iters < 0:
+            raise ValueError(f"kvarn{bits}: iters must be an integer >= 0, got {iters!r}")
+        if impl not in ("auto", "ref", "triton"):
+            raise ValueError(f"kvarn{bits}: impl must be 'auto', 'ref' or 'triton', got {impl!r}")
+        self.name = f"kvarn{bits}"
+        self.bits = bits
+        self.iters = iters
+        self.impl = impl
+
+    def supported_head_dims(self) -> str:
+        return "powers of two 64..512"
+
+    def check_head_dim(self, head_dim: int) -> None:
+        check_head_dim(head_dim, self.name)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] % GROUP:
+            raise ValueError(
+                f"{self.name}: got {x.shape[-2]} tokens; KVarN writes whole groups of {GROUP} "
+                f"tokens, so n_tokens must be a multiple of {GROUP} (an incomplete group stays "
+                "exact in the F16 tail until its last token arrives)"
+            )
+        super().check_input(x)
+
+    def _kernels(self, x: torch.Tensor):
+        if self.impl == "triton" or (self.impl == "auto" and x.is_cuda):
+            from . import kvarn_triton
+
+            return kvarn_triton.quantize_pack, kvarn_triton.unpack_dequantize
+        return quantize_pack_ref, unpack_dequantize_ref
+
+    @staticmethod
+    def _check_meta(x, scale, zero, other, name):
+        if not (torch.isfinite(scale).all() and torch.isfinite(zero).all() and torch.isfinite(other).all()):
+            raise ValueError(
+                f"{name}: a tile's fp16 metadata overflowed (max |x| = {x.abs().max().item():.4g}); "
+                "KVarN stores scale/zero/other as fp16 (|value| <= 65504)"
+            )
+
+    def nbytes(self, n_tokens: int, head_dim: int) -> int:
+        self.check_head_dim(head_dim)
+        if n_tokens % GROUP:
+            raise ValueError(f"{self.name}: n_tokens {n_tokens} is not a multiple of the group size {GROUP}")
+        rows, cols, slices = tile_shape(self.role, head_dim)
+        return n_tokens // GROUP * slices * tile_nbytes(rows, cols, self.bits)
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        self.check_input(x)
+        quantize_pack, _ = self._kernels(x)
+        tiles = to_tiles(rotate(x), self.role)  # [..., g, s, R, C]
+        lead = tiles.shape[:-2]
+        payload, scale, zero, other = quantize_pack(tiles.reshape(-1, *tiles.shape[-2:]), self.bits, self.iters)
+        self._check_meta(x, scale, zero, other, self.name)
+        parts = [payload] + [m.contiguous().view(torch.uint8) for m in (scale, zero, other)]
+        data = torch.cat(parts, -1).reshape(*lead[:-2], -1)
+        return Packed(data, x.shape[-2], x.shape[-1], {"bits": self.bits, "role": self.role})
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        _, unpack_dequantize = self._kernels(packed.data)
+        d, t = packed.head_dim, packed.n_tokens
+        self.check_head_dim(d)
+        rows, cols, slices = tile_shape(self.role, d)
+        pb = payload_nbytes(rows, cols, self.bits)
+        lead = packed.data.shape[:-1]
+        tb = packed.data.reshape(-1, tile_nbytes(rows, cols, self.bits))
+        cut = [pb, pb + 2 * rows, pb + 4 * rows]
+        payload, scale, zero, other = (
+            tb[:, lo:hi].contiguous() for lo, hi in zip([0] + cut, cut + [tb.shape[1]])
+        )
+        half = [m.view(torch.float16) for m in (scale, zero, other)]
+        tiles = unpack_dequantize(payload, *half, self.bits)
+        tiles = tiles.reshape(*lead, t // GROUP, slices, rows, cols)
+        return rotate(from_tiles(tiles, self.role))
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """decode(encode(x)) bit for bit; the reference path skips the bit packing."""
+        if self._kernels(x)[0] is not quantize_pack_ref:
+            return self.decode(self.encode(x))
+        self.check_input(x)
+        tiles = to_tiles(rotate(x), self.role)  # [..., g, s, R, C], flattened as encode does
+        q, scale, zero, other = quantize_tiles_ref(tiles.reshape(-1, *tiles.shape[-2:]), self.bits, self.iters)
+        self._check_meta(x, scale, zero, other, self.name)
+        y = dequantize_tiles_ref(q, scale, zero, other).reshape(tiles.shape)
+        return rotate(from_tiles(y, self.role))
+
+
+for _bits in WIDTHS:
+    register(
+        f"kvarn{_bits}",
+        lambda role="k", rot=True, _b=_bits, **params: KVarNFormat(_b, role=role, **params),
+    )

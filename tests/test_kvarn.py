@@ -1,0 +1,337 @@
+"""KVarN reference (kvarn/formats/kvarn.py) against SPEC §4.
+
+Tolerances are derived from fp32/fp16 rounding of the values at hand, not picked.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kvarn.formats import get_format
+from kvarn.formats import kvarn as K
+from kvarn.formats.hadamard import hadamard
+
+F32_EPS = 2.0**-24  # unit roundoff of fp32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add contention on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _outlier_tile(rows=128, cols=128, seed=0):
+    """A rotated-frame-like tile with a few huge columns and rows, as K/V have."""
+    t = torch.randn(rows, cols, generator=_gen(seed))
+    t[:, 3] *= 40.0
+    t[:, 17] *= 9.0
+    t[5, :] *= 25.0
+    t[40, :] *= 0.02
+    return t
+
+
+# --- Hadamard -------------------------------------------------------------------
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_hadamard_symmetric_orthonormal(d):
+    h = hadamard(d, dtype=torch.float64)
+    assert torch.equal(h, h.T)
+    assert torch.allclose(h @ h, torch.eye(d, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert torch.all(h.abs() == 1 / math.sqrt(d))
+
+
+# --- normalization --------------------------------------------------------------
+def test_normalization_lowers_imbalance_on_outliers():
+    t = _outlier_tile()
+    raw = K.imbalance(K.sample_std(t, -2), K.sample_std(t, -1))
+    a, b = K.normalize_ref(t, 16)
+    y = K.scaled(t, a, b)
+    norm = K.imbalance(K.sample_std(y, -2), K.sample_std(y, -1))
+    assert raw > 100  # the data really is imbalanced
+    assert norm < 0.15 * raw  # rows/cols below e^-0.3 of the rest cannot be scaled up (clamp)
+
+
+def _normalize_f64(x, iters):
+    """SPEC §4.3 written out with loops in float64 (an independent oracle)."""
+    rows, cols = len(x), len(x[0])
+
+    def std(v):
+        m = sum(v) / len(v)
+        return math.sqrt(sum((e - m) ** 2 for e in v) / (len(v) - 1))
+
+    def y_of(a, b):
+        return [[x[i][j] / (math.exp(b[i]) * math.exp(a[j])) for j in range(cols)] for i in range(rows)]
+
+    def col_std(y):
+        return [std([y[i][j] for i in range(rows)]) for j in range(cols)]
+
+    def row_std(y):
+        return [std(y[i]) for i in range(rows)]
+
+    def imb(sc, sr):
+        return max(sc) / max(min(sc), 1e-8) + max(sr) / max(min(sr), 1e-8)
+
+    def upd(s, sd):
+        return [min(max(si + math.log(min(max(d, 1e-3), 1e3)), -0.3), 10.0) for si, d in zip(s, sd)]
+
+    a, b = [0.0] * cols, [0.0] * rows
+    sc, sr = col_std(x), row_std(x)
+    best, best_ab, best_pass = imb(sc, sr), (a, b), 0
+    for p in range(1, iters + 1):
+        a = upd(a, sc)
+        b = upd(b, row_std(y_of(a, b)))
+        y = y_of(a, b)
+        sc, sr = col_std(y), row_std(y)
+        cur = imb(sc, sr)
+        if cur <= best:
+            best, best_ab, best_pass = cur, (a, b), p
+    return best_ab, best_pass
+
+
+@pytest.mark.parametrize("iters", [1, 3, 8])
+def test_normalization_matches_float64_oracle(iters):
+    t = torch.randn(5, 7, generator=_gen(3)) * torch.tensor([1, 8, 0.5, 3, 1, 20, 2.0])
+    t[2] *= 6
+    (a64, b64), best_pass = _normalize_f64(t.double().tolist(), iters)
+    a, b = K.normalize_ref(t, iters)
+    # fp32 vs fp64: a few ulps of ln(std) per pass, accumulated over the passes
+    tol = 64 * F32_EPS * (iters + 1) * 10
+    assert torch.allclose(a.double(), torch.tensor(a64, dtype=torch.float64), atol=tol, rtol=0)
+    assert torch.allclose(b.double(), torch.tensor(b64, dtype=torch.float64), atol=tol, rtol=0)
+    if iters == 8:
+        assert best_pass > 0  # the oracle did pick a scaled pass, so this checks something
+
+
+def test_normalization_zero_iters_is_identity():
+    t = _outlier_tile(64, 128)
+    a, b = K.normalize_ref(t, 0)
+    assert torch.equal(a, torch.zeros(128)) and torch.equal(b, torch.zeros(64))
+
+
+# --- RTN error bounds -------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_rtn_error_within_half_step(bits):
+    t = _outlier_tile(seed=bits)
+    a, b = K.normalize_ref(t)
+    y = K.scaled(t, a, b)
+    q, lo, step = K.quantize_rows(y, bits)
+    yhat = q.double() * step.double()[:, None] + lo.double()[:, None]
+    err = (y.double() - yhat).abs()
+    # v = fl(fl(y - lo) / step) carries <= 2 roundings relative to v <= 2^b - 1,
+    # i.e. <= (hi - lo) * 2 * eps in y units.
+    slack = (y.amax(-1) - y.amin(-1)).double() * 2 * F32_EPS
+    assert torch.all(err <= (step.double() / 2 + slack)[:, None])
+    assert q.min() == 0 and q.max() == 2**bits - 1
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_decode_error_with_fp16_metadata_slack(bits):
+    """Rotated-frame decode error <= step/2 (scaled back) + the fp16 metadata rounding,
+    the latter computed from the stored metadata against the fp32 values it rounds."""
+    t = _outlier_tile(seed=10 + bits)
+    a, b = K.normalize_ref(t)
+    y = K.scaled(t, a, b)
+    q, lo, step = K.quantize_rows(y, bits)
+    q2, scale, zero, other = K.quantize_tiles_ref(t, bits)
+    assert torch.equal(q, q2)
+    xhat = K.dequantize_tiles_ref(q2, scale, zero, other).double()
+    s_r, s_c = torch.exp(b).double()[:, None], torch.exp(a).double()[None, :]
+    exact_meta = (q.double() * step.double()[:, None] + lo.double()[:, None]) * s_r * s_c
+    fp16_slack = (xhat - exact_meta).abs()  # what storing fp16 metadata cost, per element
+    rtn = (step.double()[:, None] / 2 + (y.amax(-1) - y.amin(-1)).double()[:, None] * 2 * F32_EPS) * s_r * s_c
+    fp32_slack = 8 * F32_EPS * t.double().abs()  # forming Y = X/(e^b e^a) and the decode products
+    assert torch.all((t.double() - xhat).abs() <= rtn + fp16_slack + fp32_slack)
+    # and the fp16 slack is what fp16 rounding allows: scale, zero, other each <= 2^-11 relative
+    bound = (q.double() * scale.double()[:, None]).abs() * 2**-11 + zero.double().abs()[:, None] * 2**-11
+    bound = bound * other.double()[None, :] + (xhat.abs() * 2**-11) + 4 * F32_EPS * xhat.abs()
+    assert torch.all(fp16_slack <= bound * (1 + 2**-10))
+
+
+def test_round_half_away():
+    v = torch.tensor([0.0, 0.49999997, 0.5, 1.5, 2.5, 2.4999998, 3.0])
+    assert K.round_half_away(v).tolist() == [0, 0, 1, 2, 3, 2, 3]
+
+
+# --- packing --------------------------------------------------------------------
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_pack_roundtrip_every_width(bits):
+    for n in (1, 7, 64 * 128, 128 * 128 + 3):
+        codes = torch.randint(0, 2**bits, (2, n), generator=_gen(n + bits), dtype=torch.int32).to(torch.uint8)
+        data = K.pack_codes(codes, bits)
+        assert data.dtype == torch.uint8 and data.shape == (2, math.ceil(n * bits / 8))
+        assert torch.equal(K.unpack_codes(data, bits, n), codes)
+
+
+def test_pack_layout_lsb_first_by_hand():
+    # 3-bit codes 1, 2, 7 -> bits (LSB first) 100 010 111 -> byte0 = 1+16+64+128, byte1 = 1
+    data = K.pack_codes(torch.tensor([1, 2, 7], dtype=torch.uint8), 3)
+    assert data.tolist() == [209, 1]
+    # 5-bit: 31, 0, 1 -> bits 0-4 set, bit 10 set
+    assert K.pack_codes(torch.tensor([31, 0, 1], dtype=torch.uint8), 5).tolist() == [31, 4]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+@pytest.mark.parametrize("role", ["k", "v"])
+def test_nbytes_formula_and_real_buffer(d, role):
+    for bits in range(2, 9):
+        fmt = get_format(f"kvarn{bits}", role=role)
+        ch = min(d, 128)
+        rows, cols = (ch, 128) if role == "k" else (128, ch)
+        per_group = d // ch * (math.ceil(rows * cols * bits / 8) + 2 * (2 * rows + cols))
+        assert fmt.nbytes(256, d) == 2 * per_group
+        if d >= 128:
+            assert per_group == d // 128 * (2048 * bits + 768)
+            assert fmt.bits_per_value(d) == bits + 0.375
+    fmt = get_format("kvarn3", role=role)
+    x = torch.randn(2, 256, d, generator=_gen(d))
+    packed = fmt.encode(x)
+    assert packed.data.dtype == torch.uint8
+    assert packed.data.shape == (2, fmt.nbytes(256, d))
+
+
+def test_bits_per_value_head_dim_64():
+    assert get_format("kvarn4", role="k").bits_per_value(64) == 4.5
+    assert get_format("kvarn4", role="v").bits_per_value(64) == 4.625
+
+
+# --- the format -----------------------------------------------------------------
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+@pytest.mark.parametrize("role", ["k", "v"])
+def test_roundtrip_equals_decode_encode_bitwise(d, role):
+    x = torch.randn(2, 128 * (1 + (d < 256)), d, generator=_gen(d + 1)) * 2
+    for bits in range(2, 9):
+        fmt = get_format(f"kvarn{bits}", role=role)
+        assert torch.equal(fmt.roundtrip(x), fmt.decode(fmt.encode(x)))
+
+
+def test_batch_invariance():
+    """A head/group gives the same bits whether it is quantized alone or in a batch."""
+    x = torch.randn(3, 2, 384, 128, generator=_gen(7))
+    for role in "kv":
+        fmt = get_format("kvarn4", role=role)
+        y = fmt.roundtrip(x)
+        assert torch.equal(y[1, 0], fmt.roundtrip(x[1, 0].clone()))
+        assert torch.equal(y[:, :, 128:256], fmt.roundtrip(x[:, :, 128:256].contiguous()))
+
+
+def test_error_decreases_with_width():
+    x = torch.randn(4, 256, 128, generator=_gen(11))
+    x[..., 5] *= 10  # an outlier channel, as post-RoPE keys have
+    for role in "kv":
+        errs = []
+        for bits in range(2, 9):
+            y = get_format(f"kvarn{bits}", role=role).roundtrip(x)
+            errs.append(((y - x) ** 2).mean().item() / (x**2).mean().item())
+        assert all(e1 < 0.5 * e0 for e0, e1 in zip(errs, errs[1:])), errs
+        assert errs[-1] < 1e-4
+
+
+def test_k_per_channel_v_per_token():
+    """K rows are channels (each channel's codes span 0..qmax over the group's tokens);
+    V rows are tokens. Checked on the stored codes of one 128x128 group."""
+    x = torch.randn(128, 128, generator=_gen(5))
+    x[:, 9] *= 30
+    bits, qmax = 3, 7
+    xr = K.rotate(x)
+    tk, tv = K.to_tiles(xr, "k"), K.to_tiles(xr, "v")
+    assert torch.equal(tk[0, 0], xr.T) and torch.equal(tv[0, 0], xr)
+    for role, tile in (("k", tk), ("v", tv)):
+        fmt = get_format(f"kvarn{bits}", role=role)
+        data = fmt.encode(x).data
+        assert data.shape == (2048 * bits + 768,)
+        codes = K.unpack_codes(data[: 2048 * bits], bits, 128 * 128).reshape(128, 128)
+        assert torch.equal(codes, K.quantize_tiles_ref(tile.reshape(1, 128, 128), bits)[0][0])
+        # tile rows: every row spans the full code range (asymmetric min/max per row)
+        assert torch.all(codes.amin(1) == 0) and torch.all(codes.amax(1) == qmax)
+        # the other axis is not quantized as a unit: some columns miss 0 or qmax
+        assert not (torch.all(codes.amin(0) == 0) and torch.all(codes.amax(0) == qmax))
+        # in (token, channel) terms: K's rows are channels, V's rows are tokens
+        per_token = codes.T if role == "k" else codes
+        assert torch.all(per_token.amin(1) == 0) == (role == "v")
+
+
+def test_scale_equivariance():
+    """Exact where the maths allows, approximate where it cannot be exact.
+
+    Given the normalization scales, the RTN + fp16 metadata stage is exactly
+    equivariant under x -> c*x for a power of two c (every op is then exact scaling).
+    The whole format is not: the log-scales go through ln/exp (not exactly shifted by
+    ln c) and the clamps a, b >= -0.3 and std in [1e-3, 1e3] depend on absolute scale.
+    """
+    t = _outlier_tile(seed=21)
+    a, b = K.normalize_ref(t)
+    for c in (2.0, 0.25, 1024.0):
+        q1, lo1, st1 = K.quantize_rows(K.scaled(t, a, b), 4)
+        q2, lo2, st2 = K.quantize_rows(K.scaled(t * c, a, b), 4)
+        assert torch.equal(q1, q2) and torch.equal(lo1 * c, lo2) and torch.equal(st1 * c, st2)
+        s_row = torch.exp(b)
+        assert torch.equal((s_row * st1).half() * c, (s_row * st2).half())
+    # whole format, c = 2: the scales shift by ln 2 up to rounding, so only a few codes
+    # on a rounding boundary may move: the difference is far below the quantization error
+    x = torch.randn(2, 256, 128, generator=_gen(22)) * 3
+    fmt = get_format("kvarn4", role="k")
+    y1, y2 = fmt.roundtrip(x), fmt.roundtrip(x * 2)
+    qerr = ((y1 - x) ** 2).mean().sqrt()
+    assert ((y2 - 2 * y1) ** 2).mean().sqrt() / 2 < 0.05 * qerr
+
+
+def test_constant_and_zero_groups():
+    for role in "kv":
+        fmt = get_format("kvarn4", role=role)
+        z = torch.zeros(2, 128, 64)
+        assert torch.equal(fmt.roundtrip(z), z)
+        c = torch.full((2, 128, 64), 0.3)
+        y = fmt.roundtrip(c)
+        assert torch.isfinite(y).all()
+        # rotated, the group is one constant channel; rows stay constant (code 0), so the
+        # only error is fp16 metadata (zero, other: 2^-11 relative each) plus fp32 rotations
+        tol = 0.3 * 8 * (2 * 2**-11 + 64 * 4 * F32_EPS)
+        assert (y - c).abs().max() <= tol
+
+
+# --- errors ---------------------------------------------------------------------
+def test_bad_head_dim():
+    with pytest.raises(ValueError, match="head dim 96"):
+        get_format("kvarn4").roundtrip(torch.randn(128, 96))
+    with pytest.raises(ValueError, match="1024"):
+        get_format("kvarn4").encode(torch.randn(128, 1024))
+
+
+def test_bad_token_count():
+    with pytest.raises(ValueError, match=r"100 tokens.*multiple of 128"):
+        get_format("kvarn4", role="v").roundtrip(torch.randn(100, 64))
+    with pytest.raises(ValueError, match="multiple of"):
+        get_format("kvarn4").nbytes(100, 64)
+
+
+def test_non_finite_input():
+    x = torch.randn(128, 64)
+    x[3, 4] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        get_format("kvarn4").roundtrip(x)
+
+
+def test_metadata_overflow_raises():
+    with pytest.raises(ValueError, match="fp16 metadata overflowed"):
+        get_format("kvarn4").roundtrip(torch.full((128, 64), 1e10))
+
+
+@pytest.mark.parametrize("name", ["kvarn1", "kvarn9", "kvarn0", "kvarn"])
+def test_unregistered_widths(name):
+    with pytest.raises(ValueError, match=rf"unknown KV cache type '{name}'.*kvarn2"):
+        get_format(name)
+
+
+def test_registered_attributes():
+    for bits in range(2, 9):
+        fmt = get_format(f"kvarn{bits}", role="v", iters=8)
+        assert (fmt.family, fmt.group, fmt.sink, fmt.tail_quantum, fmt.min_tail) == ("kvarn", 128, 128, 128, 128)
+        assert fmt.default_tail_dtype == "f16" and fmt.iters == 8 and fmt.bits == bits
+        assert fmt.effective_tail(0) == 128 and fmt.effective_tail(129) == 256
