@@ -1,0 +1,211 @@
+"""The `kvarn` command: fetch a model, write a BF16 baseline, run one cache cell, list formats.
+
+Mirrors llama-perplexity's vocabulary: --ctx (-c), --chunks, --ubatch (-ub), -ctk/-ctv
+for the cache types. Bad values exit with code 2 and a message naming the value and what
+is accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EPILOG = """\
+examples (llama.cpp equivalents in brackets):
+  kvarn fetch --model smollm2-135m
+  kvarn baseline --model smollm2-135m --ctx 512 --chunks 4 --out base.kvd
+      [llama-perplexity -m M -f wiki.test.raw -c 512 --chunks 4 -ctk bf16 -ctv bf16 --kl-divergence-base base.kld]
+  kvarn run --model smollm2-135m --ctx 512 --chunks 4 --k q4_0 --v q4_0 --tail 128 \\
+      --baseline base.kvd --out cells/q4_0-q4_0-t128
+      [llama-perplexity -m M -f wiki.test.raw -c 512 --chunks 4 -ctk q4_0 -ctv q4_0 --kl-divergence-base base.kld --kl-divergence]
+  kvarn formats
+"""
+
+
+class UsageError(Exception):
+    """A bad command-line value: printed as `kvarn: error: ...`, exit code 2."""
+
+
+def _positive_int(name):
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {s!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {s!r}")
+        return v
+    return parse
+
+
+def _nonneg_int(name):
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {s!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {s!r}")
+        return v
+    return parse
+
+
+def _ctx(s):
+    v = _positive_int("--ctx")(s)
+    if v < 4 or v % 2:
+        raise argparse.ArgumentTypeError(f"--ctx must be an even integer >= 4, got {s!r}")
+    return v
+
+
+def _cache_type(flag):
+    def parse(s):
+        from kvarn.formats import names
+
+        if s not in names():
+            raise argparse.ArgumentTypeError(f"{flag}: unknown KV cache type {s!r}; accepted: {', '.join(names())}")
+        return s
+    return parse
+
+
+def model_spec(arg: str):
+    """--model NAME | hf:org/repo[@rev] | PATH -> ModelSpec."""
+    from kvarn.models import EMBEDDED, ModelSpec
+
+    if arg in EMBEDDED:
+        return ModelSpec(arg, f"embedded:{arg}")
+    if arg.startswith("embedded:"):
+        return ModelSpec(arg[len("embedded:"):], arg)
+    if arg.startswith("hf:"):
+        repo, _, rev = arg[3:].partition("@")
+        if not repo or repo.count("/") != 1:
+            raise UsageError(f"--model {arg!r}: expected hf:org/repo[@revision]")
+        return ModelSpec(repo.split("/")[1], f"hf:{repo}", rev or None)
+    p = Path(arg)
+    if p.exists():
+        return ModelSpec(p.stem if p.is_file() else p.resolve().name, str(p))
+    raise UsageError(
+        f"--model {arg!r} is neither an embedded model ({', '.join(EMBEDDED)}), hf:org/repo[@rev], "
+        "nor an existing directory or .gguf file"
+    )
+
+
+def _common(p, out_help):
+    p.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH",
+                   help="embedded model name (smollm2-135m, gemma3-270m), a Hugging Face repo, or a local "
+                        "transformers directory / .gguf file")
+    p.add_argument("-c", "--ctx", type=_ctx, required=True, metavar="N",
+                   help="context size n_ctx: tokens per chunk (as llama-perplexity -c)")
+    p.add_argument("--chunks", type=int, default=-1, metavar="N",
+                   help="max number of chunks to process (-1 = all, as llama-perplexity --chunks)")
+    p.add_argument("-ub", "--ubatch", type=_positive_int("--ubatch"), default=512, metavar="N",
+                   help="physical micro-batch: tokens fed per forward, cache persisting (default 512)")
+    p.add_argument("-f", "--text", metavar="PATH", default=None,
+                   help="wiki.test.raw (default: rebuilt from the Hugging Face dataset)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (default auto)")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16")
+    p.add_argument("--cache-dir", default="resources/models", metavar="DIR",
+                   help="where models are fetched and converted (default resources/models)")
+    p.add_argument("-o", "--out", required=True, metavar="PATH", help=out_help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvarn",
+        description="Teacher-forced KL divergence of a quantized KV cache against a BF16-cache baseline "
+                    "(comparable with llama-perplexity --kl-divergence).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,formats}")
+
+    f = sub.add_parser("fetch", help="download / convert a model into the cache directory")
+    f.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
+    f.add_argument("--cache-dir", default="resources/models", metavar="DIR")
+
+    b = sub.add_parser("baseline", help="BF16-cache run: write the full-vocabulary log-prob dump "
+                                        "(as --kl-divergence-base)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _common(b, "dump file to write (e.g. base.kvd)")
+
+    r = sub.add_parser("run", help="one cache cell against a baseline: tokens.parquet + summary.json, "
+                                   "and the llama-perplexity statistics on stdout",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _common(r, "cell directory to write (tokens.parquet, summary.json)")
+    r.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE",
+                   help="K cache type (see `kvarn formats`)")
+    r.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE",
+                   help="V cache type")
+    r.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N",
+                   help="most recent tokens read exactly (KVarN: rounded up to 128, min 128, plus a 128-token sink)")
+    r.add_argument("--tail-dtype", choices=["bf16", "f16", "f32"], default=None,
+                   help="dtype of the exact copy (default bf16 for standard types, f16 for KVarN)")
+    r.add_argument("--no-rot", dest="rot", action="store_false",
+                   help="disable the Hadamard pre-rotation of quantized K/V (as LLAMA_ATTN_ROT_DISABLE=1)")
+    r.add_argument("--iters", type=_positive_int("--iters"), default=16, metavar="N",
+                   help="KVarN variance-normalization passes")
+    r.add_argument("--baseline", required=True, metavar="FILE", help="dump written by `kvarn baseline`")
+
+    sub.add_parser("formats", help="list KV cache types: family and bits per value at head dim 64/128/256")
+    return ap
+
+
+def _formats() -> str:
+    from kvarn.formats import get_format, names
+
+    rows = [f"{'type':<8} {'family':<7} {'bpv@64':>7} {'bpv@128':>8} {'bpv@256':>8}"]
+    for n in names():
+        fmt = get_format(n)
+        bpv = []
+        for d in (64, 128, 256):
+            try:
+                fmt.check_head_dim(d)
+                bpv.append(f"{fmt.bits_per_value(d):.4g}")
+            except ValueError:
+                bpv.append("-")
+        rows.append(f"{n:<8} {fmt.family:<7} {bpv[0]:>7} {bpv[1]:>8} {bpv[2]:>8}")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "formats":
+            sys.stdout.write(_formats())
+            return 0
+        spec = model_spec(args.model)
+        if args.cmd == "fetch":
+            from kvarn.models import fetch
+
+            print(fetch(spec, cache_dir=args.cache_dir))
+            return 0
+        if args.chunks == 0 or args.chunks < -1:
+            raise UsageError(f"--chunks must be a positive integer or -1 (all), got {args.chunks}")
+        chunks = None if args.chunks == -1 else args.chunks
+        from kvarn import engine
+
+        if args.cmd == "baseline":
+            h = engine.run_baseline(spec, args.ctx, chunks, Path(args.out), ubatch=args.ubatch, text=args.text,
+                                    device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
+            print(f"baseline: {h['n_chunks']} chunks x {args.ctx} tokens, {h['tokens_per_s']:.1f} tokens/s -> {args.out}")
+            return 0
+        if args.cmd == "run":
+            from kvarn.metrics import format_llama
+            from kvarn.formats import get_format
+            from kvarn.policy import pair_family
+
+            pair_family(get_format(args.k), get_format(args.v))  # refuse KVarN mixed with standard early
+            s = engine.run_cell(spec, args.ctx, chunks, args.k, args.v, args.tail, Path(args.baseline),
+                                Path(args.out), ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype,
+                                iters=args.iters, text=args.text, device=args.device, dtype=args.dtype,
+                                cache_dir=args.cache_dir)
+            sys.stdout.write(format_llama(s))
+            print(f"\nKV cache: {s['kv_total_bytes'] / 2**20:.2f} MiB (body {s['kv_body_bytes'] / 2**20:.2f}, "
+                  f"overlay {s['kv_overlay_bytes'] / 2**20:.2f}); {s['tokens_per_s']:.1f} tokens/s; -> {args.out}")
+            return 0
+    except (UsageError, ValueError, FileNotFoundError) as e:
+        ap.exit(2, f"kvarn {args.cmd}: error: {e}\n")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

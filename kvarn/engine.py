@@ -1,0 +1,250 @@
+"""The teacher-forced KLD engine (SPEC §6): the BF16 baseline dump and one cell per cache config.
+
+Both runs go through the same cache model (`kvarn.cache`, `kvarn.attention`): the baseline
+is the `bf16`/`bf16` cell with tail 0. Per chunk: a fresh cache, the chunk fed in
+micro-batches of `ubatch` tokens, logits computed only at the scored positions (the
+model's own head via `logits_to_keep`, so any final softcap or logit scaling is the
+model's), log-softmax in fp32 in row slices (Gemma's 262k vocabulary would otherwise need
+gigabytes), then either the dump (baseline) or per-token metrics against it (cell).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import kvarn
+import kvarn.attention as kattn
+from kvarn.cache import KVarnCache
+
+BASELINE_K = BASELINE_V = "bf16"
+LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gemma's vocabulary
+
+
+# --- loading --------------------------------------------------------------------------
+
+def _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
+    """Model, chunk tensor and the identity fields every dump and cell carries."""
+    from kvarn import data, models
+
+    loaded = models.load(spec, cache_dir=cache_dir, device=device, dtype=dtype)
+    loaded.model.eval()
+    loaded.model.set_attn_implementation(kattn.ATTN_NAME)
+    raw = data.load_text(text)
+    tokens = data.tokenize(loaded.tokenizer, raw)
+    chunk_ids = data.make_chunks(tokens, n_ctx, chunks, loaded.info.bos_id)
+    data.scored_positions(n_ctx)  # validates n_ctx (even, >= 4)
+    info = loaded.info
+    ident = {
+        "model": info.name,
+        "revision": info.revision,
+        "tokenizer_hash": info.tokenizer_hash,
+        "text_sha256": data.text_sha256(raw),
+        "n_ctx": n_ctx,
+        "n_chunks": int(chunk_ids.shape[0]),
+    }
+    return loaded, chunk_ids, ident
+
+
+# --- the forward ----------------------------------------------------------------------
+
+@torch.inference_mode()
+def chunk_logprobs(model, ids: torch.Tensor, cache: KVarnCache, ubatch: int, scored: range):
+    """Yield (first scored row, fp32 log-probs [r, V]) for one chunk, `LOGIT_ROWS` rows at a time.
+
+    ids: LongTensor [n_ctx]. The whole chunk is fed in ubatches with `cache` persisting;
+    logits are computed only at the scored positions. The caller times the generator.
+    """
+    if not isinstance(ubatch, int) or ubatch < 1:
+        raise ValueError(f"ubatch must be a positive integer, got {ubatch!r}")
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    n = ids.shape[0]
+    row = 0
+    for start in range(0, n, ubatch):
+        stop = min(start + ubatch, n)
+        lo, hi = max(start, scored.start), min(stop, scored.stop)
+        keep = torch.arange(lo - start, max(hi, lo) - start, device=device)
+        out = model(input_ids=ids[None, start:stop], cache=cache, kvarn_cache=cache, use_cache=True,
+                    logits_to_keep=keep)
+        logits = out.logits[0]
+        for a in range(0, logits.shape[0], LOGIT_ROWS):
+            yield row + a, torch.log_softmax(logits[a : a + LOGIT_ROWS].float(), dim=-1)
+        row += logits.shape[0]
+    assert row == len(scored), (row, len(scored))
+
+
+def _new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=16):
+    return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters)
+
+
+def _progress(iterable, desc, total):
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit="chunk", leave=False)
+
+
+# --- atomic writes --------------------------------------------------------------------
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _atomic_write_parquet(path: Path, frame) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    frame.write_parquet(tmp)
+    os.replace(tmp, path)
+
+
+# --- baseline -------------------------------------------------------------------------
+
+def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto", dtype="auto",
+                 cache_dir="resources/models") -> dict:
+    """BF16-cache run (bf16 K and V, tail 0, same cache model); writes the log-prob dump to `out`.
+
+    Returns the dump header (identity fields, vocab size, timing).
+    """
+    from kvarn import data, dump
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+    model, info = loaded.model, loaded.info
+    scored = data.scored_positions(n_ctx)
+    timing = {"forward_s": 0.0}
+
+    def blocks():
+        for c in _progress(range(chunk_ids.shape[0]), f"baseline {info.name} ctx {n_ctx}", chunk_ids.shape[0]):
+            cache = _new_cache(model, BASELINE_K, BASELINE_V, 0)
+            tf = time.perf_counter()
+            parts = [lp.cpu() for _, lp in chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)]
+            timing["forward_s"] += time.perf_counter() - tf
+            yield torch.cat(parts)
+
+    header = dict(ident)
+    header.update({
+        "source": info.source,
+        "vocab_size": info.vocab_size,
+        "scored_start": scored.start,
+        "scored_stop": scored.stop,
+        "k_type": BASELINE_K,
+        "v_type": BASELINE_V,
+        "tail": 0,
+        "ubatch": ubatch,
+        "kvarn_version": kvarn.__version__,
+        "device": info.device,
+        "dtype": info.dtype,
+    })
+    dump.write_dump(out, header, blocks())
+    n_tok = int(chunk_ids.numel())
+    header["tokens_per_s"] = n_tok / timing["forward_s"] if timing["forward_s"] else float("nan")
+    header["wall_s"] = time.perf_counter() - t0
+    return header
+
+
+# --- one cell -------------------------------------------------------------------------
+
+def _policy_fields(cache: KVarnCache) -> dict:
+    full = [p for p in cache.policies if p.window is None]
+    sliding = [p for p in cache.policies if p.window is not None]
+    return {
+        "tail_eff_full": full[0].tail if full else None,
+        "tail_eff_sliding": max(p.tail for p in sliding) if sliding else None,
+        "sink": full[0].sink if full else 0,
+    }
+
+
+def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot=True, tail_dtype=None,
+             iters=16, text=None, device="auto", dtype="auto", cache_dir="resources/models") -> dict:
+    """One cache config against the baseline dump; writes out_dir/tokens.parquet and summary.json.
+
+    Returns the summary dict (the metric keys of kvarn.metrics.summarize + the cell fields).
+    """
+    import numpy as np
+    import polars as pl
+
+    from kvarn import data, dump, memory, metrics
+
+    out_dir = Path(out_dir)
+    t0 = time.perf_counter()
+    loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+    model, info = loaded.model, loaded.info
+    # Validates the types, the tail and the pair before any work is done.
+    probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters)
+    base = dump.open_dump(baseline, expect=ident)
+    scored = data.scored_positions(n_ctx)
+    pos = np.arange(scored.start, scored.stop, dtype=np.int32)
+
+    cols = {key: [] for key in metrics.PER_TOKEN_KEYS}
+    chunk_col, pos_col = [], []
+    forward_s = 0.0
+    for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
+        cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters)
+        ref = base.chunk(c)
+        targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
+        gen = chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)
+        while True:
+            tf = time.perf_counter()
+            item = next(gen, None)
+            forward_s += time.perf_counter() - tf
+            if item is None:
+                break
+            a, lp = item
+            b = a + lp.shape[0]
+            tm = metrics.token_metrics(lp.cpu(), ref[a:b], targets[a:b])
+            for key in cols:
+                cols[key].append(tm[key])
+        chunk_col.append(np.full(len(pos), c, dtype=np.int32))
+        pos_col.append(pos)
+
+    frame = pl.DataFrame({
+        "chunk": np.concatenate(chunk_col),
+        "pos": np.concatenate(pos_col),
+        **{key: np.concatenate(cols[key]) for key in metrics.PER_TOKEN_KEYS},
+    })
+    summary = metrics.summarize(frame)
+    kvb = memory.kv_bytes(info.geometry, n_ctx, k, v, tail, tail_dtype=probe.tail_dtype_name, rot=rot)
+    kvb0 = memory.kv_bytes(info.geometry, n_ctx, k, v, 0, tail_dtype=probe.tail_dtype_name, rot=rot)
+    n_tok = int(chunk_ids.numel())
+    summary.update({
+        "model": info.name,
+        "source": info.source,
+        "revision": info.revision,
+        "n_ctx": n_ctx,
+        "chunks": int(chunk_ids.shape[0]),
+        "ubatch": ubatch,
+        "k_type": k,
+        "v_type": v,
+        "rot": bool(rot),
+        "tail": tail,
+        **_policy_fields(probe),
+        "tail_dtype": probe.tail_dtype_name,
+        "iters": iters,
+        "kv_body_bytes": kvb.body,
+        "kv_overlay_bytes": kvb.overlay,
+        "kv_total_bytes": kvb.total,
+        "kv_total_bytes_tail0": kvb0.total,
+        "tokens_per_s": n_tok / forward_s,
+        "wall_s": time.perf_counter() - t0,
+        "kvarn_version": kvarn.__version__,
+        "format_version": max(probe.k_fmt.version, probe.v_fmt.version),
+        "device": info.device,
+        "dtype": info.dtype,
+    })
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write_parquet(out_dir / "tokens.parquet", frame)
+    _atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1, default=_json_default) + "\n")
+    return summary
+
+
+def _json_default(x):
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")

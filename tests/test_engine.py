@@ -1,0 +1,178 @@
+"""The engine on the real models (slow: `pytest -m slow tests/test_engine.py`) and the CLI (fast).
+
+Small context (n_ctx 256, 1 chunk), each model loaded once, one baseline shared by the
+SmolLM2 cells. Oracles: the model's own plain sdpa forward (f32 cache, no tail) with a
+tolerance from the eager-vs-sdpa fp32 noise, and the expected orderings of the formats.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvarn import cli
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE_DIR = REPO / "resources" / "models"
+_LOCAL_TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+TEXT = str(_LOCAL_TEXT) if _LOCAL_TEXT.is_file() else None
+CTX = 256
+MODELS = ("smollm2-135m", "gemma3-270m")
+
+
+# --- fast: the command line ---------------------------------------------------------
+
+def _exit_code(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "-m", "smollm2-135m", "-c", "256", "--k", "q9_0", "--v", "q4_0", "--baseline", "b", "-o", "o"], "q9_0"),
+    (["run", "-m", "smollm2-135m", "-c", "255", "--k", "q4_0", "--v", "q4_0", "--baseline", "b", "-o", "o"], "255"),
+    (["run", "-m", "smollm2-135m", "-c", "256", "--k", "q4_0", "--v", "q4_0", "--tail", "-3", "--baseline", "b",
+      "-o", "o"], "-3"),
+    (["run", "-m", "smollm2-135m", "-c", "256", "--k", "kvarn4", "--v", "q4_0", "--baseline", "b", "-o", "o"],
+     "kvarn4"),
+    (["baseline", "-m", "no-such-model", "-c", "256", "-o", "o"], "no-such-model"),
+    (["baseline", "-m", "smollm2-135m", "-c", "256", "--chunks", "0", "-o", "o"], "--chunks"),
+])
+def test_cli_bad_values_exit_2(argv, needle, capsys):
+    code, err = _exit_code(argv, capsys)
+    assert code == 2
+    assert needle in err
+
+
+def test_cli_formats(capsys):
+    assert cli.main(["formats"]) == 0
+    out = capsys.readouterr().out
+    for name in ("q8_0", "q4_0", "bf16", "kvarn4"):
+        assert name in out
+
+
+def test_cli_help_mentions_llama_terms(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = capsys.readouterr().out
+    for term in ("--ctx", "--chunks", "--ubatch", "-ctk", "--tail", "--baseline"):
+        assert term in out
+
+
+# --- slow: real models ---------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def loaded():
+    from kvarn import models
+
+    out = {}
+
+    def get(name):
+        if name not in out:
+            lm = models.load(models.ModelSpec(name, f"embedded:{name}"), cache_dir=CACHE_DIR)
+            out[name] = lm
+        return out[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def first_chunk(loaded):
+    from kvarn import data
+
+    text = data.load_text(TEXT)
+
+    def get(name):
+        lm = loaded(name)
+        return data.make_chunks(data.tokenize(lm.tokenizer, text), CTX, 1, lm.info.bos_id)[0]
+    return get
+
+
+def _engine_logprobs(lm, ids, k, v, tail=0, ubatch=512):
+    from kvarn import data, engine
+
+    lm.model.set_attn_implementation("kvarn")
+    cache = engine._new_cache(lm.model, k, v, tail)
+    return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, data.scored_positions(CTX))])
+
+
+@torch.inference_mode()
+def _plain_logprobs(lm, ids, impl):
+    from kvarn import data
+
+    lm.model.set_attn_implementation(impl)
+    sc = data.scored_positions(CTX)
+    logits = lm.model(ids[None]).logits[0, sc.start : sc.stop]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_f32_cache_equals_plain_forward(name, loaded, first_chunk):
+    lm, ids = loaded(name), first_chunk(name)
+    ref = _plain_logprobs(lm, ids, "sdpa")
+    noise = (_plain_logprobs(lm, ids, "eager") - ref).abs().max().item()
+    got = _engine_logprobs(lm, ids, "f32", "f32", ubatch=100)
+    diff = (got - ref).abs().max().item()
+    print(f"{name}: engine f32 vs plain sdpa max |Δlogp| {diff:.3g}; eager vs sdpa {noise:.3g}")
+    assert diff <= 2 * max(noise, 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_bf16_cell_is_the_baseline(name, loaded, first_chunk):
+    # Same computation => bit-identical log-probs => KLD exactly 0 before the dump encoding.
+    from kvarn import metrics
+
+    lm, ids = loaded(name), first_chunk(name)
+    a = _engine_logprobs(lm, ids, "bf16", "bf16")
+    b = _engine_logprobs(lm, ids, "bf16", "bf16", ubatch=512)
+    assert torch.equal(a, b)
+    tm = metrics.token_metrics(a, b, ids[CTX // 2 + 1 : CTX])
+    assert (tm["kld"] == 0).all() and tm["same_top"].all()
+
+
+@pytest.fixture(scope="session")
+def smol_baseline(tmp_path_factory):
+    from kvarn import engine, models
+
+    out = tmp_path_factory.mktemp("kvarn") / "base.kvd"
+    engine.run_baseline(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, out, text=TEXT,
+                        cache_dir=CACHE_DIR)
+    return out
+
+
+def _cell(base, k, v, tail, tmp_path_factory):
+    from kvarn import engine, models
+
+    out = tmp_path_factory.mktemp(f"{k}-{v}-t{tail}")
+    s = engine.run_cell(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, k, v, tail, base, out,
+                        text=TEXT, cache_dir=CACHE_DIR)
+    assert json.loads((out / "summary.json").read_text())["kld_median"] == s["kld_median"]
+    import polars as pl
+
+    t = pl.read_parquet(out / "tokens.parquet")
+    assert t.columns == ["chunk", "pos", "kld", "nll", "nll_base", "dp", "same_top"]
+    assert t.height == CTX - 1 - CTX // 2
+    return s
+
+
+@pytest.mark.slow
+def test_bf16_cell_against_baseline_dump(smol_baseline, tmp_path_factory):
+    # Through the uint16 dump the only difference left is its encoding error (<= 1.22e-4 nats per entry).
+    s = _cell(smol_baseline, "bf16", "bf16", 0, tmp_path_factory)
+    print(f"bf16 vs bf16 baseline through the dump: mean KLD {s['kld_mean']:.3g}, max {s['kld_max']:.3g}")
+    assert abs(s["kld_max"]) <= 1.3e-4 and abs(s["kld_min"]) <= 1.3e-4
+    assert s["same_top"] == 1.0
+
+
+@pytest.mark.slow
+def test_smollm2_orderings(smol_baseline, tmp_path_factory):
+    med = {}
+    for k, tail in (("q8_0", 0), ("q4_0", 0), ("q4_0", 128), ("q2_0", 0)):
+        med[(k, tail)] = _cell(smol_baseline, k, k, tail, tmp_path_factory)["kld_median"]
+    print("median KLD:", med)
+    assert med[("q8_0", 0)] < med[("q4_0", 0)] < med[("q2_0", 0)]
+    assert med[("q4_0", 128)] < med[("q4_0", 0)]
