@@ -361,3 +361,22 @@ def test_non_finite_and_wrong_dtype_rejected():
         get_format("q2_0").roundtrip(x)
     with pytest.raises(TypeError, match="float16"):
         get_format("q8_0").encode(torch.zeros(2, 64, dtype=torch.float16))
+
+
+def test_tied_abs_max_takes_the_first_as_ggml():
+    # ggml scans `if (amax < |v|)`: of -3 and +3 the first wins, which sets the sign of d
+    for vals, d in (([-3.0, 3.0, 1.0], 0.375), ([3.0, -3.0, 1.0], -0.375)):
+        x = one_block(vals)
+        p = get_format("q4_0", rot=False).encode(x)
+        assert p.data.numpy().tobytes()[:2] == f16_bytes(d)
+        assert np.array_equal(p.data.numpy().reshape(1, -1), gguf.quants.quantize(x.numpy(), GT.Q4_0))
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_subnormal_block_reads_back_zero(name):
+    # |vmax| ~1e-39 makes 1/d overflow (ggml: undefined codes); we store the zero code
+    fmt = get_format(name, rot=False)
+    x = one_block([1e-39, -5e-40, 2e-40])
+    y = fmt.roundtrip(x)
+    assert torch.equal(y, fmt.decode(fmt.encode(x)))
+    assert y.abs().max().item() <= 1e-39

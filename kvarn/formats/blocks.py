@@ -76,8 +76,14 @@ SPECS = {
 
 # --- the per-block reference maths (blocks: fp32 [N, 32], already rotated) -------------------
 def _inv(d: torch.Tensor) -> torch.Tensor:
-    """ggml's `id = d ? 1.0f/d : 0.0f` in fp32."""
-    return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+    """ggml's `id = d ? 1.0f/d : 0.0f` in fp32.
+
+    One deliberate difference: a subnormal d (|vmax| < ~1e-37) makes 1/d overflow to inf and
+    ggml's codes undefined (NaN cast to int); we use id = 0 there, i.e. the zero code. Such a
+    d is 0 in fp16 anyway, so the block reads back as 0 either way.
+    """
+    inv = 1.0 / torch.where(d == 0, torch.ones_like(d), d)
+    return torch.where((d == 0) | torch.isinf(inv), torch.zeros_like(d), inv)
 
 
 def _vmax(xb: torch.Tensor) -> torch.Tensor:
@@ -92,12 +98,22 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * (f + (2 * (a - f)).floor())
 
 
+# _IQ4NL_LO[i + 128] = how many of levels[1..14] are <= i, for integer i in [-128, 127]
+_IQ4NL_LO = torch.tensor([sum(v <= i for v in IQ4NL_VALUES[1:15]) for i in range(-128, 128)])
+
+
 def _iq4nl_index(al: torch.Tensor) -> torch.Tensor:
-    """ggml best_index_int8 over IQ4NL_VALUES: nearest level, ties to the upper one."""
+    """ggml best_index_int8 over IQ4NL_VALUES: nearest level, ties to the upper one.
+
+    Its binary search ends at lo with levels[lo] <= al < levels[lo+1] (lo clamped to 0..14),
+    then picks lo iff `al - levels[lo] < levels[lo+1] - al` in fp32. The levels are
+    integers, so `al >= level` iff `floor(al) >= level`: a 256-entry table gives lo.
+    """
+    lut = _IQ4NL_LO.to(al.device)
     vals = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=al.device)
-    lo = torch.bucketize(al, vals[1:15], right=True)  # levels[lo] <= al < levels[lo+1] inside the range
-    below = al - vals[lo]
-    above = vals[lo + 1] - al
+    lo = lut.take(al.floor().clamp_(-128, 127).long().add_(128))
+    below = al - vals.take(lo)
+    above = vals.take(lo + 1) - al
     return torch.where(below < above, lo, lo + 1)
 
 
@@ -127,7 +143,7 @@ def quantize_blocks(spec: BlockSpec, xb: torch.Tensor):
     if spec.kind == "iq4nl":
         d = _vmax(xb) / IQ4NL_VALUES[0]
         q = _iq4nl_index(xb * _inv(d))
-        v = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=xb.device)[q]
+        v = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=xb.device).take(q)
         w = xb * xb
         sumqx = (w * v * xb).sum(-1, keepdim=True)
         sumq2 = (w * v * v).sum(-1, keepdim=True)
@@ -145,21 +161,24 @@ def dequantize_blocks(spec: BlockSpec, q: torch.Tensor, d16: torch.Tensor, m16: 
     if spec.kind == "sym":
         return (q - (1 << spec.bits) // 2).float() * d16
     vals = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=q.device)
-    return vals[q] * d16
+    return vals.take(q) * d16
 
 
 # --- byte packing --------------------------------------------------------------------------
 def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """[N, n] codes < 2**bits -> uint8 [N, n*bits/8], LSB-first (code j at bit j*bits)."""
-    shifts = torch.arange(bits, device=codes.device)
-    b = ((codes.unsqueeze(-1) >> shifts) & 1).reshape(codes.shape[0], -1, 8)
-    return (b << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+    """[N, n] int64 codes < 2**bits -> uint8 [N, n*bits/8], LSB-first (code j at bit j*bits).
+
+    Eight codes fill exactly `bits` bytes: gather them in one int64, then split it into bytes.
+    """
+    dev = codes.device
+    acc = (codes.reshape(codes.shape[0], -1, 8) << (torch.arange(8, device=dev) * bits)).sum(-1, keepdim=True)
+    return ((acc >> (torch.arange(bits, device=dev) * 8)) & 255).to(torch.uint8).reshape(codes.shape[0], -1)
 
 
 def _unpack_bits(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    b = (data.long().unsqueeze(-1) >> torch.arange(8, device=data.device)) & 1
-    b = b.reshape(data.shape[0], n, bits)
-    return (b << torch.arange(bits, device=data.device)).sum(-1)
+    dev = data.device
+    acc = (data.long().reshape(data.shape[0], -1, bits) << (torch.arange(bits, device=dev) * 8)).sum(-1, keepdim=True)
+    return ((acc >> (torch.arange(8, device=dev) * bits)) & ((1 << bits) - 1)).reshape(data.shape[0], n)
 
 
 def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
