@@ -4,15 +4,15 @@
 * `{model}/ctx{n_ctx}-c{chunks}/cells/{k}-{v}-t{tail}/tokens.parquet` per cell (chunk, pos,
   kld, nll, nll_base, dp, same_top — docs/CONTRACTS.md), and
 * `summary.parquet`: one row per cell with the summary.json keys, the statistics computed
-  from those tokens, plus the aggregate rule's `family`, `tail_requested`, `label`,
-  `kv_delta_bytes`.
+  from those tokens, plus what the aggregate rule adds (kvarn.matrix.summary_row):
+  `family`, `tail_requested`, `tail_label`, `cell`, `kv_delta_bytes_vs_tail0`.
 
 Two models with the shipped defaults' geometry (SmolLM2-135M: 30 layers x 3 KV heads x 64;
 Gemma 3 270M: 18 layers x 1 x 256, 5 of 6 layers sliding 512). KLD falls with width, a
 128-token tail helps most at low width, KVarN beats the same-width standard type by a few
 percent except at 2 bits on the Gemma-like model (as in SPEC §7). Some partners are
-missing on purpose (smollm2: no q3_0 at tail 128; gemma3: no kvarn5), and smollm2 has a
-KVarN request-128 duplicate of its 128* cell.
+missing on purpose (smollm2: no q3_0 at tail 128; gemma3: no kvarn5); smollm2 has a
+KVarN request-128 duplicate of its 128* cell and a `-norot` q4_0 cell.
 Run as a script to write a result set: `python tests/synthetic.py OUT_DIR`.
 """
 
@@ -106,7 +106,10 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
             cells.append(("kvarn4", "kvarn4", 128, "kvarn"))
         else:
             cells = [c for c in cells if "kvarn5" not in c[:2]]
-        for k, v, tail, family in cells:
+        if model == "smollm2-135m":
+            cells.append(("q4_0", "q4_0", 0, "standard", "-norot"))  # a non-default option
+        for k, v, tail, family, *opt in cells:
+            opts = opt[0] if opt else ""
             med = _median(model, k, v, tail)
             growth = 0.25 if family == "kvarn" else 0.8  # error accumulation across the context
             frac = (scored - scored[0]) / (scored[-1] - scored[0])
@@ -117,7 +120,7 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
             nll = nll_base + rng.normal(0, 1, len(pos)) * np.sqrt(kld)
             dp = -rng.normal(0, 1, len(pos)) * np.sqrt(kld) * 0.2
             same_top = rng.random(len(pos)) > np.clip(2.5 * np.sqrt(kld) * 0.3, 0, 0.9)
-            cell_dir = root / "results" / model / f"ctx{n_ctx}-c{chunks}" / "cells" / f"{k}-{v}-t{tail}"
+            cell_dir = root / "results" / model / f"ctx{n_ctx}-c{chunks}" / "cells" / f"{k}-{v}-t{tail}{opts}"
             cell_dir.mkdir(parents=True, exist_ok=True)
             pl.DataFrame({
                 "chunk": chunk.astype(np.int32), "pos": pos.astype(np.int32), "kld": kld, "nll": nll,
@@ -133,7 +136,7 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
             eff_sliding = min(eff_full, 512) if any(w is not None for w in windows) else eff_full
             rows.append({
                 "model": model, "source": f"embedded:{model}", "revision": None, "n_ctx": n_ctx,
-                "chunks": chunks, "ubatch": 512, "k_type": k, "v_type": v, "rot": True, "tail": tail,
+                "chunks": chunks, "ubatch": 512, "k_type": k, "v_type": v, "rot": opts != "-norot", "tail": tail,
                 "tail_eff_full": eff_full, "tail_eff_sliding": eff_sliding,
                 "sink": 128 if family == "kvarn" else 0, "tail_dtype": "f16" if family == "kvarn" else "bf16",
                 "iters": 16, "kv_body_bytes": body, "kv_overlay_bytes": overlay,
@@ -150,8 +153,8 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
                 "dp_mean_err": float(dp.std(ddof=1) / math.sqrt(n)), **_stats(dp, "dp"),
                 "dp_rms": float(np.sqrt((dp**2).mean())), "dp_rms_err": 1e-4,
                 "same_top": float(st), "same_top_err": float(math.sqrt(st * (1 - st) / (n - 1))),
-                "family": family, "tail_requested": tail,
-                "label": f"{k}-{v} t{tail}", "kv_delta_bytes": body + overlay - body0 - overlay0,
+                "family": family, "tail_requested": tail, "tail_label": f"{eff_full}*" if eff_full != tail else str(tail),
+                "cell": f"{k}-{v}-t{tail}{opts}", "kv_delta_bytes_vs_tail0": body + overlay - body0 - overlay0,
             })
     summary = pl.DataFrame(rows, infer_schema_length=None)
     summary.write_parquet(root / "results" / "summary.parquet")

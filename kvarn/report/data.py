@@ -26,8 +26,9 @@ SERIES_STANDARD_T0 = "standard, tail 0"
 SERIES_STANDARD_T128 = "standard, tail 128"
 SERIES_KVARN = "KVarN, tail 128*"
 
-# The cell directory name written by the workflow: {k}-{v}-t{tail}
-_CELL_RE = re.compile(r"^(?P<k>[A-Za-z0-9_]+)-(?P<v>[A-Za-z0-9_]+)-t(?P<tail>\d+)$")
+# The cell directory name written by the workflow: {k}-{v}-t{tail}{opts}
+# ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}; see kvarn.matrix).
+_CELL_RE = re.compile(r"^(?P<k>[a-z0-9_]+)-(?P<v>[a-z0-9_]+)-t(?P<tail>\d+)(?P<opts>(?:-norot|-td[a-z0-9]+|-i[0-9]+)*)$")
 _RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+)$")
 
 
@@ -84,6 +85,8 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
         df = df.with_columns(pl.col("k_type").map_elements(family_of, return_dtype=pl.String).alias("family"))
     if "tail_requested" not in df.columns:
         df = df.with_columns(pl.col("tail").alias("tail_requested"))
+    if "kv_delta_bytes" not in df.columns and "kv_delta_bytes_vs_tail0" in df.columns:
+        df = df.with_columns(pl.col("kv_delta_bytes_vs_tail0").alias("kv_delta_bytes"))
     if "kv_delta_bytes" not in df.columns:
         df = df.with_columns((pl.col("kv_total_bytes") - pl.col("kv_total_bytes_tail0")).alias("kv_delta_bytes"))
     if "tail_eff_full" not in df.columns:
@@ -91,12 +94,15 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
 
     rows = df.to_dicts()
     for r in rows:
-        r["pair"] = f"{r['k_type']}-{r['v_type']}"
-        r["tail_label"] = tail_label(r["family"], r["tail_requested"], r["tail_eff_full"])
+        m = _CELL_RE.match(r.get("cell") or "")
+        r["opts"] = m["opts"] if m else ""
+        r["pair"] = f"{r['k_type']}-{r['v_type']}{r['opts']}"  # a non-default option stays visible
+        if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.matrix.tail_label)
+            r["tail_label"] = tail_label(r["family"], r["tail_requested"], r["tail_eff_full"])
         r["series"] = series_of(r["family"], r["tail_requested"], r["tail_eff_full"])
         r["k_bits"] = type_bits(r["k_type"])
         r["v_bits"] = type_bits(r["v_type"])
-        symmetric = r["k_type"] == r["v_type"] and (
+        symmetric = r["k_type"] == r["v_type"] and not r["opts"] and (
             r["family"] == "kvarn" or re.fullmatch(r"q\d+_0", r["k_type"]) is not None
         )
         r["width"] = r["k_bits"] if symmetric else None
@@ -194,6 +200,15 @@ def tail_effect(prep: pl.DataFrame) -> pl.DataFrame:
     ).sort(["width", "tail"])
 
 
+def heatmap_standard_tail(prep: pl.DataFrame) -> int | None:
+    """The standard tail whose K×V grid is fullest (ties: the shortest tail, so 0 first)."""
+    std = prep.filter((pl.col("family") == "standard") & (pl.col("opts") == ""))
+    if std.is_empty():
+        return None
+    counts = std.group_by("tail_requested").agg(pl.col("pair").n_unique().alias("n"))
+    return counts.sort(["n", "tail_requested"], descending=[True, False])["tail_requested"][0]
+
+
 # ---------------------------------------------------------------- per-token data
 
 
@@ -209,16 +224,16 @@ def parse_cell_path(path: str | Path) -> dict:
         )
     return {
         "model": model, "n_ctx": int(mr["n_ctx"]), "chunks": int(mr["chunks"]),
-        "k_type": mc["k"], "v_type": mc["v"], "tail_requested": int(mc["tail"]),
+        "k_type": mc["k"], "v_type": mc["v"], "tail_requested": int(mc["tail"]), "opts": mc["opts"],
     }
 
 
-def cell_name(k_type: str, v_type: str, tail_requested: int, tail_eff: int | None = None) -> str:
+def cell_name(k_type: str, v_type: str, tail_requested: int, tail_eff: int | None = None, opts: str = "") -> str:
     """How a cell is named in legends: `q4_0-q4_0 t128`, `kvarn4-kvarn4 t128*`."""
     fam = family_of(k_type)
-    if tail_eff is None:
+    if tail_eff is None:  # SPEC §2 on a full-attention layer
         tail_eff = max(128, -(-tail_requested // 128) * 128) if fam == "kvarn" else tail_requested
-    return f"{k_type}-{v_type} t{tail_label(fam, tail_requested, tail_eff)}"
+    return f"{k_type}-{v_type}{opts} t{tail_label(fam, tail_requested, tail_eff)}"
 
 
 def default_cells(cells: Iterable[dict], widths: Sequence[int] = (2, 4, 8), tail: int = 128) -> list[dict]:
@@ -236,7 +251,7 @@ def default_cells(cells: Iterable[dict], widths: Sequence[int] = (2, 4, 8), tail
             for c in cells:
                 std = c["k_type"] == c["v_type"] == f"q{w}_0" and c["tail_requested"] == tail
                 kv = c["k_type"] == c["v_type"] == f"kvarn{w}" and c["tail_requested"] == 0
-                if std or kv:
+                if (std or kv) and not c.get("opts"):
                     out.append(c)
         return out
 
@@ -253,7 +268,7 @@ def select_token_paths(
 ) -> list[str]:
     """The token parquets a position/distribution figure reads, chosen from their paths.
 
-    `cells`: explicit `{k}-{v}-t{tail}` names (as in the cell directory); else
+    `cells`: explicit `{k}-{v}-t{tail}{opts}` names (the cell directory); else
     `default_cells(widths, tail)`. Only the largest run (n_ctx, chunks) of a model is used.
     """
     parsed = [(str(p), parse_cell_path(p)) for p in paths]
@@ -278,7 +293,7 @@ def load_tokens(paths: Iterable[str | Path]) -> pl.DataFrame:
             pl.read_parquet(p, columns=["chunk", "pos", "kld"]).with_columns(
                 pl.lit(d["model"]).alias("model"),
                 pl.lit(d["n_ctx"]).alias("n_ctx"),
-                pl.lit(cell_name(d["k_type"], d["v_type"], d["tail_requested"])).alias("cell"),
+                pl.lit(cell_name(d["k_type"], d["v_type"], d["tail_requested"], opts=d["opts"])).alias("cell"),
                 pl.lit(fam).alias("family"),
                 pl.lit(type_bits(d["k_type"])).alias("width"),
             )

@@ -29,10 +29,6 @@ KLD_FMT = ".3~g"
 FIGURES = ("pareto", "same_width", "tail_effect", "heatmap", "position", "distribution")
 
 
-def _log_kld(title: str) -> alt.Scale:
-    return alt.Scale(type="log")
-
-
 def _title(model: str, text: str, subtitle: str) -> alt.TitleParams:
     return alt.TitleParams(f"{model}: {text}", subtitle=subtitle, anchor="start")
 
@@ -79,7 +75,7 @@ def pareto(prep: pl.DataFrame) -> alt.LayerChart:
     ]
     tooltip = [t for t in tooltip if t.to_dict()["field"] in rows.columns]
     x = alt.X("kv_mib:Q", title="KV cache MiB (body + exact overlay)", scale=alt.Scale(zero=False))
-    y = alt.Y("kld_median:Q", title="median KLD vs BF16 cache (log)", scale=_log_kld("median"))
+    y = alt.Y("kld_median:Q", title="median KLD vs BF16 cache (log)", scale=alt.Scale(type="log"))
     series = _series_scale(rows["series"].to_list())
     points = alt.Chart(rows, name="cells").mark_point(filled=True, size=70, opacity=0.9).encode(
         x=x, y=y, color=alt.Color("series:N", scale=series, title=None, legend=alt.Legend(orient="top-right")),
@@ -197,13 +193,20 @@ def tail_effect(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
                      f"median KLD, tail 0 → tail N, same pair; below 0: the tail helps. {_run_desc(prep)}"))
 
 
-def heatmap(prep: pl.DataFrame) -> alt.HConcatChart | alt.Chart:
-    """Median KLD of every measured K×V pair, one panel per family (standard tail 0, KVarN 128*)."""
+def heatmap(prep: pl.DataFrame, standard_tail: int | None = None) -> alt.HConcatChart | alt.Chart:
+    """Median KLD of every measured K×V pair, one panel per family (standard, KVarN 128*).
+
+    The standard panel shows `standard_tail`; by default the tail with the most measured
+    pairs, tail 0 on a tie (the default matrix measures its K×V product at tail 128).
+    """
     model = prep["model"][0]
     panels = []
-    sel = {"standard": (pl.col("family") == "standard") & (pl.col("tail_requested") == 0),
+    if standard_tail is None:
+        standard_tail = D.heatmap_standard_tail(prep)
+    sel = {"standard": (pl.col("family") == "standard") & (pl.col("tail_requested") == standard_tail),
            "kvarn": (pl.col("family") == "kvarn") & (pl.col("tail_requested") == 0)}
-    names = {"standard": "standard, tail 0", "kvarn": "KVarN, tail 128*"}
+    sel = {k: c & (pl.col("opts") == "") for k, c in sel.items()}
+    names = {"standard": f"standard, tail {standard_tail}", "kvarn": "KVarN, tail 128*"}
     allv = prep.filter(sel["standard"] | sel["kvarn"])["kld_median"]
     if allv.is_empty():
         return _placeholder(model, "K×V heatmap", "no standard tail-0 or KVarN cells measured")
@@ -291,18 +294,22 @@ def distribution(tokens: pl.DataFrame) -> alt.LayerChart:
 # ---------------------------------------------------------------- writing
 
 
-def summary_figure(name: str, prep: pl.DataFrame) -> alt.TopLevelMixin:
-    builders = {"pareto": pareto, "same_width": same_width, "tail_effect": tail_effect, "heatmap": heatmap}
-    if name not in builders:
-        raise ValueError(f"unknown summary figure {name!r}; expected one of {sorted(builders)}")
-    return builders[name](prep)
+SUMMARY_FIGURES = {"pareto": pareto, "same_width": same_width, "tail_effect": tail_effect, "heatmap": heatmap}
+TOKEN_FIGURES = {"position": position, "distribution": distribution}
 
 
-def token_figure(name: str, tokens: pl.DataFrame) -> alt.TopLevelMixin:
-    builders = {"position": position, "distribution": distribution}
-    if name not in builders:
-        raise ValueError(f"unknown per-token figure {name!r}; expected one of {sorted(builders)}")
-    return builders[name](tokens)
+def summary_figure(name: str, prep: pl.DataFrame, **options) -> alt.TopLevelMixin:
+    """A figure drawn from the prepared summary rows of one model (`options`: the builder's keywords)."""
+    if name not in SUMMARY_FIGURES:
+        raise ValueError(f"unknown summary figure {name!r}; expected one of {sorted(SUMMARY_FIGURES)}")
+    return SUMMARY_FIGURES[name](prep, **options)
+
+
+def token_figure(name: str, tokens: pl.DataFrame, **options) -> alt.TopLevelMixin:
+    """A figure drawn from per-token rows (kvarn.report.data.load_tokens)."""
+    if name not in TOKEN_FIGURES:
+        raise ValueError(f"unknown per-token figure {name!r}; expected one of {sorted(TOKEN_FIGURES)}")
+    return TOKEN_FIGURES[name](tokens, **options)
 
 
 def _atomic_write(path: Path, payload: bytes) -> None:

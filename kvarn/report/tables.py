@@ -62,7 +62,7 @@ def format_rows(table: pl.DataFrame) -> list[dict]:
 def _caption(table: pl.DataFrame) -> str:
     r = table.row(0, named=True)
     return (f"{r['model']}: n_ctx {r['n_ctx']}, {r['chunks']} chunks, {r['n_tokens']} scored tokens per cell. "
-            "Tail `128*`: KVarN's request 0 (an effective 128-token tail, SPEC §2). "
+            "Tail 128\\*: KVarN's request 0 (an effective 128-token tail, SPEC §2). "
             "Δ: MiB against the same pair at tail 0. "
             f"*{FLOOR_NOTE}*: the best standard row by median KLD; "
             f"**bold** rows ({BELOW_NOTE}): median KLD lower than the standard floor.")
@@ -76,7 +76,7 @@ def to_markdown(table: pl.DataFrame) -> str:
              "| " + " | ".join(HEADERS) + " |",
              "|" + "|".join("---:" if h in right else "---" for h in HEADERS) + "|"]
     for r in rows:
-        cells = [r[h] for h in HEADERS]
+        cells = [r[h].replace("*", "\\*") for h in HEADERS]  # `128*` must not open emphasis
         if r["_below"]:
             cells = [f"**{c}**" if c else c for c in cells]
         elif r["_floor"]:

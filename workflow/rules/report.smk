@@ -1,6 +1,132 @@
-# Placeholder: the report engineer owns this file and will overwrite it.
-# It must define report_targets() -> list of table/figure paths built by its rules.
+# Tables and figures of every model, from results/summary.parquet (and, for the position
+# and distribution figures, a few cells' tokens.parquet). The drawing is kvarn.report;
+# the scripts are thin adapters. How to read each output: docs/notes/report.md.
+#
+# Uses from common.smk: model_names(), token_parquets(model).
+# Optional config (kvarn.report.workflow.DEFAULTS; the schema must allow a `report` section):
+#   report: {cells: ["q4_0-q4_0-t128", "kvarn4-kvarn4-t0"], widths: [2, 4, 8], tail: 128, position_bins: 24}
+#   cells: the cells the per-token figures draw (cell directory names); default: the
+#   standard qN_0-qN_0 at `tail` and kvarnN-kvarnN (128*) for N in `widths`.
+from kvarn.report import workflow as kvr
+
+# Every table and figure path of every model (rule all's input, through all_targets()).
+report_targets = lambda: kvr.targets(model_names())
+figure_tokens = lambda wildcards: kvr.figure_tokens(token_parquets(wildcards.model), config)
+figure_outputs = kvr.figure_outputs
 
 
-def report_targets():
-    return []
+rule report_table:
+    input:
+        summary="results/summary.parquet",
+    output:
+        md="results/tables/{model}.md",
+        html=report(
+            "results/tables/{model}.html",
+            caption="../report/table.rst",
+            category="{model}",
+            subcategory="table",
+            labels={"model": "{model}", "figure": "table"},
+        ),
+        parquet="results/tables/{model}.parquet",
+    log:
+        "logs/report/{model}/table.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/tables.py"
+
+
+rule report_pareto:
+    input:
+        summary="results/summary.parquet",
+    output:
+        **figure_outputs("pareto"),
+    params:
+        figure="pareto",
+        options={},
+    log:
+        "logs/report/{model}/pareto.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/figures.py"
+
+
+rule report_same_width:
+    input:
+        summary="results/summary.parquet",
+    output:
+        **figure_outputs("same_width"),
+    params:
+        figure="same_width",
+        options={"tail": kvr.option(config, "tail")},
+    log:
+        "logs/report/{model}/same_width.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/figures.py"
+
+
+rule report_tail_effect:
+    input:
+        summary="results/summary.parquet",
+    output:
+        **figure_outputs("tail_effect"),
+    params:
+        figure="tail_effect",
+        options={},
+    log:
+        "logs/report/{model}/tail_effect.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/figures.py"
+
+
+rule report_heatmap:
+    input:
+        summary="results/summary.parquet",
+    output:
+        **figure_outputs("heatmap"),
+    params:
+        figure="heatmap",
+        options={},
+    log:
+        "logs/report/{model}/heatmap.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/figures.py"
+
+
+rule report_position:
+    input:
+        tokens=figure_tokens,
+    output:
+        **figure_outputs("position"),
+    params:
+        figure="position",
+        options={"n_bins": kvr.option(config, "position_bins")},
+    log:
+        "logs/report/{model}/position.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/figures.py"
+
+
+rule report_distribution:
+    input:
+        tokens=figure_tokens,
+    output:
+        **figure_outputs("distribution"),
+    params:
+        figure="distribution",
+        options={},
+    log:
+        "logs/report/{model}/distribution.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/figures.py"

@@ -1,0 +1,57 @@
+"""What workflow/rules/report.smk needs at planning time: target paths, figure outputs, token inputs.
+
+Kept here rather than in the rule file so that file holds rules only (`snakemake --lint`
+flags rules and functions mixed in one file). Imports `snakemake.io`, so only the workflow
+imports this module.
+"""
+
+from __future__ import annotations
+
+from kvarn.report.data import select_token_paths
+
+SUMMARY_FIGURES = ["pareto", "same_width", "tail_effect", "heatmap"]
+TOKEN_FIGURES = ["position", "distribution"]
+FIGURE_FORMATS = ["svg", "png", "vl.json"]
+TABLE_FORMATS = ["md", "html", "parquet"]
+FIGURE_TITLES = {
+    "pareto": "damage vs cache size",
+    "same_width": "KVarN vs same-width standard",
+    "tail_effect": "tail 0 vs tail 128",
+    "heatmap": "K x V heatmap",
+    "position": "KLD by position",
+    "distribution": "KLD distribution",
+}
+# `report:` section of the config (optional; every key has a default).
+DEFAULTS = {"cells": None, "widths": [2, 4, 8], "tail": 128, "position_bins": 24}
+
+
+def targets(models) -> list[str]:
+    """Every table and figure path of every model."""
+    out = []
+    for m in models:
+        out += [f"results/tables/{m}.{ext}" for ext in TABLE_FORMATS]
+        out += [f"results/figures/{m}/{f}.{ext}" for f in SUMMARY_FIGURES + TOKEN_FIGURES for ext in FIGURE_FORMATS]
+    return out
+
+
+def option(config: dict, key: str):
+    return (config.get("report") or {}).get(key, DEFAULTS[key])
+
+
+def figure_tokens(token_paths, config: dict) -> list[str]:
+    """The tokens.parquet of the cells the position/distribution figures draw, chosen by path."""
+    return select_token_paths(token_paths, cells=option(config, "cells"), widths=option(config, "widths"),
+                              tail=option(config, "tail"))
+
+
+def figure_outputs(figure: str) -> dict:
+    """svg (in `snakemake --report`, with workflow/report/{figure}.rst), png, Vega-Lite spec."""
+    from snakemake.io import report
+
+    stem = f"results/figures/{{model}}/{figure}"
+    return {
+        "svg": report(f"{stem}.svg", caption=f"../report/{figure}.rst", category="{model}",
+                      subcategory=FIGURE_TITLES[figure], labels={"model": "{model}", "figure": FIGURE_TITLES[figure]}),
+        "png": f"{stem}.png",
+        "vl": f"{stem}.vl.json",
+    }
