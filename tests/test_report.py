@@ -1,0 +1,254 @@
+"""kvarn.report on a synthetic result set (tests/synthetic.py): tables, figure specs, rules.
+
+Figures are checked on their Vega-Lite JSON (marks, fields, scales, series), not pixels;
+one figure is rendered to SVG and PNG to prove the offline renderer works.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import synthetic  # noqa: E402
+
+from kvarn import report as R  # noqa: E402
+from kvarn.report import data as D  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ["smollm2-135m", "gemma3-270m"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synthetic")
+    summary = synthetic.make_results(root)
+    return root, summary
+
+
+@pytest.fixture(scope="module")
+def prep(results):
+    return {m: R.prepare(results[1], m) for m in MODELS}
+
+
+def units(spec):
+    """Every unit spec (a dict with a mark) inside a layered/concatenated Vega-Lite spec."""
+    if isinstance(spec, dict):
+        if "mark" in spec:
+            yield spec
+        for v in spec.values():
+            yield from units(v)
+    elif isinstance(spec, list):
+        for v in spec:
+            yield from units(v)
+
+
+def mark(u):
+    return u["mark"]["type"] if isinstance(u["mark"], dict) else u["mark"]
+
+
+def fields(u):
+    return {ch: e.get("field") for ch, e in u.get("encoding", {}).items() if isinstance(e, dict)}
+
+
+def dataset_values(spec, column):
+    return {row[column] for rows in spec.get("datasets", {}).values() for row in rows if column in row}
+
+
+# ---------------------------------------------------------------- tables
+
+
+def test_table_marks_floor_and_rows_below_it(results):
+    table = R.build_table(results[1], "smollm2-135m")
+    floor = table.filter(pl.col("is_floor"))
+    assert floor.height == 1 and floor["pair"][0] == "q8_0-q8_0" and floor["family"][0] == "standard"
+    std_best = table.filter(pl.col("family") == "standard")["kld_median"].min()
+    below = table.filter(pl.col("below_floor"))
+    assert below.height >= 1 and (below["kld_median"] < std_best).all() and (below["family"] == "kvarn").all()
+
+    md = R.to_markdown(table)
+    assert "| kvarn4-kvarn4 | 128\\* | 14.85 |" in md  # request 0 printed 128*, escaped for Markdown
+    assert "| kvarn4-kvarn4 | 128 | 14.85 (+0.00) |" in md  # request 128: the same cache
+    assert [ln for ln in md.splitlines() if ln.startswith("| q8_0-q8_0 | 0 |")][0].endswith("| *standard floor* |")
+    kv8 = [ln for ln in md.splitlines() if ln.startswith("| **kvarn8-kvarn8**")]
+    assert kv8 and "**below floor**" in kv8[0]  # the whole row is bold
+    t128 = [ln for ln in md.splitlines() if ln.startswith("| q4_0-q4_0 | 128 |")][0]
+    row = table.filter((pl.col("pair") == "q4_0-q4_0") & (pl.col("tail_requested") == 128)).row(0, named=True)
+    assert f"{row['kv_mib']:.2f} ({row['delta_mib']:+.2f})" in t128 and row["delta_mib"] > 0
+    t0 = [ln for ln in md.splitlines() if ln.startswith("| q4_0-q4_0 | 0 |")][0]
+    assert "(+" not in t0  # a tail-0 row is its own reference
+    assert "q4_0-q4_0-norot" in md  # a non-default option stays visible
+
+    html = R.to_html(table)
+    assert html.count('class="kvarn below-floor"') == below.height
+    assert html.count('class="standard floor"') == 1
+    assert "<td>128*</td>" in html and "(+2.81)" in html
+
+
+def test_table_parquet_round_trip(results, tmp_path):
+    table = R.build_table(results[1], "gemma3-270m")
+    table.write_parquet(tmp_path / "t.parquet")
+    back = pl.read_parquet(tmp_path / "t.parquet")
+    assert back.columns == [c for c in R.tables.TABLE_COLUMNS if c in back.columns]
+    assert set(back["tail_label"]) >= {"0", "128", "128*"}
+
+
+def test_unknown_model_names_the_choices(results):
+    with pytest.raises(ValueError, match="no-such-model.*smollm2-135m"):
+        R.prepare(results[1], "no-such-model")
+
+
+# ---------------------------------------------------------------- figures from the summary
+
+
+def test_pareto_spec(prep):
+    spec = R.pareto(prep["smollm2-135m"]).to_dict()
+    us = list(units(spec))
+    points = [u for u in us if mark(u) == "point"]
+    assert points and fields(points[0])["x"] == "kv_mib" and fields(points[0])["y"] == "kld_median"
+    assert points[0]["encoding"]["y"]["scale"]["type"] == "log"
+    series = points[0]["encoding"]["color"]["scale"]["domain"]
+    assert series[:3] == [D.SERIES_STANDARD_T0, D.SERIES_STANDARD_T128, D.SERIES_KVARN]
+    assert {D.SERIES_STANDARD_T0, D.SERIES_STANDARD_T128, D.SERIES_KVARN} <= dataset_values(spec, "series")
+    tips = {t["field"] for t in points[0]["encoding"]["tooltip"]}
+    assert {"pair", "tail_label", "tail_eff_full", "rot", "body_mib", "overlay_mib", "kld_mean", "same_top_pct"} <= tips
+    frontier = [u for u in us if mark(u) == "line"]
+    assert len(frontier) == 1 and fields(frontier[0])["y"] == "frontier_kld"
+    assert frontier[0]["mark"]["interpolate"] == "step-after"
+    rule = [u for u in us if mark(u) == "rule"]
+    assert len(rule) == 1 and fields(rule[0])["y"] == "floor_kld"
+    floor = D.standard_floor(prep["smollm2-135m"])
+    assert dataset_values(spec, "floor_kld") == {floor["kld_median"]}
+    # the frontier is the running minimum of the standard medians over MiB
+    front = D.pareto_frontier(prep["smollm2-135m"])
+    assert (front["frontier_kld"].diff().drop_nulls() <= 0).all()
+    assert front["frontier_kld"].min() == floor["kld_median"]
+
+
+def test_same_width_pairs_matched_and_missing_skipped(prep):
+    for model, missing in (("smollm2-135m", 3), ("gemma3-270m", 5)):
+        sw = D.same_width(prep[model])
+        assert missing not in sw["width"].to_list() and 2 in sw["width"].to_list()
+        assert (sw["pair_std"].str.contains("_0")).all() and (sw["tail_label_kvarn"] == "128*").all()
+        spec = R.same_width(prep[model]).to_dict()
+        bars = [u for u in units(spec) if mark(u) == "bar"]
+        assert {"pct", "mib"} <= {fields(u)["y"] for u in bars}
+        assert dataset_values(spec, "statistic") == {"median", "mean"}
+        assert dataset_values(spec, "component") == {"standard body", "standard overlay", "KVarN body", "KVarN overlay"}
+    gemma = D.same_width(prep["gemma3-270m"]).filter(pl.col("width") == 2)
+    assert gemma["pct_median"][0] > 0  # the width where KVarN loses (SPEC §7) shows as positive
+
+
+def test_same_width_without_partners_is_a_placeholder(prep):
+    only_std = prep["smollm2-135m"].filter(pl.col("family") == "standard")
+    spec = R.same_width(only_std).to_dict()
+    assert mark(next(units(spec))) == "text"
+
+
+def test_tail_effect_spec(prep):
+    te = D.tail_effect(prep["smollm2-135m"])
+    assert te.filter(pl.col("width") == 2)["pct_median"][0] < -30  # the tail matters most at 2 bits
+    assert 3 not in te["width"].to_list()  # q3_0 has no tail-128 partner
+    spec = R.tail_effect(prep["smollm2-135m"]).to_dict()
+    bars = [u for u in units(spec) if mark(u) == "bar"]
+    assert fields(bars[0])["y"] == "pct_median" and fields(bars[0])["x"] == "width"
+
+
+def test_heatmap_spec(prep):
+    spec = R.heatmap(prep["gemma3-270m"]).to_dict()
+    rects = [u for u in units(spec) if mark(u) == "rect"]
+    assert len(rects) == 2  # one panel per family
+    for r in rects:
+        assert fields(r) == {"x": "v_type", "y": "k_type", "color": "kld_median"}
+        assert r["encoding"]["color"]["scale"]["type"] == "log"
+    texts = [u for u in units(spec) if mark(u) == "text"]
+    assert texts and texts[0]["encoding"]["text"]["field"] == "kld_median"
+    assert spec["resolve"]["scale"]["color"] == "shared"
+    assert {"q8_0", "q4_0", "kvarn8"} <= dataset_values(spec, "k_type")
+
+
+# ---------------------------------------------------------------- per-token figures
+
+
+def test_token_selection_from_paths(results):
+    paths = synthetic.token_paths(results[0], "smollm2-135m")
+    chosen = [Path(p).parent.name for p in R.select_token_paths(paths)]
+    assert sorted(chosen) == sorted(f"{t}-{t}-t{n}" for t, n in [
+        ("q2_0", 128), ("q4_0", 128), ("q8_0", 128), ("kvarn2", 0), ("kvarn4", 0), ("kvarn8", 0)])
+    assert [Path(p).parent.name for p in R.select_token_paths(paths, cells=["q4_0-q4_0-t0-norot"])] == [
+        "q4_0-q4_0-t0-norot"]
+    assert D.parse_cell_path(paths[0])["model"] == "smollm2-135m"
+    with pytest.raises(ValueError, match="not a cell path"):
+        D.parse_cell_path("results/x/tokens.parquet")
+
+
+def test_position_and_distribution_specs(results):
+    tokens = R.load_tokens(R.select_token_paths(synthetic.token_paths(results[0], "gemma3-270m")))
+    spec = R.position(tokens, n_bins=16).to_dict()
+    line = [u for u in units(spec) if mark(u) == "line"][0]
+    assert fields(line)["x"] == "pos_mid" and fields(line)["y"] == "kld_mean"
+    assert line["encoding"]["y"]["scale"]["type"] == "log"
+    assert fields(line)["strokeDash"] == "family" and fields(line)["color"] == "width"
+    bins = D.position_bins(tokens, n_bins=16)
+    assert bins.group_by("cell").len()["len"].max() == 16 and bins["n"].sum() == tokens.height
+    spec = R.distribution(tokens).to_dict()
+    ecdf = [u for u in units(spec) if mark(u) == "line"][0]
+    assert fields(ecdf)["x"] == "kld" and ecdf["encoding"]["x"]["scale"]["type"] == "log"
+    assert fields(ecdf)["y"] == "fraction"
+
+
+def test_save_chart_writes_spec_svg_png(prep, tmp_path):
+    written = R.save_chart(R.tail_effect(prep["smollm2-135m"]), tmp_path / "fig" / "tail_effect")
+    assert [p.name for p in written] == ["tail_effect.vl.json", "tail_effect.svg", "tail_effect.png"]
+    assert json.loads(written[0].read_text())["$schema"].startswith("https://vega.github.io/schema/vega-lite/")
+    assert written[1].read_text().lstrip().startswith("<svg")
+    assert written[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list((tmp_path / "fig").glob(".*tmp"))  # atomic writes leave no temporaries
+
+
+# ---------------------------------------------------------------- rules
+
+
+def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
+    """The rule file under a minimal Snakefile providing common.smk's two functions."""
+    snakemake = shutil.which("snakemake", path=str(Path(sys.executable).parent)) or "snakemake"
+    shutil.copytree(results[0] / "results", tmp_path / "results")
+    (tmp_path / "Snakefile").write_text(textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+
+
+        include: "common.smk"
+        include: {str(ROOT / "workflow/rules/report.smk")!r}
+
+
+        rule all:
+            default_target: True
+            input:
+                report_targets(),
+    """))
+    (tmp_path / "common.smk").write_text(textwrap.dedent(f"""
+        def model_names():
+            return {MODELS!r}
+
+
+        def token_parquets(model):
+            return sorted(str(p) for p in Path("results", model).glob("ctx*-c*/cells/*/tokens.parquet"))
+    """))
+    dry = subprocess.run([snakemake, "-n", "-q", "rules"], cwd=tmp_path, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    for rule in ("report_table", "report_pareto", "report_same_width", "report_tail_effect", "report_heatmap",
+                 "report_position", "report_distribution"):
+        assert f"{rule}" in dry.stdout + dry.stderr
+    lint = subprocess.run([snakemake, "--lint"], cwd=tmp_path, capture_output=True, text=True)
+    assert "Lints for snakefile " + str(ROOT / "workflow/rules/report.smk") not in lint.stdout + lint.stderr, lint.stdout
+    from kvarn.report import workflow as W
+
+    targets = W.targets(MODELS)
+    assert len(targets) == 2 * (3 + 6 * 3) and "results/figures/gemma3-270m/pareto.vl.json" in targets
