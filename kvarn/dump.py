@@ -8,9 +8,13 @@ Encoding (llama-perplexity's `log_softmax(..., uint16_t * log_prob, ...)`): per 
 … `hi`; `scale = (hi − lo)/65535`; `code_v = round((lp_v − lo)/scale)` for `lp_v > lo`,
 else 0; stored as `[scale: f32, lo: f32, code_0 … code_{V−1}: u16, pad to even]`, i.e.
 `nv = 2·⌈V/2⌉ + 4` uint16 per row, the same row layout llama.cpp writes. Decoding is
-`scale·code + lo`: within `scale/2 ≤ 16/131070 ≈ 1.22e-4` nats (plus fp32 rounding) of the
-true value for every entry at or above `lo`; entries below `hi − 16` read back as `lo`
-(≤ −16 nats), which `kvarn.metrics` leaves out of the KLD sum exactly as llama.cpp does.
+`scale·code + lo`. One deliberate difference: the stored `lo` is shifted by δ (|δ| ≤
+scale/2) so the decoded probabilities above −16 nats keep their true total mass, which
+removes the first-order KLD bias of the rounding (see `_mass_corrected_floor`). Every
+entry at or above the range floor then decodes within `scale ≤ 16/65535 ≈ 2.44e-4` nats
+(plus fp32 rounding) of its true value (`scale/2` without the shift); entries below
+`hi − 16` read back as the floor (≤ −16 nats), which `kvarn.metrics` leaves out of the
+KLD sum exactly as llama.cpp does.
 
 File: a 64-byte preamble (magic, format version, offset and length of the JSON header),
 the payload (chunks × rows × nv uint16, little-endian), then the JSON header. The header
@@ -35,7 +39,7 @@ FILE_VERSION = 1
 PREAMBLE = struct.Struct("<8sII QQ")  # magic, file version, reserved, json offset, json length
 PAYLOAD_OFFSET = 64
 ENCODING = "llama-logprob-u16"
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2  # 1: llama.cpp lo; 2: mass-corrected lo
 RANGE_NATS = 16.0
 REQUIRED = ("model", "revision", "tokenizer_hash", "text_sha256", "n_ctx")
 
@@ -47,9 +51,35 @@ def row_uint16(vocab_size: int) -> int:
     return 2 * ((vocab_size + 1) // 2) + 4
 
 
-def encode_rows(logp: torch.Tensor) -> np.ndarray:
+def _mass_corrected_floor(x, codes, scale, lo, hi):
+    """Shift `lo` so the decoded probabilities of the entries the KLD sums (base log-prob
+    above KLD_BASE_FLOOR) carry exactly their true mass.
+
+    Rounding moves each log-prob by ε ∈ ±scale/2; with a perfect Q the KLD then reads
+    ≈ Σ p·ε, a bias of ~1e-5 per token (measured: docs/notes/engine-io.md) that swamps
+    the low KLD percentiles of 8-bit caches. Subtracting the p-weighted mean of ε (a
+    common shift δ, |δ| ≤ scale/2) cancels it to first order. The row layout and the
+    decode rule are llama.cpp's; only the stored `lo` differs.
+    """
+    from kvarn.metrics import KLD_BASE_FLOOR
+
+    dec = codes * scale + lo
+    keep = x > KLD_BASE_FLOOR
+    ninf = torch.tensor(float("-inf"), dtype=x.dtype)
+    delta = (torch.logsumexp(torch.where(keep, x, ninf), 1, keepdim=True)
+             - torch.logsumexp(torch.where(keep, dec, ninf), 1, keepdim=True))
+    delta = torch.where(torch.isfinite(delta), delta, 0.0)
+    shifted = lo + delta
+    # Entries clamped to the floor must stay out of the KLD sum (≤ −16 nats).
+    clipped = x.min(dim=1, keepdim=True).values < hi - RANGE_NATS
+    shifted = torch.where(clipped, torch.minimum(shifted, torch.full_like(lo, KLD_BASE_FLOOR)), shifted)
+    return shifted.float().double()
+
+
+def encode_rows(logp: torch.Tensor, mass_correct: bool = True) -> np.ndarray:
     """[n, V] log-probs -> [n, nv] uint16 rows (header + codes). Computed in float64; the
-    stored scale and floor are fp32 and the codes are made against those fp32 values."""
+    stored scale and floor are fp32 and the codes are made against those fp32 values.
+    `mass_correct=False` gives llama.cpp's `lo` exactly (see `_mass_corrected_floor`)."""
     logp = torch.as_tensor(logp)
     if logp.ndim != 2:
         raise ValueError(f"expected log-probs [n_scored, vocab], got shape {tuple(logp.shape)}")
@@ -66,6 +96,8 @@ def encode_rows(logp: torch.Tensor) -> np.ndarray:
         safe = torch.where(scale > 0, scale, 1.0)
         codes = torch.where(x > lo, torch.round((x - lo) / safe), 0.0).clamp_(0, 65535)
         codes = torch.where(scale > 0, codes, 0.0)
+        if mass_correct:
+            lo = _mass_corrected_floor(x, codes, scale, lo, hi)
         out[a:a + len(x), 4:4 + V] = codes.numpy().astype(np.uint16)
         hdr = torch.cat([scale, lo], dim=1).float().numpy()  # [rows, 2] f32
         out[a:a + len(x), :4] = hdr.view(np.uint16)
@@ -75,9 +107,12 @@ def encode_rows(logp: torch.Tensor) -> np.ndarray:
 def decode_rows(rows: np.ndarray, vocab_size: int) -> torch.Tensor:
     """[n, nv] uint16 rows -> [n, V] float32 log-probs (`scale·code + lo`)."""
     rows = np.asarray(rows)
-    hdr = np.ascontiguousarray(rows[:, :4]).view(np.float32)  # [n, 2]: scale, lo
-    codes = rows[:, 4:4 + vocab_size].astype(np.float32)
-    return torch.from_numpy(codes * hdr[:, :1] + hdr[:, 1:2])
+    out = np.empty((rows.shape[0], vocab_size), dtype=np.float32)
+    for a in range(0, rows.shape[0], _ROWS):  # float64 inside: one rounding, to fp32, at the end
+        r = rows[a:a + _ROWS]
+        hdr = np.ascontiguousarray(r[:, :4]).view(np.float32).astype(np.float64)  # scale, lo
+        out[a:a + _ROWS] = r[:, 4:4 + vocab_size] * hdr[:, :1] + hdr[:, 1:2]
+    return torch.from_numpy(out)
 
 
 def _sha256(a: np.ndarray) -> str:
@@ -215,10 +250,10 @@ def open_dump(path: str | os.PathLike, expect: dict | None = None, verify: bool 
     if not path.is_file():
         raise FileNotFoundError(f"no baseline dump at {path}; make it with `kvarn baseline`")
     header, _ = _read_header(path)
-    if header.get("encoding") != ENCODING or header.get("encoding_version") != ENCODING_VERSION:
+    if header.get("encoding") != ENCODING or header.get("encoding_version") not in (1, 2):
         raise ValueError(
             f"dump {path}: encoding {header.get('encoding')!r} v{header.get('encoding_version')}, "
-            f"this reader decodes {ENCODING!r} v{ENCODING_VERSION}"
+            f"this reader decodes {ENCODING!r} v1 and v2"
         )
     for key, want in (expect or {}).items():
         found = header.get(key, "<missing>")
@@ -227,3 +262,81 @@ def open_dump(path: str | os.PathLike, expect: dict | None = None, verify: bool 
     payload = np.memmap(path, dtype="<u2", mode="r", offset=PAYLOAD_OFFSET,
                         shape=(header["n_chunks"], header["n_scored"], header["row_uint16"]))
     return Dump(path, header, payload, verify)
+
+
+def measure_encoding_error(name: str = "smollm2-135m", n_ctx: int = 512, chunks: int = 1,
+                           text_path: str | None = None, cache_dir: str = "resources/models") -> dict:
+    """What the encoding costs, on real log-probs: the model's fp32 run is the exact base;
+    Q is (a) the same fp32 run (a perfect Q) and (b) the model run in bfloat16 (a realistic
+    small perturbation). Reports the per-token KLD error |KLD(dump) − KLD(fp32)| and bytes."""
+    import tempfile
+    import time
+
+    from kvarn import data, metrics, models
+
+    lm = models.load(models.ModelSpec(name, f"embedded:{name}"), cache_dir, device="cpu")
+    text = data.load_text(text_path)
+    chunk_ids = data.make_chunks(data.tokenize(lm.tokenizer, text), n_ctx, chunks, lm.info.bos_id)
+    pos = data.scored_positions(n_ctx)
+    sl = slice(pos.start, pos.stop)
+    exact, q_bf16, targets = [], [], []
+    with torch.inference_mode():
+        for ids in chunk_ids:
+            logits = lm.model(ids[None]).logits[0, sl].float()
+            exact.append(torch.log_softmax(logits, -1))
+            targets.append(ids[pos.start + 1:pos.stop + 1])
+        lm.model.to(torch.bfloat16)
+        for ids in chunk_ids:
+            q_bf16.append(torch.log_softmax(lm.model(ids[None]).logits[0, sl].float(), -1))
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "base.kvd"
+        h = {"model": name, "revision": lm.info.revision, "tokenizer_hash": lm.info.tokenizer_hash,
+             "text_sha256": data.text_sha256(text), "n_ctx": n_ctx}
+        t = time.perf_counter()
+        write_dump(p, h, exact)
+        t_write = time.perf_counter() - t
+        size = p.stat().st_size
+        d = open_dump(p)
+        t = time.perf_counter()
+        decoded = [d.chunk(i) for i in range(d.n_chunks)]
+        t_read = time.perf_counter() - t
+    res: dict = {"model": name, "n_ctx": n_ctx, "chunks": len(chunk_ids), "vocab": lm.info.vocab_size}
+    n_tok = sum(len(t) for t in targets)
+    res["bytes_per_scored_token"] = 2 * row_uint16(lm.info.vocab_size)
+    res["file_bytes_per_scored_token"] = size / n_tok
+    res["fp32_bytes_per_scored_token"] = 4 * lm.info.vocab_size
+    res["write_s"], res["read_decode_s"] = t_write, t_read
+    llama_lo = [decode_rows(encode_rows(e, mass_correct=False), lm.info.vocab_size) for e in exact]
+    for label, qs in (("perfect_q", exact), ("bf16_q", q_bf16)):
+        ref = np.concatenate([metrics.token_metrics(q, e, t)["kld"] for q, e, t in zip(qs, exact, targets)])
+        res[label] = {"kld_mean_fp32_base": float(ref.mean()), "kld_median_fp32_base": float(np.median(ref))}
+        for enc, dec in (("dump", decoded), ("llama_lo", llama_lo)):
+            got = np.concatenate([metrics.token_metrics(q, c, t)["kld"] for q, c, t in zip(qs, dec, targets)])
+            err = np.abs(got - ref)
+            res[label][enc] = {
+                "kld_mean": float(got.mean()), "abs_err_mean": float(err.mean()),
+                "abs_err_max": float(err.max()), "abs_err_p99": float(np.quantile(err, 0.99)),
+                "rel_err_of_mean": float(abs(got.mean() - ref.mean()) / ref.mean()) if ref.mean() else None}
+        # how much the −16-nat floor rule itself leaves out, with the exact base
+        full = np.concatenate([(e.double().exp() * (e.double() - q.double())).sum(-1).numpy()
+                               for q, e in zip(qs, exact)])
+        res[label]["kld_mean_no_floor_rule"] = float(full.mean())
+        res[label]["floor_rule_abs_diff_max"] = float(np.abs(full - ref).max())
+    nllb_err = np.concatenate([
+        np.abs(metrics.token_metrics(e, c, t)["nll_base"] - metrics.token_metrics(e, e, t)["nll_base"])
+        for e, c, t in zip(exact, decoded, targets)])
+    res["nll_base_abs_err_max"] = float(nllb_err.max())
+    return res
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="measure the KLD error of the dump encoding on real log-probs")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=1)
+    ap.add_argument("--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw-v1/wiki.test.raw"))
+    ap.add_argument("--cache-dir", default="resources/models")
+    a = ap.parse_args()
+    print(json.dumps(measure_encoding_error(a.model, a.n_ctx, a.chunks, a.text, a.cache_dir), indent=1))

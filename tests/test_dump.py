@@ -20,10 +20,11 @@ def header(n_ctx=16, **kw):
     return h
 
 
-def test_error_bound_from_step():
+@pytest.mark.parametrize("mass_correct", [False, True])
+def test_error_bound_from_step(mass_correct):
     lp = logprobs(7, 1001)  # odd vocab: the row is padded to even
     lp[0] = torch.log_softmax(torch.zeros(1001), -1)  # flat row: zero range, scale 0
-    rows = dump.encode_rows(lp)
+    rows = dump.encode_rows(lp, mass_correct=mass_correct)
     assert rows.shape == (7, 2 * 501 + 4) and dump.row_uint16(1001) == 1006
     dec = dump.decode_rows(rows, 1001).double()
     hdr = np.ascontiguousarray(rows[:, :4]).view(np.float32).astype(np.float64)
@@ -31,19 +32,37 @@ def test_error_bound_from_step():
     x = lp.double().numpy()
     hi = x.max(1, keepdims=True)
     # range: 16 nats below the top (or the row minimum if closer), 65535 steps
-    np.testing.assert_allclose(lo, np.maximum(x.min(1, keepdims=True), hi - 16), rtol=1e-6)
-    np.testing.assert_allclose(scale, (hi - lo) / 65535, rtol=1e-6)
+    floor = np.maximum(x.min(1, keepdims=True), hi - 16)
+    np.testing.assert_allclose(scale, (hi - floor) / 65535, rtol=1e-6)
     assert scale[1:].max() <= 16 / 65535 * (1 + 1e-6)
-    inside = x >= lo
-    # error ≤ half a step, plus fp32 rounding of the stored lo/scale and of the decode
-    bound = 0.5 * scale + 4 * EPS32 * (np.abs(lo) + np.abs(x))
+    fp32 = 4 * EPS32 * (np.abs(floor) + np.abs(x))
+    # llama.cpp stores the floor itself; the mass correction moves it by at most half a step
+    shift = 0.5 * scale if mass_correct else 0.0
+    assert np.all(np.abs(lo - floor) <= shift + 4 * EPS32 * np.abs(floor))
+    # so every entry in range decodes within half a step (+ the shift, + fp32 rounding)
+    inside = x >= floor
+    bound = np.broadcast_to(0.5 * scale + shift + fp32, x.shape)
     err = np.abs(dec.numpy() - x)
-    assert np.all(err[inside] <= np.broadcast_to(bound, x.shape)[inside])
-    # below the range everything reads back as the floor, at or below −16 nats
+    assert np.all(err[inside] <= bound[inside])
+    # below the range everything reads back as the stored floor, at or below −16 nats
+    assert (~inside).any()
     assert np.all(dec.numpy()[~inside] == np.broadcast_to(lo, x.shape)[~inside])
-    assert (~inside).any() and np.all(lo[1:] <= -16 + 1e-5)
-    # the zero-range row decodes exactly to its constant
-    assert scale[0, 0] == 0 and torch.allclose(dec[0], lp[0].double())
+    assert np.all(lo[1:] <= -16)
+    # the zero-range row decodes to its constant
+    assert scale[0, 0] == 0 and torch.allclose(dec[0], lp[0].double(), atol=1e-6)
+    if mass_correct:  # decoded mass above −16 nats equals the true mass
+        keep = x > -16
+        np.testing.assert_allclose((np.exp(dec.numpy()) * keep).sum(1), (np.exp(x) * keep).sum(1), rtol=1e-6)
+
+
+def test_mass_correction_removes_kld_bias():
+    lp = logprobs(32, 2000, seed=3, spread=3.0)
+    t = torch.zeros(32, dtype=torch.long)
+    bias = {}
+    for mc in (False, True):
+        dec = dump.decode_rows(dump.encode_rows(lp, mass_correct=mc), 2000)
+        bias[mc] = np.abs(metrics.token_metrics(lp, dec, t)["kld"]).mean()
+    assert bias[True] < 0.2 * bias[False]
 
 
 def test_round_trip_and_kld_floor(tmp_path):
