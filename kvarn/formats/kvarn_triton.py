@@ -1,0 +1,196 @@
+"""Triton kernels for KVarN tiles, beside their references in kvarn/formats/kvarn.py.
+
+    quantize_pack(tiles, bits, iters)          == kvarn.quantize_pack_ref   (same signature)
+    unpack_dequantize(payload, scale, zero, other, bits) == kvarn.unpack_dequantize_ref
+
+One program per tile; the whole tile [R, C] (R, C in {64, 128}) sits in registers, fp32
+throughout; the Hadamard rotation stays in torch (one matmul). Imported lazily (a CUDA
+tensor reaching KVarNFormat, or impl="triton"), so `import kvarn` never imports Triton.
+On CPU the kernels only run under TRITON_INTERPRET=1 (set before triton is imported).
+
+Packing: 32 consecutive codes (32*bits bits) fill exactly `bits` 32-bit words, so each
+chunk of 32 codes is packed with static shifts: code k starts at bit k*bits of the
+chunk, i.e. word (k*bits)//32, shift (k*bits)%32, spilling into the next word when the
+shift + bits > 32. Little-endian 32-bit words are the same bytes as the LSB-first byte
+stream of the reference.
+
+Agreement with the reference: the arithmetic is the same sequence of fp32 operations,
+but reductions (sums for the std, in a different order) and exp/log come from different
+libraries, so a few values can differ in the last fp32 bit. Then an fp16 metadata value
+can land one fp16 ulp apart, and a code can move by one where (y - lo)/step is within
+rounding of a half step. tests/test_kvarn_triton.py checks exactly that.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import kvarn as _ref
+from .kvarn import ITERS, payload_nbytes
+
+# the reference's constants, as compile-time constants of the kernels
+STD_MIN = tl.constexpr(_ref.STD_MIN)
+STD_MAX = tl.constexpr(_ref.STD_MAX)
+LOG_MIN = tl.constexpr(_ref.LOG_MIN)
+LOG_MAX = tl.constexpr(_ref.LOG_MAX)
+RATIO_FLOOR = tl.constexpr(_ref.RATIO_FLOOR)
+STEP_MIN = tl.constexpr(_ref.STEP_MIN)
+
+
+@triton.jit
+def _std(y, axis: tl.constexpr, n: tl.constexpr):
+    """Sample std (n - 1), two-pass, along `axis` of a 2-D block."""
+    mean = tl.sum(y, axis=axis) / n
+    if axis == 0:
+        dev = y - mean[None, :]
+    else:
+        dev = y - mean[:, None]
+    return tl.sqrt(tl.sum(dev * dev, axis=axis) / (n - 1))
+
+
+@triton.jit
+def _imbalance(std_col, std_row):
+    col = tl.max(std_col, axis=0) / tl.maximum(tl.min(std_col, axis=0), RATIO_FLOOR)
+    row = tl.max(std_row, axis=0) / tl.maximum(tl.min(std_row, axis=0), RATIO_FLOOR)
+    return col + row
+
+
+@triton.jit
+def _log_update(log_scale, std):
+    s = tl.minimum(tl.maximum(std, STD_MIN), STD_MAX)
+    return tl.minimum(tl.maximum(log_scale + tl.log(s), LOG_MIN), LOG_MAX)
+
+
+@triton.jit
+def _scaled(x, a, b):
+    return x / (tl.exp(b)[:, None] * tl.exp(a)[None, :])
+
+
+@triton.jit
+def _quantize_pack_kernel(x_ptr, words_ptr, scale_ptr, zero_ptr, other_ptr, iters,
+                          R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, R)
+    cols = tl.arange(0, C)
+    x = tl.load(x_ptr + pid * R * C + rows[:, None] * C + cols[None, :])
+
+    # variance normalization (SPEC §4.3): candidate 0 is the unscaled tile, ties -> later
+    a = tl.zeros([C], dtype=tl.float32)
+    b = tl.zeros([R], dtype=tl.float32)
+    std_col = _std(x, 0, R)
+    std_row = _std(x, 1, C)
+    best = _imbalance(std_col, std_row)
+    best_a = a
+    best_b = b
+    for _ in range(iters):
+        a = _log_update(a, std_col)
+        std_row = _std(_scaled(x, a, b), 1, C)
+        b = _log_update(b, std_row)
+        y = _scaled(x, a, b)
+        std_col = _std(y, 0, R)
+        std_row = _std(y, 1, C)
+        cur = _imbalance(std_col, std_row)
+        better = cur <= best
+        best = tl.where(better, cur, best)
+        best_a = tl.where(better, a, best_a)
+        best_b = tl.where(better, b, best_b)
+
+    # per-row asymmetric RTN, round half away from zero (v >= 0)
+    y = _scaled(x, best_a, best_b)
+    lo = tl.min(y, axis=1)
+    hi = tl.max(y, axis=1)
+    step = tl.maximum((hi - lo) / (2**BITS - 1), STEP_MIN)
+    v = (y - lo[:, None]) / step[:, None]
+    fl = tl.floor(v)
+    q = tl.where(v - fl >= 0.5, fl + 1.0, fl)
+    q = tl.minimum(tl.maximum(q, 0.0), 2**BITS - 1).to(tl.int64)
+
+    s_row = tl.exp(best_b)
+    tl.store(scale_ptr + pid * R + rows, (s_row * step).to(tl.float16))
+    tl.store(zero_ptr + pid * R + rows, (s_row * lo).to(tl.float16))
+    tl.store(other_ptr + pid * C + cols, tl.exp(best_a).to(tl.float16))
+
+    # dense LSB-first packing, 32 codes -> BITS words
+    NCH: tl.constexpr = R * C // 32
+    q = tl.reshape(q, [NCH, 32])
+    k = tl.arange(0, 32).to(tl.int64)
+    start = k * BITS
+    w_k = start // 32
+    s_k = start % 32
+    spill = (s_k + BITS) > 32
+    chunks = tl.arange(0, NCH).to(tl.int64)
+    for m in tl.static_range(BITS):
+        low = tl.where((w_k == m)[None, :], q << s_k[None, :], 0)
+        high = tl.where(((w_k == m - 1) & spill)[None, :], q >> (32 - s_k)[None, :], 0)
+        word = tl.sum(low + high, axis=1) & 0xFFFFFFFF
+        word = tl.where(word >= 2**31, word - 2**32, word)  # as a two's-complement int32
+        tl.store(words_ptr + pid * NCH * BITS + chunks * BITS + m, word.to(tl.int32))
+
+
+@triton.jit
+def _unpack_dequantize_kernel(words_ptr, scale_ptr, zero_ptr, other_ptr, out_ptr,
+                              R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    NCH: tl.constexpr = R * C // 32
+    k = tl.arange(0, 32).to(tl.int64)
+    start = k * BITS
+    w_k = start // 32
+    s_k = start % 32
+    spill = (s_k + BITS) > 32
+    chunks = tl.arange(0, NCH).to(tl.int64)
+    codes = tl.zeros([NCH, 32], dtype=tl.int64)
+    for m in tl.static_range(BITS):
+        word = tl.load(words_ptr + pid * NCH * BITS + chunks * BITS + m).to(tl.int64) & 0xFFFFFFFF
+        low = tl.where((w_k == m)[None, :], word[:, None] >> s_k[None, :], 0)
+        high = tl.where(((w_k == m - 1) & spill)[None, :], word[:, None] << (32 - s_k)[None, :], 0)
+        codes += low + high  # disjoint bit ranges
+    codes = tl.reshape(codes & (2**BITS - 1), [R, C])
+
+    rows = tl.arange(0, R)
+    cols = tl.arange(0, C)
+    scale = tl.load(scale_ptr + pid * R + rows).to(tl.float32)
+    zero = tl.load(zero_ptr + pid * R + rows).to(tl.float32)
+    other = tl.load(other_ptr + pid * C + cols).to(tl.float32)
+    xq = codes.to(tl.float32) * scale[:, None] + zero[:, None]
+    tl.store(out_ptr + pid * R * C + rows[:, None] * C + cols[None, :], xq * other[None, :])
+
+
+def _check_tiles(tiles: torch.Tensor, bits: int) -> None:
+    if tiles.dim() != 3 or tiles.dtype != torch.float32:
+        raise ValueError(f"expected float32 tiles [N, R, C], got {tuple(tiles.shape)} {tiles.dtype}")
+    if tiles.shape[1] not in (64, 128) or tiles.shape[2] not in (64, 128):
+        raise ValueError(f"tile sides must be 64 or 128, got {tuple(tiles.shape[1:])}")
+    if bits not in range(2, 9):
+        raise ValueError(f"bits must be in 2..8, got {bits!r}")
+
+
+def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = ITERS):
+    """Tiles fp32 [N, R, C] -> (payload uint8 [N, R*C*bits/8], scale f16 [N, R],
+    zero f16 [N, R], other f16 [N, C]); same contract as kvarn.quantize_pack_ref."""
+    _check_tiles(tiles, bits)
+    n, r, c = tiles.shape
+    x = tiles.contiguous()
+    words = torch.empty(n, r * c * bits // 32, dtype=torch.int32, device=x.device)
+    scale = torch.empty(n, r, dtype=torch.float16, device=x.device)
+    zero = torch.empty_like(scale)
+    other = torch.empty(n, c, dtype=torch.float16, device=x.device)
+    if n:
+        _quantize_pack_kernel[(n,)](x, words, scale, zero, other, iters, R=r, C=c, BITS=bits,
+                                    num_warps=8)
+    payload = words.view(torch.uint8)  # little-endian words = the LSB-first byte stream
+    assert payload.shape[-1] == payload_nbytes(r, c, bits)
+    return payload, scale, zero, other
+
+
+def unpack_dequantize(payload, scale, zero, other, bits: int) -> torch.Tensor:
+    """(payload, scale, zero, other) -> fp32 tiles [N, R, C]; as kvarn.unpack_dequantize_ref."""
+    n, r = scale.shape
+    c = other.shape[-1]
+    words = payload.contiguous().view(torch.int32)
+    out = torch.empty(n, r, c, dtype=torch.float32, device=payload.device)
+    if n:
+        _unpack_dequantize_kernel[(n,)](words, scale.contiguous(), zero.contiguous(), other.contiguous(), out,
+                                        R=r, C=c, BITS=bits, num_warps=8)
+    return out
