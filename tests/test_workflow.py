@@ -1,0 +1,224 @@
+"""The Snakemake workflow: config checks before any job, planning, incrementality, real runs.
+
+Each test runs `snakemake` in a subprocess on a copy of the workflow in a temp directory.
+Fast tests only plan (-n) or fake a finished state (empty outputs + --touch, which records
+the metadata a real run would). Slow tests run a tiny matrix for real, sharing the repo's
+model cache (`model_cache`) so nothing is downloaded twice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+
+from kvarn import matrix as kvm
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = (ROOT / "../shared/data/wikitext-2-raw-v1/wiki.test.raw").resolve()
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+OURS = ("fetch_model", "wikitext", "baseline", "cell", "cell_row", "summary")
+TINY = {
+    "models": [{"name": "smollm2-135m", "source": "embedded:smollm2-135m", "n_ctx": [256], "chunks": 1}],
+    "cells": [
+        {"types": ["q8_0"], "tail": 0},
+        {"types": ["q4_0"], "tail": 128},
+        {"types": ["kvarn4"], "tail": 0},
+    ],
+}
+
+
+def workflow_copy(tmp: Path, config: dict, model_cache: Path | None = None) -> Path:
+    """A copy of the workflow in tmp/wf with `config` as its config/matrix.yaml."""
+    wd = tmp / "wf"
+    wd.mkdir()
+    shutil.copy(ROOT / "Snakefile", wd)
+    for d in ("workflow", "config", "envs"):
+        shutil.copytree(ROOT / d, wd / d)
+    cfg = {"text": str(TEXT), "model_cache": str(model_cache or tmp / "models"), **config}
+    (wd / "config" / "matrix.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return wd
+
+
+def smk(wd: Path, *args, check=True, timeout=600) -> subprocess.CompletedProcess:
+    p = subprocess.run([*SNAKEMAKE, "--directory", str(wd), "--snakefile", str(wd / "Snakefile"),
+                        "--workflow-profile", "none", *args],
+                       capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def plan(wd: Path, *args) -> dict[str, int]:
+    """Jobs a dry run would run, per rule (only this workflow's rules; empty if none)."""
+    out = smk(wd, "-n", "--quiet", "rules", *args)
+    text = out.stdout + out.stderr
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)\s*$", text, flags=re.M))
+    return {r: int(n) for r, n in counts.items() if r in OURS}
+
+
+def expected(config: dict) -> dict[str, int]:
+    m = kvm.expand(config)
+    return {"fetch_model": len(m.models), "wikitext": 1, "baseline": len(m.runs()),
+            "cell": len(m.cells), "cell_row": len(m.cells), "summary": 1}
+
+
+def fake_done(wd: Path):
+    """Mark every planned output done without running anything: empty files + --touch."""
+    lines = smk(wd, "-n", "--summary").stdout.splitlines()
+    for line in lines[1:]:
+        path = wd / line.split("\t")[0]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    smk(wd, "--touch", "--forceall", "--cores", "1")
+    assert plan(wd) == {}
+
+
+# ---- the config is refused before any job runs ------------------------------------------
+
+@pytest.mark.parametrize("bad, field", [
+    ({**TINY, "cells": [{"types": ["kvarn9"], "tail": 0}]}, "cells[0].types[0]"),  # kvarn.matrix
+    ({**TINY, "cells": [{"types": ["q8_0"], "tail": 256}]}, "cells[0].tail"),  # kvarn.matrix
+    ({**TINY, "models": [{**TINY["models"][0], "n_ctx": [255]}]}, "['n_ctx']"),  # the schema
+    ({**TINY, "models": [{"name": "x"}]}, "'source' is a required property"),  # the schema
+])
+def test_bad_config_fails_before_any_job(tmp_path, bad, field):
+    wd = workflow_copy(tmp_path, TINY)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    p = smk(wd, "-n", "--configfile", str(tmp_path / "bad.yaml"), check=False)
+    assert p.returncode != 0 and field in p.stdout + p.stderr, p.stdout + p.stderr
+    assert not (wd / "results").exists()
+
+
+# ---- planning and incrementality ---------------------------------------------------------
+
+def test_default_matrix_plans_one_job_per_cell(tmp_path):
+    config = yaml.safe_load((ROOT / "config" / "matrix.yaml").read_text())
+    wd = workflow_copy(tmp_path, {k: config[k] for k in ("models", "cells")})
+    assert plan(wd) == expected(config)
+
+
+def test_article_matrix_plans_offline(tmp_path):
+    config = yaml.safe_load((ROOT / "config" / "article.yaml").read_text())
+    wd = workflow_copy(tmp_path, {k: config[k] for k in ("models", "cells")})
+    assert plan(wd) == expected(config)
+
+
+def test_adding_a_width_or_editing_a_cell_plans_only_those_cells(tmp_path):
+    wd = workflow_copy(tmp_path, TINY)
+    fake_done(wd)
+    # One more width at both tails: two cells (and their rows), the summary; nothing else.
+    grown = {**TINY, "cells": [*TINY["cells"], {"types": ["q5_0"], "tail": [0, 128]}]}
+    (tmp_path / "grown.yaml").write_text(yaml.safe_dump(grown))
+    assert plan(wd, "--configfile", str(tmp_path / "grown.yaml")) == {"cell": 2, "cell_row": 2, "summary": 1}
+    # Editing one cell (q4_0 at tail 128 without rotation) is a new path: only it runs.
+    edited = {**TINY, "cells": [TINY["cells"][0], {"types": ["q4_0"], "tail": 128, "rot": False},
+                                TINY["cells"][2]]}
+    (tmp_path / "edited.yaml").write_text(yaml.safe_dump(edited))
+    assert plan(wd, "--configfile", str(tmp_path / "edited.yaml")) == {"cell": 1, "cell_row": 1, "summary": 1}
+
+
+def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path, monkeypatch):
+    wd = workflow_copy(tmp_path, TINY)
+    fake_done(wd)
+    # Simulate `q4_0.version += 1` as the workflow sees it: through the format_version param.
+    common = wd / "workflow" / "rules" / "common.smk"
+    common.write_text(common.read_text().replace(
+        "return lambda wildcards: kvm.format_version(wildcards[role], role)",
+        "return lambda wildcards: kvm.format_version(wildcards[role], role)"
+        " + (wildcards[role] == 'q4_0')"))
+    assert plan(wd) == {"cell": 1, "cell_row": 1, "summary": 1}
+
+
+def test_conda_env_matches_pyproject_pins():
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    env = yaml.safe_load((ROOT / "envs" / "kvarn.yaml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    norm = lambda s: s.replace(" ", "")  # noqa: E731
+    assert sorted(map(norm, pip)) == sorted(norm(p) for p in pins if not p.startswith("snakemake"))
+
+
+def test_lint_is_clean():
+    p = subprocess.run([*SNAKEMAKE, "--lint", "--directory", str(ROOT)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0 and "Lints for" not in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+# ---- real runs (slow) --------------------------------------------------------------------
+
+# Columns that measure the machine, not the numerics.
+TIMING = ("tokens_per_s", "wall_s")
+
+
+def _engine_or_skip():
+    pytest.importorskip("kvarn.engine", reason="kvarn.engine has not landed")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny matrix run through the local-submit profile: every job a submitted jobscript."""
+    _engine_or_skip()
+    tmp = tmp_path_factory.mktemp("tiny")
+    wd = workflow_copy(tmp, TINY, model_cache=ROOT / "resources" / "models")
+    # The profile addresses its scripts relative to the working directory: run from wd.
+    p = subprocess.run([*SNAKEMAKE, "--workflow-profile", str(wd / "workflow/profiles/local-submit")],
+                       cwd=wd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return wd, p.stdout + p.stderr
+
+
+@pytest.mark.slow
+def test_tiny_matrix_end_to_end_through_jobscripts(tiny_run):
+    wd, log = tiny_run
+    df = pl.read_parquet(wd / "results" / "summary.parquet")
+    cells = kvm.expand({**TINY, "model_cache": "x"}).cells
+    assert df.height == len(cells)
+    assert sorted(df["cell"]) == sorted(c.name for c in cells)
+    assert (wd / "results" / "summary.csv").exists()
+    for col in ("kld_mean", "kld_median", "ppl_q", "ppl_base", "same_top", "dp_rms", "kv_total_bytes",
+                "kv_delta_bytes_vs_tail0", "tail_label", "family", "tokens_per_s", "kvarn_version"):
+        assert col in df.columns, col
+    row = {r["cell"]: r for r in df.iter_rows(named=True)}
+    assert row["kvarn4-kvarn4-t0"]["tail_label"] == "128*" and row["kvarn4-kvarn4-t0"]["family"] == "kvarn"
+    assert row["q8_0-q8_0-t0"]["kld_mean"] < row["q4_0-q4_0-t128"]["kld_mean"] * 10 + 1e-3
+    assert all(r["kld_mean"] >= 0 for r in row.values())
+    # Every job went through submit.sh (one exit status file per job).
+    jobs = sum(expected(TINY).values())
+    assert len(list((wd / ".snakemake" / "local-submit").glob("*.rc"))) == jobs
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_identical_numbers(tiny_run, tmp_path):
+    wd_ref, _ = tiny_run
+    wd = workflow_copy(tmp_path, TINY, model_cache=ROOT / "resources" / "models")
+    args = [*SNAKEMAKE, "--directory", str(wd), "--snakefile", str(wd / "Snakefile"),
+            "--workflow-profile", "none", "--cores", "1"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first_cell = wd / "results/smollm2-135m/ctx256-c1/cells"
+    deadline = time.time() + 300
+    try:
+        # Kill the whole process group once the first cell job has started, before it finishes.
+        while not any(first_cell.glob("*/.tmp-*")) and time.time() < deadline:
+            assert proc.poll() is None, "the run finished before a cell started"
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (wd / "results" / "summary.parquet").exists()
+    smk(wd, "--unlock")
+    p = smk(wd, "--cores", "1", "--rerun-incomplete", timeout=600)
+    assert "Nothing to be done" not in p.stdout + p.stderr
+    got = pl.read_parquet(wd / "results" / "summary.parquet").drop(TIMING, strict=False).sort("cell")
+    ref = pl.read_parquet(wd_ref / "results" / "summary.parquet").drop(TIMING, strict=False).sort("cell")
+    assert got.equals(ref)
