@@ -170,6 +170,10 @@ def test_heatmap_spec(prep):
     assert texts and texts[0]["encoding"]["text"]["field"] == "kld_median"
     assert spec["resolve"]["scale"]["color"] == "shared"
     assert {"q8_0", "q4_0", "kvarn8"} <= dataset_values(spec, "k_type")
+    # the default matrix measures its K×V product at tail 128 only: that grid is drawn
+    product_at_128 = prep["gemma3-270m"].filter(~((pl.col("k_type") != pl.col("v_type")) & (pl.col("tail_requested") == 0)))
+    assert D.heatmap_standard_tail(product_at_128) == 128
+    assert D.heatmap_standard_tail(prep["gemma3-270m"]) == 0  # a tie goes to tail 0
 
 
 # ---------------------------------------------------------------- per-token figures

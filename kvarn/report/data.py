@@ -303,16 +303,19 @@ def load_tokens(paths: Iterable[str | Path]) -> pl.DataFrame:
     return pl.concat(frames, how="vertical_relaxed")
 
 
-def position_bins(tokens: pl.DataFrame, n_bins: int = 24) -> pl.DataFrame:
-    """Mean per-token KLD per position bin and cell (equal-width bins over the scored range)."""
+def position_bins(tokens: pl.DataFrame, n_bins: int = 24, floor: float = 1e-8) -> pl.DataFrame:
+    """Mean per-token KLD per position bin and cell (equal-width bins over the scored range).
+
+    A bin mean below `floor` (an exact cell, or rounding noise) is clipped to it for a log axis.
+    """
     lo, hi = tokens["pos"].min(), tokens["pos"].max()
     width = max(1.0, (hi - lo + 1) / n_bins)
     return (
         tokens.with_columns(((pl.col("pos") - lo) / width).floor().cast(pl.Int32).clip(0, n_bins - 1).alias("bin"))
         .group_by(["cell", "family", "width", "bin"])
         .agg(
-            pl.col("kld").mean().alias("kld_mean"),
-            pl.col("kld").median().alias("kld_median"),
+            pl.col("kld").mean().clip(lower_bound=floor).alias("kld_mean"),
+            pl.col("kld").median().clip(lower_bound=floor).alias("kld_median"),
             pl.len().alias("n"),
             pl.col("pos").min().alias("pos_lo"),
             pl.col("pos").max().alias("pos_hi"),

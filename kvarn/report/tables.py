@@ -39,18 +39,25 @@ def _fmt_kld(x: float | None) -> str:
     return "–" if x is None else f"{x:.6f}"
 
 
+def _pm(x: float | None, err: float | None, scale: float = 1.0, digits: int = 6) -> str:
+    """`x ± err` (a missing error prints the value alone; a missing value prints –)."""
+    if x is None:
+        return "–"
+    return f"{scale * x:.{digits}f}" + ("" if err is None else f" ± {scale * err:.{digits}f}")
+
+
 def format_rows(table: pl.DataFrame) -> list[dict]:
     """Each row as display strings keyed by HEADERS, plus the floor / below-floor flags."""
     out = []
     for r in table.iter_rows(named=True):
         mib = f"{r['kv_mib']:.2f}"
-        if r["tail_requested"] != 0:  # a tail-0 row is its own reference
+        if r["tail_requested"] != 0 and r["delta_mib"] is not None:  # a tail-0 row is its own reference
             mib += f" ({r['delta_mib']:+.2f})"
-        st = f"{100 * r['same_top']:.3f} ± {100 * r['same_top_err']:.3f}"
+        st = _pm(r["same_top"], r.get("same_top_err"), scale=100, digits=3)
         note = FLOOR_NOTE if r["is_floor"] else BELOW_NOTE if r["below_floor"] else ""
         out.append({
             "K/V pair": r["pair"], "tail": r["tail_label"], "KV cache MiB (Δ)": mib,
-            "mean KLD ± err": f"{r['kld_mean']:.6f} ± {r['kld_mean_err']:.6f}",
+            "mean KLD ± err": _pm(r["kld_mean"], r.get("kld_mean_err")),
             "median KLD": _fmt_kld(r["kld_median"]), "p99 KLD": _fmt_kld(r["kld_p99"]),
             "p99.9 KLD": _fmt_kld(r["kld_p99_9"]), "same top %": st,
             "tokens/s": "–" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
