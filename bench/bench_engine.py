@@ -1,0 +1,131 @@
+"""Engine cost: quantized cell vs BF16 baseline wall time, tokens/s, dump bytes per scored token.
+
+    .venv/bin/python bench/bench_engine.py [--ctx 512 2048 4096] [--skip-gemma-ctx 4096] [--out bench/results/engine.md]
+
+1. Overhead: forward wall time (cache model + scored logits + log-softmax, as timed by
+   run_cell) of q8_0, q4_0 tail 128 and kvarn4 cells divided by the bf16 baseline cell's,
+   same model, same chunk, interleaved (baseline, cell, baseline, cell, ...) and the
+   minimum of `--reps` repetitions each, so load from other processes hits both alike.
+2. Throughput: tokens/s of the baseline cell for each model at each context (1 chunk).
+3. Dump size: bytes of a real baseline dump (`kvarn baseline`) per scored token.
+Writes the Markdown table to --out atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kvarn import data, engine, models  # noqa: E402
+
+TEXT = "/work/shared/data/wikitext-2-raw-v1/wiki.test.raw"
+CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0)]
+
+
+def forward_s(lm, ids, k, v, tail, ubatch=512) -> float:
+    lm.model.set_attn_implementation("kvarn")
+    cache = engine._new_cache(lm.model, k, v, tail)
+    t = time.perf_counter()
+    for _ in engine.chunk_logprobs(lm.model, ids, cache, ubatch, data.scored_positions(ids.shape[0])):
+        pass
+    return time.perf_counter() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--ctx", nargs="+", type=int, default=[512, 2048, 4096])
+    ap.add_argument("--overhead-ctx", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--skip", nargs="*", default=[], metavar="MODEL:CTX", help="throughput points to leave out")
+    ap.add_argument("--cache-dir", default=str(REPO / "resources" / "models"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "engine.md"))
+    args = ap.parse_args()
+
+    text = data.load_text(TEXT if Path(TEXT).is_file() else None)
+    over_rows, tps_rows, dump_rows = [], [], []
+    t_start = time.perf_counter()
+    for name in args.models:
+        spec = models.ModelSpec(name, f"embedded:{name}")
+        lm = models.load(spec, cache_dir=args.cache_dir)
+        tokens = data.tokenize(lm.tokenizer, text)
+
+        # 1. overhead at one context
+        ids = data.make_chunks(tokens, args.overhead_ctx, 1, lm.info.bos_id)[0]
+        base_t, cell_t = [], {c: [] for c in CELLS}
+        for _ in range(args.reps):
+            for c in CELLS:
+                base_t.append(forward_s(lm, ids, "bf16", "bf16", 0))
+                cell_t[c].append(forward_s(lm, ids, *c))
+        b = min(base_t)
+        for c in CELLS:
+            t = min(cell_t[c])
+            over_rows.append((name, args.overhead_ctx, f"{c[0]}/{c[1]} tail {c[2]}", b, t, t / b))
+            print(over_rows[-1], flush=True)
+
+        # 2. throughput of the baseline cell
+        for ctx in args.ctx:
+            if f"{name}:{ctx}" in args.skip:
+                tps_rows.append((name, ctx, None, None))
+                continue
+            ids = data.make_chunks(tokens, ctx, 1, lm.info.bos_id)[0]
+            t = forward_s(lm, ids, "bf16", "bf16", 0)
+            tps_rows.append((name, ctx, t, ctx / t))
+            print(tps_rows[-1], flush=True)
+
+        # 3. a real dump at the overhead context
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / "base.kvd"
+            engine.run_baseline(spec, args.overhead_ctx, 1, p, text=TEXT, cache_dir=args.cache_dir)
+            n_scored = len(data.scored_positions(args.overhead_ctx))
+            size = p.stat().st_size
+            dump_rows.append((name, lm.info.vocab_size, args.overhead_ctx, size, size / n_scored,
+                              size / n_scored / lm.info.vocab_size))
+        del lm
+
+    total = time.perf_counter() - t_start
+    L = [
+        "# Engine benchmark",
+        "",
+        f"`.venv/bin/python bench/bench_engine.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores visible, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), fp32 compute on CPU; load average at the end "
+        f"{os.getloadavg()[0]:.1f} (shared machine: absolute times are noisy, ratios are interleaved). "
+        f"Total bench wall time {total / 60:.1f} min.",
+        "",
+        f"## Quantized cell / BF16 baseline cell (forward wall time, 1 chunk, min of {args.reps})",
+        "",
+        "| model | n_ctx | cell | baseline s | cell s | ratio |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    L += [f"| {m} | {c} | {cell} | {b:.2f} | {t:.2f} | {r:.2f}x |" for m, c, cell, b, t, r in over_rows]
+    L += ["", "## Throughput of the BF16 baseline cell (prompt processing incl. scored logits)", "",
+          "| model | n_ctx | forward s | tokens/s |", "|---|---:|---:|---:|"]
+    for m, c, t, tps in tps_rows:
+        L.append(f"| {m} | {c} | {t:.1f} | {tps:.1f} |" if t else f"| {m} | {c} | skipped | – |")
+    L += ["", "## Baseline dump size", "",
+          "| model | vocab | n_ctx | file bytes | bytes / scored token | bytes / token / vocab entry |",
+          "|---|---:|---:|---:|---:|---:|"]
+    L += [f"| {m} | {v} | {c} | {s:,} | {pt:,.0f} | {pv:.3f} |" for m, v, c, s, pt, pv in dump_rows]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp.write_text("\n".join(L) + "\n")
+    os.replace(tmp, out)
+    print("\n".join(L))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
