@@ -219,3 +219,21 @@ def test_exact_selection_shape():
     pol = layer_policy(get_format("q8_0"), get_format("q8_0"), 3)
     sel = exact_selection(torch.tensor([5]), 6, pol)
     assert sel.tolist() == [[False, False, False, True, True, True]]
+
+
+def test_kvarn_groups_and_ubatch(model):
+    # 300 tokens: groups 0..127 and 128..255 are quantized, 256..299 is an incomplete group
+    # (body rows zero, never read: kvarn.attention asserts it). ubatch 100 completes groups
+    # in the middle of a ubatch; the result must not change beyond rounding flips.
+    ids = _ids(model, 300)
+    model.set_attn_implementation(kattn.ATTN_NAME)
+    cache = KVarnCache(model.config, "kvarn4", "kvarn4", 0)
+    with torch.no_grad():
+        ref = model(ids, cache=cache, kvarn_cache=cache).logits[0]
+    for layer in cache.layers:
+        assert (layer.n_tokens, layer.n_body) == (300, 256)
+        assert (layer.keys[..., 256:, :] == 0).all()
+        assert not torch.equal(layer.keys[..., :256, :], layer.exact_keys[..., :256, :])
+    tol = 0.5 * (ref - cache_logits(model, ids)).abs().max().item()
+    diff = (cache_logits(model, ids, "kvarn4", "kvarn4", 0, ubatch=100) - ref).abs().max().item()
+    assert diff <= tol
