@@ -35,11 +35,16 @@ Conventions (decided here, stated in the README):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 from .formats import get_format
 from .policy import default_tail_dtype, layer_policy, pair_family
 
 MIB = 2**20
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool) and v >= 1
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class Geometry:
     def __post_init__(self):
         for field in ("n_layers", "n_kv_heads", "head_dim"):
             v = getattr(self, field)
-            if not isinstance(v, int) or v < 1:
+            if not _positive_int(v):
                 raise ValueError(f"Geometry.{field} must be a positive integer, got {v!r}")
         if len(self.windows) != self.n_layers:
             raise ValueError(
@@ -60,7 +65,7 @@ class Geometry:
                 "give one window (or None) per layer"
             )
         for w in self.windows:
-            if w is not None and (not isinstance(w, int) or w < 1):
+            if w is not None and not _positive_int(w):
                 raise ValueError(f"Geometry.windows: a sliding window must be a positive integer or None, got {w!r}")
 
 
@@ -74,7 +79,7 @@ class KVBytes:
 def kv_bytes(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
              tail_dtype: str | None = None, rot: bool = True) -> KVBytes:
     """Bytes of the K and V cache of one sequence of n_ctx tokens (see the module docstring)."""
-    if not isinstance(n_ctx, int) or n_ctx < 1:
+    if not _positive_int(n_ctx):
         raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
     k_fmt = get_format(k_type, role="k", rot=rot)
     v_fmt = get_format(v_type, role="v", rot=rot)

@@ -109,6 +109,14 @@ def test_normalization_matches_float64_oracle(iters):
         assert best_pass > 0  # the oracle did pick a scaled pass, so this checks something
 
 
+def test_ties_go_to_the_later_pass():
+    """A constant tile has imbalance 0 in every pass (all stds 0): the last pass wins,
+    whose log-scales sit at the -0.3 clamp; with 'strictly lower wins' they would be 0."""
+    t = torch.full((64, 128), 2.5)
+    a, b = K.normalize_ref(t, 4)
+    assert torch.equal(a, torch.full((128,), -0.3)) and torch.equal(b, torch.full((64,), -0.3))
+
+
 def test_normalization_zero_iters_is_identity():
     t = _outlier_tile(64, 128)
     a, b = K.normalize_ref(t, 0)

@@ -110,6 +110,14 @@ def test_half_steps_round_away_in_kernel():
     assert torch.equal(payload, K.quantize_pack_ref(x, bits, 0)[0])
 
 
+def test_constant_tile_ties_in_kernel():
+    """Every pass ties (imbalance 0): the kernel must also keep the last one (scales e^-0.3)."""
+    tiles = torch.full((1, 64, 128), 2.5)
+    payload, scale, zero, other = T.quantize_pack(tiles, 4, 4)
+    assert torch.equal(other, torch.exp(torch.full((1, 128), -0.3)).half())
+    assert torch.equal(payload, torch.zeros_like(payload))
+
+
 def test_agreement_check_rejects_a_wrong_code():
     """The tolerance above must not be vacuous: a code moved away from a half step fails."""
     tiles = _tiles(1, 64, 128, seed=3)
