@@ -99,7 +99,7 @@ def _common(p, out_help):
     p.add_argument("--chunks", type=int, default=-1, metavar="N",
                    help="max number of chunks to process (-1 = all, as llama-perplexity --chunks)")
     p.add_argument("-ub", "--ubatch", type=_positive_int("--ubatch"), default=512, metavar="N",
-                   help="physical micro-batch: tokens fed per forward, cache persisting (default 512)")
+                   help="micro-batch (llama.cpp -ub): tokens fed per forward, the cache persisting between them (default 512)")
     p.add_argument("-f", "--text", metavar="PATH", default=None,
                    help="wiki.test.raw (default: rebuilt from the Hugging Face dataset)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (default auto)")
@@ -122,26 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--cache-dir", default="resources/models", metavar="DIR")
 
     b = sub.add_parser("baseline", help="BF16-cache run: write the full-vocabulary log-prob dump "
-                                        "(as --kl-divergence-base)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                        "(as --kl-divergence-base)")
     _common(b, "dump file to write (e.g. base.kvd)")
 
     r = sub.add_parser("run", help="one cache cell against a baseline: tokens.parquet + summary.json, "
-                                   "and the llama-perplexity statistics on stdout",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                   "and the llama-perplexity statistics on stdout")
     _common(r, "cell directory to write (tokens.parquet, summary.json)")
     r.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE",
                    help="K cache type (see `kvarn formats`)")
     r.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE",
                    help="V cache type")
     r.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N",
-                   help="most recent tokens read exactly (KVarN: rounded up to 128, min 128, plus a 128-token sink)")
+                   help="most recent tokens read exactly (KVarN: rounded up to 128, min 128, plus a 128-token sink; default 0)")
     r.add_argument("--tail-dtype", choices=["bf16", "f16", "f32"], default=None,
                    help="dtype of the exact copy (default bf16 for standard types, f16 for KVarN)")
     r.add_argument("--no-rot", dest="rot", action="store_false",
                    help="disable the Hadamard pre-rotation of quantized K/V (as LLAMA_ATTN_ROT_DISABLE=1)")
     r.add_argument("--iters", type=_positive_int("--iters"), default=16, metavar="N",
-                   help="KVarN variance-normalization passes")
+                   help="KVarN variance-normalization passes (default 16)")
     r.add_argument("--baseline", required=True, metavar="FILE", help="dump written by `kvarn baseline`")
 
     sub.add_parser("formats", help="list KV cache types: family and bits per value at head dim 64/128/256")
