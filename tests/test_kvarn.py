@@ -160,6 +160,31 @@ def test_decode_error_with_fp16_metadata_slack(bits):
     bound = (q.double() * scale.double()[:, None]).abs() * 2**-11 + zero.double().abs()[:, None] * 2**-11
     bound = bound * other.double()[None, :] + (xhat.abs() * 2**-11) + 4 * F32_EPS * xhat.abs()
     assert torch.all(fp16_slack <= bound * (1 + 2**-10))
+    # the decode formula itself, against float64 on the same stored values
+    ref64 = (q.double() * scale.double()[:, None] + zero.double()[:, None]) * other.double()[None, :]
+    scale_of = (q.double() * scale.double()[:, None]).abs() + zero.double().abs()[:, None]
+    assert torch.all((xhat - ref64).abs() <= 3 * F32_EPS * scale_of * other.double()[None, :])
+
+
+def test_rotation_back_preserves_per_token_error():
+    """H is orthonormal: each token's L2 error is the same in the rotated and original frames."""
+    x = torch.randn(2, 256, 128, generator=_gen(31))
+    for role in "kv":
+        fmt = get_format("kvarn3", role=role)
+        err = fmt.roundtrip(x) - x
+        xr = K.rotate(x)
+        tiles = K.to_tiles(xr, role)
+        q, scale, zero, other = K.quantize_tiles_ref(tiles, 3)
+        err_rot = K.from_tiles(K.dequantize_tiles_ref(q, scale, zero, other), role) - xr
+        assert torch.allclose(err.norm(dim=-1), err_rot.norm(dim=-1), rtol=1e-4, atol=1e-5)
+
+
+def test_log_update_clamps():
+    big, tiny = torch.tensor([8.0]), torch.tensor([1e-5])
+    assert torch.allclose(K._log_update(big, tiny), 8.0 + torch.log(torch.tensor([1e-3])))
+    assert torch.equal(K._log_update(torch.zeros(1), torch.tensor([1e6])), torch.log(torch.tensor([1e3])))
+    assert torch.equal(K._log_update(torch.tensor([9.5]), torch.tensor([1e2])), torch.tensor([10.0]))
+    assert torch.equal(K._log_update(torch.zeros(1), tiny), torch.tensor([-0.3]))
 
 
 def test_round_half_away():
