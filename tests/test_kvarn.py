@@ -368,3 +368,11 @@ def test_registered_attributes():
         assert (fmt.family, fmt.group, fmt.sink, fmt.tail_quantum, fmt.min_tail) == ("kvarn", 128, 128, 128, 128)
         assert fmt.default_tail_dtype == "f16" and fmt.iters == 8 and fmt.bits == bits
         assert fmt.effective_tail(0) == 128 and fmt.effective_tail(129) == 256
+
+
+def test_import_kvarn_does_not_import_triton():
+    import subprocess
+    import sys
+
+    code = "import sys, kvarn, kvarn.formats, kvarn.memory; sys.exit('triton' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
