@@ -35,7 +35,7 @@ def _title(model: str, text: str, subtitle: str) -> alt.TitleParams:
 
 def _run_desc(prep: pl.DataFrame) -> str:
     r = prep.row(0, named=True)
-    return f"n_ctx {r['n_ctx']}, {r['chunks']} chunks, {r['n_tokens']} scored tokens per cell"
+    return f"n_ctx {r['n_ctx']}, {r['chunks']} chunk{'s' if r['chunks'] != 1 else ''}, {r['n_tokens']} scored tokens per cell"
 
 
 def _placeholder(model: str, name: str, why: str) -> alt.Chart:

@@ -68,7 +68,7 @@ def format_rows(table: pl.DataFrame) -> list[dict]:
 
 def _caption(table: pl.DataFrame) -> str:
     r = table.row(0, named=True)
-    return (f"{r['model']}: n_ctx {r['n_ctx']}, {r['chunks']} chunks, {r['n_tokens']} scored tokens per cell. "
+    return (f"{r['model']}: n_ctx {r['n_ctx']}, {r['chunks']} chunk{'s' if r['chunks'] != 1 else ''}, {r['n_tokens']} scored tokens per cell. "
             "Tail 128\\*: KVarN's request 0 (an effective 128-token tail, SPEC §2). "
             "Δ: MiB against the same pair at tail 0. "
             f"*{FLOOR_NOTE}*: the best standard row by median KLD; "
