@@ -116,18 +116,23 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
     base = sw.with_columns(
         (pl.col("pair_kvarn") + " t" + pl.col("tail_label_kvarn") + " vs " + pl.col("pair_std") + " t"
          + pl.col("tail_label_std")).alias("comparison"))
+    mib = ["body_mib_kvarn", "overlay_mib_kvarn", "body_mib_std", "overlay_mib_std"]
     long = pl.concat([
         base.select("width", "comparison", pl.lit("median").alias("statistic"), pl.col("pct_median").alias("pct"),
-                    pl.col("kld_median_kvarn").alias("kvarn"), pl.col("kld_median_std").alias("standard")),
+                    pl.col("kld_median_kvarn").alias("kvarn"), pl.col("kld_median_std").alias("standard"), *mib),
         base.select("width", "comparison", pl.lit("mean").alias("statistic"), pl.col("pct_mean").alias("pct"),
-                    pl.col("kld_mean_kvarn").alias("kvarn"), pl.col("kld_mean_std").alias("standard")),
-    ]).with_columns(pl.col("pct").round(1).alias("pct_text"))
+                    pl.col("kld_mean_kvarn").alias("kvarn"), pl.col("kld_mean_std").alias("standard"), *mib),
+    ])
     xw = alt.X("width:O", title="width (bits)", axis=alt.Axis(labelAngle=0))
     stat = alt.Scale(domain=["median", "mean"], range=["#e45756", "#f2a5a4"])
     tt = [alt.Tooltip("comparison:N"), alt.Tooltip("statistic:N"),
           alt.Tooltip("kvarn:Q", title="KVarN KLD", format=KLD_FMT),
           alt.Tooltip("standard:Q", title="standard KLD", format=KLD_FMT),
-          alt.Tooltip("pct:Q", title="% change", format="+.1f")]
+          alt.Tooltip("pct:Q", title="% change", format="+.1f"),
+          alt.Tooltip("body_mib_kvarn:Q", title="KVarN MiB body", format=".2f"),
+          alt.Tooltip("overlay_mib_kvarn:Q", title="KVarN MiB overlay", format=".2f"),
+          alt.Tooltip("body_mib_std:Q", title="standard MiB body", format=".2f"),
+          alt.Tooltip("overlay_mib_std:Q", title="standard MiB overlay", format=".2f")]
     bars = alt.Chart(long, name="pct_change").mark_bar().encode(
         x=xw, xOffset=alt.XOffset("statistic:N", scale=alt.Scale(domain=["median", "mean"])),
         y=alt.Y("pct:Q", title="KVarN vs same-width standard, % change of KLD", scale=alt.Scale(padding=16)),
