@@ -259,7 +259,7 @@ def default_cells(cells: Iterable[dict], widths: Sequence[int] = (2, 4, 8), tail
     if not chosen:
         present = sorted({type_bits(c["k_type"]) for c in cells if c["k_type"] == c["v_type"]} - {None})
         chosen = pick(present[:: max(1, len(present) // 3)])
-    return chosen
+    return chosen or [c for c in cells if not c.get("opts")][:6] or cells[:6]
 
 
 def select_token_paths(
