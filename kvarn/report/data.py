@@ -241,7 +241,7 @@ def default_cells(cells: Iterable[dict], widths: Sequence[int] = (2, 4, 8), tail
 
     `cells` are dicts with k_type, v_type, tail_requested (from the summary or from
     parse_cell_path). Cells absent from the input are skipped. With none of `widths`
-    present, the standard and KVarN symmetric widths that exist are used instead.
+    present, the symmetric widths that exist are used instead; failing those, the first six cells.
     """
     cells = list(cells)
 
