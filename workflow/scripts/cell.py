@@ -13,6 +13,8 @@ from kvarn.engine import run_cell  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
 cell_dir = Path(out.summary).parent
+for stale in cell_dir.glob(".tmp-*"):  # scratch of a killed earlier attempt
+    shutil.rmtree(stale, ignore_errors=True)
 tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cell_dir))
 try:
     summary = run_cell(
