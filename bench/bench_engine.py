@@ -52,7 +52,10 @@ def main() -> int:
     ap.add_argument("--skip", nargs="*", default=[], metavar="MODEL:CTX", help="throughput points to leave out")
     ap.add_argument("--cache-dir", default=str(REPO / "resources" / "models"))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "engine.md"))
+    ap.add_argument("-t", "--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     text = data.load_text(TEXT if Path(TEXT).is_file() else None)
     over_rows, tps_rows, dump_rows = [], [], []

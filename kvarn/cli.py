@@ -102,6 +102,9 @@ def _common(p, out_help):
                    help="micro-batch (llama.cpp -ub): tokens fed per forward, the cache persisting between them (default 512)")
     p.add_argument("-f", "--text", metavar="PATH", default=None,
                    help="wiki.test.raw (default: rebuilt from the Hugging Face dataset)")
+    p.add_argument("-t", "--threads", type=_positive_int("--threads"), default=None, metavar="N",
+                   help="CPU threads for torch (llama.cpp -t; default: torch's default, all cores). On a "
+                        "busy shared machine 1 can be several times faster than oversubscribed OpenMP")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (default auto)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16")
     p.add_argument("--cache-dir", default="resources/models", metavar="DIR",
@@ -179,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.chunks == 0 or args.chunks < -1:
             raise UsageError(f"--chunks must be a positive integer or -1 (all), got {args.chunks}")
         chunks = None if args.chunks == -1 else args.chunks
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         from kvarn import engine
 
         if args.cmd == "baseline":
