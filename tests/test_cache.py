@@ -237,3 +237,14 @@ def test_kvarn_groups_and_ubatch(model):
     tol = 0.5 * (ref - cache_logits(model, ids)).abs().max().item()
     diff = (cache_logits(model, ids, "kvarn4", "kvarn4", 0, ubatch=100) - ref).abs().max().item()
     assert diff <= tol
+
+
+def test_attention_softcap_is_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=16,
+                       attn_logit_softcapping=50.0)
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        cache_logits(Gemma2ForCausalLM(cfg).eval(), torch.zeros(1, 8, dtype=torch.long))
