@@ -4,8 +4,9 @@
 
 1. Overhead: forward wall time (cache model + scored logits + log-softmax, as timed by
    run_cell) of q8_0, q4_0 tail 128 and kvarn4 cells divided by the bf16 baseline cell's,
-   same model, same chunk, interleaved (baseline, cell, baseline, cell, ...) and the
-   minimum of `--reps` repetitions each, so load from other processes hits both alike.
+   same model, same chunk, interleaved (baseline, cell, baseline, cell, ...); each cell's
+   ratio is min over `--reps` of its runs / min over its paired baseline runs, so load from
+   other processes hits both alike.
 2. Throughput: tokens/s of the baseline cell for each model at each context (1 chunk).
 3. Dump size: bytes of a real baseline dump (`kvarn baseline`) per scored token.
 Writes the Markdown table to --out atomically.
@@ -67,15 +68,16 @@ def main() -> int:
 
         # 1. overhead at one context
         ids = data.make_chunks(tokens, args.overhead_ctx, 1, lm.info.bos_id)[0]
-        base_t, cell_t = [], {c: [] for c in CELLS}
+        # Each cell is paired with the baseline run just before it; min over reps of each.
+        base_t, cell_t = {c: [] for c in CELLS}, {c: [] for c in CELLS}
         for _ in range(args.reps):
             for c in CELLS:
-                base_t.append(forward_s(lm, ids, "bf16", "bf16", 0))
+                base_t[c].append(forward_s(lm, ids, "bf16", "bf16", 0))
                 cell_t[c].append(forward_s(lm, ids, *c))
-        b = min(base_t)
+        b = min(min(v) for v in base_t.values())
         for c in CELLS:
-            t = min(cell_t[c])
-            over_rows.append((name, args.overhead_ctx, f"{c[0]}/{c[1]} tail {c[2]}", b, t, t / b))
+            bc, t = min(base_t[c]), min(cell_t[c])
+            over_rows.append((name, args.overhead_ctx, f"{c[0]}/{c[1]} tail {c[2]}", bc, t, t / bc))
             print(over_rows[-1], flush=True)
 
         # 2. throughput of the baseline cell
