@@ -262,20 +262,27 @@ def _normalize(cell: Cell, fam: str) -> Cell:
                    tail_dtype=None if cell.tail_dtype == default_td else cell.tail_dtype)
 
 
-def summary_row(summary: dict, k: str, v: str, tail: int, opts: str = "") -> dict:
-    """One tidy row of results/summary.parquet from a cell's summary.json.
+def cell_columns(k: str, v: str, tail: int, opts: str = "") -> dict:
+    """What the tables need about a cell and the engine does not write.
 
-    Adds what the tables need and the engine does not write: the pair's family, the
-    requested tail and its printed label (`128*`), the cell's path name, the K and V
-    numerics versions, and the KV bytes saved or spent against the same pair at tail 0.
+    The pair's family, the requested tail and its printed label (`128*`), the cell's path
+    name and the K and V numerics versions. The workflow computes these at planning time
+    (the format registry is loaded there already) and hands them to the row job as params.
     """
-    row = dict(summary)
-    row["family"] = family(k, v)
-    row["tail_requested"] = tail
-    row["tail_label"] = tail_label(k, v, tail)
-    row["cell"] = f"{k}-{v}-t{tail}{opts}"
-    row["k_version"] = format_version(k, "k")
-    row["v_version"] = format_version(v, "v")
+    return {
+        "family": family(k, v),
+        "tail_requested": tail,
+        "tail_label": tail_label(k, v, tail),
+        "cell": f"{k}-{v}-t{tail}{opts}",
+        "k_version": format_version(k, "k"),
+        "v_version": format_version(v, "v"),
+    }
+
+
+def summary_row(summary: dict, columns: dict) -> dict:
+    """One tidy row of results/summary.parquet: a cell's summary.json + `cell_columns`
+    + the KV bytes saved or spent against the same pair at tail 0."""
+    row = {**summary, **columns}
     if "kv_total_bytes" in row and "kv_total_bytes_tail0" in row:
         row["kv_delta_bytes_vs_tail0"] = row["kv_total_bytes"] - row["kv_total_bytes_tail0"]
     return row

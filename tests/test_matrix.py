@@ -61,11 +61,11 @@ def test_tail_label_and_family():
 
 
 def test_summary_row_adds_the_table_columns():
-    row = kvm.summary_row({"kv_total_bytes": 1000, "kv_total_bytes_tail0": 900, "kld_median": 0.1},
-                          "kvarn4", "kvarn4", 0)
+    columns = kvm.cell_columns("kvarn4", "kvarn4", 0)
+    row = kvm.summary_row({"kv_total_bytes": 1000, "kv_total_bytes_tail0": 900, "kld_median": 0.1}, columns)
     assert row["family"] == "kvarn" and row["tail_label"] == "128*" and row["tail_requested"] == 0
     assert row["kv_delta_bytes_vs_tail0"] == 100 and row["cell"] == "kvarn4-kvarn4-t0"
-    assert isinstance(row["k_version"], int)
+    assert isinstance(row["k_version"], int) and row["kld_median"] == 0.1
 
 
 # (bad config, the field the message must name, a word the message must contain)

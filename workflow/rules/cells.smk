@@ -1,7 +1,7 @@
 rule cell:
     input:
         model=model_marker,
-        text=rules.wikitext.output[0],
+        text=ancient(rules.wikitext.output[0]),  # sha256-fixed: its identity cannot change
         baseline=rules.baseline.output[0],
     output:
         summary=f"{CELL}/summary.json",
@@ -33,6 +33,8 @@ rule cell_row:
         f"{CELL}/summary.json",
     output:
         f"{CELL}/row.parquet",
+    params:
+        columns=cell_columns,
     log:
         f"{LOG}/cells/{{k}}-{{v}}-t{{tail}}{{opts}}.row.log",
     benchmark:

@@ -54,3 +54,8 @@ def cell_opt(key):
 def format_version(role):
     """The numerics version of the cell's K or V type: bumping it reruns the cells using it."""
     return lambda wildcards: kvm.format_version(wildcards[role], role)
+
+
+def cell_columns(wildcards):
+    """family, tail label, versions, ... of a cell (kvarn.matrix.cell_columns), from its path."""
+    return kvm.cell_columns(wildcards.k, wildcards.v, int(wildcards.tail), wildcards.opts)

@@ -6,12 +6,11 @@ import polars as pl
 from _wf import atomic, start
 
 start(snakemake)  # noqa: F821
-from kvarn.matrix import summary_row  # noqa: E402
+from kvarn.matrix import summary_row  # noqa: E402  (no torch: columns come as params)
 
-w = snakemake.wildcards  # noqa: F821
 with open(snakemake.input[0]) as f:  # noqa: F821
     summary = json.load(f)
-row = summary_row(summary, w.k, w.v, int(w.tail), w.opts)
+row = summary_row(summary, snakemake.params.columns)  # noqa: F821
 with atomic(snakemake.output[0]) as tmp:  # noqa: F821
     pl.DataFrame([row]).write_parquet(tmp)
 print(row)
