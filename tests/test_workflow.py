@@ -128,6 +128,21 @@ def test_adding_a_width_or_editing_a_cell_plans_only_those_cells(tmp_path):
     assert plan(wd, "--configfile", str(tmp_path / "edited.yaml")) == {"cell": 1, "cell_row": 1, "summary": 1}
 
 
+def test_a_fresh_checkout_over_a_filled_model_cache_plans_everything_at_once(tmp_path):
+    """Workflow files newer than the shared cache's markers must not rerun fetch_model (and,
+    through snakemake/snakemake#4166 with `ancient` consumers, plan nothing after it)."""
+    cache = tmp_path / "models"
+    cache.mkdir()
+    (cache / "smollm2-135m.fetched.json").write_text("{}")
+    wd = workflow_copy(tmp_path, TINY)
+    later = time.time() + 60
+    for f in [wd / "Snakefile", *wd.rglob("workflow/**/*")]:
+        os.utime(f, (later, later))
+    want = expected(TINY)
+    del want["fetch_model"]
+    assert plan(wd) == want
+
+
 def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path, monkeypatch):
     wd = workflow_copy(tmp_path, TINY)
     fake_done(wd)

@@ -59,3 +59,47 @@ def format_version(role):
 def cell_columns(wildcards):
     """family, tail label, versions, ... of a cell (kvarn.matrix.cell_columns), from its path."""
     return kvm.cell_columns(wildcards.k, wildcards.v, int(wildcards.tail), wildcards.opts)
+
+
+# fetch_model and wikitext run these in `run:` blocks, not scripts: their outputs are
+# consumed `ancient`, and a script newer than its output (a fresh copy of the workflow over
+# a shared model cache) would rerun the producer and, through snakemake/snakemake#4166,
+# make that run plan nothing downstream of it. A `run:` block reruns on a change of its text.
+
+
+def fetch_model_marker(marker, spec, log):
+    """kvarn.models.fetch into the marker's directory; the marker lists what was fetched."""
+    import contextlib, json, os, time
+    from pathlib import Path
+    from kvarn.models import fetch
+
+    marker = Path(marker)
+    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        t0 = time.time()
+        path = Path(fetch(spec, cache_dir=marker.parent))
+        files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
+        if not files:
+            raise RuntimeError(f"kvarn.models.fetch({spec}) returned {path}, which holds no files")
+        print(f"fetched {spec} -> {path} in {time.time() - t0:.1f}s")
+        record = {"name": spec.name, "source": spec.source, "revision": spec.revision, "path": str(path),
+                  "files": {str(p.relative_to(path)) if p != path else p.name: p.stat().st_size for p in files}}
+        tmp = marker.with_name(f".{marker.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, marker)
+
+
+def copy_wikitext(source, out, log):
+    """wiki.test.raw from `source` (a path; None or missing: the hub), sha256-verified, to `out`."""
+    import contextlib, os
+    from pathlib import Path
+    from kvarn.data import load_text, text_sha256
+
+    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        if source is not None and not Path(source).is_file():
+            print(f"text: {source!r} does not exist; rebuilding wiki.test.raw from the Hugging Face hub")
+            source = None
+        text = load_text(source)  # raises unless the bytes are the original file's
+        tmp = Path(f"{out}.tmp{os.getpid()}")
+        tmp.write_bytes(text.encode("utf-8"))
+        os.replace(tmp, out)
+        print(f"wiki.test.raw from {source or 'the hub'}: {len(text.encode()):,} bytes, sha256 {text_sha256(text)}")

@@ -7,7 +7,5 @@ rule wikitext:
         "logs/wikitext.log",
     benchmark:
         "benchmarks/wikitext.tsv"
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/fetch_text.py"
+    run:
+        copy_wikitext(params.source, output[0], log[0])

@@ -8,7 +8,8 @@ rule fetch_model:
         "logs/{model}/fetch_model.log",
     benchmark:
         "benchmarks/{model}/fetch_model.tsv"
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/fetch_model.py"
+    run:
+        from kvarn.models import ModelSpec
+
+        spec = ModelSpec(wildcards.model, params.source, params.revision)
+        fetch_model_marker(output.marker, spec, log[0])

@@ -1,7 +1,6 @@
 """What every workflow script shares: log redirection, kvarn on the path, atomic writes."""
 
 import contextlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -28,11 +27,6 @@ def atomic(path):
     finally:
         if tmp.exists():
             tmp.unlink()
-
-
-def write_json(path, obj):
-    with atomic(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
 
 
 def model_spec(snakemake):
