@@ -40,36 +40,46 @@ def _kvarn_mask(*args, **kwargs):
 QUERY_BLOCK = 128  # queries per sdpa call: keys outside a block's reach are not computed
 
 
-def _span(cols: torch.Tensor) -> tuple[int, int] | None:
-    """[lo, hi) of the True entries of a 1-D bool tensor, or None."""
-    idx = cols.nonzero()
-    return (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else None
+def _block_spans(block: int, *masks_ranges) -> list[list[tuple[int, int] | None]]:
+    """Per block of `block` query rows: [lo, hi) of the columns selected in each (mask, (a, z)).
+
+    Each mask is [..., n_q, L]. All blocks and ranges are computed on the masks' device and
+    read back in one transfer (one host sync per layer call, not one per block).
+    """
+    parts = []
+    for mask, (a, z) in masks_ranges:
+        n_q, L = mask.shape[-2:]
+        n_blocks = -(-n_q // block)
+        if z <= a:
+            parts.append(torch.zeros(n_blocks, 3, dtype=torch.long, device=mask.device))
+            continue
+        m = mask[..., a:z].reshape(-1, n_q, z - a).any(0)
+        if n_blocks * block > n_q:
+            m = torch.cat([m, m.new_zeros(n_blocks * block - n_q, z - a)])
+        cols = m.view(n_blocks, block, z - a).any(1).to(torch.uint8)  # [n_blocks, z - a]
+        first = cols.argmax(1)
+        last = (z - a - 1) - cols.flip(1).argmax(1)
+        parts.append(torch.stack([cols.amax(1).long(), a + first, a + last + 1], dim=1))
+    table = torch.stack(parts, dim=1).tolist()  # [n_blocks][n_ranges][has, lo, hi]
+    return [[(lo, hi) if has else None for has, lo, hi in row] for row in table]
 
 
-def _block_keys(key, value, layer, body_mask, exact_mask):
-    """Keys, values and mask for one block of queries: only the key ranges it reads.
+def _block_keys(key, value, layer, body_mask, exact_mask, spans):
+    """Keys, values and mask for one block of queries: only the key spans it reads.
 
-    Body rows in one contiguous span; exact rows in at most two (the sink, and the tail
-    band of the block's queries), so a block of B queries with tail N reads about
-    (last position + B) keys instead of 2L, and none beyond its last query.
+    spans: (body span, exact sink span, exact tail-band span) from `_block_spans`. A block
+    of B queries with tail N thus reads about (last position + B) keys instead of 2L, and
+    none beyond its last query.
     """
     ks, vs, ms = [], [], []
-    span = _span(body_mask.flatten(0, -2).any(0))
-    if span:
+    for i, span in enumerate(spans):
+        if span is None:
+            continue
         lo, hi = span
-        ks.append(key[..., lo:hi, :])
-        vs.append(value[..., lo:hi, :])
-        ms.append(body_mask[..., lo:hi])
-    e_cols = exact_mask.flatten(0, -2).any(0)
-    L = e_cols.shape[0]
-    sink = min(layer.policy.sink, L)
-    for a, z in ((0, sink), (sink, L)):
-        span = _span(e_cols[a:z])
-        if span:
-            lo, hi = a + span[0], a + span[1]
-            ks.append(layer.exact_keys[..., lo:hi, :])
-            vs.append(layer.exact_values[..., lo:hi, :])
-            ms.append(exact_mask[..., lo:hi])
+        k, v, m = (key, value, body_mask) if i == 0 else (layer.exact_keys, layer.exact_values, exact_mask)
+        ks.append(k[..., lo:hi, :])
+        vs.append(v[..., lo:hi, :])
+        ms.append(m[..., lo:hi])
     if len(ks) == 1:
         return ks[0], vs[0], ms[0]
     return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), torch.cat(ms, dim=-1)
@@ -131,16 +141,21 @@ def kvarn_attention_forward(
         scaling = d**-0.5
 
     body_mask, exact_mask = split_mask(attention_mask[..., -n_q:, -L:], layer.q_offset, policy)
-    if layer.n_body < L and body_mask[..., layer.n_body :].any():
-        raise AssertionError(
-            f"layer {module.layer_idx}: a query reads body rows {layer.n_body}..{L - 1} of an incomplete "
-            f"{layer.group}-token group; the tail ({policy.tail}) must cover them"
-        )
+    sink = min(policy.sink, L)
+    # Per query block: the body span, the exact sink span, the exact tail-band span.
+    spans = _block_spans(QUERY_BLOCK, (body_mask, (0, L)), (exact_mask, (0, sink)), (exact_mask, (sink, L)))
+    for body, *_ in spans:
+        if body is not None and body[1] > layer.n_body:
+            raise AssertionError(
+                f"layer {module.layer_idx}: a query reads body rows {layer.n_body}..{body[1] - 1} of an incomplete "
+                f"{layer.group}-token group; the tail ({policy.tail}) must cover them"
+            )
     q = query.float()
     outs = []
-    for qs in range(0, n_q, QUERY_BLOCK):
+    for i, qs in enumerate(range(0, n_q, QUERY_BLOCK)):
         qe = min(qs + QUERY_BLOCK, n_q)
-        k_blk, v_blk, m_blk = _block_keys(key, value, layer, body_mask[..., qs:qe, :], exact_mask[..., qs:qe, :])
+        k_blk, v_blk, m_blk = _block_keys(key, value, layer, body_mask[..., qs:qe, :], exact_mask[..., qs:qe, :],
+                                          spans[i])
         # GQA without repeating K/V: the `rep` query heads sharing a KV head become extra
         # query rows of that head (same per-row maths as repeat_kv).
         q_blk = q[:, :, qs:qe].reshape(b, n_kv, rep * (qe - qs), d)
