@@ -15,17 +15,42 @@ shift + bits > 32. Little-endian 32-bit words are the same bytes as the LSB-firs
 stream of the reference.
 
 Agreement with the reference: the arithmetic is the same sequence of fp32 operations,
-but reductions (sums for the std, in a different order) and exp/log come from different
-libraries, so a few values can differ in the last fp32 bit. Then an fp16 metadata value
-can land one fp16 ulp apart, and a code can move by one where (y - lo)/step is within
-rounding of a half step. tests/test_kvarn_triton.py checks exactly that.
+and on a GPU every one of them is the correctly rounded (or libdevice, <= 1-2 ulp) op:
+division `div_rn` and `sqrt_rn` (Triton's `/` and `tl.sqrt` lower to approximate PTX on
+NVIDIA), exp/log from libdevice (`tl.exp`/`tl.log` lower to the approximate ex2/lg2
+units), no FMA contraction (`enable_fp_fusion=False`). What still differs: the order of
+the std sums (a tree here, torch's order in the reference) and exp/log's last bit, so a
+few values can differ in the last fp32 bit. Then an fp16 metadata value can land one
+fp16 ulp apart, a code can move by one where (y - lo)/step is within rounding of a half
+step, and -- where two passes' imbalances are equal up to rounding -- the kernel may keep
+another of the tied passes than the reference (a balanced tile: once every std is equal,
+each pass only shifts a by +c and b by -c, which leaves the normalized tile and its
+imbalance unchanged up to the last bit, but moves scale/other by e^c).
+tests/test_kvarn_triton.py checks exactly that.
+
+Under TRITON_INTERPRET=1 libdevice cannot run (no extern calls in the interpreter), so
+exp/log there are tl.exp/tl.log (numpy, correctly rounded to ~1 ulp).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# precise exp/log (the pattern torch inductor uses; triton >= 3.0 has extra.libdevice,
+# some builds only extra.cuda.libdevice); None -> tl.exp/tl.log
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older layouts
+    try:
+        from triton.language.extra.cuda import libdevice
+    except ImportError:
+        libdevice = None
+LIBDEVICE = tl.constexpr(libdevice is not None and not _INTERPRET)
 
 from . import kvarn as _ref
 from .kvarn import ITERS, payload_nbytes
@@ -40,37 +65,67 @@ STEP_MIN = tl.constexpr(_ref.STEP_MIN)
 
 
 @triton.jit
-def _std(y, axis: tl.constexpr, n: tl.constexpr):
+def _div(x, y, PRECISE: tl.constexpr):
+    """x / y, correctly rounded (div.rn) unless PRECISE is off (approximate div.full)."""
+    if PRECISE:
+        return tl.math.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE and LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    if PRECISE and LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _std(y, axis: tl.constexpr, n: tl.constexpr, PRECISE: tl.constexpr):
     """Sample std (n - 1), two-pass, along `axis` of a 2-D block."""
-    mean = tl.sum(y, axis=axis) / n
+    mean = _div(tl.sum(y, axis=axis), n, PRECISE)
     if axis == 0:
         dev = y - mean[None, :]
     else:
         dev = y - mean[:, None]
-    return tl.sqrt(tl.sum(dev * dev, axis=axis) / (n - 1))
+    var = _div(tl.sum(dev * dev, axis=axis), n - 1, PRECISE)
+    if PRECISE:
+        return tl.sqrt_rn(var)
+    else:
+        return tl.sqrt(var)
 
 
 @triton.jit
-def _imbalance(std_col, std_row):
-    col = tl.max(std_col, axis=0) / tl.maximum(tl.min(std_col, axis=0), RATIO_FLOOR)
-    row = tl.max(std_row, axis=0) / tl.maximum(tl.min(std_row, axis=0), RATIO_FLOOR)
+def _imbalance(std_col, std_row, PRECISE: tl.constexpr):
+    col = _div(tl.max(std_col, axis=0), tl.maximum(tl.min(std_col, axis=0), RATIO_FLOOR), PRECISE)
+    row = _div(tl.max(std_row, axis=0), tl.maximum(tl.min(std_row, axis=0), RATIO_FLOOR), PRECISE)
     return col + row
 
 
 @triton.jit
-def _log_update(log_scale, std):
+def _log_update(log_scale, std, PRECISE: tl.constexpr):
     s = tl.minimum(tl.maximum(std, STD_MIN), STD_MAX)
-    return tl.minimum(tl.maximum(log_scale + tl.log(s), LOG_MIN), LOG_MAX)
+    return tl.minimum(tl.maximum(log_scale + _log(s, PRECISE), LOG_MIN), LOG_MAX)
 
 
 @triton.jit
-def _scaled(x, a, b):
-    return x / (tl.exp(b)[:, None] * tl.exp(a)[None, :])
+def _scaled(x, a, b, PRECISE: tl.constexpr):
+    return _div(x, _exp(b, PRECISE)[:, None] * _exp(a, PRECISE)[None, :], PRECISE)
 
 
 @triton.jit
 def _quantize_pack_kernel(x_ptr, words_ptr, scale_ptr, zero_ptr, other_ptr, iters,
-                          R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
+                          R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr,
+                          PRECISE: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, R)
     cols = tl.arange(0, C)
@@ -79,38 +134,38 @@ def _quantize_pack_kernel(x_ptr, words_ptr, scale_ptr, zero_ptr, other_ptr, iter
     # variance normalization (SPEC §4.3): candidate 0 is the unscaled tile, ties -> later
     a = tl.zeros([C], dtype=tl.float32)
     b = tl.zeros([R], dtype=tl.float32)
-    std_col = _std(x, 0, R)
-    std_row = _std(x, 1, C)
-    best = _imbalance(std_col, std_row)
+    std_col = _std(x, 0, R, PRECISE)
+    std_row = _std(x, 1, C, PRECISE)
+    best = _imbalance(std_col, std_row, PRECISE)
     best_a = a
     best_b = b
     for _ in range(iters):
-        a = _log_update(a, std_col)
-        std_row = _std(_scaled(x, a, b), 1, C)
-        b = _log_update(b, std_row)
-        y = _scaled(x, a, b)
-        std_col = _std(y, 0, R)
-        std_row = _std(y, 1, C)
-        cur = _imbalance(std_col, std_row)
+        a = _log_update(a, std_col, PRECISE)
+        std_row = _std(_scaled(x, a, b, PRECISE), 1, C, PRECISE)
+        b = _log_update(b, std_row, PRECISE)
+        y = _scaled(x, a, b, PRECISE)
+        std_col = _std(y, 0, R, PRECISE)
+        std_row = _std(y, 1, C, PRECISE)
+        cur = _imbalance(std_col, std_row, PRECISE)
         better = cur <= best
         best = tl.where(better, cur, best)
         best_a = tl.where(better, a, best_a)
         best_b = tl.where(better, b, best_b)
 
     # per-row asymmetric RTN, round half away from zero (v >= 0)
-    y = _scaled(x, best_a, best_b)
+    y = _scaled(x, best_a, best_b, PRECISE)
     lo = tl.min(y, axis=1)
     hi = tl.max(y, axis=1)
-    step = tl.maximum((hi - lo) / (2**BITS - 1), STEP_MIN)
-    v = (y - lo[:, None]) / step[:, None]
+    step = tl.maximum(_div(hi - lo, 2**BITS - 1, PRECISE), STEP_MIN)
+    v = _div(y - lo[:, None], step[:, None], PRECISE)
     fl = tl.floor(v)
     q = tl.where(v - fl >= 0.5, fl + 1.0, fl)
     q = tl.minimum(tl.maximum(q, 0.0), 2**BITS - 1).to(tl.int64)
 
-    s_row = tl.exp(best_b)
+    s_row = _exp(best_b, PRECISE)
     tl.store(scale_ptr + pid * R + rows, (s_row * step).to(tl.float16))
     tl.store(zero_ptr + pid * R + rows, (s_row * lo).to(tl.float16))
-    tl.store(other_ptr + pid * C + cols, tl.exp(best_a).to(tl.float16))
+    tl.store(other_ptr + pid * C + cols, _exp(best_a, PRECISE).to(tl.float16))
 
     # dense LSB-first packing, 32 codes -> BITS words
     NCH: tl.constexpr = R * C // 32
@@ -166,9 +221,24 @@ def _check_tiles(tiles: torch.Tensor, bits: int) -> None:
         raise ValueError(f"bits must be in 2..8, got {bits!r}")
 
 
-def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = ITERS):
+def quantize_warps(rows: int, cols: int) -> int:
+    """Warps per tile program: 16 for 64x128 and 128x128 tiles, 8 for 64x64.
+
+    Compiled for sm_90 (triton 3.9, ptxas; registers/stack per thread from cuobjdump):
+    64x128 at 8 warps needs 254 registers, at 16 warps 125, neither spills; 128x128 at 8
+    warps hits the 255 cap and spills (432 B stack), at 16 warps 128 registers and 256 B.
+    Either way one program fills an SM's register file, so 16 warps doubles the warps
+    resident per SM (latency hiding) for the same tile."""
+    return max(4, min(16, rows * cols // 512))
+
+
+def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = ITERS, *, num_warps: int | None = None,
+                  precise: bool = True):
     """Tiles fp32 [N, R, C] -> (payload uint8 [N, R*C*bits/8], scale f16 [N, R],
-    zero f16 [N, R], other f16 [N, C]); same contract as kvarn.quantize_pack_ref."""
+    zero f16 [N, R], other f16 [N, C]); same contract as kvarn.quantize_pack_ref.
+
+    num_warps: None -> quantize_warps(R, C). precise=False (for benchmarks only) uses
+    Triton's approximate division, sqrt, exp and log instead of the IEEE/libdevice ones."""
     _check_tiles(tiles, bits)
     n, r, c = tiles.shape
     x = tiles.contiguous()
@@ -178,7 +248,8 @@ def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = ITERS):
     other = torch.empty(n, c, dtype=torch.float16, device=x.device)
     if n:
         _quantize_pack_kernel[(n,)](x, words, scale, zero, other, iters, R=r, C=c, BITS=bits,
-                                    num_warps=8)
+                                    PRECISE=precise, num_warps=num_warps or quantize_warps(r, c),
+                                    enable_fp_fusion=False)
     payload = words.view(torch.uint8)  # little-endian words = the LSB-first byte stream
     assert payload.shape[-1] == payload_nbytes(r, c, bits)
     return payload, scale, zero, other
