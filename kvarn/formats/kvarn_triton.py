@@ -222,14 +222,15 @@ def _check_tiles(tiles: torch.Tensor, bits: int) -> None:
 
 
 def quantize_warps(rows: int, cols: int) -> int:
-    """Warps per tile program: 16 for 64x128 and 128x128 tiles, 8 for 64x64.
+    """Warps per tile program: 16 for 128x128 tiles, 8 for 64x128, 128x64 and 64x64.
 
-    Compiled for sm_90 (triton 3.9, ptxas; registers/stack per thread from cuobjdump):
-    64x128 at 8 warps needs 254 registers, at 16 warps 125, neither spills; 128x128 at 8
-    warps hits the 255 cap and spills (432 B stack), at 16 warps 128 registers and 256 B.
-    Either way one program fills an SM's register file, so 16 warps doubles the warps
-    resident per SM (latency hiding) for the same tile."""
-    return max(4, min(16, rows * cols // 512))
+    Registers (sm_90, triton 3.9 + ptxas, cuobjdump): 128x128 at 8 warps hits the 255
+    cap and spills (432 B stack), at 16 warps 128 registers and 256 B; 64x128 needs 254
+    registers at 8 warps, 125 at 16, neither spills. Measured on an H200 (triton 3.6,
+    16384 tiles, 4 bits, precise ops; docs/notes/kvarn.md): 128x128 at 8/16/32 warps
+    36/42/30 GB/s of fp32 input, 64x128 at 8/16 warps 45/28 GB/s. (With precise=False
+    8 warps is best for both: 74 and 61 GB/s.)"""
+    return 16 if rows * cols >= 128 * 128 else 8
 
 
 def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = ITERS, *, num_warps: int | None = None,
@@ -237,8 +238,9 @@ def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = ITERS, *, num_war
     """Tiles fp32 [N, R, C] -> (payload uint8 [N, R*C*bits/8], scale f16 [N, R],
     zero f16 [N, R], other f16 [N, C]); same contract as kvarn.quantize_pack_ref.
 
-    num_warps: None -> quantize_warps(R, C). precise=False (for benchmarks only) uses
-    Triton's approximate division, sqrt, exp and log instead of the IEEE/libdevice ones."""
+    num_warps: None -> quantize_warps(R, C). precise=False uses Triton's approximate
+    division, sqrt, exp and log instead of the IEEE/libdevice ones: 1.6-1.8x faster on an
+    H200, but its agreement with the reference is not what the GPU tests last checked."""
     _check_tiles(tiles, bits)
     n, r, c = tiles.shape
     x = tiles.contiguous()
