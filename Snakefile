@@ -24,6 +24,7 @@ wildcard_constraints:
     v=kvm.TYPE_PATTERN,
     tail=r"\d+",
     opts=kvm.OPTS_PATTERN,
+    source_key=r"[0-9a-f]{8}",
 
 
 include: "workflow/rules/models.smk"

@@ -99,6 +99,14 @@ class Matrix:
         return list(dict.fromkeys((c.model, c.n_ctx, c.chunks) for c in self.cells))
 
 
+def source_key(source: str, revision: str | None) -> str:
+    """8 hex digits naming a model's (source, revision): the workflow's fetch marker is
+    `{model_cache}/{model}.{key}.fetched.json`, so a new source is a new marker path."""
+    import hashlib
+
+    return hashlib.sha256(f"{source}@{revision}".encode()).hexdigest()[:8]
+
+
 def parse_opts(opts: str) -> dict:
     """rot, tail_dtype, iters from a cell path's `opts` suffix (inverse of Cell.opts)."""
     out = dict(CELL_DEFAULTS)

@@ -126,6 +126,15 @@ def test_adding_a_width_or_editing_a_cell_plans_only_those_cells(tmp_path):
                                 TINY["cells"][2]]}
     (tmp_path / "edited.yaml").write_text(yaml.safe_dump(edited))
     assert plan(wd, "--configfile", str(tmp_path / "edited.yaml")) == {"cell": 1, "cell_row": 1, "summary": 1}
+    # Where the text is read from is not what it is (sha256-checked): nothing to do.
+    (tmp_path / "moved.yaml").write_text(yaml.safe_dump({**TINY, "text": "/elsewhere/wiki.test.raw"}))
+    assert plan(wd, "--configfile", str(tmp_path / "moved.yaml")) == {}
+    # A new model revision: fetched, and everything of that model rerun, in one invocation.
+    new_rev = {**TINY, "models": [{**TINY["models"][0], "revision": "v2"}]}
+    (tmp_path / "rev.yaml").write_text(yaml.safe_dump(new_rev))
+    want = expected(TINY)
+    del want["wikitext"]
+    assert plan(wd, "--configfile", str(tmp_path / "rev.yaml")) == want
 
 
 def test_a_fresh_checkout_over_a_filled_model_cache_plans_everything_at_once(tmp_path):
@@ -133,7 +142,8 @@ def test_a_fresh_checkout_over_a_filled_model_cache_plans_everything_at_once(tmp
     through snakemake/snakemake#4166 with `ancient` consumers, plan nothing after it)."""
     cache = tmp_path / "models"
     cache.mkdir()
-    (cache / "smollm2-135m.fetched.json").write_text("{}")
+    m = TINY["models"][0]
+    (cache / f"smollm2-135m.{kvm.source_key(m['source'], None)}.fetched.json").write_text("{}")
     wd = workflow_copy(tmp_path, TINY)
     later = time.time() + 60
     for f in [wd / "Snakefile", *wd.rglob("workflow/**/*")]:

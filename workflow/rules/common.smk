@@ -38,9 +38,19 @@ def all_targets():
     return ["results/summary.parquet", "results/summary.csv", *report_targets()]
 
 
+def source_key(model):
+    return kvm.source_key(MODELS[model]["source"], MODELS[model]["revision"])
+
+
 def model_marker(wildcards):
-    """The fetched-and-verified marker of a model; `ancient`: a re-verify never reruns cells."""
-    return ancient(f"{config['model_cache']}/{wildcards.model}.fetched.json")
+    """The fetched-and-verified marker of a model's current source.
+
+    `ancient`: re-verifying never reruns cells (a changed source reruns them through their
+    own params). fetch_model has no params and is a `run:` block, so it reruns only when its
+    marker is missing: a producer rerun over an existing `ancient` output would, through
+    snakemake/snakemake#4166, make that invocation plan nothing downstream of it.
+    """
+    return ancient(f"{config['model_cache']}/{wildcards.model}.{source_key(wildcards.model)}.fetched.json")
 
 
 def model_param(key):
@@ -61,18 +71,22 @@ def cell_columns(wildcards):
     return kvm.cell_columns(wildcards.k, wildcards.v, int(wildcards.tail), wildcards.opts)
 
 
-# fetch_model and wikitext run these in `run:` blocks, not scripts: their outputs are
-# consumed `ancient`, and a script newer than its output (a fresh copy of the workflow over
-# a shared model cache) would rerun the producer and, through snakemake/snakemake#4166,
-# make that run plan nothing downstream of it. A `run:` block reruns on a change of its text.
+# fetch_model and wikitext run these in `run:` blocks without params, not scripts: their
+# outputs are consumed `ancient`, and a rerun of an existing output (a script newer than it,
+# as in a fresh copy of the workflow over a shared model cache, or a changed param) would,
+# through snakemake/snakemake#4166, make that invocation plan nothing downstream of it.
 
 
-def fetch_model_marker(marker, spec, log):
-    """kvarn.models.fetch into the marker's directory; the marker lists what was fetched."""
+def fetch_model_marker(marker, model, key, log):
+    """kvarn.models.fetch of `model`'s source into the marker's directory; the marker lists what was fetched."""
     import contextlib, json, os, time
     from pathlib import Path
-    from kvarn.models import fetch
+    from kvarn.models import ModelSpec, fetch
 
+    m = MODELS[model]
+    if key != source_key(model):
+        raise ValueError(f"{marker} is not the marker of {m['source']}@{m['revision']}; run snakemake without naming it")
+    spec = ModelSpec(model, m["source"], m["revision"])
     marker = Path(marker)
     with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         t0 = time.time()

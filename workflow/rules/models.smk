@@ -1,15 +1,9 @@
 rule fetch_model:
     output:
-        marker=f"{config['model_cache']}/{{model}}.fetched.json",
-    params:
-        source=model_param("source"),
-        revision=model_param("revision"),
+        marker=f"{config['model_cache']}/{{model}}.{{source_key}}.fetched.json",
     log:
-        "logs/{model}/fetch_model.log",
+        "logs/{model}/fetch_model.{source_key}.log",
     benchmark:
-        "benchmarks/{model}/fetch_model.tsv"
+        "benchmarks/{model}/fetch_model.{source_key}.tsv"
     run:
-        from kvarn.models import ModelSpec
-
-        spec = ModelSpec(wildcards.model, params.source, params.revision)
-        fetch_model_marker(output.marker, spec, log[0])
+        fetch_model_marker(output.marker, wildcards.model, wildcards.source_key, log[0])
