@@ -153,7 +153,7 @@ def test_a_fresh_checkout_over_a_filled_model_cache_plans_everything_at_once(tmp
     assert plan(wd) == want
 
 
-def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path, monkeypatch):
+def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path):
     wd = workflow_copy(tmp_path, TINY)
     fake_done(wd)
     # Simulate `q4_0.version += 1` as the workflow sees it: through the format_version param.
@@ -226,11 +226,11 @@ def test_tiny_matrix_end_to_end(tiny_run):
     assert all(r["kld_mean"] >= 0 and r["n_tokens"] == 256 - 1 - 128 for r in row.values())
     assert row["q8_0-q8_0-t0"]["kv_delta_bytes_vs_tail0"] == 0
     # Every table and figure the report rules declare was built.
-    for target in kvm_report_targets():
+    for target in report_targets():
         assert (wd / target).exists(), target
 
 
-def kvm_report_targets():
+def report_targets():
     from kvarn.report import workflow as kvr
 
     return kvr.targets(["smollm2-135m"])
