@@ -27,28 +27,27 @@ class UsageError(Exception):
     """A bad command-line value: printed as `kvarn: error: ...`, exit code 2."""
 
 
-def _positive_int(name):
+def _int_at_least(name, lo):
+    """argparse type: an integer >= lo, the error naming the option and the value."""
+    what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+
     def parse(s):
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {s!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {s!r}")
+            v = None
+        if v is None or v < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {s!r}")
         return v
     return parse
+
+
+def _positive_int(name):
+    return _int_at_least(name, 1)
 
 
 def _nonneg_int(name):
-    def parse(s):
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {s!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {s!r}")
-        return v
-    return parse
+    return _int_at_least(name, 0)
 
 
 def _ctx(s):

@@ -15,13 +15,7 @@ from kvarn.formats.hadamard import hadamard
 F32_EPS = 2.0**-24  # unit roundoff of fp32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gen(seed):

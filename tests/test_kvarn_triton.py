@@ -45,12 +45,7 @@ CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiles(n, rows, cols, seed, device="cpu"):

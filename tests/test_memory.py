@@ -9,12 +9,7 @@ from kvarn.memory import Geometry, KVBytes, bytes_table, kv_bytes, tail_label
 TINY = Geometry(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, None))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _real_body(geom, n_ctx, k_type, v_type):
