@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvarn import data, engine, models  # noqa: E402
+from kvarn.atomic import write_text  # noqa: E402
 
 TEXT = "/work/shared/data/wikitext-2-raw-v1/wiki.test.raw"
 CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0)]
@@ -136,11 +137,7 @@ def main() -> int:
           "| model | vocab | n_ctx | file bytes | bytes / scored token | bytes / token / vocab entry |",
           "|---|---:|---:|---:|---:|---:|"]
     L += [f"| {m} | {v} | {c} | {s:,} | {pt:,.0f} | {pv:.3f} |" for m, v, c, s, pt, pv in dump_rows]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    tmp.write_text("\n".join(L) + "\n")
-    os.replace(tmp, out)
+    write_text(args.out, "\n".join(L) + "\n")
     print("\n".join(L))
     return 0
 

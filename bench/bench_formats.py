@@ -18,7 +18,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvarn.atomic import write_text  # noqa: E402
 from kvarn.formats import get_format, names  # noqa: E402
 
 # (label, KV heads, tokens, head dim): one layer's K or V for one ubatch
@@ -101,18 +101,6 @@ def bits_rows() -> list[str]:
     return rows
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "formats.md")
@@ -160,7 +148,7 @@ def main(argv=None) -> int:
             "",
         ]
     )
-    write_atomic(args.out, text)
+    write_text(args.out, text)
     print(text)
     return 0
 

@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvarn.atomic import write_text  # noqa: E402
 from kvarn.formats import get_format  # noqa: E402
 from kvarn.formats import kvarn as K  # noqa: E402
 
@@ -169,10 +170,7 @@ def main():
     torch.set_num_threads(cpu_threads)
     lines += ["", "## Stored bits per value (metadata included, G = 128)", ""] + bits_table() + [""]
 
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    tmp = OUT.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, OUT)
+    write_text(OUT, "\n".join(lines))
     print("\n".join(lines))
 
 

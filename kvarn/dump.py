@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvarn.atomic import atomic_path
+
 MAGIC = b"KVARNKVD"
 FILE_VERSION = 1
 PREAMBLE = struct.Struct("<8sII QQ")  # magic, file version, reserved, json offset, json length
@@ -128,14 +130,11 @@ def write_dump(path: str | os.PathLike, header: dict, blocks: Iterable[torch.Ten
     missing = [k for k in REQUIRED if k not in header]
     if missing:
         raise ValueError(f"dump header lacks {missing}; required: {list(REQUIRED)}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     n_ctx = int(header["n_ctx"])
     n_scored = n_ctx - 1 - n_ctx // 2
     vocab = header.get("vocab_size")
     sums: list[str] = []
-    try:
+    with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(b"\0" * PAYLOAD_OFFSET)
             for i, block in enumerate(blocks):
@@ -175,10 +174,6 @@ def write_dump(path: str | os.PathLike, header: dict, blocks: Iterable[torch.Ten
             f.write(PREAMBLE.pack(MAGIC, FILE_VERSION, 0, json_offset, len(blob)))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return full
 
 

@@ -11,7 +11,6 @@ gigabytes), then either the dump (baseline) or per-token metrics against it (cel
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 import kvarn
 import kvarn.attention as kattn
+from kvarn.atomic import atomic_path, write_text
 from kvarn.cache import KVarnCache
 
 BASELINE_K = BASELINE_V = "bf16"
@@ -86,20 +86,6 @@ def _progress(iterable, desc, total):
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, unit="chunk", leave=False)
-
-
-# --- atomic writes --------------------------------------------------------------------
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _atomic_write_parquet(path: Path, frame) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    frame.write_parquet(tmp)
-    os.replace(tmp, path)
 
 
 # --- baseline -------------------------------------------------------------------------
@@ -239,8 +225,9 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         "dtype": info.dtype,
     })
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write_parquet(out_dir / "tokens.parquet", frame)
-    _atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1, default=_json_default) + "\n")
+    with atomic_path(out_dir / "tokens.parquet") as tmp:
+        frame.write_parquet(tmp)
+    write_text(out_dir / "summary.json", json.dumps(summary, indent=1, default=_json_default) + "\n")
     return summary
 
 

@@ -8,14 +8,13 @@ better, and KLD axes are logarithmic because widths differ by orders of magnitud
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import altair as alt
 import polars as pl
 
+from kvarn.atomic import write_bytes
 from kvarn.report import data as D
 
 # One colour per Pareto series; other tails (if a matrix has them) get the spare colours.
@@ -317,19 +316,6 @@ def token_figure(name: str, tokens: pl.DataFrame, **options) -> alt.TopLevelMixi
     return TOKEN_FIGURES[name](tokens, **options)
 
 
-def _atomic_write(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_chart(chart: alt.TopLevelMixin, stem: str | Path, formats=("vl.json", "svg", "png"), scale: float = 2.0) -> list[Path]:
     """Write `stem.vl.json` (the Vega-Lite spec), `stem.svg`, `stem.png`, each atomically.
 
@@ -351,6 +337,6 @@ def save_chart(chart: alt.TopLevelMixin, stem: str | Path, formats=("vl.json", "
             payload = vlc.vegalite_to_png(spec, vl_version=vl_version, scale=scale)
         else:
             raise ValueError(f"unknown figure format {fmt!r}; expected vl.json, svg or png")
-        _atomic_write(path, payload)
+        write_bytes(path, payload)
         written.append(path)
     return written

@@ -1,7 +1,5 @@
 """What every workflow script shares: log redirection, kvarn on the path, atomic writes."""
 
-import contextlib
-import os
 import sys
 from pathlib import Path
 
@@ -16,17 +14,11 @@ def start(snakemake):
     return log
 
 
-@contextlib.contextmanager
 def atomic(path):
-    """Yield a temporary path beside `path`; rename it into place only if the block succeeds."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """kvarn.atomic.atomic_path: a temporary path, renamed into place if the block succeeds."""
+    from kvarn.atomic import atomic_path  # after start(): kvarn may only be on sys.path then
+
+    return atomic_path(path)
 
 
 def model_spec(snakemake):

@@ -9,18 +9,19 @@ README's images are committed, results/ is not.
 """
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kvarn.atomic import atomic_path  # noqa: E402
 
 FIGURES = ("pareto", "same_width", "tail_effect", "heatmap", "position", "distribution")
 
 
 def copy(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
 
 
 def main(argv=None) -> int:
