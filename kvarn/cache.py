@@ -31,25 +31,12 @@ TAIL_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat1
 def layer_windows(config) -> list[int | None]:
     """Per decoder layer: its sliding window W, or None for full attention.
 
-    Follows what the transformers modeling code does: `layer_types` when present
-    (Gemma 2/3, Qwen 2/3 with `use_sliding_window`), else one `sliding_window` for all
-    layers when the config enables it (Mistral), else full attention everywhere.
+    Read as the transformers modeling code does (`layer_types` when present, else one
+    `sliding_window` for all layers when enabled): `kvarn.models.geometry_from_config`.
     """
-    config = getattr(config, "get_text_config", lambda: config)()
-    n = config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if types is not None:
-        unknown = set(types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise ValueError(
-                f"layer types {sorted(unknown)} are not supported by the kvarn cache model; "
-                "supported: full_attention, sliding_attention"
-            )
-        return [window if t == "sliding_attention" else None for t in types]
-    if window is not None and getattr(config, "use_sliding_window", True):
-        return [window] * n
-    return [None] * n
+    from kvarn.models import geometry_from_config
+
+    return list(geometry_from_config(config).windows)
 
 
 def exact_selection(q_pos: torch.Tensor, kv_len: int, policy: LayerPolicy) -> torch.Tensor:

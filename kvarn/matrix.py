@@ -135,10 +135,10 @@ def family(k: str, v: str) -> str:
 
 
 def tail_label(k: str, v: str, tail: int) -> str:
-    """The tail as tables print it: the effective tail, starred where it exceeds the request."""
-    f = _formats()
-    eff = max(f.get_format(k, role="k").effective_tail(tail), f.get_format(v, role="v").effective_tail(tail))
-    return f"{eff}*" if eff != tail else str(tail)
+    """The tail as tables print it (`kvarn.memory.tail_label`): '128*' where KVarN raised it."""
+    from kvarn.memory import tail_label as label
+
+    return label(k, v, tail)
 
 
 def format_version(name: str, role: str = "k") -> int:

@@ -35,7 +35,10 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # kvarn.memory imports torch; fetching a model does not need it
+    from kvarn.memory import Geometry
 
 DEFAULT_CACHE_DIR = "resources/models"
 MARKER = "kvarn-complete.json"
@@ -92,29 +95,11 @@ EMBEDDED: dict[str, Embedded] = {
 
 
 @dataclass(frozen=True)
-class _GeometryMirror:
-    """Stand-in for kvarn.memory.Geometry while that module is absent (same fields)."""
-
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    windows: tuple[int | None, ...]
-
-
-def _geometry_cls():
-    try:
-        from kvarn.memory import Geometry
-    except ImportError:
-        return _GeometryMirror
-    return Geometry
-
-
-@dataclass(frozen=True)
 class ModelInfo:
     name: str
     source: str
     revision: str | None  # embedded/.gguf: "sha256:<gguf>"; hf: the resolved commit
-    geometry: Any  # kvarn.memory.Geometry
+    geometry: Geometry
     add_bos: bool  # the tokenizer prepends BOS when encoding with special tokens
     bos_id: int | None  # the BOS id if add_bos, else None (what make_chunks expects)
     vocab_size: int  # logits width
@@ -367,8 +352,10 @@ def fetch(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> 
 # ----------------------------------------------------------------------------- load
 
 
-def geometry_from_config(config) -> Any:
+def geometry_from_config(config) -> Geometry:
     """KV-cache geometry (layers, KV heads, head dim, per-layer sliding window) of a config."""
+    from kvarn.memory import Geometry
+
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = int(c.num_hidden_layers)
     n_heads = int(c.num_attention_heads)
@@ -377,6 +364,12 @@ def geometry_from_config(config) -> Any:
     window = getattr(c, "sliding_window", None)
     layer_types = getattr(c, "layer_types", None)
     if layer_types:
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(
+                f"layer types {sorted(unknown)} are not supported by the kvarn cache model; "
+                "supported: full_attention, sliding_attention"
+            )
         if len(layer_types) != n_layers:
             raise ValueError(f"config has {len(layer_types)} layer_types for {n_layers} layers")
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
@@ -386,7 +379,7 @@ def geometry_from_config(config) -> Any:
         windows = (None,) * n_layers
     if any(w is not None for w in windows) and not window:
         raise ValueError("config declares sliding-attention layers but no sliding_window")
-    return _geometry_cls()(n_layers=n_layers, n_kv_heads=n_kv, head_dim=int(head_dim), windows=windows)
+    return Geometry(n_layers=n_layers, n_kv_heads=n_kv, head_dim=int(head_dim), windows=windows)
 
 
 def detect_add_bos(tokenizer) -> tuple[bool, int | None]:
