@@ -32,9 +32,9 @@ def layer_windows(config) -> list[int | None]:
     """Per decoder layer: its sliding window W, or None for full attention.
 
     Read as the transformers modeling code does (`layer_types` when present, else one
-    `sliding_window` for all layers when enabled): `kvarn.models.geometry_from_config`.
+    `sliding_window` for all layers when enabled): `kvarn.geometry.geometry_from_config`.
     """
-    from kvarn.models import geometry_from_config
+    from kvarn.geometry import geometry_from_config
 
     return list(geometry_from_config(config).windows)
 

@@ -35,38 +35,12 @@ Conventions (decided here, stated in the README):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 
 from .formats import get_format
+from .geometry import Geometry
 from .policy import default_tail_dtype, layer_policy, pair_family
 
 MIB = 2**20
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, Integral) and not isinstance(v, bool) and v >= 1
-
-
-@dataclass(frozen=True)
-class Geometry:
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    windows: tuple[int | None, ...]  # per layer: sliding window W, or None for full attention
-
-    def __post_init__(self):
-        for field in ("n_layers", "n_kv_heads", "head_dim"):
-            v = getattr(self, field)
-            if not _positive_int(v):
-                raise ValueError(f"Geometry.{field} must be a positive integer, got {v!r}")
-        if len(self.windows) != self.n_layers:
-            raise ValueError(
-                f"Geometry.windows has {len(self.windows)} entries for {self.n_layers} layers; "
-                "give one window (or None) per layer"
-            )
-        for w in self.windows:
-            if w is not None and not _positive_int(w):
-                raise ValueError(f"Geometry.windows: a sliding window must be a positive integer or None, got {w!r}")
 
 
 @dataclass(frozen=True)
@@ -79,7 +53,7 @@ class KVBytes:
 def kv_bytes(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
              tail_dtype: str | None = None, rot: bool = True) -> KVBytes:
     """Bytes of the K and V cache of one sequence of n_ctx tokens (see the module docstring)."""
-    if not _positive_int(n_ctx):
+    if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx < 1:
         raise ValueError(f"n_ctx must be a positive integer, got {n_ctx!r}")
     k_fmt = get_format(k_type, role="k", rot=rot)
     v_fmt = get_format(v_type, role="v", rot=rot)
@@ -89,19 +63,18 @@ def kv_bytes(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
     if exact.family != "float":
         raise ValueError(f"tail_dtype must be a float type (f16, bf16, f32), got {tail_dtype!r}")
     group = max(k_fmt.group, v_fmt.group)
-    d = geom.head_dim
-    row = exact.nbytes(1, d)  # one exact token of one head, K or V
-
     body = overlay = 0
-    for window in geom.windows:
+    for layer in geom.layers:
+        if not layer.has_kv:
+            continue
+        d, h, window = layer.head_dim, layer.n_kv_heads, layer.window
+        row = exact.nbytes(1, d)  # one exact token of one head, K or V
         pol = layer_policy(k_fmt, v_fmt, tail, window)
         stored = n_ctx if window is None else min(n_ctx, window)
         n_body = stored - stored % group
-        body += k_fmt.nbytes(n_body, d) + v_fmt.nbytes(n_body, d)
+        body += h * (k_fmt.nbytes(n_body, d) + v_fmt.nbytes(n_body, d))
         rows = min(pol.tail, stored) + (min(pol.sink, stored) if family == "kvarn" else 0)
-        overlay += 2 * rows * row
-    body *= geom.n_kv_heads
-    overlay *= geom.n_kv_heads
+        overlay += h * 2 * rows * row
     return KVBytes(body=body, overlay=overlay, total=body + overlay)
 
 

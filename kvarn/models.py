@@ -35,10 +35,9 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # kvarn.memory imports torch; fetching a model does not need it
-    from kvarn.memory import Geometry
+from kvarn.geometry import Geometry, geometry_from_config  # noqa: F401  (re-exported)
 
 DEFAULT_CACHE_DIR = "resources/models"
 MARKER = "kvarn-complete.json"
@@ -350,36 +349,6 @@ def fetch(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> 
 
 
 # ----------------------------------------------------------------------------- load
-
-
-def geometry_from_config(config) -> Geometry:
-    """KV-cache geometry (layers, KV heads, head dim, per-layer sliding window) of a config."""
-    from kvarn.memory import Geometry
-
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_layers = int(c.num_hidden_layers)
-    n_heads = int(c.num_attention_heads)
-    n_kv = int(getattr(c, "num_key_value_heads", None) or n_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // n_heads
-    window = getattr(c, "sliding_window", None)
-    layer_types = getattr(c, "layer_types", None)
-    if layer_types:
-        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise ValueError(
-                f"layer types {sorted(unknown)} are not supported by the kvarn cache model; "
-                "supported: full_attention, sliding_attention"
-            )
-        if len(layer_types) != n_layers:
-            raise ValueError(f"config has {len(layer_types)} layer_types for {n_layers} layers")
-        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-    elif window and getattr(c, "use_sliding_window", True):
-        windows = (int(window),) * n_layers
-    else:
-        windows = (None,) * n_layers
-    if any(w is not None for w in windows) and not window:
-        raise ValueError("config declares sliding-attention layers but no sliding_window")
-    return Geometry(n_layers=n_layers, n_kv_heads=n_kv, head_dim=int(head_dim), windows=windows)
 
 
 def detect_add_bos(tokenizer) -> tuple[bool, int | None]:

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from kvarn.formats import get_format
-from kvarn.memory import Geometry, KVBytes, bytes_table, kv_bytes, tail_label
+from kvarn.geometry import Geometry
+from kvarn.memory import KVBytes, bytes_table, kv_bytes, tail_label
 
-TINY = Geometry(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, None))
+TINY = Geometry.uniform(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, None))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,7 +23,7 @@ def _real_body(geom, n_ctx, k_type, v_type):
             n = stored - stored % fmt.group
             if n == 0:
                 continue
-            x = torch.randn(geom.n_kv_heads, n, geom.head_dim, generator=torch.Generator().manual_seed(n))
+            x = torch.randn(geom.layers[0].n_kv_heads, n, geom.layers[0].head_dim, generator=torch.Generator().manual_seed(n))
             packed = fmt.encode(x)
             assert packed.data.dtype == torch.uint8
             total += packed.data.shape[0] * packed.data.shape[-1]
@@ -32,7 +33,7 @@ def _real_body(geom, n_ctx, k_type, v_type):
 @pytest.mark.parametrize("pair", [("q4_0", "q4_0"), ("q8_0", "q5_1"), ("kvarn4", "kvarn4"), ("kvarn6", "kvarn3"), ("f16", "bf16")])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_body_matches_real_buffers(pair, head_dim):
-    geom = Geometry(3, 2, head_dim, (None, 200, None))
+    geom = Geometry.uniform(3, 2, head_dim, (None, 200, None))
     got = kv_bytes(geom, 300, *pair, tail=0)
     assert got.body == _real_body(geom, 300, *pair)
 
@@ -61,7 +62,7 @@ def test_kvarn4_by_hand():
 
 
 def test_sliding_layers_capped():
-    geom = Geometry(2, 2, 64, (None, 200))
+    geom = Geometry.uniform(2, 2, 64, (None, 200))
     # q4_0: layer 0 keeps 300 tokens, the sliding layer 200
     assert kv_bytes(geom, 300, "q4_0", "q4_0", 0).body == 2 * 2 * 36 * (300 + 200)
     # kvarn4: sliding layer: 1 whole group, no sink, tail 128
@@ -69,7 +70,7 @@ def test_sliding_layers_capped():
     assert got.body == 2 * (2 + 1) * (4608 + 4736)
     assert got.overlay == 2 * 2 * (256 + 128) * 64 * 2
     # window smaller than the requested tail: the tail is capped at the window
-    geom = Geometry(1, 1, 64, (100,))
+    geom = Geometry.uniform(1, 1, 64, (100,))
     assert kv_bytes(geom, 300, "q8_0", "q8_0", 512).overlay == 2 * 100 * 64 * 2
     got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 0)
     assert got.body == 0 and got.overlay == 2 * 100 * 64 * 2
@@ -93,9 +94,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="n_ctx"):
         kv_bytes(TINY, 0, "q4_0", "q4_0", 0)
     with pytest.raises(ValueError, match="head dim 96"):
-        kv_bytes(Geometry(1, 1, 96, (None,)), 256, "kvarn4", "kvarn4", 0)
+        kv_bytes(Geometry.uniform(1, 1, 96, (None,)), 256, "kvarn4", "kvarn4", 0)
     with pytest.raises(ValueError, match="3 entries for 2 layers"):
-        Geometry(2, 1, 64, (None, None, None))
+        Geometry.uniform(2, 1, 64, (None, None, None))
 
 
 def test_table_and_labels():
@@ -110,7 +111,7 @@ def test_study_geometry_anchor():
     """SPEC §7 at 64k: a Qwen-3.6-27B-like cache (16 full-attention layers x 4 KV heads x
     D=256, an assumed geometry) gives q4_0 body 1152 MiB, q8_0 + bf16 tail 128 2184 MiB,
     kvarn4 body + overlay (sink + tail 128*) 1136 MiB, as the study reports."""
-    geom = Geometry(16, 4, 256, (None,) * 16)
+    geom = Geometry.uniform(16, 4, 256, (None,) * 16)
     mib = 2**20
     assert kv_bytes(geom, 65536, "q4_0", "q4_0", 128).body == 1152 * mib
     assert kv_bytes(geom, 65536, "q8_0", "q8_0", 128).total == 2184 * mib

@@ -196,11 +196,11 @@ def test_geometry_from_synthetic_configs():
 
     g = models.geometry_from_config(LlamaConfig(num_hidden_layers=3, num_attention_heads=8,
                                                 num_key_value_heads=2, hidden_size=256))
-    assert (g.n_layers, g.n_kv_heads, g.head_dim, g.windows) == (3, 2, 32, (None, None, None))
+    assert (g.n_layers, g.layers[0].n_kv_heads, g.layers[0].head_dim, g.windows) == (3, 2, 32, (None, None, None))
     g = models.geometry_from_config(Gemma3TextConfig(num_hidden_layers=6, num_attention_heads=4,
                                                      num_key_value_heads=1, head_dim=256,
                                                      sliding_window=512))
-    assert g.windows == (512,) * 5 + (None,) and g.head_dim == 256
+    assert g.windows == (512,) * 5 + (None,) and {x.head_dim for x in g.layers} == {256}
 
 
 class _Tok:
@@ -232,7 +232,7 @@ def real_models():
 def test_real_smollm2(real_models):
     info = real_models["smollm2-135m"].info
     g = info.geometry
-    assert (g.n_layers, g.n_kv_heads, g.head_dim) == (30, 3, 64)
+    assert (g.n_layers, g.layers[0].n_kv_heads, g.layers[0].head_dim) == (30, 3, 64)
     assert g.windows == (None,) * 30
     assert (info.add_bos, info.bos_id, info.vocab_size) == (False, None, 49152)
     assert info.dtype == "float32" and info.device == "cpu"
@@ -245,7 +245,7 @@ def test_real_smollm2(real_models):
 def test_real_gemma3(real_models):
     info = real_models["gemma3-270m"].info
     g = info.geometry
-    assert (g.n_layers, g.n_kv_heads, g.head_dim) == (18, 1, 256)
+    assert (g.n_layers, g.layers[0].n_kv_heads, g.layers[0].head_dim) == (18, 1, 256)
     assert g.windows == ((512,) * 5 + (None,)) * 3
     assert (info.add_bos, info.bos_id, info.vocab_size) == (True, 2, 262144)
     assert info.tokenizer_hash != real_models["smollm2-135m"].info.tokenizer_hash
