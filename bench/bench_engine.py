@@ -27,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvarn import data, engine, models  # noqa: E402
+from kvarn import data, engine, models, sources  # noqa: E402
 from kvarn.atomic import write_text  # noqa: E402
 
 TEXT = "/work/shared/data/wikitext-2-raw-v1/wiki.test.raw"
@@ -63,7 +63,7 @@ def main() -> int:
     over_rows, tps_rows, dump_rows = [], [], []
     t_start = time.perf_counter()
     for name in args.models:
-        spec = models.ModelSpec(name, f"embedded:{name}")
+        spec = sources.ModelSpec(name, f"embedded:{name}")
         lm = models.load(spec, cache_dir=args.cache_dir)
         tokens = data.tokenize(lm.tokenizer, text)
 

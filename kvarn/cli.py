@@ -69,7 +69,7 @@ def _cache_type(flag):
 
 def model_spec(arg: str):
     """--model NAME | hf:org/repo[@rev] | PATH -> ModelSpec."""
-    from kvarn.models import EMBEDDED, ModelSpec
+    from kvarn.sources import EMBEDDED, ModelSpec
 
     if arg in EMBEDDED:
         return ModelSpec(arg, f"embedded:{arg}")
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         spec = model_spec(args.model)
         if args.cmd == "fetch":
-            from kvarn.models import fetch
+            from kvarn.sources import fetch
 
             print(fetch(spec, cache_dir=args.cache_dir))
             return 0

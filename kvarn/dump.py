@@ -269,9 +269,9 @@ def measure_encoding_error(name: str = "smollm2-135m", n_ctx: int = 512, chunks:
     import tempfile
     import time
 
-    from kvarn import data, metrics, models
+    from kvarn import data, metrics, models, sources
 
-    lm = models.load(models.ModelSpec(name, f"embedded:{name}"), cache_dir, device="cpu")
+    lm = models.load(sources.ModelSpec(name, f"embedded:{name}"), cache_dir, device="cpu")
     text = data.load_text(text_path)
     chunk_ids = data.make_chunks(data.tokenize(lm.tokenizer, text), n_ctx, chunks, lm.info.bos_id)
     pos = data.scored_positions(n_ctx)

@@ -66,13 +66,13 @@ def test_cli_help_mentions_llama_terms(capsys):
 
 @pytest.fixture(scope="session")
 def loaded():
-    from kvarn import models
+    from kvarn import models, sources
 
     out = {}
 
     def get(name):
         if name not in out:
-            lm = models.load(models.ModelSpec(name, f"embedded:{name}"), cache_dir=CACHE_DIR)
+            lm = models.load(sources.ModelSpec(name, f"embedded:{name}"), cache_dir=CACHE_DIR)
             out[name] = lm
         return out[name]
     return get
@@ -136,19 +136,19 @@ def test_bf16_cell_is_the_baseline(name, loaded, first_chunk):
 
 @pytest.fixture(scope="session")
 def smol_baseline(tmp_path_factory):
-    from kvarn import engine, models
+    from kvarn import engine, sources
 
     out = tmp_path_factory.mktemp("kvarn") / "base.kvd"
-    engine.run_baseline(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, out, text=TEXT,
+    engine.run_baseline(sources.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, out, text=TEXT,
                         cache_dir=CACHE_DIR)
     return out
 
 
 def _cell(base, k, v, tail, tmp_path_factory):
-    from kvarn import engine, models
+    from kvarn import engine, sources
 
     out = tmp_path_factory.mktemp(f"{k}-{v}-t{tail}")
-    s = engine.run_cell(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, k, v, tail, base, out,
+    s = engine.run_cell(sources.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, k, v, tail, base, out,
                         text=TEXT, cache_dir=CACHE_DIR)
     assert json.loads((out / "summary.json").read_text())["kld_median"] == s["kld_median"]
     import polars as pl

@@ -78,10 +78,10 @@ def cell_columns(wildcards):
 
 
 def fetch_model_marker(marker, model, key, log):
-    """kvarn.models.fetch of `model`'s source into the marker's directory; the marker lists what was fetched."""
+    """kvarn.sources.fetch of `model`'s source into the marker's directory; the marker lists what was fetched."""
     import contextlib, json, os, time
     from pathlib import Path
-    from kvarn.models import ModelSpec, fetch
+    from kvarn.sources import ModelSpec, fetch
 
     m = MODELS[model]
     if key != source_key(model):
@@ -93,7 +93,7 @@ def fetch_model_marker(marker, model, key, log):
         path = Path(fetch(spec, cache_dir=marker.parent))
         files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
         if not files:
-            raise RuntimeError(f"kvarn.models.fetch({spec}) returned {path}, which holds no files")
+            raise RuntimeError(f"kvarn.sources.fetch({spec}) returned {path}, which holds no files")
         print(f"fetched {spec} -> {path} in {time.time() - t0:.1f}s")
         record = {"name": spec.name, "source": spec.source, "revision": spec.revision, "path": str(path),
                   "files": {str(p.relative_to(path)) if p != path else p.name: p.stat().st_size for p in files}}

@@ -22,6 +22,6 @@ def atomic(path):
 
 
 def model_spec(snakemake):
-    from kvarn.models import ModelSpec
+    from kvarn.sources import ModelSpec
 
     return ModelSpec(snakemake.wildcards.model, snakemake.params.source, snakemake.params.revision)
