@@ -28,8 +28,8 @@ LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gem
 # --- loading --------------------------------------------------------------------------
 
 def _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
-    """Model, chunk tensor and the identity fields every dump and cell carries."""
-    from kvarn import data, models
+    """Model, chunk tensor and the identity fields every dump and cell carries (`kvarn.identity`)."""
+    from kvarn import data, identity, models
 
     loaded = models.load(spec, cache_dir=cache_dir, device=device, dtype=dtype)
     loaded.model.eval()
@@ -38,15 +38,8 @@ def _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
     tokens = data.tokenize(loaded.tokenizer, raw)
     chunk_ids = data.make_chunks(tokens, n_ctx, chunks, loaded.info.bos_id)
     data.scored_positions(n_ctx)  # validates n_ctx (even, >= 4)
-    info = loaded.info
-    ident = {
-        "model": info.name,
-        "revision": info.revision,
-        "tokenizer_hash": info.tokenizer_hash,
-        "text_sha256": data.text_sha256(raw),
-        "n_ctx": n_ctx,
-        "n_chunks": int(chunk_ids.shape[0]),
-    }
+    ident = identity.run_identity(spec, loaded.info, data.text_sha256(raw), n_ctx, int(chunk_ids.shape[0]),
+                                  kattn.ATTN_NAME)
     return loaded, chunk_ids, ident
 
 
@@ -126,7 +119,6 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         "ubatch": ubatch,
         "kvarn_version": kvarn.__version__,
         "device": info.device,
-        "dtype": info.dtype,
     })
     dump.write_dump(out, header, blocks())
     n_tok = int(chunk_ids.numel())
@@ -156,7 +148,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     import numpy as np
     import polars as pl
 
-    from kvarn import data, dump, memory, metrics
+    from kvarn import data, dump, identity, memory, metrics
 
     out_dir = Path(out_dir)
     t0 = time.perf_counter()
@@ -164,7 +156,9 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     model, info = loaded.model, loaded.info
     # Validates the types, the tail and the pair before any work is done.
     probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters)
-    base = dump.open_dump(baseline, expect=ident)
+    base = dump.open_dump(baseline)
+    identity.check_baseline(base.header, ident, baseline,
+                            identity.rebuild_command(spec, n_ctx, ident["n_chunks"], info.device, info.dtype, baseline))
     scored = data.scored_positions(n_ctx)
     pos = np.arange(scored.start, scored.stop, dtype=np.int32)
 

@@ -1,0 +1,167 @@
+"""Baseline identity (kvarn.identity): every field that changes the logits is recorded in the
+dump and checked by the cell; local weights are fingerprinted (cached beside each file).
+
+Oracle for the end-to-end checks: a tiny random Llama saved as a local transformers
+directory with the embedded SmolLM2 tokenizer (no download, a second per run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvarn import identity
+
+REPO = Path(__file__).resolve().parents[1]
+SMOL_HF = REPO / "resources" / "models" / "smollm2-135m" / "hf"
+TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+
+
+# --- the weights fingerprint -------------------------------------------------------
+
+def test_weights_id_of_a_directory_tracks_content(tmp_path, monkeypatch):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"\x01" * 1000)
+    calls = []
+    real = identity._sha256
+    monkeypatch.setattr(identity, "_sha256", lambda p: calls.append(p.name) or real(p))
+    a = identity.weights_id(str(d), None)
+    assert sorted(calls) == ["config.json", "model.safetensors"]
+    # cached beside each file: a second look hashes nothing and gives the same id
+    assert (d / ("model.safetensors" + identity.SIDECAR_SUFFIX)).is_file()
+    calls.clear()
+    assert identity.weights_id(str(d), None) == a and calls == []
+    # a changed file (same size, new mtime) is rehashed and changes the id
+    (d / "model.safetensors").write_bytes(b"\x02" * 1000)
+    st = (d / "model.safetensors").stat()
+    os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    b = identity.weights_id(str(d), None)
+    assert calls == ["model.safetensors"] and b != a and b.startswith("sha256:")
+
+
+def test_weights_id_of_a_gguf_file_and_pinned_sources(tmp_path):
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 100)
+    import hashlib
+
+    assert identity.weights_id(str(f), None) == "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
+    assert identity.weights_id("embedded:smollm2-135m", "sha256:ab") == "embedded:smollm2-135m@sha256:ab"
+    assert identity.weights_id("hf:org/repo", "c0ffee") == "hf:org/repo@c0ffee"
+
+
+def test_read_only_directory_still_hashes(tmp_path, monkeypatch):
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"abc")
+
+    def refuse(*a, **k):
+        raise PermissionError("read-only")
+    monkeypatch.setattr("kvarn.atomic.write_text", refuse)
+    import hashlib
+
+    assert identity.file_sha256(f) == hashlib.sha256(b"abc").hexdigest()
+
+
+def test_check_baseline_names_field_values_and_command():
+    header = {"model": "m", "dtype": "bfloat16", "device_class": "cuda"}
+    ident = {"model": "m", "dtype": "float32", "device_class": "cpu"}
+    with pytest.raises(ValueError) as e:
+        identity.check_baseline(header, ident, "b.kvd", "kvarn baseline --model X --out b.kvd")
+    msg = str(e.value)
+    assert "dtype" in msg and "'bfloat16'" in msg and "'float32'" in msg and "kvarn baseline --model X" in msg
+    # an old dump without the new fields is refused as well
+    with pytest.raises(ValueError, match="device_class is '<missing>'"):
+        identity.check_baseline({"model": "m", "dtype": "float32"}, ident, "b.kvd", "cmd")
+    identity.check_baseline(dict(ident), ident, "b.kvd", "cmd")  # equal: accepted
+
+
+# --- end to end through the engine ---------------------------------------------------
+
+def _tiny_dir(path: Path, seed: int) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SMOL_HF / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    if not (SMOL_HF / "tokenizer.json").is_file() or not TEXT.is_file():
+        pytest.skip("needs the fetched SmolLM2 (its tokenizer serves the tiny model) and wiki.test.raw")
+    from kvarn import engine
+    from kvarn.models import ModelSpec
+
+    tmp_path = tmp_path_factory.mktemp("identity")
+    text = TEXT
+    d = _tiny_dir(tmp_path / "tiny", 0)
+    spec = ModelSpec("tiny", str(d))
+    base = tmp_path / "base.kvd"
+    kw = dict(text=str(text), device="cpu", cache_dir=str(tmp_path / "cache"))
+    h = engine.run_baseline(spec, 32, 2, base, **kw)
+    return engine, spec, base, kw, h, d, tmp_path
+
+
+def _cell(engine, spec, base, kw, out, **over):
+    return engine.run_cell(spec, 32, 2, "q4_0", "q4_0", 0, base, out, **{**kw, **over})
+
+
+def test_dump_carries_every_identity_field(tiny_run):
+    from kvarn import dump
+
+    engine, spec, base, kw, h, d, tmp = tiny_run
+    header = dump.open_dump(base).header
+    for key in identity.FIELDS:
+        assert key in header, key
+    assert header["dtype"] == "float32" and header["device_class"] == "cpu"
+    assert header["attn_implementation"] == "kvarn"
+    assert header["torch_version"] == torch.__version__
+    assert header["weights"].startswith("sha256:")
+    s = _cell(engine, spec, base, kw, tmp / "ok")
+    assert s["n_tokens"] == 2 * (32 - 1 - 16)
+
+
+def test_cell_refuses_other_dtype(tiny_run):
+    engine, spec, base, kw, h, d, tmp = tiny_run
+    with pytest.raises(ValueError) as e:
+        _cell(engine, spec, base, kw, tmp / "bf", dtype="bfloat16")
+    msg = str(e.value)
+    assert "dtype is 'float32' in the baseline but 'bfloat16'" in msg and "kvarn baseline --model" in msg
+    assert "--dtype bfloat16" in msg
+    assert not (tmp / "bf").exists()
+
+
+def test_cell_refuses_other_versions_and_device(tiny_run, monkeypatch):
+    from kvarn import dump
+
+    engine, spec, base, kw, h, d, tmp = tiny_run
+    real_open = dump.open_dump
+    for key, fake in (("torch_version", "0.0.1"), ("transformers_version", "0.0.2"), ("device_class", "cuda"),
+                      ("attn_implementation", "sdpa")):
+        def fake_open(path, *a, _k=key, _v=fake, **k):
+            d = real_open(path, *a, **k)
+            d.header = {**d.header, _k: _v}
+            return d
+        monkeypatch.setattr(dump, "open_dump", fake_open)
+        with pytest.raises(ValueError, match=rf"{key} is '{fake}' in the baseline"):
+            _cell(engine, spec, base, kw, tmp / key)
+        assert not (tmp / key).exists()
+
+
+def test_cell_refuses_changed_weights(tiny_run):
+    engine, spec, base, kw, h, d, tmp = tiny_run
+    _tiny_dir(d, 1)  # same directory, other weights (the last test of the module: it spoils the fixture)
+    with pytest.raises(ValueError, match=r"weights is 'sha256:[0-9a-f]+' in the baseline but 'sha256:") as e:
+        _cell(engine, spec, base, kw, tmp / "w")
+    assert not (tmp / "w").exists()
