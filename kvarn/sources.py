@@ -312,7 +312,9 @@ def resolve(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -
     if p.is_dir() and (p / "config.json").is_file():
         return p, spec.revision
     if p.is_file() and p.suffix == ".gguf":
-        return p, f"sha256:{_sha256_file(p)}"
+        from kvarn.identity import file_sha256  # cached beside the file: GBs are hashed once
+
+        return p, f"sha256:{file_sha256(p)}"
     raise ValueError(
         f"model source {src!r} is neither embedded:<{'|'.join(EMBEDDED)}>, hf:org/repo[@rev], "
         "a transformers directory with config.json, nor a .gguf file"

@@ -101,7 +101,7 @@ def tiny_run(tmp_path_factory):
     if not (SMOL_HF / "tokenizer.json").is_file() or not TEXT.is_file():
         pytest.skip("needs the fetched SmolLM2 (its tokenizer serves the tiny model) and wiki.test.raw")
     from kvarn import engine
-    from kvarn.models import ModelSpec
+    from kvarn.sources import ModelSpec
 
     tmp_path = tmp_path_factory.mktemp("identity")
     text = TEXT
