@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvarn.formats import get_format
+from kvarn.formats.base import ValueRangeError, check_finite
 from kvarn.policy import LayerPolicy, default_tail_dtype, layer_policy
 
 TAIL_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -64,8 +65,9 @@ class KVarnLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype):
+    def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
         self.k_fmt, self.v_fmt, self.policy, self.tail_dtype = k_fmt, v_fmt, policy, tail_dtype
         self.is_sliding = policy.window is not None
         if k_fmt.group != v_fmt.group:
@@ -86,6 +88,14 @@ class KVarnLayer(CacheLayerMixin):
         self.device = key_states.device
         self.is_initialized = True
 
+    def _checked(self, what: str, offset: int, fn, *args) -> torch.Tensor:
+        """fn(*args), a finite [b, H, n, D] tensor; a value that cannot be stored, or a
+        non-finite result, is a ValueError naming layer, K/V, head and absolute token."""
+        try:
+            return check_finite(what, fn(*args), "the value")
+        except ValueRangeError as e:
+            raise ValueError(f"{e.where(self.layer_idx, offset, what)}: {e.detail} [{e.name}]") from None
+
     def _exact(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.tail_dtype).float()
 
@@ -95,24 +105,34 @@ class KVarnLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         k = key_states.float()
         v = value_states.float()
-        self.q_offset = self.n_tokens
+        self.q_offset = off = self.n_tokens
         n_new = k.shape[-2]
         self.n_tokens += n_new
+        tdn = str(self.tail_dtype).removeprefix("torch.")
+        self._checked("K (from the model)", off, lambda t: t, k)
+        self._checked("V (from the model)", off, lambda t: t, v)
         if self.keep_exact:
-            self.exact_keys = torch.cat([self.exact_keys, self._exact(k)], dim=-2)
-            self.exact_values = torch.cat([self.exact_values, self._exact(v)], dim=-2)
+            ek = self._checked(f"K (exact, {tdn})", off, self._exact, k)
+            ev = self._checked(f"V (exact, {tdn})", off, self._exact, v)
+            self.exact_keys = torch.cat([self.exact_keys, ek], dim=-2)
+            self.exact_values = torch.cat([self.exact_values, ev], dim=-2)
         if self.group == 1:
             # Standard and float types: every token is written to the body at once, from fp32.
-            self.keys = torch.cat([self.keys, self.k_fmt.roundtrip(k.contiguous())], dim=-2)
-            self.values = torch.cat([self.values, self.v_fmt.roundtrip(v.contiguous())], dim=-2)
+            bk = self._checked(f"K (body, {self.k_fmt.name})", off, self.k_fmt.roundtrip, k.contiguous())
+            bv = self._checked(f"V (body, {self.v_fmt.name})", off, self.v_fmt.roundtrip, v.contiguous())
+            self.keys = torch.cat([self.keys, bk], dim=-2)
+            self.values = torch.cat([self.values, bv], dim=-2)
             self.n_body = self.n_tokens
         else:
             # KVarN: quantize every group whose last token has now arrived, from the staging copy.
             done = (self.n_tokens // self.group) * self.group
             new_k, new_v = [self.keys[..., : self.n_body, :]], [self.values[..., : self.n_body, :]]
             if done > self.n_body:
-                new_k.append(self.k_fmt.roundtrip(self.exact_keys[..., self.n_body : done, :].contiguous()))
-                new_v.append(self.v_fmt.roundtrip(self.exact_values[..., self.n_body : done, :].contiguous()))
+                nb = self.n_body
+                new_k.append(self._checked(f"K (body, {self.k_fmt.name})", nb, self.k_fmt.roundtrip,
+                                           self.exact_keys[..., nb:done, :].contiguous()))
+                new_v.append(self._checked(f"V (body, {self.v_fmt.name})", nb, self.v_fmt.roundtrip,
+                                           self.exact_values[..., nb:done, :].contiguous()))
                 self.n_body = done
             pad = self.n_tokens - self.n_body
             if pad:
@@ -157,7 +177,7 @@ class KVarnCache(Cache):
         td = TAIL_DTYPES[self.tail_dtype_name]
         self.windows = layer_windows(config)
         self.policies = [layer_policy(self.k_fmt, self.v_fmt, tail, w) for w in self.windows]
-        super().__init__(layers=[KVarnLayer(self.k_fmt, self.v_fmt, p, td) for p in self.policies])
+        super().__init__(layers=[KVarnLayer(self.k_fmt, self.v_fmt, p, td, i) for i, p in enumerate(self.policies)])
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)

@@ -18,12 +18,55 @@ ROLES = ("k", "v")
 
 @dataclass
 class Packed:
-    """A packed cache buffer: `data` is uint8 [..., nbytes(n_tokens, head_dim)]."""
+    """A packed cache buffer: `data` is uint8 [..., nbytes(n_tokens, head_dim)].
+
+    `meta` records what wrote it (`KVFormat.packed_meta`: format name, role, ...);
+    `decode` refuses a buffer whose meta names another format, width or role."""
 
     data: torch.Tensor
     n_tokens: int
     head_dim: int
     meta: dict = field(default_factory=dict)
+
+
+class ValueRangeError(ValueError):
+    """A value a format cannot store (an fp16 scale overflow) or a non-finite result.
+
+    `lead`: the leading indices of the first bad element ([batch, head] for a cache layer's
+    [b, H, n, D] tensor), `tokens`: its token (or first, last token of a group) counted from
+    the call's first token, `detail`: what is wrong. `kvarn.cache` re-raises it with the
+    layer and absolute positions."""
+
+    def __init__(self, name: str, lead: tuple, tokens: tuple[int, int], detail: str):
+        self.name, self.lead, self.tokens, self.detail = name, tuple(lead), tokens, detail
+        super().__init__(f"{name}: {self.where()}: {detail}")
+
+    def where(self, layer: int | None = None, offset: int = 0, role: str = "") -> str:
+        lo, hi = self.tokens[0] + offset, self.tokens[1] + offset
+        tok = f"token {lo}" if lo == hi else f"tokens {lo}..{hi}"
+        head = f"head {self.lead[-1]}" if self.lead else "head 0"
+        lay = f"layer {layer}, " if layer is not None else ""
+        return f"{lay}{role + ' ' if role else ''}{head}, {tok}"
+
+
+def first_bad(bad: torch.Tensor) -> tuple[int, ...]:
+    """The index (as a tuple) of the first True of a boolean tensor."""
+    flat = int(bad.reshape(-1).nonzero()[0, 0])
+    idx = []
+    for size in reversed(bad.shape):
+        idx.append(flat % size)
+        flat //= size
+    return tuple(reversed(idx))
+
+
+def check_finite(name: str, y: torch.Tensor, what: str) -> torch.Tensor:
+    """Raise ValueRangeError at the first non-finite value of y [..., n_tokens, head_dim]."""
+    ok = torch.isfinite(y)
+    if not bool(ok.all()):
+        i = first_bad(~ok)
+        raise ValueRangeError(name, i[:-2], (i[-2], i[-2]),
+                              f"{what} is {y[i].item()} at channel {i[-1]} (non-finite)")
+    return y
 
 
 class KVFormat:
@@ -69,6 +112,22 @@ class KVFormat:
         if not torch.isfinite(x).all():
             bad = x[~torch.isfinite(x)].flatten()[0].item()
             raise ValueError(f"{self.name}: input contains a non-finite value ({bad}); K/V must be finite")
+
+    def packed_meta(self) -> dict:
+        """What a buffer written by this format records, and decode insists on."""
+        return {"format": self.name, "role": self.role}
+
+    def check_packed(self, packed: Packed) -> None:
+        """Refuse a buffer another format, width, role or rotation wrote (names both)."""
+        want = self.packed_meta()
+        got = {k: packed.meta[k] for k in want if k in packed.meta}
+        if got != {k: want[k] for k in got}:
+            fmt = ", ".join(f"{k}={v!r}" for k, v in want.items())
+            raise ValueError(
+                f"{self.name} ({self.role.upper()}): refusing to decode a buffer written with "
+                + ", ".join(f"{k}={v!r}" for k, v in got.items())
+                + f"; this decoder is {fmt}. Decode it with "
+                f"get_format({got.get('format', self.name)!r}, role={got.get('role', self.role)!r})")
 
     # --- the interface ----------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Packed:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import KVFormat, Packed
+from .base import KVFormat, Packed, ValueRangeError, first_bad
 from .hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
 from .registry import register
 
@@ -274,15 +274,46 @@ class BlockFormat(KVFormat):
     def nbytes(self, n_tokens: int, head_dim: int) -> int:
         return n_tokens * (head_dim // QK) * self.spec.block_bytes
 
+    def packed_meta(self) -> dict:
+        return {"format": self.name, "role": self.role, "rot": self.rot}
+
+    def _limit(self) -> str:
+        """The largest values whose fp16 scale (and min) fit, in words."""
+        k = self.spec
+        if k.kind == "asym":
+            return f"|min| <= 65504 and max - min <= {(1 << k.bits) - 1}·65504"
+        top = {"q8": 127, "iq4nl": 127, "sym": 1 << (k.bits - 1)}[k.kind]
+        return f"|x| <= {top}·65504 = {top * 65504.0:.3g}"
+
+    def _quantize(self, x: torch.Tensor):
+        """Codes, d and m of x's blocks; a d or m that overflows fp16 is a named error."""
+        xb = self._rotate(x).reshape(-1, QK)
+        q, d, m = quantize_blocks(self.spec, xb)
+        bad = ~torch.isfinite(d.to(torch.float16))
+        if m is not None:
+            bad |= ~torch.isfinite(m.to(torch.float16))
+        if bool(bad.any()):
+            i = first_bad(bad.reshape(*x.shape[:-1], x.shape[-1] // QK))
+            flat = first_bad(bad)[0]
+            blk = i[-1]
+            vals = f"d = {d[flat, 0].item():.4g}" + ("" if m is None else f", m = {m[flat, 0].item():.4g}")
+            raise ValueRangeError(
+                f"{self.name} ({self.role.upper()})", i[:-2], (i[-2], i[-2]),
+                f"fp16 scale overflow in block {blk} (channels {QK * blk}..{QK * blk + QK - 1}"
+                f"{', after the Hadamard rotation' if self.rot else ''}): {vals}, max |x| of the block "
+                f"{xb[flat].abs().max().item():.4g}; {self.name} stores d{'' if m is None else ' and m'} as fp16, "
+                f"so it holds {self._limit()}")
+        return q, d, m
+
     def encode(self, x: torch.Tensor) -> Packed:
         self.check_input(x)
         *batch, t, dim = x.shape
-        xb = self._rotate(x).reshape(-1, QK)
-        q, d, m = quantize_blocks(self.spec, xb)
+        q, d, m = self._quantize(x)
         data = pack_blocks(self.spec, q, d, m)
-        return Packed(data.reshape(*batch, self.nbytes(t, dim)), t, dim)
+        return Packed(data.reshape(*batch, self.nbytes(t, dim)), t, dim, self.packed_meta())
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        self.check_packed(packed)
         *batch, nb = packed.data.shape
         t, dim = packed.n_tokens, packed.head_dim
         if nb != self.nbytes(t, dim):
@@ -294,8 +325,7 @@ class BlockFormat(KVFormat):
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """decode(encode(x)) without packing the bytes (the fp16 casts are kept)."""
         self.check_input(x)
-        xb = self._rotate(x).reshape(-1, QK)
-        q, d, m = quantize_blocks(self.spec, xb)
+        q, d, m = self._quantize(x)
         d16 = d.to(torch.float16).float()
         m16 = None if m is None else m.to(torch.float16).float()
         return self._rotate(dequantize_blocks(self.spec, q, d16, m16).reshape(x.shape))

@@ -23,9 +23,10 @@ class FloatFormat(KVFormat):
         self.check_input(x)
         y = x.to(self.dtype).contiguous()
         data = y.view(torch.uint8).reshape(*x.shape[:-2], -1)
-        return Packed(data, x.shape[-2], x.shape[-1])
+        return Packed(data, x.shape[-2], x.shape[-1], self.packed_meta())
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        self.check_packed(packed)
         y = packed.data.contiguous().view(self.dtype)
         return y.reshape(*packed.data.shape[:-1], packed.n_tokens, packed.head_dim).float()
 

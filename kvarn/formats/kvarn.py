@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from .base import KVFormat, Packed
+from .base import KVFormat, Packed, ValueRangeError, first_bad
 from .hadamard import hadamard
 from .registry import register
 
@@ -284,13 +284,21 @@ class KVarNFormat(KVFormat):
             return kvarn_triton.quantize_pack, kvarn_triton.unpack_dequantize
         return quantize_pack_ref, unpack_dequantize_ref
 
-    @staticmethod
-    def _check_meta(x, scale, zero, other, name):
-        if not (torch.isfinite(scale).all() and torch.isfinite(zero).all() and torch.isfinite(other).all()):
-            raise ValueError(
-                f"{name}: a tile's fp16 metadata overflowed (max |x| = {x.abs().max().item():.4g}); "
-                "KVarN stores scale/zero/other as fp16 (|value| <= 65504)"
-            )
+    def _check_meta(self, x, scale, zero, other, lead):
+        """A tile whose fp16 scale/zero/other overflowed is a named error (head, token range).
+
+        scale, zero, other: [n_tiles, ·]; lead: the tiles' leading shape [..., groups, slices]."""
+        bad = torch.stack([~torch.isfinite(m.float()).all(-1) for m in (scale, zero, other)]).any(0)
+        if bool(bad.any()):
+            i = first_bad(bad.reshape(lead))
+            g = i[-2]
+            raise ValueRangeError(
+                f"{self.name} ({self.role.upper()})", i[:-2], (g * GROUP, g * GROUP + GROUP - 1),
+                f"a tile's fp16 metadata overflowed (channel slice {i[-1]}; max |x| of the call "
+                f"{x.abs().max().item():.4g}); KVarN stores scale/zero/other as fp16 (|value| <= 65504)")
+
+    def packed_meta(self) -> dict:
+        return {"format": self.name, "role": self.role, "bits": self.bits}
 
     def nbytes(self, n_tokens: int, head_dim: int) -> int:
         self.check_head_dim(head_dim)
@@ -305,12 +313,13 @@ class KVarNFormat(KVFormat):
         tiles = to_tiles(rotate(x), self.role)  # [..., g, s, R, C]
         lead = tiles.shape[:-2]
         payload, scale, zero, other = quantize_pack(tiles.reshape(-1, *tiles.shape[-2:]), self.bits, self.iters)
-        self._check_meta(x, scale, zero, other, self.name)
+        self._check_meta(x, scale, zero, other, lead)
         parts = [payload] + [m.contiguous().view(torch.uint8) for m in (scale, zero, other)]
         data = torch.cat(parts, -1).reshape(*lead[:-2], -1)
-        return Packed(data, x.shape[-2], x.shape[-1], {"bits": self.bits, "role": self.role})
+        return Packed(data, x.shape[-2], x.shape[-1], self.packed_meta())
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        self.check_packed(packed)
         _, unpack_dequantize = self._kernels(packed.data)
         d, t = packed.head_dim, packed.n_tokens
         self.check_head_dim(d)
@@ -334,7 +343,7 @@ class KVarNFormat(KVFormat):
         self.check_input(x)
         tiles = to_tiles(rotate(x), self.role)  # [..., g, s, R, C], flattened as encode does
         q, scale, zero, other = quantize_tiles_ref(tiles.reshape(-1, *tiles.shape[-2:]), self.bits, self.iters)
-        self._check_meta(x, scale, zero, other, self.name)
+        self._check_meta(x, scale, zero, other, tiles.shape[:-2])
         y = dequantize_tiles_ref(q, scale, zero, other).reshape(tiles.shape)
         return rotate(from_tiles(y, self.role))
 
