@@ -68,31 +68,37 @@ def _cache_type(flag):
 
 
 def model_spec(arg: str):
-    """--model NAME | hf:org/repo[@rev] | PATH -> ModelSpec."""
+    """--model NAME | hf:org/repo[@rev] | hf:org/repo/file.gguf[@rev] | random:CONFIG | PATH -> ModelSpec."""
     from kvarn.sources import EMBEDDED, ModelSpec
 
     if arg in EMBEDDED:
         return ModelSpec(arg, f"embedded:{arg}")
     if arg.startswith("embedded:"):
         return ModelSpec(arg[len("embedded:"):], arg)
+    if arg.startswith("random:"):
+        return ModelSpec(Path(arg[len("random:"):]).stem + "-random", arg)
     if arg.startswith("hf:"):
         repo, _, rev = arg[3:].partition("@")
-        if not repo or repo.count("/") != 1:
-            raise UsageError(f"--model {arg!r}: expected hf:org/repo[@revision]")
-        return ModelSpec(repo.split("/")[1], f"hf:{repo}", rev or None)
+        parts = repo.split("/")
+        if len(parts) == 2 and all(parts):
+            return ModelSpec(parts[1], f"hf:{repo}", rev or None)
+        if len(parts) > 2 and all(parts[:2]) and repo.endswith(".gguf"):
+            return ModelSpec(Path(repo).stem, arg)
+        raise UsageError(f"--model {arg!r}: expected hf:org/repo[@revision] or hf:org/repo/file.gguf[@revision]")
     p = Path(arg)
     if p.exists():
         return ModelSpec(p.stem if p.is_file() else p.resolve().name, str(p))
     raise UsageError(
         f"--model {arg!r} is neither an embedded model ({', '.join(EMBEDDED)}), hf:org/repo[@rev], "
-        "nor an existing directory or .gguf file"
+        "hf:org/repo/file.gguf[@rev], random:CONFIG.json, nor an existing directory or .gguf file"
     )
 
 
 def _common(p, out_help):
-    p.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH",
-                   help="embedded model name (smollm2-135m, gemma3-270m), a Hugging Face repo, or a local "
-                        "transformers directory / .gguf file")
+    p.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|random:CONFIG|PATH",
+                   help="embedded model name (smollm2-135m, gemma3-270m), a Hugging Face repo (or one .gguf in "
+                        "it: hf:org/repo/file.gguf), random:CONFIG.json (random weights: speed/memory only), or "
+                        "a local transformers directory / .gguf file")
     p.add_argument("-c", "--ctx", type=_ctx, required=True, metavar="N",
                    help="context size n_ctx: tokens per chunk (as llama-perplexity -c)")
     p.add_argument("--chunks", type=int, default=-1, metavar="N",

