@@ -134,6 +134,10 @@ def kvarn_attention_forward(
         raise RuntimeError(
             f"layer {module.layer_idx}: model uses sliding window {sliding_window}, cache policy expects {policy.window}"
         )
+    if layer.compute != "exact":
+        from kvarn import compute
+
+        return compute.attention(module, query, layer, attention_mask, scaling or query.shape[-1] ** -0.5), None
     b, n_heads, n_q, d = query.shape
     n_kv, L = key.shape[1], key.shape[-2]
     rep = n_heads // n_kv

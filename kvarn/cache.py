@@ -65,10 +65,14 @@ class KVarnLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype, layer_idx: int = 0):
+    def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype, layer_idx: int = 0,
+                 compute: str = "exact"):
         super().__init__()
         self.layer_idx = layer_idx
         self.k_fmt, self.v_fmt, self.policy, self.tail_dtype = k_fmt, v_fmt, policy, tail_dtype
+        # "llamacpp-cpu": the layer keeps what ggml's kernel reads instead (kvarn.compute)
+        self.compute = compute
+        self.k_op = self.v_op = None
         self.is_sliding = policy.window is not None
         if k_fmt.group != v_fmt.group:
             raise ValueError(f"K type {k_fmt.name} and V type {v_fmt.name} have different group sizes")
@@ -111,6 +115,12 @@ class KVarnLayer(CacheLayerMixin):
         tdn = str(self.tail_dtype).removeprefix("torch.")
         self._checked("K (from the model)", off, lambda t: t, k)
         self._checked("V (from the model)", off, lambda t: t, v)
+        if self.compute != "exact":
+            from kvarn import compute
+
+            compute.append_kv(self, k, v)
+            self.n_body = self.n_tokens
+            return self.keys, self.values  # unused: kvarn.compute.attention reads k_op / v_op
         if self.keep_exact:
             ek = self._checked(f"K (exact, {tdn})", off, self._exact, k)
             ev = self._checked(f"V (exact, {tdn})", off, self._exact, v)
@@ -156,6 +166,7 @@ class KVarnLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.exact_keys = self.exact_values = None
+        self.k_op = self.v_op = None
         self.n_tokens = self.n_body = self.q_offset = 0
         self.is_initialized = False
 
@@ -165,10 +176,16 @@ class KVarnCache(Cache):
 
         cache = KVarnCache(model.config, "q4_0", "q4_0", tail=128)
         model(ids, cache=cache, kvarn_cache=cache)   # with attn_implementation "kvarn"
+
+    `compute="llamacpp-cpu"` emulates llama.cpp's CPU flash-attention arithmetic instead of
+    exact fp32 attention (kvarn.compute; upstream llama.cpp types, tail 0).
     """
 
     def __init__(self, config, k_type: str, v_type: str, tail: int = 0, tail_dtype: str | None = None,
-                 rot: bool = True, iters: int = 16):
+                 rot: bool = True, iters: int = 16, compute: str = "exact"):
+        from kvarn.compute import check_compute
+
+        self.compute = check_compute(compute, k_type, v_type, tail)
         self.k_fmt = make_format(k_type, "k", rot, iters)
         self.v_fmt = make_format(v_type, "v", rot, iters)
         self.tail_dtype_name = tail_dtype or default_tail_dtype(self.k_fmt, self.v_fmt)
@@ -177,7 +194,8 @@ class KVarnCache(Cache):
         td = TAIL_DTYPES[self.tail_dtype_name]
         self.windows = layer_windows(config)
         self.policies = [layer_policy(self.k_fmt, self.v_fmt, tail, w) for w in self.windows]
-        super().__init__(layers=[KVarnLayer(self.k_fmt, self.v_fmt, p, td, i) for i, p in enumerate(self.policies)])
+        super().__init__(layers=[KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, self.compute)
+                                 for i, p in enumerate(self.policies)])
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)

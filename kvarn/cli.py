@@ -114,6 +114,10 @@ def _common(p, out_help):
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16")
     p.add_argument("--cache-dir", default="resources/models", metavar="DIR",
                    help="where models are fetched and converted (default resources/models)")
+    p.add_argument("--compute", choices=["exact", "llamacpp-cpu"], default="exact",
+                   help="attention arithmetic: exact (fp32, the format alone; default) or llamacpp-cpu "
+                        "(llama.cpp's CPU flash attention: Q rounded to K's dot type, f16 V accumulation...); "
+                        "a cell needs a baseline made with the same")
     p.add_argument("-o", "--out", required=True, metavar="PATH", help=out_help)
 
 
@@ -132,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("baseline", help="BF16-cache run: write the full-vocabulary log-prob dump "
                                         "(as --kl-divergence-base)")
     _common(b, "dump file to write (e.g. base.kvd)")
+    b.add_argument("--llama-kld-out", metavar="FILE", default=None,
+                   help="also write the baseline as llama-perplexity's --kl-divergence-base file, so "
+                        "llama-perplexity --kl-divergence can score against it")
 
     r = sub.add_parser("run", help="one cache cell against a baseline: tokens.parquet + summary.json, "
                                    "and the llama-perplexity statistics on stdout")
@@ -148,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="disable the Hadamard pre-rotation of quantized K/V (as LLAMA_ATTN_ROT_DISABLE=1)")
     r.add_argument("--iters", type=_positive_int("--iters"), default=16, metavar="N",
                    help="KVarN variance-normalization passes (default 16)")
-    r.add_argument("--baseline", required=True, metavar="FILE", help="dump written by `kvarn baseline`")
+    r.add_argument("--baseline", required=True, metavar="FILE",
+                   help="dump written by `kvarn baseline`, or llama-perplexity's --kl-divergence-base file")
 
     sub.add_parser("formats", help="list KV cache types: family and bits per value at head dim 64/128/256")
     return ap
@@ -195,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.cmd == "baseline":
             h = engine.run_baseline(spec, args.ctx, chunks, Path(args.out), ubatch=args.ubatch, text=args.text,
-                                    device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
+                                    device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
+                                    compute=args.compute, llama_kld_out=args.llama_kld_out)
             print(f"baseline: {h['n_chunks']} chunks x {args.ctx} tokens, {h['tokens_per_s']:.1f} tokens/s -> {args.out}")
             return 0
         if args.cmd == "run":
@@ -207,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             s = engine.run_cell(spec, args.ctx, chunks, args.k, args.v, args.tail, Path(args.baseline),
                                 Path(args.out), ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype,
                                 iters=args.iters, text=args.text, device=args.device, dtype=args.dtype,
-                                cache_dir=args.cache_dir)
+                                cache_dir=args.cache_dir, compute=args.compute)
             sys.stdout.write(format_llama(s))
             print(f"\nKV cache: {s['kv_total_bytes'] / 2**20:.2f} MiB (body {s['kv_body_bytes'] / 2**20:.2f}, "
                   f"overlay {s['kv_overlay_bytes'] / 2**20:.2f}); {s['tokens_per_s']:.1f} tokens/s; -> {args.out}")

@@ -180,6 +180,8 @@ def write_dump(path: str | os.PathLike, header: dict, blocks: Iterable[torch.Ten
 class Dump:
     """A baseline dump opened read-only; `chunk(i)` decodes one chunk (verified lazily)."""
 
+    kind = "kvarn"  # vs "llama" (kvarn.llamakld.LlamaKld)
+
     def __init__(self, path: Path, header: dict, payload: np.memmap, verify: bool):
         self.path, self.header, self._payload = path, header, payload
         self._verify = verify

@@ -71,8 +71,18 @@ def chunk_logprobs(model, ids: torch.Tensor, cache: KVarnCache, ubatch: int, sco
     assert row == len(scored), (row, len(scored))
 
 
-def _new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=16):
-    return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters)
+def _new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=16, compute="exact"):
+    return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters, compute=compute)
+
+
+def check_baseline_compute(base, compute: str) -> None:
+    """A cell scores only against a baseline of the same compute path (dumps before the
+    field existed were all `exact`)."""
+    found = base.header.get("compute", "exact")
+    if found != compute:
+        raise ValueError(
+            f"dump {base.path}: baseline computed with compute {found!r}, this cell uses {compute!r}; "
+            f"make the baseline with the same --compute")
 
 
 def _progress(iterable, desc, total):
@@ -84,12 +94,18 @@ def _progress(iterable, desc, total):
 # --- baseline -------------------------------------------------------------------------
 
 def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto", dtype="auto",
-                 cache_dir="resources/models") -> dict:
+                 cache_dir="resources/models", compute="exact", llama_kld_out=None) -> dict:
     """BF16-cache run (bf16 K and V, tail 0, same cache model); writes the log-prob dump to `out`.
 
+    `compute`: the attention arithmetic (kvarn.compute), recorded in the header.
+    `llama_kld_out`: also write the log-probs as llama-perplexity's --kl-divergence-base
+    file (kvarn.llamakld), so llama-perplexity can score against our baseline.
     Returns the dump header (identity fields, vocab size, timing).
     """
     from kvarn import data, dump
+    from kvarn.compute import check_compute
+
+    check_compute(compute, BASELINE_K, BASELINE_V, 0)
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +117,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
 
     def blocks():
         for c in _progress(range(chunk_ids.shape[0]), f"baseline {info.name} ctx {n_ctx}", chunk_ids.shape[0]):
-            cache = _new_cache(model, BASELINE_K, BASELINE_V, 0)
+            cache = _new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute)
             tf = time.perf_counter()
             parts = [lp.cpu() for _, lp in chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)]
             timing["forward_s"] += time.perf_counter() - tf
@@ -117,10 +133,15 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         "v_type": BASELINE_V,
         "tail": 0,
         "ubatch": ubatch,
+        "compute": compute,
         "kvarn_version": kvarn.__version__,
         "device": info.device,
     })
     dump.write_dump(out, header, blocks())
+    if llama_kld_out is not None:
+        from kvarn import llamakld
+
+        llamakld.write_from_dump(out, chunk_ids, llama_kld_out)
     n_tok = int(chunk_ids.numel())
     header["tokens_per_s"] = n_tok / timing["forward_s"] if timing["forward_s"] else float("nan")
     header["wall_s"] = time.perf_counter() - t0
@@ -140,25 +161,37 @@ def _policy_fields(cache: KVarnCache) -> dict:
 
 
 def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot=True, tail_dtype=None,
-             iters=16, text=None, device="auto", dtype="auto", cache_dir="resources/models") -> dict:
+             iters=16, text=None, device="auto", dtype="auto", cache_dir="resources/models",
+             compute="exact") -> dict:
     """One cache config against the baseline dump; writes out_dir/tokens.parquet and summary.json.
+
+    `compute` (kvarn.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
+    with the same. `baseline` may also be llama-perplexity's --kl-divergence-base file
+    (kvarn.llamakld), checked against our tokens.
 
     Returns the summary dict (the metric keys of kvarn.metrics.summarize + the cell fields).
     """
     import numpy as np
     import polars as pl
 
-    from kvarn import data, dump, identity, memory, metrics
+    from kvarn import data, dump, identity, llamakld, memory, metrics
+    from kvarn.compute import check_compute
 
+    check_compute(compute, k, v, tail)
     out_dir = Path(out_dir)
     t0 = time.perf_counter()
     loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     model, info = loaded.model, loaded.info
     # Validates the types, the tail and the pair before any work is done.
-    probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters)
-    base = dump.open_dump(baseline)
-    identity.check_baseline(base.header, ident, baseline,
-                            identity.rebuild_command(spec, n_ctx, ident["n_chunks"], info.device, info.dtype, baseline))
+    probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute)
+    if llamakld.is_llama_kld(baseline):
+        base = llamakld.open_llama_kld(baseline, chunk_ids, n_ctx, info.vocab_size)
+    else:
+        base = dump.open_dump(baseline)
+        identity.check_baseline(base.header, ident, baseline,
+                                identity.rebuild_command(spec, n_ctx, ident["n_chunks"], info.device, info.dtype,
+                                                         baseline))
+        check_baseline_compute(base, compute)
     scored = data.scored_positions(n_ctx)
     pos = np.arange(scored.start, scored.stop, dtype=np.int32)
 
@@ -166,7 +199,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     chunk_col, pos_col = [], []
     forward_s = 0.0
     for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
-        cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters)
+        cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute)
         ref = base.chunk(c)
         targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
         gen = chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)
@@ -207,6 +240,8 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         **_policy_fields(probe),
         "tail_dtype": probe.tail_dtype_name,
         "iters": iters,
+        "compute": compute,
+        "baseline_kind": base.kind,
         "kv_body_bytes": kvb.body,
         "kv_overlay_bytes": kvb.overlay,
         "kv_total_bytes": kvb.total,

@@ -1,0 +1,79 @@
+"""kvarn.llamakld: llama-perplexity's --kl-divergence-base file, written from our dump and read back."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from kvarn import dump, llamakld
+
+N_CTX, V, CHUNKS = 16, 11, 2
+N_SCORED = N_CTX - 1 - N_CTX // 2
+
+
+@pytest.fixture()
+def files(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.log_softmax(torch.randn(N_SCORED, V, generator=g) * 3, -1) for _ in range(CHUNKS)]
+    ids = torch.randint(0, V, (CHUNKS, N_CTX), generator=g)
+    kvd = tmp_path / "base.kvd"
+    dump.write_dump(kvd, {"model": "m", "revision": "r", "tokenizer_hash": "t", "text_sha256": "s",
+                          "n_ctx": N_CTX}, blocks)
+    kld = llamakld.write_from_dump(kvd, ids, tmp_path / "base.kld")
+    return kvd, kld, ids, blocks
+
+
+def test_layout_is_llama_perplexity(files):
+    # header, tokens, rows exactly where tools/perplexity reads them
+    kvd, kld, ids, _ = files
+    raw = kld.read_bytes()
+    assert raw[:8] == b"_logits_"
+    assert struct.unpack("<Iii", raw[8:20]) == (N_CTX, V, CHUNKS)
+    nv = 2 * ((V + 1) // 2) + 4
+    assert len(raw) == 20 + 4 * CHUNKS * N_CTX + 2 * CHUNKS * N_SCORED * nv
+    assert np.array_equal(np.frombuffer(raw[20:20 + 4 * CHUNKS * N_CTX], "<i4").reshape(CHUNKS, N_CTX), ids.numpy())
+    row0 = np.frombuffer(raw[20 + 4 * CHUNKS * N_CTX:][:2 * nv], "<u2")
+    scale, lo = row0[:4].view("<f4")
+    d = dump.open_dump(kvd)
+    # llama's decode (scale*code + lo in fp32) of the first row = our decode (float64, rounded
+    # once): equal up to fp32 rounding, far inside one code step (16/65535 nats)
+    np.testing.assert_allclose(np.float32(scale) * row0[4:4 + V].astype(np.float32) + np.float32(lo),
+                               d.chunk(0)[0].numpy(), rtol=0, atol=4e-6)
+
+
+def test_round_trip(files):
+    kvd, kld, ids, blocks = files
+    f = llamakld.open_llama_kld(kld, ids, N_CTX, V)
+    assert llamakld.is_llama_kld(kld) and not llamakld.is_llama_kld(kvd)
+    assert f.kind == "llama" and f.n_chunks == CHUNKS and f.n_scored == N_SCORED
+    d = dump.open_dump(kvd)
+    for c in range(CHUNKS):
+        assert torch.equal(f.chunk(c), d.chunk(c))
+        assert (f.chunk(c) - blocks[c]).abs().max() < 16 / 65535  # within one code step of the truth
+    # fewer chunks than the file holds: accepted
+    assert llamakld.open_llama_kld(kld, ids[:1], N_CTX).n_chunks == CHUNKS
+
+
+def test_refusals(files, tmp_path):
+    kvd, kld, ids, _ = files
+    with pytest.raises(ValueError, match="n_ctx 16, this run uses 32"):
+        llamakld.open_llama_kld(kld, ids, 32)
+    with pytest.raises(ValueError, match="vocabulary 11, the model has 12"):
+        llamakld.open_llama_kld(kld, ids, N_CTX, 12)
+    more = torch.cat([ids, ids])
+    with pytest.raises(ValueError, match="has 2 chunks, this run needs 4"):
+        llamakld.open_llama_kld(kld, more, N_CTX)
+    other = ids.clone()
+    other[1, 5] = (other[1, 5] + 1) % V
+    with pytest.raises(ValueError, match="token 5 of chunk 1"):
+        llamakld.open_llama_kld(kld, other, N_CTX)
+    other = ids.clone()
+    other[:, 0] = 0  # position 0 is BOS-replaced by llama at evaluation: not compared
+    llamakld.open_llama_kld(kld, other, N_CTX)
+    cut = tmp_path / "cut.kld"
+    cut.write_bytes(kld.read_bytes()[:-2])
+    with pytest.raises(ValueError, match="truncated"):
+        llamakld.read_llama_kld(cut)
+    with pytest.raises(ValueError, match="not a llama-perplexity KLD base file"):
+        llamakld.read_llama_kld(kvd)
