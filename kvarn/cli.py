@@ -119,6 +119,9 @@ def _common(p, out_help):
                         "(llama.cpp's CPU flash attention: Q rounded to K's dot type, f16 V accumulation...); "
                         "a cell needs a baseline made with the same")
     p.add_argument("-o", "--out", required=True, metavar="PATH", help=out_help)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the job's estimated peak device and host memory (kvarn.preflight, from the "
+                        "model's config) and exit without loading weights")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +183,8 @@ def _formats() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvarn.preflight import PreflightError
+
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
@@ -201,6 +206,20 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         from kvarn import engine
 
+        if args.dry_run:
+            from kvarn.preflight import capacity, preflight
+
+            est = preflight(spec, args.ctx, args.ubatch, args.device, args.dtype, args.cache_dir,
+                            baseline=args.cmd == "baseline", dry_run=True)
+            print(f"{args.cmd} {spec.name} ctx {args.ctx} ubatch {args.ubatch}: estimated peak memory")
+            print(est.describe())
+            try:
+                dev, host = capacity(est.device)
+                print("free here: " + (f"device {dev / 2**30:.2f} GiB, " if dev is not None else "")
+                      + f"host {host / 2**30:.2f} GiB")
+            except (AssertionError, RuntimeError) as e:  # estimating a CUDA job on a machine without one
+                print(f"free here: unknown ({est.device} not available: {e})")
+            return 0
         if args.cmd == "baseline":
             h = engine.run_baseline(spec, args.ctx, chunks, Path(args.out), ubatch=args.ubatch, text=args.text,
                                     device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
@@ -221,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nKV cache: {s['kv_total_bytes'] / 2**20:.2f} MiB (body {s['kv_body_bytes'] / 2**20:.2f}, "
                   f"overlay {s['kv_overlay_bytes'] / 2**20:.2f}); {s['tokens_per_s']:.1f} tokens/s; -> {args.out}")
             return 0
-    except (UsageError, ValueError, FileNotFoundError) as e:
+    except (UsageError, ValueError, FileNotFoundError, PreflightError) as e:
         ap.exit(2, f"kvarn {args.cmd}: error: {e}\n")
     return 1
 

@@ -20,6 +20,7 @@ import kvarn
 import kvarn.attention as kattn
 from kvarn.atomic import atomic_path, write_text
 from kvarn.cache import KVarnCache
+from kvarn.preflight import preflight
 
 BASELINE_K = BASELINE_V = "bf16"
 LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gemma's vocabulary
@@ -110,6 +111,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=True)  # before any weights load
     loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     model, info = loaded.model, loaded.info
     scored = data.scored_positions(n_ctx)
@@ -180,6 +182,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     check_compute(compute, k, v, tail)
     out_dir = Path(out_dir)
     t0 = time.perf_counter()
+    preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=False)  # before any weights load
     loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     model, info = loaded.model, loaded.info
     # Validates the types, the tail and the pair before any work is done.

@@ -422,6 +422,31 @@ def resolve(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -
     )
 
 
+def config_json(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> dict:
+    """A spec's ``config.json`` as a dict, without its weights where the source allows: the hub
+    serves the file alone; a random source is the file; a GGUF's metadata (read from the file,
+    fetched first if it is on the hub) is turned into one by `kvarn.gguf_weights`."""
+    src = spec.source
+    if src.startswith("random:"):
+        return json.loads(_random_source(spec)[0].read_text())
+    if src.startswith("hf:") and _parse_hf(src, spec.revision)[1] is None:
+        repo, _, rev = _parse_hf(src, spec.revision)
+        from huggingface_hub import hf_hub_download
+
+        try:
+            f = hf_hub_download(repo_id=repo, filename="config.json", revision=rev,
+                                cache_dir=str(Path(cache_dir) / "hf-hub"))
+        except Exception as e:
+            raise _hub_error(repo, rev, "config.json", e) from e
+        return json.loads(Path(f).read_text())
+    path, _ = resolve(spec, cache_dir)
+    if path.is_file():
+        from kvarn.gguf_weights import config_dict
+
+        return config_dict(path)
+    return json.loads((path / "config.json").read_text())
+
+
 def fetch(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> Path:
     """Make the model available locally, verified; return the path `load` reads."""
     return resolve(spec, cache_dir)[0]

@@ -1,0 +1,79 @@
+"""kvarn.preflight: the memory estimate of a job from its config, and the stop before loading."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvarn import cli, preflight
+from kvarn.sources import ModelSpec
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 2**30
+QWEN = f"random:{REPO}/config/models/qwen3.6-27b.json"
+GEMMA = f"random:{REPO}/config/models/gemma4-31b.json"
+
+
+def test_study_estimates_printed(capsys):
+    """`kvarn baseline --dry-run` on the study configs: the estimate, without weights."""
+    assert cli.main(["baseline", "-m", QWEN, "-c", "65536", "-ub", "512", "--device", "cuda", "--dtype", "bfloat16",
+                     "-o", "unused.kvd", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "cache copies" in out and "log-prob block" in out and not Path("unused.kvd").exists()
+    q = preflight.preflight(ModelSpec("q", QWEN), 65536, 512, "cuda", "bfloat16", "unused", baseline=True,
+                            dry_run=True)
+    # 16 attention layers x (exact + body) x (K + V) x 4 KV heads x 65536 x 256 x fp32, by hand:
+    assert q.device_parts["cache copies"] == 16 * 4 * 4 * 65536 * 256 * 4 == 16 * GIB
+    assert 26.8e9 * 2 < q.device_parts["weights"] < 27.0e9 * 2  # 26.9 B parameters in bf16
+    assert q.device_parts["logits"] == 512 * 248320 * 4 + 2 * 64 * 248320 * 4
+    assert q.host_parts["log-prob block"] == 32767 * 248320 * 10  # fp32 parts + concat + 16-bit dump rows
+    g = preflight.preflight(ModelSpec("g", GEMMA), 16384, 512, "cuda", "bfloat16", "unused", baseline=False,
+                            dry_run=True)
+    # 50 sliding layers (16 x 256, every position kept) + 10 full layers (4 x 512)
+    assert g.device_parts["cache copies"] == (50 * 16 * 256 + 10 * 4 * 512) * 4 * 16384 * 4 == 55 * GIB
+    assert "linear-attention state" not in g.device_parts and g.host_parts == {}
+    for est in (q, g):
+        assert est.device_bytes == int(sum(est.device_parts.values()) * preflight.HEADROOM)
+
+
+def _tiny(tmp_path):
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    return f"random:{cfg}"
+
+
+def test_too_small_device_stops_before_loading(tmp_path, monkeypatch):
+    from kvarn import engine, models
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were loaded before the preflight stopped the job")
+
+    monkeypatch.setattr(models, "load", no_load)
+    monkeypatch.setattr(preflight, "capacity", lambda device: (10 * 2**20, 2**40))  # a 10 MiB GPU
+    with pytest.raises(preflight.PreflightError,
+                       match=r"needs about .* GiB of device memory \(cuda\) but 0.01 GiB is free; "
+                             r"the largest part is (\w|[ -])+ \(.*\): lower it with --"):
+        engine.run_baseline(ModelSpec("t", _tiny(tmp_path)), 4096, 1, tmp_path / "b.kvd", ubatch=512,
+                            device="cuda", dtype="bfloat16")
+    assert not (tmp_path / "b.kvd").exists()
+
+
+def test_too_small_host_is_a_cli_error(tmp_path, monkeypatch, capsys):
+    from kvarn import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded weights"))
+    monkeypatch.setattr(preflight, "_host_available", lambda: 2**20)  # 1 MiB of RAM
+    with pytest.raises(SystemExit) as e:
+        cli.main(["baseline", "-m", _tiny(tmp_path), "-c", "65536", "--device", "cpu", "-o", str(tmp_path / "b")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "of host memory (RAM) but 0.00 GiB is free" in err and "lower it with --ctx" in err
+
+
+def test_knob_names_the_largest_part():
+    est = preflight.Estimate("cuda", {"weights": 10, "logits": 100}, {})
+    with pytest.raises(preflight.PreflightError, match="largest part is logits .* --ubatch"):
+        preflight.check(est, 50, 10**9)
+    preflight.check(est, 10**6, 10**9)  # fits: no error
