@@ -128,8 +128,18 @@ def kvarn_attention_forward(
             "kvarn attention received no boolean mask: 'kvarn' must be registered with "
             "masking_utils.AttentionMaskInterface (import kvarn.attention does it)"
         )
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(
+            f"layer {module.layer_idx} attends bidirectionally (e.g. Gemma 4 use_bidirectional_attention='all'); "
+            "the kvarn cache model is for causal decoders"
+        )
     layer = kvarn_cache.layers[module.layer_idx]
-    policy = layer.policy
+    policy = kvarn_cache.policies[module.layer_idx]
+    if policy is None:
+        raise RuntimeError(
+            f"layer {module.layer_idx} calls attention, but the config gives it a layer type without a KV cache "
+            f"({kvarn_cache.geometry.layers[module.layer_idx].kind}); the model and the cache's config disagree"
+        )
     if sliding_window != policy.window and (sliding_window is not None or policy.window is not None):
         raise RuntimeError(
             f"layer {module.layer_idx}: model uses sliding window {sliding_window}, cache policy expects {policy.window}"

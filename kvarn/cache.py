@@ -15,15 +15,24 @@ layers, whose window is applied by the mask):
 
 Which copy a (query, key) pair reads is decided in `kvarn.attention` from
 `exact_selection` below and the layer's `kvarn.policy.LayerPolicy`.
+
+Layers are built per layer from `kvarn.geometry.geometry_from_config` (the one source of
+layer types and per-layer KV heads / head dim / window): attention layers get a
+`KVarnLayer` (its shape comes from the K/V the layer writes, so Gemma 4's 512-wide full
+layers and 256-wide sliding layers each get their own), and layers with their own state
+(Qwen 3.5/3.6 Gated DeltaNet `linear_attention`) get transformers' own cache layer for
+that type, so their conv and recurrent state is exactly what the model's `DynamicCache`
+would keep, in the baseline and in every cell.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
+from kvarn.geometry import Geometry, geometry_from_config, text_config
 from kvarn.policy import LayerPolicy, default_tail_dtype, layer_policy
 
 TAIL_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -35,8 +44,6 @@ def layer_windows(config) -> list[int | None]:
     Read as the transformers modeling code does (`layer_types` when present, else one
     `sliding_window` for all layers when enabled): `kvarn.geometry.geometry_from_config`.
     """
-    from kvarn.geometry import geometry_from_config
-
     return list(geometry_from_config(config).windows)
 
 
@@ -179,6 +186,10 @@ class KVarnCache(Cache):
 
     `compute="llamacpp-cpu"` emulates llama.cpp's CPU flash-attention arithmetic instead of
     exact fp32 attention (kvarn.compute; upstream llama.cpp types, tail 0).
+
+    `layers[i]` is a `KVarnLayer` on attention layers and transformers' own state layer
+    (e.g. `LinearAttentionLayer`) elsewhere; `policies[i]` is the layer's `LayerPolicy`,
+    or None on a layer without a KV cache.
     """
 
     def __init__(self, config, k_type: str, v_type: str, tail: int = 0, tail_dtype: str | None = None,
@@ -192,10 +203,45 @@ class KVarnCache(Cache):
         if self.tail_dtype_name not in TAIL_DTYPES:
             raise ValueError(f"tail dtype {self.tail_dtype_name!r} not accepted; use one of {', '.join(TAIL_DTYPES)}")
         td = TAIL_DTYPES[self.tail_dtype_name]
-        self.windows = layer_windows(config)
-        self.policies = [layer_policy(self.k_fmt, self.v_fmt, tail, w) for w in self.windows]
-        super().__init__(layers=[KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, self.compute)
-                                 for i, p in enumerate(self.policies)])
+        self.geometry: Geometry = geometry_from_config(config)
+        self.windows = list(self.geometry.windows)
+        for i in self.geometry.kv_layers:
+            d = self.geometry.layers[i].head_dim
+            for fmt in (self.k_fmt, self.v_fmt):
+                try:
+                    fmt.check_head_dim(d)
+                except ValueError as e:
+                    raise ValueError(f"layer {i} ({self.geometry.layers[i].kind}) has head dim {d}: {e}") from e
+        self.policies: list[LayerPolicy | None] = [
+            layer_policy(self.k_fmt, self.v_fmt, tail, g.window) if g.has_kv else None for g in self.geometry.layers
+        ]
+        state = _state_layers(config, self.geometry)
+        layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, self.compute) if p is not None else state[i]
+                  for i, p in enumerate(self.policies)]
+        super().__init__(layers=layers)
+
+    @property
+    def kv_policies(self) -> list[LayerPolicy]:
+        """The policies of the attention layers, in layer order (what summaries report)."""
+        return [p for p in self.policies if p is not None]
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
+
+
+def _state_layers(config, geometry: Geometry) -> dict[int, object]:
+    """Transformers' own cache layers for the layers that keep a state instead of K/V,
+    built as `DynamicCache` builds them (same class, same per-layer kwargs)."""
+    idx = [i for i, g in enumerate(geometry.layers) if not g.has_kv]
+    if not idx:
+        return {}
+    types, kwargs = get_layer_types_and_kwargs(text_config(config))
+    out = {}
+    for i in idx:
+        kind = geometry.layers[i].kind
+        if types[i] != kind or kind not in DYNAMIC_LAYER_TYPE_MAPPING:
+            raise ValueError(
+                f"layer {i}: kvarn reads layer type {kind!r} but transformers' cache would build {types[i]!r}"
+            )
+        out[i] = DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs[i])
+    return out

@@ -153,8 +153,9 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
 # --- one cell -------------------------------------------------------------------------
 
 def _policy_fields(cache: KVarnCache) -> dict:
-    full = [p for p in cache.policies if p.window is None]
-    sliding = [p for p in cache.policies if p.window is not None]
+    # Attention layers only: linear-attention layers have no KV cache and no policy.
+    full = [p for p in cache.kv_policies if p.window is None]
+    sliding = [p for p in cache.kv_policies if p.window is not None]
     return {
         "tail_eff_full": full[0].tail if full else None,
         "tail_eff_sliding": max(p.tail for p in sliding) if sliding else None,
