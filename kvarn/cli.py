@@ -1,4 +1,5 @@
-"""The `kvarn` command: fetch a model, write a BF16 baseline, run one cache cell, list formats.
+"""The `kvarn` command: fetch a model, write a BF16 baseline, run one cache cell, compute a
+cache's memory, list formats.
 
 Mirrors llama-perplexity's vocabulary: --ctx (-c), --chunks, --ubatch (-ub), -ctk/-ctv
 for the cache types. Bad values exit with code 2 and a message naming the value and what
@@ -19,8 +20,12 @@ examples (llama.cpp equivalents in brackets):
   kvarn run --model smollm2-135m --ctx 512 --chunks 4 --k q4_0 --v q4_0 --tail 128 \\
       --baseline base.kvd --out cells/q4_0-q4_0-t128
       [llama-perplexity -m M -f wiki.test.raw -c 512 --chunks 4 -ctk q4_0 -ctv q4_0 --kl-divergence-base base.kld --kl-divergence]
+  kvarn memory -m config/models/qwen3.6-27b.json -c 65536 -ctk kvarn4 -ctv kvarn4 --tail 0 \
+      --accounting beellama-qwen
   kvarn formats
 """
+
+STUDY_CONFIGS = Path(__file__).resolve().parents[1] / "config" / "models"  # the study's models, no weights
 
 
 class UsageError(Exception):
@@ -59,7 +64,7 @@ def _ctx(s):
 
 def _cache_type(flag):
     def parse(s):
-        from kvarn.formats import names
+        from kvarn.facts import names
 
         if s not in names():
             raise argparse.ArgumentTypeError(f"{flag}: unknown KV cache type {s!r}; accepted: {', '.join(names())}")
@@ -130,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Teacher-forced KL divergence of a quantized KV cache against a BF16-cache baseline "
                     "(comparable with llama-perplexity --kl-divergence).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,formats}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,memory,formats}")
 
     f = sub.add_parser("fetch", help="download / convert a model into the cache directory")
     f.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
@@ -160,9 +165,104 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KVarN variance-normalization passes (default 16)")
     r.add_argument("--baseline", required=True, metavar="FILE",
                    help="dump written by `kvarn baseline`, or llama-perplexity's --kl-divergence-base file")
+    _accounting_arg(r)
+
+    m = sub.add_parser("memory", help="KV cache bytes of one sequence (body, staging, overlay, total MiB) "
+                                      "from a model's config alone, no weights")
+    m.add_argument("-m", "--model", required=True, metavar="MODEL|config.json",
+                   help="a config.json (or a directory holding one), a study model of config/models "
+                        f"({', '.join(sorted(p.stem for p in STUDY_CONFIGS.glob('*.json')))}), or an embedded "
+                        "model already fetched into --cache-dir")
+    m.add_argument("-c", "--ctx", type=_positive_int("--ctx"), required=True, metavar="N", help="context size n_ctx")
+    m.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE")
+    m.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE")
+    m.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N", help="requested exact tail (default 0)")
+    m.add_argument("-ub", "--ubatch", type=_positive_int("--ubatch"), default=512, metavar="N",
+                   help="micro-batch: sliding layers hold W + ubatch rows (default 512)")
+    m.add_argument("--tail-dtype", choices=["bf16", "f16", "f32"], default=None,
+                   help="dtype of the exact copy (default bf16 for standard types, f16 for KVarN)")
+    m.add_argument("--no-rot", dest="rot", action="store_false",
+                   help="standard types without the Hadamard pre-rotation (accepts head dims that are multiples of 32)")
+    m.add_argument("--cache-dir", default="resources/models", metavar="DIR")
+    m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _accounting_arg(m)
 
     sub.add_parser("formats", help="list KV cache types: family and bits per value at head dim 64/128/256")
     return ap
+
+
+def _accounting_arg(p):
+    from kvarn.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING
+
+    p.add_argument("--accounting", choices=list(ACCOUNTINGS), default=DEFAULT_ACCOUNTING,
+                   help="memory accounting of the KV cache MiB (kvarn.memory): "
+                        + "; ".join(f"{k}: {v}" for k, v in ACCOUNTINGS.items()))
+
+
+def memory_config(arg: str, cache_dir: str) -> tuple[dict, str]:
+    """--model of `kvarn memory` -> (config.json dict, where it was read)."""
+    import json
+
+    from kvarn.sources import EMBEDDED
+
+    p = Path(arg)
+    if p.is_dir():
+        p = p / "config.json"
+    elif not p.exists() and (STUDY_CONFIGS / f"{arg}.json").is_file():
+        p = STUDY_CONFIGS / f"{arg}.json"
+    elif not p.exists() and arg in EMBEDDED:
+        p = Path(cache_dir) / arg / "hf" / "config.json"
+        if not p.is_file():
+            raise UsageError(f"--model {arg!r}: embedded model not converted yet (no {p}); run `kvarn fetch -m {arg}`")
+    if not p.is_file():
+        raise UsageError(
+            f"--model {arg!r} is neither a config.json, a directory holding one, a study model of {STUDY_CONFIGS} "
+            f"nor an embedded model ({', '.join(EMBEDDED)})"
+        )
+    try:
+        with open(p) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--model {str(p)!r} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--model {str(p)!r}: expected a JSON object (a transformers config.json)")
+    return config, str(p)
+
+
+def _memory(args) -> str:
+    import json
+
+    from kvarn.geometry import geometry_from_config
+    from kvarn.memory import MIB, kv_bytes
+
+    config, where = memory_config(args.model, args.cache_dir)
+    try:
+        geom = geometry_from_config(config)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"--model {where!r}: {e}") from None
+    b = kv_bytes(geom, args.ctx, args.k, args.v, args.tail, tail_dtype=args.tail_dtype, rot=args.rot,
+                 ubatch=args.ubatch, accounting=args.accounting)
+    b0 = kv_bytes(geom, args.ctx, args.k, args.v, 0, tail_dtype=args.tail_dtype, rot=args.rot,
+                  ubatch=args.ubatch, accounting=args.accounting)
+    from kvarn.facts import tail_label
+
+    out = {
+        "config": where, "geometry": geom.describe(), "n_ctx": args.ctx, "ubatch": args.ubatch,
+        "k_type": args.k, "v_type": args.v, "tail": args.tail, "tail_label": tail_label(args.k, args.v, args.tail),
+        "accounting": args.accounting, **b.mib(), "delta_tail0_mib": (b.total - b0.total) / MIB,
+        "body_bytes": b.body, "staging_bytes": b.staging, "overlay_bytes": b.overlay, "total_bytes": b.total,
+    }
+    if args.json:
+        return json.dumps(out, indent=1) + "\n"
+    return (
+        f"{where}: {out['geometry']}\n"
+        f"{args.k}/{args.v} tail {out['tail_label']}, n_ctx {args.ctx}, ubatch {args.ubatch}, "
+        f"accounting {args.accounting}\n"
+        f"  body     {out['body_mib']:12.2f} MiB\n"
+        f"  staging  {out['staging_mib']:12.2f} MiB\n"
+        f"  overlay  {out['overlay_mib']:12.2f} MiB\n"
+        f"  total    {out['total_mib']:12.2f} MiB  ({out['delta_tail0_mib']:+.2f} vs tail 0)\n"
+    )
 
 
 def _formats() -> str:
@@ -190,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "formats":
             sys.stdout.write(_formats())
+            return 0
+        if args.cmd == "memory":
+            sys.stdout.write(_memory(args))
             return 0
         spec = model_spec(args.model)
         if args.cmd == "fetch":
@@ -235,9 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             s = engine.run_cell(spec, args.ctx, chunks, args.k, args.v, args.tail, Path(args.baseline),
                                 Path(args.out), ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype,
                                 iters=args.iters, text=args.text, device=args.device, dtype=args.dtype,
-                                cache_dir=args.cache_dir, compute=args.compute)
+                                cache_dir=args.cache_dir, compute=args.compute, accounting=args.accounting)
             sys.stdout.write(format_llama(s))
-            print(f"\nKV cache: {s['kv_total_bytes'] / 2**20:.2f} MiB (body {s['kv_body_bytes'] / 2**20:.2f}, "
+            print(f"\nKV cache ({s['memory_accounting']} accounting): {s['kv_total_bytes'] / 2**20:.2f} MiB "
+                  f"(body {s['kv_body_bytes'] / 2**20:.2f}, staging {s['kv_staging_bytes'] / 2**20:.2f}, "
                   f"overlay {s['kv_overlay_bytes'] / 2**20:.2f}); {s['tokens_per_s']:.1f} tokens/s; -> {args.out}")
             return 0
     except (UsageError, ValueError, FileNotFoundError, PreflightError) as e:

@@ -165,14 +165,16 @@ def _policy_fields(cache: KVarnCache) -> dict:
 
 def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot=True, tail_dtype=None,
              iters=16, text=None, device="auto", dtype="auto", cache_dir="resources/models",
-             compute="exact") -> dict:
+             compute="exact", accounting="packed") -> dict:
     """One cache config against the baseline dump; writes out_dir/tokens.parquet and summary.json.
 
     `compute` (kvarn.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
     with the same. `baseline` may also be llama-perplexity's --kl-divergence-base file
     (kvarn.llamakld), checked against our tokens.
 
-    Returns the summary dict (the metric keys of kvarn.metrics.summarize + the cell fields).
+    Returns the summary dict (the metric keys of kvarn.metrics.summarize + the cell fields;
+    the KV bytes under the memory `accounting` of kvarn.memory, with the geometry they
+    came from, so another accounting can be computed later without a rerun).
     """
     import numpy as np
     import polars as pl
@@ -182,6 +184,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
 
     check_compute(compute, k, v, tail)
     out_dir = Path(out_dir)
+    memory.check_accounting(accounting)
     t0 = time.perf_counter()
     preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=False)  # before any weights load
     loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
@@ -227,8 +230,8 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         **{key: np.concatenate(cols[key]) for key in metrics.PER_TOKEN_KEYS},
     })
     summary = metrics.summarize(frame)
-    kvb = memory.kv_bytes(info.geometry, n_ctx, k, v, tail, tail_dtype=probe.tail_dtype_name, rot=rot)
-    kvb0 = memory.kv_bytes(info.geometry, n_ctx, k, v, 0, tail_dtype=probe.tail_dtype_name, rot=rot)
+    kv = memory.summary_fields(info.geometry, n_ctx, k, v, tail, tail_dtype=probe.tail_dtype_name, rot=rot,
+                               ubatch=ubatch, accounting=accounting)
     n_tok = int(chunk_ids.numel())
     summary.update({
         "model": info.name,
@@ -246,10 +249,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         "iters": iters,
         "compute": compute,
         "baseline_kind": base.kind,
-        "kv_body_bytes": kvb.body,
-        "kv_overlay_bytes": kvb.overlay,
-        "kv_total_bytes": kvb.total,
-        "kv_total_bytes_tail0": kvb0.total,
+        **kv,
         "tokens_per_s": n_tok / forward_s,
         "wall_s": time.perf_counter() - t0,
         "kvarn_version": kvarn.__version__,

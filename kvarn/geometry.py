@@ -96,6 +96,18 @@ class Geometry:
             for w in windows
         ))
 
+    def to_list(self) -> list[list]:
+        """JSON form, one [kind, n_kv_heads, head_dim, window, k_eq_v] per layer: a cell's
+        summary.json records it, so its memory can be recomputed without the model."""
+        return [[x.kind, x.n_kv_heads, x.head_dim, x.window, x.k_eq_v] for x in self.layers]
+
+    @classmethod
+    def from_list(cls, rows) -> Geometry:
+        """Inverse of `to_list` (each layer checked as when built)."""
+        if not isinstance(rows, (list, tuple)) or not all(isinstance(r, (list, tuple)) and len(r) == 5 for r in rows):
+            raise ValueError("a geometry list has one [kind, n_kv_heads, head_dim, window, k_eq_v] per layer")
+        return cls(tuple(LayerGeometry(*r) for r in rows))
+
     @property
     def n_layers(self) -> int:
         return len(self.layers)

@@ -20,8 +20,13 @@ Config shape (documented key by key in config/README.md):
       - {pairs: [q8_0/q4_0], tail: 0}                  # explicit K/V pairs
       - {types: [kvarn4], tail: 0}                     # KVarN: tail 0 runs as 128 ("128*")
 
-This module is pure Python over `kvarn.formats` (no model, no download), so
-`snakemake -n` of any matrix, the article's included, plans without a network.
+This module is pure Python over the type facts (`kvarn.facts`: no torch, no model, no
+download), so `snakemake -n` of any matrix, the article's included, plans without a network.
+
+A model's `memory_accounting` (kvarn.memory) is not part of any cell path: memory is
+computed, not measured, so changing it reruns only the per-cell row jobs (their
+`columns` param changes) and the aggregation, which recompute the bytes from the geometry
+each summary.json recorded.
 """
 
 from __future__ import annotations
@@ -29,12 +34,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from kvarn import facts
+from kvarn.memory import ACCOUNTINGS
+
 DEFAULT_ITERS = 16  # KVarN variance-normalization passes (SPEC §4)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TAIL_DTYPES = ("bf16", "f16", "f32")
+TAIL_DTYPES = facts.TAIL_DTYPES
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
 SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
-MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto"}
+MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
+                  "memory_accounting": "packed"}
 CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS}
 
 # Wildcard patterns: a type name has no "-", so "{k}-{v}-t{tail}{opts}" parses one way.
@@ -56,6 +65,7 @@ class Model:
     chunks: int
     ubatch: int
     dtype: str
+    memory_accounting: str = "packed"
 
 
 @dataclass(frozen=True)
@@ -120,29 +130,19 @@ def parse_opts(opts: str) -> dict:
     return out
 
 
-def _formats():
-    from kvarn import formats  # imports torch: only when a matrix is expanded
-
-    return formats
-
-
 def family(k: str, v: str) -> str:
     """'kvarn' or 'standard' (raises naming both types if they mix)."""
-    from kvarn.policy import pair_family
-
-    f = _formats()
-    return pair_family(f.get_format(k, role="k"), f.get_format(v, role="v"))
+    return facts.pair_family(k, v)
 
 
 def tail_label(k: str, v: str, tail: int) -> str:
-    """The tail as tables print it (`kvarn.memory.tail_label`): '128*' where KVarN raised it."""
-    from kvarn.memory import tail_label as label
-
-    return label(k, v, tail)
+    """The tail as tables print it (`kvarn.facts.tail_label`): '128*' where KVarN raised it."""
+    return facts.tail_label(k, v, tail)
 
 
 def format_version(name: str, role: str = "k") -> int:
-    return int(_formats().get_format(name, role=role).version)
+    """The numerics version of a type (the same for K and V; `role` kept for the rule's callers)."""
+    return facts.get(name).version
 
 
 def _as_list(x):
@@ -184,8 +184,11 @@ def _models(config: dict) -> dict[str, Model]:
             raise MatrixError(f"{where}.n_ctx: {list(n_ctx)} must be a non-empty list without repeats")
         if m["dtype"] not in DTYPES:
             raise MatrixError(f"{where}.dtype: {m['dtype']!r}; accepted: {', '.join(DTYPES)}")
+        if m["memory_accounting"] not in ACCOUNTINGS:
+            raise MatrixError(f"{where}.memory_accounting: {m['memory_accounting']!r} is not a memory accounting; "
+                              f"accepted: {', '.join(ACCOUNTINGS)}")
         models[name] = Model(name, source, m["revision"], n_ctx, _int(f"{where}.chunks", m["chunks"], 1),
-                             _int(f"{where}.ubatch", m["ubatch"], 1), m["dtype"])
+                             _int(f"{where}.ubatch", m["ubatch"], 1), m["dtype"], m["memory_accounting"])
     return models
 
 
@@ -220,7 +223,7 @@ def _pairs(where: str, entry: dict, known: list[str]) -> list[tuple[str, str, st
 def expand(config: dict) -> Matrix:
     """The checked, de-duplicated cell list of a (schema-validated or raw) config."""
     models = _models(config)
-    known = list(_formats().names())
+    known = facts.names()
     cells: dict[Cell, None] = {}
     raw = config.get("cells")
     if not isinstance(raw, list) or not raw:
@@ -263,21 +266,22 @@ def _normalize(cell: Cell, fam: str) -> Cell:
     """
     from dataclasses import replace
 
-    default_td = "f16" if fam == "kvarn" else "bf16"
+    default_td = facts.pair_default_tail_dtype(cell.k, cell.v)
     return replace(cell,
                    rot=True if fam == "kvarn" else cell.rot,
                    iters=cell.iters if fam == "kvarn" else DEFAULT_ITERS,
                    tail_dtype=None if cell.tail_dtype == default_td else cell.tail_dtype)
 
 
-def cell_columns(k: str, v: str, tail: int, opts: str = "") -> dict:
+def cell_columns(k: str, v: str, tail: int, opts: str = "", memory_accounting: str = "packed") -> dict:
     """What the tables need about a cell and the engine does not write.
 
     The pair's family, the requested tail and its printed label (`128*`), the cell's path
-    name and the K and V numerics versions. The workflow computes these at planning time
-    (the format registry is loaded there already) and hands them to the row job as params.
+    name, the K and V numerics versions and the model's memory accounting. The workflow
+    computes these at planning time and hands them to the row job as params.
     """
     return {
+        "memory_accounting": memory_accounting,
         "family": family(k, v),
         "tail_requested": tail,
         "tail_label": tail_label(k, v, tail),
@@ -287,10 +291,17 @@ def cell_columns(k: str, v: str, tail: int, opts: str = "") -> dict:
     }
 
 
-def summary_row(summary: dict, columns: dict) -> dict:
+def summary_row(summary: dict, columns: dict, where: str = "summary.json") -> dict:
     """One tidy row of results/summary.parquet: a cell's summary.json + `cell_columns`
-    + the KV bytes saved or spent against the same pair at tail 0."""
-    row = {**summary, **columns}
+    + the KV bytes saved or spent against the same pair at tail 0.
+
+    The memory keys are those of `columns["memory_accounting"]` (default: as recorded),
+    recomputed from the geometry the cell recorded (`kvarn.memory.resummarize`)."""
+    from kvarn.memory import resummarize
+
+    accounting = columns.get("memory_accounting") or summary.get("memory_accounting", "packed")
+    row = {**summary, **columns, **resummarize(summary, accounting, where)}
+    row.pop("kv_geometry", None)  # per-layer lists stay in summary.json, not in the table
     if "kv_total_bytes" in row and "kv_total_bytes_tail0" in row:
         row["kv_delta_bytes_vs_tail0"] = row["kv_total_bytes"] - row["kv_total_bytes_tail0"]
     return row

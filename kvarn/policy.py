@@ -2,6 +2,9 @@
 
 For a query at p and a key at j <= p (and p - j < W on a sliding layer of window W),
 attention reads the exact copy if j < sink or p - j < tail, else the body copy.
+
+The functions take two objects with the type facts' attributes (name, family, sink,
+default_tail_dtype, effective_tail): `kvarn.formats` formats or `kvarn.facts.TypeFacts`.
 """
 
 from __future__ import annotations
@@ -45,5 +48,7 @@ def layer_policy(k_fmt, v_fmt, tail: int, window: int | None = None) -> LayerPol
 
 
 def default_tail_dtype(k_fmt, v_fmt) -> str:
-    """BF16 exact copy for standard types, F16 for KVarN (SPEC §2)."""
-    return "f16" if pair_family(k_fmt, v_fmt) == "kvarn" else "bf16"
+    """The exact copy's dtype when none is asked: the pair's own default from the facts
+    table (`kvarn.facts`): BF16 for standard types, F16 for KVarN (SPEC §2)."""
+    pair_family(k_fmt, v_fmt)
+    return k_fmt.default_tail_dtype

@@ -67,8 +67,10 @@ def format_version(role):
 
 
 def cell_columns(wildcards):
-    """family, tail label, versions, ... of a cell (kvarn.matrix.cell_columns), from its path."""
-    return kvm.cell_columns(wildcards.k, wildcards.v, int(wildcards.tail), wildcards.opts)
+    """family, tail label, versions, ... of a cell (kvarn.matrix.cell_columns), from its path,
+    and its model's memory accounting: changing that reruns the row jobs, not the cells."""
+    return kvm.cell_columns(wildcards.k, wildcards.v, int(wildcards.tail), wildcards.opts,
+                            MODELS[wildcards.model]["memory_accounting"])
 
 
 # fetch_model and wikitext run these in `run:` blocks without params, not scripts: their

@@ -1,4 +1,5 @@
-"""Rule cell_row: one tidy row (parquet) from a cell's summary.json, with the columns tables need."""
+"""Rule cell_row: one tidy row (parquet) from a cell's summary.json, with the columns tables need
+(the KV bytes under the model's memory accounting, recomputed from the recorded geometry)."""
 
 import json
 
@@ -10,7 +11,7 @@ from kvarn.matrix import summary_row  # noqa: E402  (no torch: columns come as p
 
 with open(snakemake.input[0]) as f:  # noqa: F821
     summary = json.load(f)
-row = summary_row(summary, snakemake.params.columns)  # noqa: F821
+row = summary_row(summary, snakemake.params.columns, where=snakemake.input[0])  # noqa: F821
 with atomic(snakemake.output[0]) as tmp:  # noqa: F821
     pl.DataFrame([row]).write_parquet(tmp)
 print(row)
