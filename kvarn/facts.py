@@ -102,17 +102,17 @@ class TypeFacts:
         rows, cols, tiles = self.tile_shape(role, head_dim)
         return n_tokens // self.group * tiles * (math.ceil(rows * cols * self.bits / 8) + 2 * (2 * rows + cols))
 
-    def bits_per_value(self, head_dim: int, role: str = "k") -> float:
+    def bits_per_value(self, head_dim: int, role: str = "k", rot: bool = True) -> float:
         """Stored bits per K or V value, metadata included, over one whole group."""
-        return 8 * self.nbytes(self.group, head_dim, role) / (self.group * head_dim)
+        return 8 * self.nbytes(self.group, head_dim, role, rot) / (self.group * head_dim)
 
     def effective_tail(self, tail: int) -> int:
         return max(self.min_tail, self.tail_quantum * math.ceil(tail / self.tail_quantum))
 
 
 def _table() -> dict[str, TypeFacts]:
-    rows = [TypeFacts(n, "float", 8 * size, itemsize=size) for n, size in (("f32", 4), ("f16", 2), ("bf16", 2))]
-    rows += [
+    """In the format registry's order (error messages list the accepted types in it)."""
+    rows = [
         TypeFacts(n, "block", bits, has_min=has_min)
         for n, bits, has_min in (
             ("q8_0", 8, False), ("q6_0", 6, False), ("q6_1", 6, True), ("q5_1", 5, True), ("q5_0", 5, False),
@@ -120,6 +120,7 @@ def _table() -> dict[str, TypeFacts]:
             ("q2_1", 2, True), ("q2_0", 2, False),
         )
     ]
+    rows += [TypeFacts(n, "float", 8 * size, itemsize=size) for n, size in (("f32", 4), ("f16", 2), ("bf16", 2))]
     rows += [
         TypeFacts(f"kvarn{b}", "kvarn", b, group=KVARN_GROUP, sink=KVARN_SINK, tail_quantum=KVARN_GROUP,
                   min_tail=KVARN_GROUP, default_tail_dtype="f16")

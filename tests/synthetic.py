@@ -5,7 +5,8 @@
   kld, nll, nll_base, dp, same_top — docs/CONTRACTS.md), and
 * `summary.parquet`: one row per cell with the summary.json keys, the statistics computed
   from those tokens, plus what the aggregate rule adds (kvarn.matrix.summary_row):
-  `family`, `tail_requested`, `tail_label`, `cell`, `kv_delta_bytes_vs_tail0`.
+  `family`, `tail_requested`, `tail_label`, `cell`, `kv_delta_bytes_vs_tail0`. Type facts and
+  KV bytes (the `packed` accounting) come from kvarn.facts and kvarn.memory, as in a real run.
 
 Two models with the shipped defaults' geometry (SmolLM2-135M: 30 layers x 3 KV heads x 64;
 Gemma 3 270M: 18 layers x 1 x 256, 5 of 6 layers sliding 512). KLD falls with width, a
@@ -19,14 +20,16 @@ Run as a script to write a result set: `python tests/synthetic.py OUT_DIR`.
 from __future__ import annotations
 
 import math
-import re
 import sys
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
-STD_BLOCK = {"q8_0": 34, "q6_0": 26, "q5_0": 22, "q4_0": 18, "q3_0": 14, "q2_0": 10}
+from kvarn import facts
+from kvarn.geometry import Geometry
+from kvarn.memory import summary_fields
+
 MODELS = {
     # name: (layers, kv_heads, head_dim, windows per layer, median KLD at 2 / 8 bits, kvarn gain)
     "smollm2-135m": (30, 3, 64, [None] * 30, (0.45, 0.0012),
@@ -40,33 +43,12 @@ KVARN_PAIRS = [(f"kvarn{w}", f"kvarn{w}") for w in (2, 3, 4, 5, 6, 8)] + [("kvar
 
 
 def _bits(t: str) -> int:
-    return int(re.search(r"\d+", t).group(0))
+    return facts.get(t).bits
 
 
-def _body_bytes_per_token(t: str, role: str, D: int) -> float:
-    if t in STD_BLOCK:
-        return D / 32 * STD_BLOCK[t]
-    b = _bits(t)
-    R, C = (D, 128) if role == "k" else (128, D)  # K tile channels x tokens, V tokens x channels
-    return (math.ceil(R * C * b / 8) + 2 * (2 * R + C)) / 128
-
-
-def kv_bytes(model: str, n_ctx: int, k: str, v: str, tail: int) -> tuple[int, int]:
+def geometry(model: str) -> Geometry:
     L, H, D, windows, _, _ = MODELS[model]
-    body = overlay = 0.0
-    kvarn = k.startswith("kvarn")
-    for w in windows:
-        n = n_ctx if w is None else min(n_ctx, w)
-        body += n * H * (_body_bytes_per_token(k, "k", D) + _body_bytes_per_token(v, "v", D))
-        if kvarn:
-            eff = max(128, -(-tail // 128) * 128)
-            if w is not None:
-                eff = min(eff, w)
-            exact = eff + (128 if w is None else 0) + 128  # tail + sink + F16 staging group
-        else:
-            exact = tail
-        overlay += exact * H * D * 2 * 2
-    return int(body), int(overlay)
+    return Geometry.uniform(L, H, D, tuple(windows))
 
 
 def _median(model: str, k: str, v: str, tail: int) -> float:
@@ -126,21 +108,20 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
                 "chunk": chunk.astype(np.int32), "pos": pos.astype(np.int32), "kld": kld, "nll": nll,
                 "nll_base": nll_base, "dp": dp, "same_top": same_top,
             }).write_parquet(cell_dir / "tokens.parquet")
-            body, overlay = kv_bytes(model, n_ctx, k, v, tail)
-            body0, overlay0 = kv_bytes(model, n_ctx, k, v, 0)
+            mem = summary_fields(geometry(model), n_ctx, k, v, tail)  # the `packed` accounting
+            mem.pop("kv_geometry")
             n = len(kld)
             st = same_top.mean()
             ppl_q, ppl_b = math.exp(nll.mean()), math.exp(nll_base.mean())
-            eff_full = max(128, -(-tail // 128) * 128) if family == "kvarn" else tail
+            eff_full = facts.pair_effective_tail(k, v, tail)
             windows = MODELS[model][3]
             eff_sliding = min(eff_full, 512) if any(w is not None for w in windows) else eff_full
             rows.append({
                 "model": model, "source": f"embedded:{model}", "revision": None, "n_ctx": n_ctx,
                 "chunks": chunks, "ubatch": 512, "k_type": k, "v_type": v, "rot": opts != "-norot", "tail": tail,
                 "tail_eff_full": eff_full, "tail_eff_sliding": eff_sliding,
-                "sink": 128 if family == "kvarn" else 0, "tail_dtype": "f16" if family == "kvarn" else "bf16",
-                "iters": 16, "kv_body_bytes": body, "kv_overlay_bytes": overlay,
-                "kv_total_bytes": body + overlay, "kv_total_bytes_tail0": body0 + overlay0,
+                "sink": max(facts.get(k).sink, facts.get(v).sink),
+                "tail_dtype": facts.pair_default_tail_dtype(k, v), "iters": 16, **mem,
                 "tokens_per_s": float(rng.uniform(800, 3000) * (0.7 if family == "kvarn" else 1.0)),
                 "wall_s": float(rng.uniform(5, 30)), "kvarn_version": "0.1.0", "format_version": 1,
                 "device": "cpu", "dtype": "float32",
@@ -153,8 +134,9 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
                 "dp_mean_err": float(dp.std(ddof=1) / math.sqrt(n)), **_stats(dp, "dp"),
                 "dp_rms": float(np.sqrt((dp**2).mean())), "dp_rms_err": 1e-4,
                 "same_top": float(st), "same_top_err": float(math.sqrt(st * (1 - st) / (n - 1))),
-                "family": family, "tail_requested": tail, "tail_label": f"{eff_full}*" if eff_full != tail else str(tail),
-                "cell": f"{k}-{v}-t{tail}{opts}", "kv_delta_bytes_vs_tail0": body + overlay - body0 - overlay0,
+                "family": family, "tail_requested": tail, "tail_label": facts.tail_label(k, v, tail),
+                "cell": f"{k}-{v}-t{tail}{opts}",
+                "kv_delta_bytes_vs_tail0": mem["kv_total_bytes"] - mem["kv_total_bytes_tail0"],
             })
     summary = pl.DataFrame(rows, infer_schema_length=None)
     summary.write_parquet(root / "results" / "summary.parquet")

@@ -68,6 +68,32 @@ def test_summary_row_adds_the_table_columns():
     assert isinstance(row["k_version"], int) and row["kld_median"] == 0.1
 
 
+def test_memory_accounting_is_per_model_and_not_in_the_cell_path():
+    m = kvm.expand(with_(("models", 0, "memory_accounting"), "beellama-qwen"))
+    assert m.models["smollm2-135m"].memory_accounting == "beellama-qwen"
+    assert kvm.expand(BASE).models["smollm2-135m"].memory_accounting == "packed"  # the default
+    assert [c.dir for c in m.cells] == [c.dir for c in kvm.expand(BASE).cells]  # no cell moves
+    schema = yaml.safe_load((ROOT / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    prop = schema["properties"]["models"]["items"]["properties"]["memory_accounting"]
+    assert prop["enum"] == list(kvm.ACCOUNTINGS) and prop["default"] == "packed"
+
+
+def test_summary_row_recomputes_memory_under_the_models_accounting():
+    from kvarn.geometry import Geometry
+    from kvarn.memory import MIB, summary_fields
+
+    geom = Geometry.uniform(16, 4, 256)  # Qwen 3.6 27B's attention layers
+    summary = {"n_ctx": 65536, "k_type": "kvarn4", "v_type": "kvarn4", "tail": 0, "tail_dtype": "f16",
+               "rot": True, "ubatch": 512, "kld_median": 0.1,
+               **summary_fields(geom, 65536, "kvarn4", "kvarn4", 0)}  # as run_cell writes it (packed)
+    row = kvm.summary_row(summary, kvm.cell_columns("kvarn4", "kvarn4", 0, "", "beellama-qwen"))
+    assert row["memory_accounting"] == "beellama-qwen" and row["kv_total_bytes"] == 1184 * MIB
+    assert row["kv_staging_bytes"] == 16 * MIB and row["kv_delta_bytes_vs_tail0"] == 0
+    assert "kv_geometry" not in row  # per-layer lists stay in summary.json
+    row = kvm.summary_row(summary, kvm.cell_columns("kvarn4", "kvarn4", 0))
+    assert row["memory_accounting"] == "packed" and row["kv_total_bytes"] == 1136 * MIB
+
+
 # (bad config, the field the message must name, a word the message must contain)
 BAD = {
     "unknown type": (with_(("cells", 0, "types"), ["q8_0", "q9_9"]), "cells[0].types[1]", "q9_9"),
@@ -80,6 +106,8 @@ BAD = {
     "kvarn mixed": (with_(("cells", 0), {"pairs": ["kvarn4/q4_0"]}), "cells[0].pairs[0]", "mix"),
     "two pair kinds": (with_(("cells", 0, "pairs"), ["q8_0/q8_0"]), "cells[0]", "exactly one"),
     "unknown model": (with_(("cells", 0, "models"), ["nope"]), "cells[0].models", "nope"),
+    "unknown accounting": (with_(("models", 0, "memory_accounting"), "beellama"), "models[0].memory_accounting",
+                           "packed, beellama-qwen, beellama-gemma"),
 }
 
 

@@ -1,29 +1,42 @@
-"""kvarn.memory against real packed buffers and hand-computed totals."""
+"""kvarn.memory against real packed buffers, hand-computed totals and every MiB figure of the study."""
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
+from kvarn import cli
 from kvarn.formats import get_format
-from kvarn.geometry import Geometry
-from kvarn.memory import KVBytes, bytes_table, kv_bytes, tail_label
+from kvarn.geometry import Geometry, geometry_from_config
+from kvarn.memory import (ACCOUNTINGS, MIB, KVBytes, bytes_table, kv_bytes, resummarize,
+                          summary_fields)
 
 TINY = Geometry.uniform(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, None))
+MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+def _study(name):
+    with open(MODELS / f"{name}.json") as f:
+        return geometry_from_config(json.load(f))
 
 
-def _real_body(geom, n_ctx, k_type, v_type):
-    """Sum of the sizes of actually encoded K and V buffers, layer by layer."""
+QWEN = _study("qwen3.6-27b")  # 16 attention layers x 4 KV heads x 256 (+ 48 Gated DeltaNet)
+GEMMA = _study("gemma4-31b")  # 50 sliding (W 1024, 16 x 256) + 10 full (4 x 512)
+
+
+def _real_body(geom, n_ctx, k_type, v_type, ubatch):
+    """Sum of the sizes of actually encoded K and V buffers, layer by layer (the `packed` body)."""
     total = 0
-    for w in geom.windows:
-        stored = n_ctx if w is None else min(n_ctx, w)
+    for layer in geom.layers:
+        w = layer.window
+        stored = n_ctx if w is None else min(n_ctx, w + ubatch)
         for role, name in (("k", k_type), ("v", v_type)):
             fmt = get_format(name, role=role)
             n = stored - stored % fmt.group
             if n == 0:
                 continue
-            x = torch.randn(geom.layers[0].n_kv_heads, n, geom.layers[0].head_dim, generator=torch.Generator().manual_seed(n))
+            x = torch.randn(layer.n_kv_heads, n, layer.head_dim, generator=torch.Generator().manual_seed(n))
             packed = fmt.encode(x)
             assert packed.data.dtype == torch.uint8
             total += packed.data.shape[0] * packed.data.shape[-1]
@@ -32,17 +45,18 @@ def _real_body(geom, n_ctx, k_type, v_type):
 
 @pytest.mark.parametrize("pair", [("q4_0", "q4_0"), ("q8_0", "q5_1"), ("kvarn4", "kvarn4"), ("kvarn6", "kvarn3"), ("f16", "bf16")])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_body_matches_real_buffers(pair, head_dim):
+def test_body_matches_real_buffers(pair, head_dim, one_thread):
+    # a sliding layer of W 200 holds W + ubatch = 264 of the 300 tokens
     geom = Geometry.uniform(3, 2, head_dim, (None, 200, None))
-    got = kv_bytes(geom, 300, *pair, tail=0)
-    assert got.body == _real_body(geom, 300, *pair)
+    got = kv_bytes(geom, 300, *pair, tail=0, ubatch=64)
+    assert got.body == _real_body(geom, 300, *pair, ubatch=64) and got.staging == 0
 
 
 def test_q4_0_by_hand():
     # 300 tokens x 64/32 blocks x 18 bytes, K and V, 2 layers x 2 heads
-    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 0) == KVBytes(86400, 0, 86400)
+    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 0) == KVBytes(86400, 0, 0, 86400)
     # + 128 bf16 rows x 64 x 2 bytes, K and V, 2 layers x 2 heads
-    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 128) == KVBytes(86400, 131072, 217472)
+    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 128) == KVBytes(86400, 0, 131072, 217472)
     # f32 tail doubles the overlay
     assert kv_bytes(TINY, 300, "q4_0", "q4_0", 128, tail_dtype="f32").overlay == 262144
 
@@ -52,34 +66,64 @@ def test_kvarn4_by_hand():
     # Per group at D=64: K tile 64x128 -> 1024*4 + 2*(2*64 + 128) = 4608,
     #                    V tile 128x64 -> 1024*4 + 2*(2*128 + 64) = 4736.
     body = 2 * 2 * 2 * (4608 + 4736)
-    # sink 128 + tail 128* rows at f16, K and V, 2 layers x 2 heads
+    # sink 128 + tail 128* rows at f16, K and V, 2 layers x 2 heads; the incomplete group
+    # lies inside the tail, so `packed` has no staging
     overlay = 2 * 2 * 2 * (128 + 128) * 64 * 2
-    assert kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0) == KVBytes(body, overlay, body + overlay)
+    assert kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0) == KVBytes(body, 0, overlay, body + overlay)
     # tail 128* is KVarN's own baseline: asking for 0 or 128 gives the same bytes
     assert kv_bytes(TINY, 300, "kvarn4", "kvarn4", 128) == kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0)
     # tail 129 rounds up to 256
     assert kv_bytes(TINY, 300, "kvarn4", "kvarn4", 129).overlay == 2 * 2 * 2 * (128 + 256) * 64 * 2
 
 
-def test_sliding_layers_capped():
+def test_kvarn4_beellama_by_hand():
+    # BeeLlama: ceil(300/128) = 3 groups of records, 256 F16 staging rows over both layers,
+    # overlay roundup256(128 + ubatch 64) = 256 rows (Qwen version) or 128 + 1 (Gemma version)
+    body = 2 * 2 * 3 * (4608 + 4736)
+    staging = 256 * 2 * 2 * 64 * 2 * 2
+    row = 2 * 2 * 64 * 2 * 2  # one token's K and V over both layers at f16
+    q = kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0, ubatch=64, accounting="beellama-qwen")
+    assert q == KVBytes(body, staging, 256 * row, body + staging + 256 * row, "beellama-qwen")
+    g = kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0, ubatch=64, accounting="beellama-gemma")
+    assert (g.body, g.staging, g.overlay) == (body, staging, 129 * row)
+    # standard types: no staging; overlay N (Qwen version), N + 1 (Gemma), nothing at tail 0
+    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 100, accounting="beellama-qwen").overlay == 100 * row
+    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 100, accounting="beellama-gemma").overlay == 101 * row
+    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 0, accounting="beellama-gemma").overlay == 0
+
+
+def test_sliding_layers_hold_window_plus_ubatch():
     geom = Geometry.uniform(2, 2, 64, (None, 200))
-    # q4_0: layer 0 keeps 300 tokens, the sliding layer 200
-    assert kv_bytes(geom, 300, "q4_0", "q4_0", 0).body == 2 * 2 * 36 * (300 + 200)
-    # kvarn4: sliding layer: 1 whole group, no sink, tail 128
-    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 0)
-    assert got.body == 2 * (2 + 1) * (4608 + 4736)
+    # q4_0: layer 0 keeps 300 tokens, the sliding layer W + ubatch = 264
+    assert kv_bytes(geom, 300, "q4_0", "q4_0", 0, ubatch=64).body == 2 * 2 * 36 * (300 + 264)
+    # ... or every token when n_ctx <= W + ubatch
+    assert kv_bytes(geom, 300, "q4_0", "q4_0", 0, ubatch=512).body == 2 * 2 * 36 * (300 + 300)
+    # kvarn4: the sliding layer keeps 2 whole groups of its 264 rows, no sink, tail 128
+    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 0, ubatch=64)
+    assert got.body == 2 * (2 + 2) * (4608 + 4736)
     assert got.overlay == 2 * 2 * (256 + 128) * 64 * 2
+    # beellama: a ring of ceil((200 + 64)/128) = 3 groups
+    assert kv_bytes(geom, 300, "kvarn4", "kvarn4", 0, ubatch=64, accounting="beellama-qwen").body == \
+        2 * (3 + 3) * (4608 + 4736)
     # window smaller than the requested tail: the tail is capped at the window
     geom = Geometry.uniform(1, 1, 64, (100,))
-    assert kv_bytes(geom, 300, "q8_0", "q8_0", 512).overlay == 2 * 100 * 64 * 2
-    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 0)
+    assert kv_bytes(geom, 300, "q8_0", "q8_0", 512, ubatch=16).overlay == 2 * 100 * 64 * 2
+    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 0, ubatch=16)
     assert got.body == 0 and got.overlay == 2 * 100 * 64 * 2
 
 
 def test_tail_longer_than_context():
     assert kv_bytes(TINY, 300, "q4_0", "q4_0", 1000).overlay == 2 * 2 * 2 * 300 * 64 * 2
     # KVarN at 100 tokens: nothing in the body, sink and tail capped at 100 rows each
-    assert kv_bytes(TINY, 100, "kvarn4", "kvarn4", 0) == KVBytes(0, 2 * 2 * 2 * 200 * 64 * 2, 2 * 2 * 2 * 200 * 64 * 2)
+    assert kv_bytes(TINY, 100, "kvarn4", "kvarn4", 0) == KVBytes(0, 0, 2 * 2 * 2 * 200 * 64 * 2, 2 * 2 * 2 * 200 * 64 * 2)
+
+
+def test_state_layers_count_nothing():
+    # Qwen's 48 Gated DeltaNet layers have no KV cache: same bytes as 16 attention layers alone
+    alone = Geometry.uniform(16, 4, 256)
+    for acc in ACCOUNTINGS:
+        assert kv_bytes(QWEN, 4096, "kvarn4", "kvarn4", 0, accounting=acc) == \
+            kv_bytes(alone, 4096, "kvarn4", "kvarn4", 0, accounting=acc)
 
 
 def test_bad_inputs():
@@ -93,26 +137,153 @@ def test_bad_inputs():
         kv_bytes(TINY, 300, "q4_0", "q4_0", -1)
     with pytest.raises(ValueError, match="n_ctx"):
         kv_bytes(TINY, 0, "q4_0", "q4_0", 0)
+    with pytest.raises(ValueError, match="ubatch"):
+        kv_bytes(TINY, 10, "q4_0", "q4_0", 0, ubatch=0)
     with pytest.raises(ValueError, match="head dim 96"):
         kv_bytes(Geometry.uniform(1, 1, 96, (None,)), 256, "kvarn4", "kvarn4", 0)
+    with pytest.raises(ValueError, match="unknown memory accounting 'beellama'.*packed, beellama-qwen, beellama-gemma"):
+        kv_bytes(TINY, 300, "q4_0", "q4_0", 0, accounting="beellama")
     with pytest.raises(ValueError, match="3 entries for 2 layers"):
         Geometry.uniform(2, 1, 64, (None, None, None))
 
 
-def test_table_and_labels():
+def test_table():
     rows = bytes_table(TINY, 300, [("q4_0", "q4_0"), ("kvarn4", "kvarn4")], tails=(0, 128))
     assert [r["tail_label"] for r in rows] == ["0", "128", "128*", "128"]
     assert rows[1]["delta_tail0_mib"] == 131072 / 2**20
     assert rows[2]["delta_tail0_mib"] == 0 and rows[3]["delta_tail0_mib"] == 0
-    assert tail_label("kvarn4", "kvarn4", 200) == "256*"
+    assert {r["accounting"] for r in rows} == {"packed"}
 
 
-def test_study_geometry_anchor():
-    """SPEC §7 at 64k: a Qwen-3.6-27B-like cache (16 full-attention layers x 4 KV heads x
-    D=256, an assumed geometry) gives q4_0 body 1152 MiB, q8_0 + bf16 tail 128 2184 MiB,
-    kvarn4 body + overlay (sink + tail 128*) 1136 MiB, as the study reports."""
-    geom = Geometry.uniform(16, 4, 256, (None,) * 16)
-    mib = 2**20
-    assert kv_bytes(geom, 65536, "q4_0", "q4_0", 128).body == 1152 * mib
-    assert kv_bytes(geom, 65536, "q8_0", "q8_0", 128).total == 2184 * mib
-    assert kv_bytes(geom, 65536, "kvarn4", "kvarn4", 128).total == 1136 * mib
+# ------------------------------------------------------------------------- the study's figures
+# KV cache MiB of one sequence as the study printed them: Qwen 3.6 27B at n_ctx 65,536 and
+# Gemma 4 31B at 16,384, ubatch 512. The study's "body" of a KVarN row is records + staging.
+
+QWEN_FIGURES = [  # (K, V, tail, total, body as printed or None)
+    ("q4_0", "q4_0", 0, 1152.00, None), ("q4_0", "q4_0", 128, 1160.00, None),
+    ("q5_0", "q5_0", 128, 1416.00, None), ("q8_0", "q8_0", 128, 2184.00, None),
+    ("kvarn4", "kvarn4", 0, 1184.00, 1136.00), ("kvarn5", "kvarn5", 0, 1440.00, None),
+    ("kvarn5", "kvarn4", 0, 1312.00, None), ("kvarn3", "kvarn3", 0, 928.00, None),
+    ("kvarn4", "kvarn2", 0, 928.00, None), ("kvarn6", "kvarn5", 0, 1568.00, None),
+    ("kvarn6", "kvarn6", 0, 1696.00, None), ("kvarn3", "kvarn2", 0, 800.00, None),
+]
+GEMMA_FIGURES = [  # (K, V, tail, total, body as printed or None, overlay as printed or None)
+    ("q4_0", "q4_0", 128, 808.36, 697.50, 110.86), ("q8_0", "q8_0", 128, 1428.36, None, None),
+    ("q2_0", "q2_0", 128, 498.36, None, None), ("kvarn4", "kvarn4", 0, 1008.98, 898.12, 110.86),
+    ("kvarn6", "kvarn6", 0, 1318.98, None, None), ("kvarn2", "kvarn2", 0, 698.98, None, None),
+]
+
+
+@pytest.mark.parametrize("k, v, tail, total, body", QWEN_FIGURES)
+def test_study_qwen_figures_beellama(k, v, tail, total, body):
+    b = kv_bytes(QWEN, 65536, k, v, tail, ubatch=512, accounting="beellama-qwen")
+    assert b.total / MIB == pytest.approx(total, abs=0.005)
+    if body is not None:
+        assert (b.body + b.staging) / MIB == pytest.approx(body, abs=0.005)
+
+
+@pytest.mark.parametrize("k, v, tail, total, body, overlay", GEMMA_FIGURES)
+def test_study_gemma_figures_beellama(k, v, tail, total, body, overlay):
+    b = kv_bytes(GEMMA, 16384, k, v, tail, ubatch=512, accounting="beellama-gemma")
+    assert b.total / MIB == pytest.approx(total, abs=0.005)
+    if body is not None:
+        assert (b.body + b.staging) / MIB == pytest.approx(body, abs=0.005)
+        assert b.overlay / MIB == pytest.approx(overlay, abs=0.005)
+
+
+def test_study_premiums_and_packed_reconciliation():
+    """KVarN's premium over q4_0 + tail 128 (the study's section 7) under each accounting:
+    the accounting decides its sign, which is why tables and figures name it."""
+    def mib(geom, n, k, tail, acc):
+        return kv_bytes(geom, n, k, k, tail, accounting=acc).total / MIB
+
+    assert mib(QWEN, 65536, "kvarn4", 0, "beellama-qwen") - mib(QWEN, 65536, "q4_0", 128, "beellama-qwen") == 24
+    assert mib(GEMMA, 16384, "kvarn4", 0, "beellama-gemma") - mib(GEMMA, 16384, "q4_0", 128, "beellama-gemma") \
+        == pytest.approx(200.62, abs=0.005)
+    # packed: no staging, sink + tail exact rows instead of BeeLlama's arenas (docs/notes/memory.md)
+    q = kv_bytes(QWEN, 65536, "kvarn4", "kvarn4", 0)
+    assert (q.body, q.staging, q.overlay) == (1120 * MIB, 0, 16 * MIB)  # records + 128 sink + 128 tail rows
+    assert q.total == 1136 * MIB  # equals the study's *body* figure by coincidence only (16 MiB each)
+    assert mib(QWEN, 65536, "kvarn4", 0, "packed") - mib(QWEN, 65536, "q4_0", 128, "packed") == -24
+    g = kv_bytes(GEMMA, 16384, "kvarn4", "kvarn4", 0)
+    assert g.total / MIB == pytest.approx(798.12, abs=0.005)
+    assert kv_bytes(GEMMA, 16384, "q4_0", "q4_0", 128).total / MIB == 807.5
+
+
+def test_summary_fields_and_recompute():
+    s = {"n_ctx": 65536, "k_type": "kvarn4", "v_type": "kvarn4", "tail": 0, "tail_dtype": "f16", "rot": True,
+         "ubatch": 512, **summary_fields(QWEN, 65536, "kvarn4", "kvarn4", 0)}
+    assert s["memory_accounting"] == "packed" and s["kv_total_bytes"] == 1136 * MIB
+    assert Geometry.from_list(json.loads(json.dumps(s["kv_geometry"]))) == QWEN  # survives summary.json
+    other = resummarize(s, "beellama-qwen")
+    assert other["memory_accounting"] == "beellama-qwen" and other["kv_total_bytes"] == 1184 * MIB
+    assert other["kv_staging_bytes"] == 16 * MIB
+    old = {k: v for k, v in s.items() if k not in ("kv_geometry", "memory_accounting")}
+    assert resummarize(old, "packed") == {"memory_accounting": "packed"}  # as recorded
+    with pytest.raises(ValueError, match="without kv_geometry.*rerun the cell"):
+        resummarize(old, "beellama-qwen", where="cells/x/summary.json")
+    with pytest.raises(ValueError, match="cells/x/summary.json: memory_accounting: unknown memory accounting 'nope'"):
+        resummarize(s, "nope", where="cells/x/summary.json")
+
+
+# ------------------------------------------------------------------------- kvarn memory
+
+
+def test_cli_memory_text_and_json(capsys):
+    assert cli.main(["memory", "-m", str(MODELS / "qwen3.6-27b.json"), "-c", "65536", "-ctk", "kvarn4",
+                     "-ctv", "kvarn4", "--tail", "0", "--accounting", "beellama-qwen"]) == 0
+    out = capsys.readouterr().out
+    assert "16 full_attention (4 KV heads x 256)" in out and "tail 128*" in out and "accounting beellama-qwen" in out
+    assert [ln.split()[1] for ln in out.splitlines()[2:6]] == ["1120.00", "16.00", "48.00", "1184.00"]
+    # a study model by name, a config dir, JSON out
+    assert cli.main(["memory", "-m", "gemma4-31b", "-c", "16384", "-ctk", "q4_0", "-ctv", "q4_0", "--tail", "128",
+                     "-ub", "512", "--accounting", "beellama-gemma", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["accounting"] == "beellama-gemma" and d["tail_label"] == "128"
+    assert round(d["body_mib"], 2) == 697.50 and round(d["overlay_mib"], 2) == 110.86
+    assert round(d["total_mib"], 2) == 808.36 and d["total_bytes"] == d["body_bytes"] + d["overlay_bytes"]
+    assert cli.main(["memory", "-m", str(MODELS.parent.parent / "config" / "models" / "gemma4-31b.json"), "-c",
+                     "16384", "-ctk", "kvarn4", "-ctv", "kvarn4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["accounting"] == "packed" and round(d["total_mib"], 2) == 798.12
+
+
+def test_cli_memory_config_dir(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 256, "intermediate_size": 512, "vocab_size": 100}))
+    assert cli.main(["memory", "-m", str(tmp_path), "-c", "300", "-ctk", "q4_0", "-ctv", "q4_0", "--json"]) == 0
+    # 2 layers x 2 KV heads x head dim 256/4 = 64: the TINY geometry
+    assert json.loads(capsys.readouterr().out)["total_bytes"] == 86400
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-m", "no-such-model"], "--model 'no-such-model' is neither a config.json"),
+    (["-m", "qwen3.6-27b", "-c", "0"], "--ctx must be a positive integer, got '0'"),
+    (["-m", "qwen3.6-27b", "-ctk", "q9_0"], "--k: unknown KV cache type 'q9_0'"),
+    (["-m", "qwen3.6-27b", "-ctv", "kvarn4"], "mix KVarN with a standard type"),
+    (["-m", "qwen3.6-27b", "--tail", "-1"], "--tail must be an integer >= 0, got '-1'"),
+    (["-m", "qwen3.6-27b", "-ub", "0"], "--ubatch must be a positive integer, got '0'"),
+    (["-m", "qwen3.6-27b", "--accounting", "beellama"], "invalid choice: 'beellama'"),
+    (["-m", "qwen3.6-27b", "-ctk", "kvarn4", "-ctv", "kvarn4", "--tail-dtype", "q8_0"], "invalid choice: 'q8_0'"),
+])
+def test_cli_memory_bad_values_exit_2(argv, needle, capsys, tmp_path):
+    base = {"-m": "qwen3.6-27b", "-c": "4096", "-ctk": "q4_0", "-ctv": "q4_0"}
+    args = ["memory"] + [x for kv in base.items() if kv[0] not in argv for x in kv] + argv
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_cli_memory_bad_config(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["memory", "-m", str(bad), "-c", "64", "-ctk", "q4_0", "-ctv", "q4_0"])
+    assert e.value.code == 2 and "is not valid JSON" in capsys.readouterr().err
+    d96 = tmp_path / "d96.json"
+    d96.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 2,
+                               "num_key_value_heads": 1, "hidden_size": 192, "head_dim": 96}))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["memory", "-m", str(d96), "-c", "256", "-ctk", "kvarn4", "-ctv", "kvarn4"])
+    assert e.value.code == 2 and "head dim 96" in capsys.readouterr().err

@@ -72,8 +72,12 @@ def test_table_marks_floor_and_rows_below_it(results):
     assert below.height >= 1 and (below["kld_median"] < std_best).all() and (below["family"] == "kvarn").all()
 
     md = R.to_markdown(table)
-    assert "| kvarn4-kvarn4 | 128\\* | 14.85 |" in md  # request 0 printed 128*, escaped for Markdown
-    assert "| kvarn4-kvarn4 | 128 | 14.85 (+0.00) |" in md  # request 128: the same cache
+    # kvarn4 at n_ctx 1024, 30 layers x 3 heads x D 64, `packed`: 8 groups x (4608 + 4736) bytes
+    # per head, + (128 tail + 128 sink) f16 rows x 64 x 2 bytes x (K, V) per head = 12.04 MiB
+    assert "| kvarn4-kvarn4 | 128\\* | 12.04 |" in md  # request 0 printed 128*, escaped for Markdown
+    assert "| kvarn4-kvarn4 | 128 | 12.04 (+0.00) |" in md  # request 128: the same cache
+    assert "| K/V pair | tail | KV cache MiB, packed (Δ) |" in md  # the header names the accounting
+    assert "under the `packed` memory accounting" in md
     assert [ln for ln in md.splitlines() if ln.startswith("| q8_0-q8_0 | 0 |")][0].endswith("| *standard floor* |")
     kv8 = [ln for ln in md.splitlines() if ln.startswith("| **kvarn8-kvarn8**")]
     assert kv8 and "**below floor**" in kv8[0]  # the whole row is bold
@@ -111,6 +115,7 @@ def test_pareto_spec(prep):
     us = list(units(spec))
     points = [u for u in us if mark(u) == "point"]
     assert points and fields(points[0])["x"] == "kv_mib" and fields(points[0])["y"] == "kld_median"
+    assert points[0]["encoding"]["x"]["title"].startswith("KV cache MiB, packed accounting")
     assert points[0]["encoding"]["y"]["scale"]["type"] == "log"
     series = points[0]["encoding"]["color"]["scale"]["domain"]
     assert series[:3] == [D.SERIES_STANDARD_T0, D.SERIES_STANDARD_T128, D.SERIES_KVARN]
@@ -139,7 +144,10 @@ def test_same_width_pairs_matched_and_missing_skipped(prep):
         bars = [u for u in units(spec) if mark(u) == "bar"]
         assert {"pct", "mib"} <= {fields(u)["y"] for u in bars}
         assert dataset_values(spec, "statistic") == {"median", "mean"}
-        assert dataset_values(spec, "component") == {"standard body", "standard overlay", "KVarN body", "KVarN overlay"}
+        assert dataset_values(spec, "component") == {
+            f"{fam} {part}" for fam in ("standard", "KVarN") for part in ("body", "staging", "overlay")}
+        mem = [u for u in bars if fields(u)["y"] == "mib"][0]
+        assert mem["encoding"]["y"]["title"] == "KV cache MiB, packed accounting"
     gemma = D.same_width(prep["gemma3-270m"]).filter(pl.col("width") == 2)
     assert gemma["pct_median"][0] > 0  # the width where KVarN loses (SPEC §7) shows as positive
 
@@ -256,3 +264,17 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
 
     targets = W.targets(MODELS)
     assert len(targets) == 2 * (3 + 6 * 3) and "results/figures/gemma3-270m/pareto.vl.json" in targets
+
+
+def test_every_memory_view_names_its_accounting(results):
+    summary = results[1].with_columns(pl.lit("beellama-qwen").alias("memory_accounting"))
+    table = R.build_table(summary, "smollm2-135m")
+    assert set(table["memory_accounting"]) == {"beellama-qwen"}
+    md, page = R.to_markdown(table), R.to_html(table)
+    assert "KV cache MiB, beellama-qwen (Δ)" in md and "`beellama-qwen` memory accounting" in md
+    assert "KV cache MiB, beellama-qwen (Δ)" in page
+    prep_q = R.prepare(summary, "smollm2-135m")
+    x = [u for u in units(R.pareto(prep_q).to_dict()) if mark(u) == "point"][0]["encoding"]["x"]
+    assert x["title"].startswith("KV cache MiB, beellama-qwen accounting")
+    bars = [u for u in units(R.same_width(prep_q).to_dict()) if mark(u) == "bar" and fields(u)["y"] == "mib"]
+    assert bars[0]["encoding"]["y"]["title"] == "KV cache MiB, beellama-qwen accounting"

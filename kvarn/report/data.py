@@ -8,7 +8,10 @@ Conventions the report follows (and the README states):
 * A pair is written `K-V` (`q4_0-q4_0`, `kvarn6-kvarn5`).
 * KVarN's tail request 0 means an effective 128-token tail (SPEC §2); it prints `128*`.
 * The standard floor is the standard row with the lowest median KLD (any tail).
-* MiB are 2^20 bytes; Δ MiB is against the same pair at tail 0.
+* MiB are 2^20 bytes; Δ MiB is against the same pair at tail 0. They are computed under
+  the run's memory accounting (`memory_accounting`, kvarn.memory; `packed` when a summary
+  predates it), and every table and figure names it (`accounting_of`).
+* Type facts (family, bits, KVarN's tail rule) come from `kvarn.facts`, never from names.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import polars as pl
+
+from kvarn import facts
 
 MIB = float(1 << 20)
 
@@ -33,9 +38,8 @@ _RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+)$")
 
 
 def type_bits(name: str) -> int | None:
-    """Nominal bit width of a cache type name: q4_0 -> 4, kvarn6 -> 6, bf16 -> 16."""
-    m = re.search(r"(\d+)", name)
-    return int(m.group(1)) if m else None
+    """Nominal bit width of a cache type (kvarn.facts): q4_0 -> 4, kvarn6 -> 6, bf16 -> 16."""
+    return facts.FACTS[name].bits if name in facts.FACTS else None
 
 
 def same_width_partner(kvarn_type: str) -> str | None:
@@ -45,7 +49,15 @@ def same_width_partner(kvarn_type: str) -> str | None:
 
 
 def family_of(k_type: str) -> str:
-    return "kvarn" if k_type.startswith("kvarn") else "standard"
+    """'kvarn' or 'standard' for a pair whose K type is k_type (kvarn.facts)."""
+    return "kvarn" if facts.get(k_type).family == "kvarn" else "standard"
+
+
+def accounting_of(prep: pl.DataFrame) -> str:
+    """The memory accounting the MiB of these rows were computed under (several: joined by '/')."""
+    if "memory_accounting" not in prep.columns:
+        return "packed"
+    return "/".join(sorted(set(prep["memory_accounting"].fill_null("packed").to_list()))) or "packed"
 
 
 def tail_label(family: str, tail_requested: int, tail_eff: int | None) -> str:
@@ -78,7 +90,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
 
     Columns added: pair, family (if missing), tail_requested (if missing), tail_label,
     series, k_bits, v_bits, width (symmetric same-type pairs only), kv_mib, body_mib,
-    overlay_mib, delta_mib, is_floor, below_floor.
+    staging_mib, overlay_mib, delta_mib, memory_accounting (if missing), is_floor, below_floor.
     """
     df = select_run(summary, model) if model is not None else summary
     if "family" not in df.columns:
@@ -91,6 +103,10 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
         df = df.with_columns((pl.col("kv_total_bytes") - pl.col("kv_total_bytes_tail0")).alias("kv_delta_bytes"))
     if "tail_eff_full" not in df.columns:
         df = df.with_columns(pl.col("tail_requested").alias("tail_eff_full"))
+    if "memory_accounting" not in df.columns:  # summaries written before accountings were named
+        df = df.with_columns(pl.lit("packed").alias("memory_accounting"))
+    if "kv_staging_bytes" not in df.columns:
+        df = df.with_columns(pl.lit(0).alias("kv_staging_bytes"))
 
     rows = df.to_dicts()
     for r in rows:
@@ -109,6 +125,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
     out = pl.DataFrame(rows, infer_schema_length=None).with_columns(
         (pl.col("kv_total_bytes") / MIB).alias("kv_mib"),
         (pl.col("kv_body_bytes") / MIB).alias("body_mib"),
+        (pl.col("kv_staging_bytes") / MIB).alias("staging_mib"),
         (pl.col("kv_overlay_bytes") / MIB).alias("overlay_mib"),
         (pl.col("kv_delta_bytes") / MIB).alias("delta_mib"),
         pl.col("width").cast(pl.Int64),
@@ -168,7 +185,7 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> pl.DataFrame:
 
     One row per width that has both partners (missing partners are skipped), with the
     median and mean of each and the % change of KVarN against standard (negative: KVarN
-    damages less), plus body/overlay MiB of both.
+    damages less), plus body/staging/overlay MiB of both.
     """
     kv = figure_rows(prep).filter(
         (pl.col("family") == "kvarn") & pl.col("width").is_not_null() & (pl.col("tail_eff_full") == tail)
@@ -176,7 +193,7 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> pl.DataFrame:
     std = prep.filter(
         (pl.col("family") == "standard") & pl.col("width").is_not_null() & (pl.col("tail_requested") == tail)
     )
-    cols = ["width", "pair", "tail_label", "kld_median", "kld_mean", "body_mib", "overlay_mib", "kv_mib"]
+    cols = ["width", "pair", "tail_label", "kld_median", "kld_mean", "body_mib", "staging_mib", "overlay_mib", "kv_mib"]
     j = kv.select(cols).join(std.select(cols), on="width", suffix="_std")
     return j.rename({c: f"{c}_kvarn" for c in cols if c != "width"}).with_columns(
         ((pl.col("kld_median_kvarn") / pl.col("kld_median_std") - 1) * 100).alias("pct_median"),
@@ -230,10 +247,9 @@ def parse_cell_path(path: str | Path) -> dict:
 
 def cell_name(k_type: str, v_type: str, tail_requested: int, tail_eff: int | None = None, opts: str = "") -> str:
     """How a cell is named in legends: `q4_0-q4_0 t128`, `kvarn4-kvarn4 t128*`."""
-    fam = family_of(k_type)
     if tail_eff is None:  # SPEC §2 on a full-attention layer
-        tail_eff = max(128, -(-tail_requested // 128) * 128) if fam == "kvarn" else tail_requested
-    return f"{k_type}-{v_type}{opts} t{tail_label(fam, tail_requested, tail_eff)}"
+        return f"{k_type}-{v_type}{opts} t{facts.tail_label(k_type, v_type, tail_requested)}"
+    return f"{k_type}-{v_type}{opts} t{tail_label(family_of(k_type), tail_requested, tail_eff)}"
 
 
 def default_cells(cells: Iterable[dict], widths: Sequence[int] = (2, 4, 8), tail: int = 128) -> list[dict]:

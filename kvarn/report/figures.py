@@ -67,13 +67,16 @@ def pareto(prep: pl.DataFrame) -> alt.LayerChart:
         alt.Tooltip("sink:Q", title="sink"), alt.Tooltip("rot:N", title="rot"),
         alt.Tooltip("kv_mib:Q", title="KV MiB total", format=".2f"),
         alt.Tooltip("body_mib:Q", title="MiB body", format=".2f"),
+        alt.Tooltip("staging_mib:Q", title="MiB staging", format=".2f"),
         alt.Tooltip("overlay_mib:Q", title="MiB overlay", format=".2f"),
+        alt.Tooltip("memory_accounting:N", title="memory accounting"),
         alt.Tooltip("kld_median:Q", title="median KLD", format=KLD_FMT),
         alt.Tooltip("kld_mean:Q", title="mean KLD", format=KLD_FMT),
         alt.Tooltip("same_top_pct:Q", title="same top %", format=".2f"),
     ]
     tooltip = [t for t in tooltip if t.to_dict()["field"] in rows.columns]
-    x = alt.X("kv_mib:Q", title="KV cache MiB (body + exact overlay)", scale=alt.Scale(zero=False))
+    x = alt.X("kv_mib:Q", title=f"KV cache MiB, {D.accounting_of(prep)} accounting (body + staging + exact overlay)",
+              scale=alt.Scale(zero=False))
     y = alt.Y("kld_median:Q", title="median KLD vs BF16 cache (log)", scale=alt.Scale(type="log"))
     series = _series_scale(rows["series"].to_list())
     points = alt.Chart(rows, name="cells").mark_point(filled=True, size=70, opacity=0.9).encode(
@@ -115,7 +118,8 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
     base = sw.with_columns(
         (pl.col("pair_kvarn") + " t" + pl.col("tail_label_kvarn") + " vs " + pl.col("pair_std") + " t"
          + pl.col("tail_label_std")).alias("comparison"))
-    mib = ["body_mib_kvarn", "overlay_mib_kvarn", "body_mib_std", "overlay_mib_std"]
+    mib = ["body_mib_kvarn", "staging_mib_kvarn", "overlay_mib_kvarn", "body_mib_std", "staging_mib_std",
+           "overlay_mib_std"]
     long = pl.concat([
         base.select("width", "comparison", pl.lit("median").alias("statistic"), pl.col("pct_median").alias("pct"),
                     pl.col("kld_median_kvarn").alias("kvarn"), pl.col("kld_median_std").alias("standard"), *mib),
@@ -129,6 +133,7 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
           alt.Tooltip("standard:Q", title="standard KLD", format=KLD_FMT),
           alt.Tooltip("pct:Q", title="% change", format="+.1f"),
           alt.Tooltip("body_mib_kvarn:Q", title="KVarN MiB body", format=".2f"),
+          alt.Tooltip("staging_mib_kvarn:Q", title="KVarN MiB staging", format=".2f"),
           alt.Tooltip("overlay_mib_kvarn:Q", title="KVarN MiB overlay", format=".2f"),
           alt.Tooltip("body_mib_std:Q", title="standard MiB body", format=".2f"),
           alt.Tooltip("overlay_mib_std:Q", title="standard MiB overlay", format=".2f")]
@@ -148,20 +153,22 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
     mem = pl.concat([
         base.select("width", pl.col(f"pair_{fam}").alias("pair"), pl.lit(label).alias("family"),
                     pl.lit(part).alias("part"), pl.lit(f"{label} {part}").alias("component"),
-                    pl.lit(part == "overlay").cast(pl.Int8).alias("part_order"),
+                    pl.lit(order).cast(pl.Int8).alias("part_order"),
                     pl.col(f"{part}_mib_{fam}").alias("mib"))
-        for fam, label in (("std", "standard"), ("kvarn", "KVarN")) for part in ("body", "overlay")
+        for fam, label in (("std", "standard"), ("kvarn", "KVarN"))
+        for order, part in enumerate(("body", "staging", "overlay"))
     ])
-    comp = alt.Scale(domain=["standard body", "standard overlay", "KVarN body", "KVarN overlay"],
-                     range=["#4c78a8", "#a6c3e0", "#e45756", "#f5b7b6"])
+    comp = alt.Scale(domain=["standard body", "standard staging", "standard overlay",
+                             "KVarN body", "KVarN staging", "KVarN overlay"],
+                     range=["#4c78a8", "#7fa3c8", "#a6c3e0", "#e45756", "#ee8a89", "#f5b7b6"])
     right = alt.Chart(mem, name="memory").mark_bar().encode(
         x=xw, xOffset=alt.XOffset("family:N", scale=alt.Scale(domain=["standard", "KVarN"])),
-        y=alt.Y("mib:Q", title="KV cache MiB", stack="zero"),
+        y=alt.Y("mib:Q", title=f"KV cache MiB, {D.accounting_of(prep)} accounting", stack="zero"),
         color=alt.Color("component:N", scale=comp, title="memory", legend=alt.Legend(orient="bottom")),
         order=alt.Order("part_order:Q"),
         tooltip=[alt.Tooltip("pair:N"), alt.Tooltip("component:N"), alt.Tooltip("mib:Q", title="MiB", format=".2f")],
     ).properties(width=WIDTH * 0.45, height=HEIGHT,
-                 title=alt.TitleParams("cache size: quantized body + exact overlay", fontSize=11))
+                 title=alt.TitleParams("cache size: quantized body + staging + exact overlay", fontSize=11))
     return alt.hconcat(left, right).resolve_scale(color="independent").properties(
         title=_title(model, "KVarN vs the same-width standard type",
                      f"kvarnN-kvarnN (tail 128*) vs qN_0-qN_0 (tail {tail}); {_run_desc(prep)}"))
@@ -230,7 +237,7 @@ def heatmap(prep: pl.DataFrame, standard_tail: int | None = None) -> alt.HConcat
             alt.Tooltip("pair:N"), alt.Tooltip("tail_label:N", title="tail"),
             alt.Tooltip("kld_median:Q", title="median KLD", format=KLD_FMT),
             alt.Tooltip("kld_mean:Q", title="mean KLD", format=KLD_FMT),
-            alt.Tooltip("kv_mib:Q", title="KV MiB", format=".2f")])
+            alt.Tooltip("kv_mib:Q", title=f"KV MiB ({D.accounting_of(prep)})", format=".2f")])
         text = base.mark_text(fontSize=9).encode(
             text=alt.Text("kld_median:Q", format=KLD_FMT),
             color=alt.condition(f"datum.kld_median > {mid!r}", alt.value("white"), alt.value("black")))

@@ -1,7 +1,8 @@
 """The per-model benchmark table (numbers as a DataFrame, then Markdown and HTML text).
 
 Shaped like the study's table: K/V pair, tail (KVarN request 0 printed `128*`), KV cache
-MiB with the Δ against the same pair at tail 0 in brackets, mean KLD ± standard error,
+MiB with the Δ against the same pair at tail 0 in brackets (its header and the caption
+name the memory accounting, kvarn.memory), mean KLD ± standard error,
 median, p99, p99.9, same-top % ±, tokens/s. The standard floor (the best standard row by
 median KLD) is marked; rows whose median KLD is below the floor are highlighted (bold in
 Markdown, class `below-floor` in HTML).
@@ -13,18 +14,20 @@ import html
 
 import polars as pl
 
-from kvarn.report.data import prepare
+from kvarn.report.data import accounting_of, prepare
 
 #: Columns of the numeric table (the parquet), in order.
 TABLE_COLUMNS = [
     "model", "n_ctx", "chunks", "n_tokens", "family", "k_type", "v_type", "pair", "tail_requested",
-    "tail_eff_full", "tail_label", "kv_mib", "delta_mib", "body_mib", "overlay_mib", "kld_mean",
+    "tail_eff_full", "tail_label", "memory_accounting", "kv_mib", "delta_mib", "body_mib", "staging_mib",
+    "overlay_mib", "kld_mean",
     "kld_mean_err", "kld_median", "kld_p99", "kld_p99_9", "same_top", "same_top_err", "tokens_per_s",
     "is_floor", "below_floor",
 ]
 
 HEADERS = ["K/V pair", "tail", "KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD",
            "p99.9 KLD", "same top %", "tokens/s", "note"]
+MIB_HEADER = "KV cache MiB (Δ)"  # displayed with the accounting: `header(h, table)`
 FLOOR_NOTE = "standard floor"
 BELOW_NOTE = "below floor"
 
@@ -66,11 +69,17 @@ def format_rows(table: pl.DataFrame) -> list[dict]:
     return out
 
 
+def header(h: str, table: pl.DataFrame) -> str:
+    """The displayed column header: the MiB column names its memory accounting."""
+    return f"KV cache MiB, {accounting_of(table)} (Δ)" if h == MIB_HEADER else h
+
+
 def _caption(table: pl.DataFrame) -> str:
     r = table.row(0, named=True)
     return (f"{r['model']}: n_ctx {r['n_ctx']}, {r['chunks']} chunk{'s' if r['chunks'] != 1 else ''}, {r['n_tokens']} scored tokens per cell. "
             "Tail 128\\*: KVarN's request 0 (an effective 128-token tail, SPEC §2). "
-            "Δ: MiB against the same pair at tail 0. "
+            f"KV cache MiB under the `{accounting_of(table)}` memory accounting (body + staging + exact overlay, "
+            "kvarn.memory); Δ: MiB against the same pair at tail 0. "
             f"*{FLOOR_NOTE}*: the best standard row by median KLD; "
             f"**bold** rows ({BELOW_NOTE}): median KLD lower than the standard floor.")
 
@@ -80,7 +89,7 @@ def to_markdown(table: pl.DataFrame) -> str:
     rows = format_rows(table)
     right = {"KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD", "p99.9 KLD", "same top %", "tokens/s"}
     lines = [f"### {table['model'][0]}", "", _caption(table), "",
-             "| " + " | ".join(HEADERS) + " |",
+             "| " + " | ".join(header(h, table) for h in HEADERS) + " |",
              "|" + "|".join("---:" if h in right else "---" for h in HEADERS) + "|"]
     for r in rows:
         cells = [r[h].replace("*", "\\*") for h in HEADERS]  # `128*` must not open emphasis
@@ -115,7 +124,8 @@ def to_html(table: pl.DataFrame, standalone: bool = True) -> str:
         body.append(f'<tr class="{" ".join(cls)}">{tds}</tr>')
     cap = html.escape(_caption(table)).replace("*", "")
     tbl = (f'<table class="kvarn">\n<caption style="caption-side: bottom; text-align: left">{cap}</caption>\n'
-           "<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS) + "</tr></thead>\n<tbody>\n"
+           "<thead><tr>" + "".join(f"<th>{html.escape(header(h, table))}</th>" for h in HEADERS)
+           + "</tr></thead>\n<tbody>\n"
            + "\n".join(body) + "\n</tbody>\n</table>\n")
     if not standalone:
         return tbl
