@@ -38,6 +38,8 @@ def _exit_code(argv, capsys):
       "-o", "o"], "-3"),
     (["run", "-m", "smollm2-135m", "-c", "256", "--k", "kvarn4", "--v", "q4_0", "--baseline", "b", "-o", "o"],
      "kvarn4"),
+    (["run", "-m", "smollm2-135m", "-c", "256", "--k", "q4_0", "--v", "q4_0", "--accounting", "beellama",
+      "--baseline", "b", "-o", "o"], "invalid choice: 'beellama'"),
     (["baseline", "-m", "no-such-model", "-c", "256", "-o", "o"], "no-such-model"),
     (["baseline", "-m", "smollm2-135m", "-c", "256", "--chunks", "0", "-o", "o"], "--chunks"),
 ])
@@ -151,6 +153,13 @@ def _cell(base, k, v, tail, tmp_path_factory):
     s = engine.run_cell(sources.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, k, v, tail, base, out,
                         text=TEXT, cache_dir=CACHE_DIR)
     assert json.loads((out / "summary.json").read_text())["kld_median"] == s["kld_median"]
+    # the memory keys: `packed` by default, with the geometry they came from (kvarn.memory)
+    from kvarn.geometry import Geometry
+    from kvarn.memory import kv_bytes
+
+    smol = Geometry.uniform(30, 3, 64)
+    assert s["memory_accounting"] == "packed" and Geometry.from_list(s["kv_geometry"]) == smol
+    assert s["kv_total_bytes"] == kv_bytes(smol, CTX, k, v, tail).total and s["kv_staging_bytes"] == 0
     import polars as pl
 
     t = pl.read_parquet(out / "tokens.parquet")

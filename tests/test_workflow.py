@@ -165,6 +165,17 @@ def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path):
     assert plan(wd) == {"cell": 1, "cell_row": 1, "summary": 1}
 
 
+def test_a_memory_accounting_change_reruns_rows_not_cells(tmp_path):
+    """Memory is computed from the geometry each summary.json records: a new accounting
+    re-derives the rows (and the report), it never reruns a cell."""
+    wd = workflow_copy(tmp_path, TINY)
+    fake_done(wd)
+    acc = {**TINY, "models": [{**TINY["models"][0], "memory_accounting": "beellama-qwen"}]}
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump(acc))
+    n = len(kvm.expand(TINY).cells)
+    assert plan(wd, "--configfile", str(tmp_path / "acc.yaml")) == {"cell_row": n, "summary": 1}
+
+
 def test_conda_env_matches_pyproject_pins():
     pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     env = yaml.safe_load((ROOT / "envs" / "kvarn.yaml").read_text())
