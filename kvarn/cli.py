@@ -9,8 +9,11 @@ is accepted.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
+
+from kvarn.matrix import DTYPES  # one list of compute dtypes for the CLI and the matrix
 
 EPILOG = """\
 examples (llama.cpp equivalents in brackets):
@@ -60,6 +63,12 @@ def _ctx(s):
     if v < 4 or v % 2:
         raise argparse.ArgumentTypeError(f"--ctx must be an even integer >= 4, got {s!r}")
     return v
+
+
+def _device(s):
+    if s in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", s):
+        return s
+    raise argparse.ArgumentTypeError(f"--device must be auto, cpu, cuda or cuda:N, got {s!r}")
 
 
 def _cache_type(flag):
@@ -115,8 +124,9 @@ def _common(p, out_help):
     p.add_argument("-t", "--threads", type=_positive_int("--threads"), default=None, metavar="N",
                    help="CPU threads for torch (llama.cpp -t; default: torch's default, all cores). On a "
                         "busy shared machine 1 can be several times faster than oversubscribed OpenMP")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (default auto)")
-    p.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16")
+    p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda[:i] (default auto)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16")
     p.add_argument("--cache-dir", default="resources/models", metavar="DIR",
                    help="where models are fetched and converted (default resources/models)")
     p.add_argument("--compute", choices=["exact", "llamacpp-cpu"], default="exact",
@@ -335,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvarn.policy import pair_family
 
             pair_family(get_format(args.k), get_format(args.v))  # refuse KVarN mixed with standard early
+            if args.tail >= args.ctx:
+                raise UsageError(f"--tail {args.tail} must be smaller than --ctx {args.ctx}")
+            if not Path(args.baseline).is_file():
+                raise UsageError(f"--baseline {args.baseline}: no such file; make it with `kvarn baseline`")
             s = engine.run_cell(spec, args.ctx, chunks, args.k, args.v, args.tail, Path(args.baseline),
                                 Path(args.out), ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype,
                                 iters=args.iters, text=args.text, device=args.device, dtype=args.dtype,

@@ -20,6 +20,7 @@ import kvarn
 import kvarn.attention as kattn
 from kvarn.atomic import atomic_path, write_text
 from kvarn.cache import KVarnCache
+from kvarn.policy import exact_share
 from kvarn.preflight import preflight
 
 BASELINE_K = BASELINE_V = "bf16"
@@ -186,15 +187,16 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     out_dir = Path(out_dir)
     memory.check_accounting(accounting)
     t0 = time.perf_counter()
+    # A missing, foreign or truncated dump is refused before the model is even looked at.
+    base = None if llamakld.is_llama_kld(baseline) else dump.open_dump(baseline)
     preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=False)  # before any weights load
     loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     model, info = loaded.model, loaded.info
     # Validates the types, the tail and the pair before any work is done.
     probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute)
-    if llamakld.is_llama_kld(baseline):
+    if base is None:
         base = llamakld.open_llama_kld(baseline, chunk_ids, n_ctx, info.vocab_size)
     else:
-        base = dump.open_dump(baseline)
         identity.check_baseline(base.header, ident, baseline,
                                 identity.rebuild_command(spec, n_ctx, ident["n_chunks"], info.device, info.dtype,
                                                          baseline))
@@ -245,6 +247,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         "rot": bool(rot),
         "tail": tail,
         **_policy_fields(probe),
+        "exact_share": exact_share(probe.kv_policies, n_ctx),
         "tail_dtype": probe.tail_dtype_name,
         "iters": iters,
         "compute": compute,

@@ -52,3 +52,33 @@ def default_tail_dtype(k_fmt, v_fmt) -> str:
     table (`kvarn.facts`): BF16 for standard types, F16 for KVarN (SPEC §2)."""
     pair_family(k_fmt, v_fmt)
     return k_fmt.default_tail_dtype
+
+
+def exact_pairs(policy: LayerPolicy, n_ctx: int) -> tuple[int, int]:
+    """(exact, read) (query, key) pairs of one layer over the scored queries of a chunk.
+
+    Scored queries p = n_ctx/2 … n_ctx−2 (SPEC §6); a query reads the keys
+    lo(p) = max(0, p − W + 1) … p (lo = 0 on full layers), each from the exact copy iff
+    j < sink or p − j < tail (SPEC §2). Counted per query in O(1): the exact keys are the
+    union of [lo, min(sink, p + 1)) and [max(lo, p − tail + 1), p].
+    """
+    exact = read = 0
+    for p in range(n_ctx // 2, n_ctx - 1):
+        lo = 0 if policy.window is None else max(0, p - policy.window + 1)
+        read += p + 1 - lo
+        sink_hi = max(lo, min(policy.sink, p + 1))  # sink keys: [lo, sink_hi)
+        tail_lo = max(lo, p - policy.tail + 1)  # tail keys: [tail_lo, p]
+        exact += (sink_hi - lo) + (p + 1 - max(tail_lo, sink_hi))
+    return exact, read
+
+
+def exact_share(policies, n_ctx: int) -> float:
+    """The fraction of (scored query, key) pairs read from the exact copy, per attention
+    layer, averaged over the layers (each layer weighs the same, as each adds its own
+    error to the residual stream). 1 − exact_share is the share read from the body."""
+    cache: dict[LayerPolicy, float] = {}
+    for pol in policies:
+        if pol not in cache:
+            e, r = exact_pairs(pol, n_ctx)
+            cache[pol] = e / r
+    return sum(cache[p] for p in policies) / len(policies)

@@ -51,6 +51,15 @@ def geometry(model: str) -> Geometry:
     return Geometry.uniform(L, H, D, tuple(windows))
 
 
+def exact_share(model: str, n_ctx: int, k: str, v: str, tail: int) -> float:
+    """The product's exact share (kvarn.policy) for a cell of the fixture."""
+    from kvarn.formats import get_format
+    from kvarn.policy import exact_share as share, layer_policy
+
+    kf, vf = get_format(k, role="k"), get_format(v, role="v")
+    return share([layer_policy(kf, vf, tail, w) for w in MODELS[model][3]], n_ctx)
+
+
 def _median(model: str, k: str, v: str, tail: int) -> float:
     _, _, _, _, (m2, m8), gain = MODELS[model]
     def one(t: str) -> float:
@@ -120,6 +129,7 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
                 "model": model, "source": f"embedded:{model}", "revision": None, "n_ctx": n_ctx,
                 "chunks": chunks, "ubatch": 512, "k_type": k, "v_type": v, "rot": opts != "-norot", "tail": tail,
                 "tail_eff_full": eff_full, "tail_eff_sliding": eff_sliding,
+                "exact_share": exact_share(model, n_ctx, k, v, tail),
                 "sink": max(facts.get(k).sink, facts.get(v).sink),
                 "tail_dtype": facts.pair_default_tail_dtype(k, v), "iters": 16, **mem,
                 "tokens_per_s": float(rng.uniform(800, 3000) * (0.7 if family == "kvarn" else 1.0)),

@@ -185,3 +185,37 @@ def test_smollm2_orderings(smol_baseline, tmp_path_factory):
     print("median KLD:", med)
     assert med[("q8_0", 0)] < med[("q4_0", 0)] < med[("q2_0", 0)]
     assert med[("q4_0", 128)] < med[("q4_0", 0)]
+
+
+# --- KVarN end to end where its body is read ---------------------------------------------
+
+@pytest.fixture(scope="session")
+def smol_baseline_512(tmp_path_factory):
+    from kvarn import engine
+    from kvarn.sources import ModelSpec
+
+    out = tmp_path_factory.mktemp("kvarn512") / "base.kvd"
+    engine.run_baseline(ModelSpec("smollm2-135m", "embedded:smollm2-135m"), 512, 1, out, text=TEXT,
+                        cache_dir=CACHE_DIR)
+    return out
+
+
+@pytest.mark.slow
+def test_kvarn_end_to_end_reads_the_body(smol_baseline_512, tmp_path_factory):
+    # At n_ctx 256 a scored query (p >= 128) reads nothing from KVarN's body (sink 128 +
+    # tail 128 cover p + 1 <= 256 keys): such a test exercises no KVarN numerics. At 512
+    # a third of the reads come from the body, so the width must show in the KLD.
+    from kvarn import engine
+    from kvarn.sources import ModelSpec
+
+    spec = ModelSpec("smollm2-135m", "embedded:smollm2-135m")
+    s = {}
+    for k in ("kvarn2", "kvarn8"):
+        s[k] = engine.run_cell(spec, 512, 1, k, k, 0, smol_baseline_512, tmp_path_factory.mktemp(k), text=TEXT,
+                               cache_dir=CACHE_DIR)
+    for k, r in s.items():
+        assert 0 < 1 - r["exact_share"] and r["exact_share"] == pytest.approx(2 / 3)  # body share 1/3
+        print(f"{k}: median KLD {r['kld_median']:.3g}, mean {r['kld_mean']:.3g}, exact share {r['exact_share']:.3f}")
+    # The body is read: 2-bit KVarN must do clearly worse than 8-bit (identical if no body key were read).
+    assert s["kvarn2"]["kld_median"] > 4 * s["kvarn8"]["kld_median"]
+    assert s["kvarn8"]["kld_max"] > 0

@@ -74,9 +74,13 @@ def test_table_marks_floor_and_rows_below_it(results):
     md = R.to_markdown(table)
     # kvarn4 at n_ctx 1024, 30 layers x 3 heads x D 64, `packed`: 8 groups x (4608 + 4736) bytes
     # per head, + (128 tail + 128 sink) f16 rows x 64 x 2 bytes x (K, V) per head = 12.04 MiB
-    assert "| kvarn4-kvarn4 | 128\\* | 12.04 |" in md  # request 0 printed 128*, escaped for Markdown
-    assert "| kvarn4-kvarn4 | 128 | 12.04 (+0.00) |" in md  # request 128: the same cache
-    assert "| K/V pair | tail | KV cache MiB, packed (Δ) |" in md  # the header names the accounting
+    # exact %: every scored query p = 512..1022 reads 128 sink + 128 tail keys exactly out of
+    # p + 1: 256 x 511 / (513 + ... + 1023) = 130816 / 392448 = 33.3 %
+    assert 256 * 511 / sum(range(513, 1024)) == pytest.approx(1 / 3)
+    assert "| kvarn4-kvarn4 | 128\\* | 33.3 | 12.04 |" in md  # request 0 printed 128*, escaped for Markdown
+    assert "| kvarn4-kvarn4 | 128 | 33.3 | 12.04 (+0.00) |" in md  # request 128: the same cache
+    assert "| K/V pair | tail | exact % | KV cache MiB, packed (Δ) |" in md  # the header names the accounting
+    assert "| q4_0-q4_0 | 0 | 0.0 |" in md  # a standard tail-0 row reads nothing exactly
     assert "under the `packed` memory accounting" in md
     assert [ln for ln in md.splitlines() if ln.startswith("| q8_0-q8_0 | 0 |")][0].endswith("| *standard floor* |")
     kv8 = [ln for ln in md.splitlines() if ln.startswith("| **kvarn8-kvarn8**")]
@@ -91,6 +95,8 @@ def test_table_marks_floor_and_rows_below_it(results):
     html = R.to_html(table)
     assert html.count('class="kvarn below-floor"') == below.height
     assert html.count('class="standard floor"') == 1
+    # q4_0 tail 128 over tail 0, by hand: 128 rows x 3 KV heads x 64 x 2 B (bf16) x 2 (K, V) x 30 layers
+    assert 128 * 3 * 64 * 2 * 2 * 30 / 2**20 == 2.8125
     assert "<td>128*</td>" in html and "(+2.81)" in html
 
 

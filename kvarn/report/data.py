@@ -107,6 +107,8 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
         df = df.with_columns(pl.lit("packed").alias("memory_accounting"))
     if "kv_staging_bytes" not in df.columns:
         df = df.with_columns(pl.lit(0).alias("kv_staging_bytes"))
+    if "exact_share" not in df.columns:  # results written before the column existed
+        df = df.with_columns(pl.lit(None, dtype=pl.Float64).alias("exact_share"))
 
     rows = df.to_dicts()
     for r in rows:

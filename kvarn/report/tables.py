@@ -3,7 +3,8 @@
 Shaped like the study's table: K/V pair, tail (KVarN request 0 printed `128*`), KV cache
 MiB with the Δ against the same pair at tail 0 in brackets (its header and the caption
 name the memory accounting, kvarn.memory), mean KLD ± standard error,
-median, p99, p99.9, same-top % ±, tokens/s. The standard floor (the best standard row by
+median, p99, p99.9, same-top % ±, tokens/s, and the exact share (how much of the row is
+exactness rather than format: `kvarn.policy.exact_share`). The standard floor (the best standard row by
 median KLD) is marked; rows whose median KLD is below the floor are highlighted (bold in
 Markdown, class `below-floor` in HTML).
 """
@@ -19,13 +20,13 @@ from kvarn.report.data import accounting_of, prepare
 #: Columns of the numeric table (the parquet), in order.
 TABLE_COLUMNS = [
     "model", "n_ctx", "chunks", "n_tokens", "family", "k_type", "v_type", "pair", "tail_requested",
-    "tail_eff_full", "tail_label", "memory_accounting", "kv_mib", "delta_mib", "body_mib", "staging_mib",
+    "tail_eff_full", "tail_label", "exact_share", "memory_accounting", "kv_mib", "delta_mib", "body_mib", "staging_mib",
     "overlay_mib", "kld_mean",
     "kld_mean_err", "kld_median", "kld_p99", "kld_p99_9", "same_top", "same_top_err", "tokens_per_s",
     "is_floor", "below_floor",
 ]
 
-HEADERS = ["K/V pair", "tail", "KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD",
+HEADERS = ["K/V pair", "tail", "exact %", "KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD",
            "p99.9 KLD", "same top %", "tokens/s", "note"]
 MIB_HEADER = "KV cache MiB (Δ)"  # displayed with the accounting: `header(h, table)`
 FLOOR_NOTE = "standard floor"
@@ -59,7 +60,9 @@ def format_rows(table: pl.DataFrame) -> list[dict]:
         st = _pm(r["same_top"], r.get("same_top_err"), scale=100, digits=3)
         note = FLOOR_NOTE if r["is_floor"] else BELOW_NOTE if r["below_floor"] else ""
         out.append({
-            "K/V pair": r["pair"], "tail": r["tail_label"], "KV cache MiB (Δ)": mib,
+            "K/V pair": r["pair"], "tail": r["tail_label"],
+            "exact %": "–" if r.get("exact_share") is None else f"{100 * r['exact_share']:.1f}",
+            "KV cache MiB (Δ)": mib,
             "mean KLD ± err": _pm(r["kld_mean"], r.get("kld_mean_err")),
             "median KLD": _fmt_kld(r["kld_median"]), "p99 KLD": _fmt_kld(r["kld_p99"]),
             "p99.9 KLD": _fmt_kld(r["kld_p99_9"]), "same top %": st,
@@ -78,6 +81,8 @@ def _caption(table: pl.DataFrame) -> str:
     r = table.row(0, named=True)
     return (f"{r['model']}: n_ctx {r['n_ctx']}, {r['chunks']} chunk{'s' if r['chunks'] != 1 else ''}, {r['n_tokens']} scored tokens per cell. "
             "Tail 128\\*: KVarN's request 0 (an effective 128-token tail, SPEC §2). "
+            "Exact %: the share of (scored query, key) pairs read from the exact copy (sink and tail), "
+            "averaged over attention layers; the rest is read from the quantized body. "
             f"KV cache MiB under the `{accounting_of(table)}` memory accounting (body + staging + exact overlay, "
             "kvarn.memory); Δ: MiB against the same pair at tail 0. "
             f"*{FLOOR_NOTE}*: the best standard row by median KLD; "
@@ -87,7 +92,7 @@ def _caption(table: pl.DataFrame) -> str:
 def to_markdown(table: pl.DataFrame) -> str:
     """GitHub Markdown: a caption paragraph, then the table; below-floor rows in bold."""
     rows = format_rows(table)
-    right = {"KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD", "p99.9 KLD", "same top %", "tokens/s"}
+    right = {"exact %", "KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD", "p99.9 KLD", "same top %", "tokens/s"}
     lines = [f"### {table['model'][0]}", "", _caption(table), "",
              "| " + " | ".join(header(h, table) for h in HEADERS) + " |",
              "|" + "|".join("---:" if h in right else "---" for h in HEADERS) + "|"]
@@ -114,7 +119,7 @@ table.kvarn tr.below-floor td { background: #dff3e4; font-weight: bold; }
 def to_html(table: pl.DataFrame, standalone: bool = True) -> str:
     """An HTML table; rows carry classes `standard`/`kvarn`, `floor`, `below-floor`."""
     rows = format_rows(table)
-    num = {"KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD", "p99.9 KLD", "same top %", "tokens/s"}
+    num = {"exact %", "KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD", "p99.9 KLD", "same top %", "tokens/s"}
     fams = table["family"].to_list()
     body = []
     for r, fam in zip(rows, fams):

@@ -1,0 +1,83 @@
+"""A reference for the cache model's attention (SPEC §2), written independently of kvarn.attention.
+
+`reference_attention` computes, densely and in float64, what one attention call must
+return: each (query p, key j) pair reads the exact copy iff j < sink or p − j < tail,
+else the body copy; causal, and p − j < W on a sliding layer; one softmax. `checking`
+registers an attention implementation that runs kvarn's attention and this reference on
+the very same inputs and records how far apart they are, next to the fp32 noise of the
+reference itself (the same dense maths in float32 against float64): the two must agree
+at fp32 noise, whatever the ubatch or query blocking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+import kvarn.attention as kattn
+
+CHECK_NAME = "kvarn_check"
+
+
+def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float64):
+    """query [b, H, n_q, D]; body_k/body_v [b, H_kv, L, D] (what the cache returned).
+    Returns [b, H, n_q, D] in `dtype`."""
+    pol = layer.policy
+    b, H, n_q, D = query.shape
+    n_kv, L = body_k.shape[1], body_k.shape[-2]
+    p = torch.arange(layer.q_offset, layer.q_offset + n_q)[:, None]
+    j = torch.arange(L)[None, :]
+    allowed = j <= p
+    if pol.window is not None:
+        allowed &= p - j < pol.window
+    exact = (j < pol.sink) | (p - j < pol.tail)  # [n_q, L]
+    ek = layer.exact_keys if layer.exact_keys is not None and layer.exact_keys.shape[-2] else body_k
+    ev = layer.exact_values if layer.exact_values is not None and layer.exact_values.shape[-2] else body_v
+    sel = exact[None, None, :, :, None]
+    K = torch.where(sel, ek[:, :, None].to(dtype), body_k[:, :, None].to(dtype))  # [b, Hkv, n_q, L, D]
+    V = torch.where(sel, ev[:, :, None].to(dtype), body_v[:, :, None].to(dtype))
+    rep = H // n_kv
+    q = query.to(dtype).reshape(b, n_kv, rep, n_q, D)
+    s = torch.einsum("bgrqd,bgqld->bgrql", q, K) * scaling
+    s = s.masked_fill(~allowed, float("-inf"))
+    a = torch.softmax(s, dim=-1)
+    return torch.einsum("bgrql,bgqld->bgrqd", a, V).reshape(b, H, n_q, D)
+
+
+class Recorder:
+    def __init__(self):
+        self.diffs: list[float] = []  # max |kvarn − ref64| per call
+        self.noise: list[float] = []  # max |ref32 − ref64| per call
+        self.calls = 0
+
+    def worst_ratio(self) -> float:
+        return max(d / max(n, 1e-12) for d, n in zip(self.diffs, self.noise))
+
+
+@contextlib.contextmanager
+def checking():
+    """Register CHECK_NAME for the duration; yields a Recorder."""
+    rec = Recorder()
+
+    def fwd(module, query, key, value, attention_mask, scaling=None, kvarn_cache=None, **kw):
+        out, _ = kattn.kvarn_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                               kvarn_cache=kvarn_cache, **kw)
+        layer = kvarn_cache.layers[module.layer_idx]
+        sc = scaling if scaling is not None else query.shape[-1] ** -0.5
+        ref64 = reference_attention(query, layer, sc, key, value).transpose(1, 2)
+        ref32 = reference_attention(query, layer, sc, key, value, torch.float32).transpose(1, 2)
+        rec.diffs.append((out.double() - ref64).abs().max().item())
+        rec.noise.append((ref32.double() - ref64).abs().max().item())
+        rec.calls += 1
+        return out, None
+
+    AttentionInterface.register(CHECK_NAME, fwd)
+    AttentionMaskInterface.register(CHECK_NAME, kattn._kvarn_mask)
+    try:
+        yield rec
+    finally:
+        AttentionInterface._global_mapping.pop(CHECK_NAME, None)
+        AttentionMaskInterface._global_mapping.pop(CHECK_NAME, None)
