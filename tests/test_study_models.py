@@ -16,6 +16,9 @@ upstream of the cache causes, which is exactly what a change of ubatch causes to
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -339,3 +342,89 @@ def test_reset_clears_the_linear_state(pair):
             assert not cache.has_previous_state(0)
         b = model(input_ids=ids, cache=cache, kvarn_cache=cache).logits
     assert torch.equal(a, b)
+
+
+# --- end to end: `kvarn baseline` + `kvarn run` on local directories -------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SMOL_HF = REPO / "resources" / "models" / "smollm2-135m" / "hf"
+TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+SMOL_VOCAB = 49152
+CTX = 512  # scored queries 256..510 read KVarN body groups on full-attention layers
+
+
+def save_tiny(arch: str, path: Path) -> Path:
+    """A tiny random `arch` model saved as a transformers directory with SmolLM2's tokenizer."""
+    torch.manual_seed(0)
+    kw = dict(vocab_size=SMOL_VOCAB, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    if arch == "qwen3_5":
+        model = Qwen3_5ForCausalLM(qwen35_config(**kw))
+    else:
+        model = Gemma4ForCausalLM(gemma4_config(vocab_size_per_layer_input=SMOL_VOCAB, **kw))
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SMOL_HF / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread):
+    if not (SMOL_HF / "tokenizer.json").is_file() or not TEXT.is_file():
+        pytest.skip("needs the fetched SmolLM2 (its tokenizer serves the tiny model) and wiki.test.raw")
+    from kvarn import cli, dump, engine
+    from kvarn.models import load
+    from kvarn.sources import ModelSpec
+
+    from kvarn import data
+
+    # 2 chunks need only the head of the (verified) test split: not 4 tokenizations of 1.3 MB.
+    load_text = data.load_text
+    monkeypatch.setattr(data, "load_text", lambda *a, **kw: load_text(*a, **kw)[:20000])
+    d = save_tiny(arch, tmp_path / f"tiny-{arch}")
+    common = ["-m", str(d), "-c", str(CTX), "--chunks", "2", "-f", str(TEXT), "--device", "cpu",
+              "--cache-dir", str(tmp_path / "cache")]
+    base = tmp_path / "base.kvd"
+    assert cli.main(["baseline", *common, "-o", str(base)]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "baseline: 2 chunks x 512 tokens" in out
+    kvl = geometry_from_config(json.loads((d / "config.json").read_text())).kv_layers
+    want = {"q4_0": {"tail_eff_full": 128, "sink": 0}, "kvarn4": {"tail_eff_full": 128, "sink": 128}}
+    for k, tail in (("q4_0", 128), ("kvarn4", 0)):
+        cell = tmp_path / f"{k}-t{tail}"
+        assert cli.main(["run", *common, "-ctk", k, "-ctv", k, "--tail", str(tail), "--baseline", str(base),
+                         "-o", str(cell)]) == 0
+        out = capsys.readouterr().out
+        print(out)
+        s = json.loads((cell / "summary.json").read_text())
+        assert s["n_tokens"] == 2 * (CTX - 1 - CTX // 2)
+        assert {key: s[key] for key in want[k]} == want[k]
+        assert s["tail_eff_sliding"] == (None if arch == "qwen3_5" else 32)
+        assert 0 < s["kld_median"] < s["kld_max"] and s["same_top"] < 1
+        assert "KV cache:" in out
+
+    # The engine's fresh cache per chunk resets the linear-attention state too: chunk 1 of
+    # the dump is chunk 1 computed alone, not after chunk 0.
+    loaded = load(ModelSpec(arch, str(d)), device="cpu", dtype="float32")
+    model = loaded.model
+    model.set_attn_implementation(kattn.ATTN_NAME)
+    ids = data.make_chunks(data.tokenize(loaded.tokenizer, data.load_text(str(TEXT))), CTX, 2, loaded.info.bos_id)
+    scored = data.scored_positions(CTX)
+
+    def logprobs(cache, c):
+        return torch.cat([lp for _, lp in engine.chunk_logprobs(model, ids[c], cache, 512, scored)])
+
+    fresh = logprobs(engine._new_cache(model, "bf16", "bf16", 0), 1)
+    stale_cache = engine._new_cache(model, "bf16", "bf16", 0)
+    logprobs(stale_cache, 0)
+    for layer in stale_cache.layers:  # carry only the state layers over: the KV layers restart
+        if isinstance(layer, KVarnLayer):
+            layer.reset()
+    stale = logprobs(stale_cache, 1)
+    stored = dump.open_dump(base).chunk(1)
+    top = fresh >= fresh.max(-1, keepdim=True).values - 16  # the range the dump encodes
+    err = (stored - fresh)[top].abs().max().item()
+    assert err <= 16 / 65535 + 1e-5, err
+    if arch == "qwen3_5":
+        assert (stale - fresh)[top].abs().max().item() > 100 * err
+    assert kvl  # the model has attention layers the cells quantized
