@@ -193,7 +193,7 @@ class KVarnCache(Cache):
     """
 
     def __init__(self, config, k_type: str, v_type: str, tail: int = 0, tail_dtype: str | None = None,
-                 rot: bool = True, iters: int = 16, compute: str = "exact"):
+                 rot: bool = True, iters: int = 16, compute: str = "exact", sink: int | None = None):
         from kvarn.compute import check_compute
 
         self.compute = check_compute(compute, k_type, v_type, tail)
@@ -213,7 +213,7 @@ class KVarnCache(Cache):
                 except ValueError as e:
                     raise ValueError(f"layer {i} ({self.geometry.layers[i].kind}) has head dim {d}: {e}") from e
         self.policies: list[LayerPolicy | None] = [
-            layer_policy(self.k_fmt, self.v_fmt, tail, g.window) if g.has_kv else None for g in self.geometry.layers
+            layer_policy(self.k_fmt, self.v_fmt, tail, g.window, sink) if g.has_kv else None for g in self.geometry.layers
         ]
         state = _state_layers(config, self.geometry)
         layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, self.compute) if p is not None else state[i]

@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="V cache type")
     r.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N",
                    help="most recent tokens read exactly (KVarN: rounded up to 128, min 128, plus a 128-token sink; default 0)")
+    r.add_argument("--sink", type=_nonneg_int("--sink"), default=None, metavar="N",
+                   help="exact leading tokens on full-attention layers (default: the pair's own, 0 for standard "
+                        "types, 128 for KVarN, which accepts only 128); e.g. --sink 128 --tail 128 --tail-dtype f16 "
+                        "gives a standard type KVarN's exact tokens, so only the quantizer differs")
     r.add_argument("--tail-dtype", choices=["bf16", "f16", "f32"], default=None,
                    help="dtype of the exact copy (default bf16 for standard types, f16 for KVarN)")
     r.add_argument("--no-rot", dest="rot", action="store_false",
@@ -345,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
             from kvarn.policy import pair_family
 
             pair_family(get_format(args.k), get_format(args.v))  # refuse KVarN mixed with standard early
+            from kvarn.policy import check_sink
+
+            try:
+                check_sink(get_format(args.k), get_format(args.v), args.sink)
+            except ValueError as e:
+                raise UsageError(f"--sink {args.sink}: {e}") from None
             if args.tail >= args.ctx:
                 raise UsageError(f"--tail {args.tail} must be smaller than --ctx {args.ctx}")
             if not Path(args.baseline).is_file():
@@ -352,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             s = engine.run_cell(spec, args.ctx, chunks, args.k, args.v, args.tail, Path(args.baseline),
                                 Path(args.out), ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype,
                                 iters=args.iters, text=args.text, device=args.device, dtype=args.dtype,
-                                cache_dir=args.cache_dir, compute=args.compute, accounting=args.accounting)
+                                cache_dir=args.cache_dir, compute=args.compute, accounting=args.accounting,
+                                sink=args.sink)
             sys.stdout.write(format_llama(s))
             print(f"\nKV cache ({s['memory_accounting']} accounting): {s['kv_total_bytes'] / 2**20:.2f} MiB "
                   f"(body {s['kv_body_bytes'] / 2**20:.2f}, staging {s['kv_staging_bytes'] / 2**20:.2f}, "

@@ -73,8 +73,9 @@ def chunk_logprobs(model, ids: torch.Tensor, cache: KVarnCache, ubatch: int, sco
     assert row == len(scored), (row, len(scored))
 
 
-def _new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=16, compute="exact"):
-    return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters, compute=compute)
+def _new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=16, compute="exact", sink=None):
+    return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters, compute=compute,
+                      sink=sink)
 
 
 def check_baseline_compute(base, compute: str) -> None:
@@ -166,8 +167,11 @@ def _policy_fields(cache: KVarnCache) -> dict:
 
 def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot=True, tail_dtype=None,
              iters=16, text=None, device="auto", dtype="auto", cache_dir="resources/models",
-             compute="exact", accounting="packed") -> dict:
+             compute="exact", accounting="packed", sink=None) -> dict:
     """One cache config against the baseline dump; writes out_dir/tokens.parquet and summary.json.
+
+    `sink`: exact leading tokens on full-attention layers; None = the pair's own (0
+    standard, 128 KVarN); a standard pair may take another (kvarn.policy.check_sink).
 
     `compute` (kvarn.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
     with the same. `baseline` may also be llama-perplexity's --kl-divergence-base file
@@ -184,6 +188,10 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     from kvarn.compute import check_compute
 
     check_compute(compute, k, v, tail)
+    from kvarn import facts
+    from kvarn.policy import check_sink
+
+    check_sink(facts.get(k), facts.get(v), sink)  # a bad sink is refused before any work
     out_dir = Path(out_dir)
     memory.check_accounting(accounting)
     t0 = time.perf_counter()
@@ -193,7 +201,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     model, info = loaded.model, loaded.info
     # Validates the types, the tail and the pair before any work is done.
-    probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute)
+    probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
     if base is None:
         base = llamakld.open_llama_kld(baseline, chunk_ids, n_ctx, info.vocab_size)
     else:
@@ -208,7 +216,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     chunk_col, pos_col = [], []
     forward_s = 0.0
     for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
-        cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute)
+        cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
         ref = base.chunk(c)
         targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
         gen = chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)
@@ -233,7 +241,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     })
     summary = metrics.summarize(frame)
     kv = memory.summary_fields(info.geometry, n_ctx, k, v, tail, tail_dtype=probe.tail_dtype_name, rot=rot,
-                               ubatch=ubatch, accounting=accounting)
+                               ubatch=ubatch, accounting=accounting, sink=sink)
     n_tok = int(chunk_ids.numel())
     summary.update({
         "model": info.name,
@@ -246,6 +254,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         "v_type": v,
         "rot": bool(rot),
         "tail": tail,
+        "sink_requested": sink,
         **_policy_fields(probe),
         "exact_share": exact_share(probe.kv_policies, n_ctx),
         "tail_dtype": probe.tail_dtype_name,

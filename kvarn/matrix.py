@@ -44,11 +44,11 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
 SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
 MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
                   "memory_accounting": "packed"}
-CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS}
+CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS, "sink": None}
 
 # Wildcard patterns: a type name has no "-", so "{k}-{v}-t{tail}{opts}" parses one way.
 TYPE_PATTERN = r"[a-z0-9_]+"
-OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+)*"
+OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+|-s[0-9]+)*"
 MODEL_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
@@ -79,12 +79,14 @@ class Cell:
     rot: bool = True
     tail_dtype: str | None = None  # None: the family's default (bf16 standard, f16 KVarN)
     iters: int = DEFAULT_ITERS
+    sink: int | None = None  # None: the pair's own (0 standard, 128 KVarN); standard types may set one
 
     @property
     def opts(self) -> str:
         return (("" if self.rot else "-norot")
                 + (f"-td{self.tail_dtype}" if self.tail_dtype else "")
-                + (f"-i{self.iters}" if self.iters != DEFAULT_ITERS else ""))
+                + (f"-i{self.iters}" if self.iters != DEFAULT_ITERS else "")
+                + (f"-s{self.sink}" if self.sink is not None else ""))
 
     @property
     def name(self) -> str:
@@ -118,13 +120,15 @@ def source_key(source: str, revision: str | None) -> str:
 
 
 def parse_opts(opts: str) -> dict:
-    """rot, tail_dtype, iters from a cell path's `opts` suffix (inverse of Cell.opts)."""
+    """rot, tail_dtype, iters, sink from a cell path's `opts` suffix (inverse of Cell.opts)."""
     out = dict(CELL_DEFAULTS)
-    for tok in re.findall(r"-(norot|td[a-z0-9]+|i[0-9]+)", opts or ""):
+    for tok in re.findall(r"-(norot|td[a-z0-9]+|i[0-9]+|s[0-9]+)", opts or ""):
         if tok == "norot":
             out["rot"] = False
         elif tok.startswith("td"):
             out["tail_dtype"] = tok[2:]
+        elif tok.startswith("s"):
+            out["sink"] = int(tok[1:])
         else:
             out["iters"] = int(tok[1:])
     return out
@@ -239,6 +243,8 @@ def expand(config: dict) -> Matrix:
         if opts["tail_dtype"] is not None and opts["tail_dtype"] not in TAIL_DTYPES:
             raise MatrixError(f"{where}.tail_dtype: {opts['tail_dtype']!r}; accepted: {', '.join(TAIL_DTYPES)}")
         _int(f"{where}.iters", opts["iters"], 1)
+        if opts["sink"] is not None:
+            _int(f"{where}.sink", opts["sink"], 0)
         names = _as_list(entry.get("models", list(models)))
         for n in names:
             if n not in models:
@@ -248,6 +254,13 @@ def expand(config: dict) -> Matrix:
                 fam = family(k, v)
             except ValueError as e:
                 raise MatrixError(f"{fld}: {e}") from None
+            if opts["sink"] is not None:
+                from kvarn.policy import check_sink
+
+                try:
+                    check_sink(facts.get(k), facts.get(v), opts["sink"])
+                except ValueError as e:
+                    raise MatrixError(f"{where}.sink: {e}") from None
             for name in names:
                 m = models[name]
                 for n_ctx in m.n_ctx:
@@ -261,13 +274,15 @@ def expand(config: dict) -> Matrix:
 def _normalize(cell: Cell, fam: str) -> Cell:
     """One path per distinct run: options that cannot change the numbers are dropped.
 
-    KVarN always rotates and iters only matter to KVarN; a tail dtype equal to the
-    family default is the default.
+    KVarN always rotates and iters only matter to KVarN; a tail dtype or sink equal to
+    the pair's default is the default (so existing cell paths stay as they were).
     """
     from dataclasses import replace
 
     default_td = facts.pair_default_tail_dtype(cell.k, cell.v)
+    own_sink = max(facts.get(cell.k).sink, facts.get(cell.v).sink)
     return replace(cell,
+                   sink=None if cell.sink == own_sink else cell.sink,
                    rot=True if fam == "kvarn" else cell.rot,
                    iters=cell.iters if fam == "kvarn" else DEFAULT_ITERS,
                    tail_dtype=None if cell.tail_dtype == default_td else cell.tail_dtype)

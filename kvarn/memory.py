@@ -103,7 +103,7 @@ def _int_at_least(name: str, v, lo: int) -> int:
 
 def kv_bytes(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
              tail_dtype: str | None = None, rot: bool = True, ubatch: int = 512,
-             accounting: str = DEFAULT_ACCOUNTING) -> KVBytes:
+             accounting: str = DEFAULT_ACCOUNTING, sink: int | None = None) -> KVBytes:
     """Bytes of the K and V cache of one sequence of n_ctx tokens (see the module docstring)."""
     _int_at_least("n_ctx", n_ctx, 1)
     _int_at_least("ubatch", ubatch, 1)
@@ -120,7 +120,7 @@ def kv_bytes(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
         if not layer.has_kv:
             continue
         h, d, w = layer.n_kv_heads, layer.head_dim, layer.window
-        pol = layer_policy(k, v, tail, w)
+        pol = layer_policy(k, v, tail, w, sink)
         stored = n_ctx if w is None else min(n_ctx, w + ubatch)
         row = 2 * h * exact.nbytes(1, d)  # one token's K and V over this layer's heads
         if accounting == "packed":
@@ -168,11 +168,11 @@ def bytes_table(geom: Geometry, n_ctx: int, pairs, tails=(0, 128), tail_dtype: s
 
 def summary_fields(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
                    tail_dtype: str | None = None, rot: bool = True, ubatch: int = 512,
-                   accounting: str = DEFAULT_ACCOUNTING) -> dict:
+                   accounting: str = DEFAULT_ACCOUNTING, sink: int | None = None) -> dict:
     """The memory keys of a cell's summary.json: the accounting, body/staging/overlay/total
     bytes, the total at tail 0 (for Δ) and the geometry they were computed from."""
-    b = kv_bytes(geom, n_ctx, k_type, v_type, tail, tail_dtype, rot, ubatch, accounting)
-    b0 = kv_bytes(geom, n_ctx, k_type, v_type, 0, tail_dtype, rot, ubatch, accounting)
+    b = kv_bytes(geom, n_ctx, k_type, v_type, tail, tail_dtype, rot, ubatch, accounting, sink)
+    b0 = kv_bytes(geom, n_ctx, k_type, v_type, 0, tail_dtype, rot, ubatch, accounting, sink)
     return {
         "memory_accounting": accounting,
         "kv_body_bytes": b.body,
@@ -200,5 +200,5 @@ def resummarize(summary: dict, accounting: str, where: str = "summary.json") -> 
     return summary_fields(
         Geometry.from_list(summary["kv_geometry"]), int(summary["n_ctx"]), summary["k_type"], summary["v_type"],
         int(summary["tail"]), summary.get("tail_dtype"), bool(summary.get("rot", True)),
-        int(summary.get("ubatch", 512)), accounting,
+        int(summary.get("ubatch", 512)), accounting, summary.get("sink_requested"),
     )

@@ -51,13 +51,11 @@ def geometry(model: str) -> Geometry:
     return Geometry.uniform(L, H, D, tuple(windows))
 
 
-def exact_share(model: str, n_ctx: int, k: str, v: str, tail: int) -> float:
+def exact_share(model: str, n_ctx: int, k: str, v: str, tail: int, sink: int | None = None) -> float:
     """The product's exact share (kvarn.policy) for a cell of the fixture."""
-    from kvarn.formats import get_format
     from kvarn.policy import exact_share as share, layer_policy
 
-    kf, vf = get_format(k, role="k"), get_format(v, role="v")
-    return share([layer_policy(kf, vf, tail, w) for w in MODELS[model][3]], n_ctx)
+    return share([layer_policy(facts.get(k), facts.get(v), tail, w, sink) for w in MODELS[model][3]], n_ctx)
 
 
 def _median(model: str, k: str, v: str, tail: int) -> float:
@@ -99,9 +97,12 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
             cells = [c for c in cells if "kvarn5" not in c[:2]]
         if model == "smollm2-135m":
             cells.append(("q4_0", "q4_0", 0, "standard", "-norot"))  # a non-default option
+            # the format-only rows: KVarN's sink (128), tail and F16 tail dtype on q4_0 and q2_0
+            cells += [(f"q{w}_0", f"q{w}_0", 128, "standard", "-tdf16-s128") for w in (2, 4)]
         for k, v, tail, family, *opt in cells:
             opts = opt[0] if opt else ""
-            med = _median(model, k, v, tail)
+            sink = 128 if "-s128" in opts else None
+            med = _median(model, k, v, tail) * (0.6 if sink else 1.0)  # the sink removes part of the damage
             growth = 0.25 if family == "kvarn" else 0.8  # error accumulation across the context
             frac = (scored - scored[0]) / (scored[-1] - scored[0])
             pos = np.tile(scored, chunks)
@@ -117,7 +118,8 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
                 "chunk": chunk.astype(np.int32), "pos": pos.astype(np.int32), "kld": kld, "nll": nll,
                 "nll_base": nll_base, "dp": dp, "same_top": same_top,
             }).write_parquet(cell_dir / "tokens.parquet")
-            mem = summary_fields(geometry(model), n_ctx, k, v, tail)  # the `packed` accounting
+            mem = summary_fields(geometry(model), n_ctx, k, v, tail, tail_dtype="f16" if sink else None,
+                                 sink=sink)  # the `packed` accounting
             mem.pop("kv_geometry")
             n = len(kld)
             st = same_top.mean()
@@ -129,9 +131,9 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
                 "model": model, "source": f"embedded:{model}", "revision": None, "n_ctx": n_ctx,
                 "chunks": chunks, "ubatch": 512, "k_type": k, "v_type": v, "rot": opts != "-norot", "tail": tail,
                 "tail_eff_full": eff_full, "tail_eff_sliding": eff_sliding,
-                "exact_share": exact_share(model, n_ctx, k, v, tail),
-                "sink": max(facts.get(k).sink, facts.get(v).sink),
-                "tail_dtype": facts.pair_default_tail_dtype(k, v), "iters": 16, **mem,
+                "exact_share": exact_share(model, n_ctx, k, v, tail, sink),
+                "sink": sink or max(facts.get(k).sink, facts.get(v).sink), "sink_requested": sink,
+                "tail_dtype": "f16" if sink else facts.pair_default_tail_dtype(k, v), "iters": 16, **mem,
                 "tokens_per_s": float(rng.uniform(800, 3000) * (0.7 if family == "kvarn" else 1.0)),
                 "wall_s": float(rng.uniform(5, 30)), "kvarn_version": "0.1.0", "format_version": 1,
                 "device": "cpu", "dtype": "float32",

@@ -78,6 +78,8 @@ CASES = [
     ("compute dtype", "cli", _run("--dtype", "float8"), "--dtype"),
     ("device", "cli", _run("--device", "tpu"), "--device"),
     ("threads", "cli", _run("--threads", "0"), "--threads"),
+    ("sink on KVarN", "cli", _run("--k", "kvarn4", "--v", "kvarn4", "--sink", "0"), "--sink 0"),
+    ("negative sink", "cli", _run("--sink", "-1"), "--sink"),
     # baseline dumps
     ("missing dump", "dump:none", _run(), "--baseline"),
     ("not a dump", "dump:garbage", _run(), "not a kvarn dump"),
@@ -98,6 +100,7 @@ CASES = [
     ("config dtype", "config", _config(("models", 0, "dtype"), "float8"), "models[0].dtype"),
     ("config rot", "config", _config(("cells", 0, "rot"), "yes"), "cells[0].rot"),
     ("config iters", "config", _config(("cells", 1, "iters"), 0), "cells[1].iters"),
+    ("config KVarN sink", "config", _config(("cells", 1, "sink"), 64), "cells[1].sink"),
 ]
 
 

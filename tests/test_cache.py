@@ -355,3 +355,18 @@ def test_exact_share_of_kvarn_by_hand():
     assert exact_share([pol], 256) == 1.0
     # a standard type at tail 0 reads everything from the body
     assert exact_share([layer_policy(get_format("q4_0"), get_format("q4_0", role="v"), 0)], 2048) == 0.0
+
+
+def test_standard_sink_is_read_exactly(model):
+    # A standard type with a sink: the first `sink` keys are read from the exact copy on
+    # full-attention layers (none on sliding ones), checked call by call against the
+    # reference; and it differs from the same cell without a sink.
+    ids = _ids(model)
+    cache = KVarnCache(model.config, "q2_0", "q2_0", 4, sink=8)
+    for pol, w in zip(cache.kv_policies, layer_windows(model.config)):
+        assert pol.sink == (8 if w is None else 0) and pol.tail == 4
+    for ub in (64, 5):
+        assert_at_fp32_noise(checked_run(model, ids, "q2_0", "q2_0", 4, ub, sink=8), f"q2_0 sink 8 ub{ub}")
+    assert not torch.equal(cache_logits(model, ids, "q2_0", "q2_0", 4, sink=8), cache_logits(model, ids, "q2_0", "q2_0", 4))
+    with pytest.raises(ValueError, match="KVarN's sink is fixed at 128"):
+        KVarnCache(model.config, "kvarn4", "kvarn4", 0, sink=0)

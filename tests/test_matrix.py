@@ -128,3 +128,29 @@ def test_shipped_configs_expand(name):
     if name == "article.yaml":  # 48 standard pairs x tails 0, 128 + 15 KVarN pairs, per model
         per_model = [sum(c.model == mm for c in m.cells) for mm in m.models]
         assert per_model == [48 * 2 + 15] * 2
+
+
+def test_sink_option_paths():
+    # A sink is part of the cell path only when it differs from the pair's own, so every
+    # existing path stays; the format-only row is q4_0 at tail 128 with sink 128 and f16.
+    cfg = {"models": BASE["models"], "cells": [
+        {"types": ["q4_0"], "tail": 128, "sink": 128, "tail_dtype": "f16"},
+        {"types": ["q4_0"], "tail": 128, "sink": 0},        # the standard default: no suffix
+        {"types": ["kvarn4"], "tail": 0, "sink": 128},      # KVarN's own: no suffix
+    ]}
+    names = [c.name for c in kvm.expand(cfg).cells]
+    assert names == ["q4_0-q4_0-t128-tdf16-s128", "q4_0-q4_0-t128", "kvarn4-kvarn4-t0"]
+    assert kvm.parse_opts("-tdf16-s128") == {**kvm.CELL_DEFAULTS, "tail_dtype": "f16", "sink": 128}
+    import re
+
+    assert re.fullmatch(kvm.OPTS_PATTERN, "-norot-tdf16-i8-s64")
+
+
+@pytest.mark.parametrize("sink,needle", [(64, "KVarN's sink is fixed at 128"), (-1, "must be an integer >= 0"),
+                                         ("x", "must be an integer >= 0")])
+def test_bad_sink_is_rejected(sink, needle):
+    cfg = {"models": BASE["models"], "cells": [{"types": ["q4_0"], "tail": 0}, {"types": ["kvarn4"], "tail": 0,
+                                                                              "sink": sink}]}
+    with pytest.raises(kvm.MatrixError, match=r"^cells\[1\]\.sink") as e:
+        kvm.expand(cfg)
+    assert needle in str(e.value)

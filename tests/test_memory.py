@@ -287,3 +287,15 @@ def test_cli_memory_bad_config(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["memory", "-m", str(d96), "-c", "256", "-ctk", "kvarn4", "-ctv", "kvarn4"])
     assert e.value.code == 2 and "head dim 96" in capsys.readouterr().err
+
+
+def test_standard_sink_by_hand():
+    # q4_0 with KVarN's exact tokens (sink 128, tail 128, f16): overlay = (128 + 128) rows x
+    # 2 layers x 2 heads x 64 x 2 B x (K, V); a sliding layer keeps no sink.
+    b = kv_bytes(TINY, 300, "q4_0", "q4_0", 128, tail_dtype="f16", sink=128)
+    assert b.overlay == (128 + 128) * 2 * 2 * 64 * 2 * 2 and b.body == 86400
+    assert b.overlay == kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0).overlay  # the same exact rows as KVarN's
+    slid = Geometry.uniform(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, 200))
+    assert kv_bytes(slid, 300, "q4_0", "q4_0", 128, sink=128).overlay == (256 + 128) * 2 * 64 * 2 * 2
+    with pytest.raises(ValueError, match="KVarN's sink is fixed"):
+        kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0, sink=0)

@@ -150,8 +150,9 @@ def test_same_width_pairs_matched_and_missing_skipped(prep):
         bars = [u for u in units(spec) if mark(u) == "bar"]
         assert {"pct", "mib"} <= {fields(u)["y"] for u in bars}
         assert dataset_values(spec, "statistic") == {"median", "mean"}
-        assert dataset_values(spec, "component") == {
-            f"{fam} {part}" for fam in ("standard", "KVarN") for part in ("body", "staging", "overlay")}
+        fams = ("standard", "KVarN") + (("standard + sink",) if model == "smollm2-135m" else ())
+        assert dataset_values(spec, "component") == {f"{fam} {part}" for fam in fams
+                                                     for part in ("body", "staging", "overlay")}
         mem = [u for u in bars if fields(u)["y"] == "mib"][0]
         assert mem["encoding"]["y"]["title"] == "KV cache MiB, packed accounting"
     gemma = D.same_width(prep["gemma3-270m"]).filter(pl.col("width") == 2)
@@ -284,3 +285,30 @@ def test_every_memory_view_names_its_accounting(results):
     assert x["title"].startswith("KV cache MiB, beellama-qwen accounting")
     bars = [u for u in units(R.same_width(prep_q).to_dict()) if mark(u) == "bar" and fields(u)["y"] == "mib"]
     assert bars[0]["encoding"]["y"]["title"] == "KV cache MiB, beellama-qwen accounting"
+
+
+def test_format_only_rows_in_table_and_same_width(prep, results):
+    # The format-only row (qN_0 + KVarN's sink 128, tail 128, F16 tail): its own series and
+    # path suffix, and a second partner in the same-width comparison.
+    smol = prep["smollm2-135m"]
+    fo = smol.filter(pl.col("opts") == D.FORMAT_ONLY_OPTS)
+    assert D.FORMAT_ONLY_OPTS == "-tdf16-s128"
+    assert set(fo["pair"]) == {"q2_0-q2_0-tdf16-s128", "q4_0-q4_0-tdf16-s128"}
+    assert set(fo["series"]) == {f"{D.SERIES_FORMAT_ONLY}, tail 128"}
+    # the same exact tokens as kvarn4 at 128*: the same exact share, and KVarN's overlay bytes
+    kv4 = smol.filter((pl.col("pair") == "kvarn4-kvarn4") & (pl.col("tail_requested") == 0)).row(0, named=True)
+    q4 = fo.filter(pl.col("k_type") == "q4_0").row(0, named=True)
+    assert q4["exact_share"] == kv4["exact_share"] and q4["overlay_mib"] == kv4["overlay_mib"]
+    sw = D.same_width(smol)
+    w4 = sw.filter(pl.col("width") == 4).row(0, named=True)
+    assert w4["pair_fmt"] == "q4_0-q4_0-tdf16-s128"
+    assert w4["pct_median_fmt"] == pytest.approx((w4["kld_median_kvarn"] / w4["kld_median_fmt"] - 1) * 100)
+    assert sw.filter(pl.col("width") == 8)["pct_median_fmt"].is_null().all()  # not measured: null, not dropped
+    spec = R.same_width(smol).to_dict()
+    assert "standard + sink body" in dataset_values(spec, "component")
+    assert any("format only" in b for b in dataset_values(spec, "bar"))
+    md = R.to_markdown(R.build_table(results[1], "smollm2-135m"))
+    assert "| q4_0-q4_0-tdf16-s128 | 128 | 33.3 |" in md
+    # gemma3 has no format-only row: the figure shows the matched partner only
+    g = R.same_width(prep["gemma3-270m"]).to_dict()
+    assert not any("format only" in b for b in dataset_values(g, "bar"))

@@ -23,6 +23,7 @@ from typing import Iterable, Sequence
 import polars as pl
 
 from kvarn import facts
+from kvarn.matrix import OPTS_PATTERN
 
 MIB = float(1 << 20)
 
@@ -30,10 +31,14 @@ MIB = float(1 << 20)
 SERIES_STANDARD_T0 = "standard, tail 0"
 SERIES_STANDARD_T128 = "standard, tail 128"
 SERIES_KVARN = "KVarN, tail 128*"
+# The format-only row type: a standard type with KVarN's exact tokens (sink 128 on full
+# layers, tail 128, F16 exact copy), so against KVarN at 128* only the quantizer differs.
+FORMAT_ONLY_OPTS = f"-td{facts.get('kvarn4').default_tail_dtype}-s{facts.KVARN_SINK}"  # the cell path's opts
+SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
 
 # The cell directory name written by the workflow: {k}-{v}-t{tail}{opts}
-# ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}; see kvarn.matrix).
-_CELL_RE = re.compile(r"^(?P<k>[a-z0-9_]+)-(?P<v>[a-z0-9_]+)-t(?P<tail>\d+)(?P<opts>(?:-norot|-td[a-z0-9]+|-i[0-9]+)*)$")
+# ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}, -s{sink}; kvarn.matrix).
+_CELL_RE = re.compile(r"^(?P<k>[a-z0-9_]+)-(?P<v>[a-z0-9_]+)-t(?P<tail>\d+)(?P<opts>" + OPTS_PATTERN + ")$")
 _RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+)$")
 
 
@@ -118,6 +123,8 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
         if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.matrix.tail_label)
             r["tail_label"] = tail_label(r["family"], r["tail_requested"], r["tail_eff_full"])
         r["series"] = series_of(r["family"], r["tail_requested"], r["tail_eff_full"])
+        if r["family"] == "standard" and r["opts"] == FORMAT_ONLY_OPTS:
+            r["series"] = f"{SERIES_FORMAT_ONLY}, tail {r['tail_requested']}"
         r["k_bits"] = type_bits(r["k_type"])
         r["v_bits"] = type_bits(r["v_type"])
         symmetric = r["k_type"] == r["v_type"] and not r["opts"] and (
@@ -187,7 +194,10 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> pl.DataFrame:
 
     One row per width that has both partners (missing partners are skipped), with the
     median and mean of each and the % change of KVarN against standard (negative: KVarN
-    damages less), plus body/staging/overlay MiB of both.
+    damages less), plus body/staging/overlay MiB of both. Where the format-only row
+    (qN_0 with KVarN's sink 128, tail 128 and F16 tail: `FORMAT_ONLY_OPTS`) was measured,
+    its columns (`*_fmt`) and KVarN's % change against it (`pct_median_fmt`, `pct_mean_fmt`)
+    are added (null where it was not): that comparison changes nothing but the quantizer.
     """
     kv = figure_rows(prep).filter(
         (pl.col("family") == "kvarn") & pl.col("width").is_not_null() & (pl.col("tail_eff_full") == tail)
@@ -196,10 +206,18 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> pl.DataFrame:
         (pl.col("family") == "standard") & pl.col("width").is_not_null() & (pl.col("tail_requested") == tail)
     )
     cols = ["width", "pair", "tail_label", "kld_median", "kld_mean", "body_mib", "staging_mib", "overlay_mib", "kv_mib"]
+    # the format-only partner: qN_0-qN_0 with KVarN's sink, tail and F16 tail dtype (optional)
+    fmt = prep.filter(
+        (pl.col("family") == "standard") & (pl.col("opts") == FORMAT_ONLY_OPTS) & (pl.col("tail_requested") == tail)
+        & (pl.col("k_type") == pl.col("v_type")) & pl.col("k_type").str.contains(r"^q\d+_0$")
+    ).with_columns(pl.col("k_bits").cast(pl.Int64).alias("width"))
     j = kv.select(cols).join(std.select(cols), on="width", suffix="_std")
+    j = j.join(fmt.select(cols).rename({c: f"{c}_fmt" for c in cols if c != "width"}), on="width", how="left")
     return j.rename({c: f"{c}_kvarn" for c in cols if c != "width"}).with_columns(
         ((pl.col("kld_median_kvarn") / pl.col("kld_median_std") - 1) * 100).alias("pct_median"),
         ((pl.col("kld_mean_kvarn") / pl.col("kld_mean_std") - 1) * 100).alias("pct_mean"),
+        ((pl.col("kld_median_kvarn") / pl.col("kld_median_fmt") - 1) * 100).alias("pct_median_fmt"),
+        ((pl.col("kld_mean_kvarn") / pl.col("kld_mean_fmt") - 1) * 100).alias("pct_mean_fmt"),
     ).sort("width")
 
 

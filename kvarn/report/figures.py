@@ -110,59 +110,69 @@ def pareto(prep: pl.DataFrame) -> alt.LayerChart:
 
 
 def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Chart:
-    """KVarN vs the same-width standard type at matched tail: % change of median and mean, and MiB."""
+    """KVarN vs the same-width standard type at matched tail: % change of median and mean, and MiB.
+
+    Two partners per width where measured: the study's matched row (qN_0 at tail `tail`)
+    and the format-only row (qN_0 with KVarN's sink, tail and F16 tail dtype), against
+    which only the quantizer differs."""
     model = prep["model"][0]
     sw = D.same_width(prep, tail=tail)
     if sw.is_empty():
         return _placeholder(model, "same-width comparison", f"no width has both kvarnN-kvarnN and qN_0-qN_0 at tail {tail}")
-    base = sw.with_columns(
-        (pl.col("pair_kvarn") + " t" + pl.col("tail_label_kvarn") + " vs " + pl.col("pair_std") + " t"
-         + pl.col("tail_label_std")).alias("comparison"))
-    mib = ["body_mib_kvarn", "staging_mib_kvarn", "overlay_mib_kvarn", "body_mib_std", "staging_mib_std",
-           "overlay_mib_std"]
-    long = pl.concat([
-        base.select("width", "comparison", pl.lit("median").alias("statistic"), pl.col("pct_median").alias("pct"),
-                    pl.col("kld_median_kvarn").alias("kvarn"), pl.col("kld_median_std").alias("standard"), *mib),
-        base.select("width", "comparison", pl.lit("mean").alias("statistic"), pl.col("pct_mean").alias("pct"),
-                    pl.col("kld_mean_kvarn").alias("kvarn"), pl.col("kld_mean_std").alias("standard"), *mib),
-    ])
+    partners = [("std", "vs standard t%d" % tail), ("fmt", "vs standard + sink, F16 tail (format only)")]
+    parts = []
+    for suf, partner in partners:
+        if sw[f"pct_median{'_fmt' if suf == 'fmt' else ''}"].is_null().all():
+            continue
+        for stat in ("median", "mean"):
+            pct = f"pct_{stat}" + ("_fmt" if suf == "fmt" else "")
+            parts.append(sw.filter(pl.col(pct).is_not_null()).select(
+                "width", pl.lit(partner).alias("partner"), pl.lit(stat).alias("statistic"),
+                pl.lit(f"{partner}: {stat}").alias("bar"),
+                (pl.col("pair_kvarn") + " t" + pl.col("tail_label_kvarn") + " vs " + pl.col(f"pair_{suf}") + " t"
+                 + pl.col(f"tail_label_{suf}")).alias("comparison"),
+                pl.col(pct).alias("pct"), pl.col(f"kld_{stat}_kvarn").alias("kvarn"),
+                pl.col(f"kld_{stat}_{suf}").alias("standard")))
+    long = pl.concat(parts)
+    bars_domain = [f"{p}: {st}" for _, p in partners for st in ("median", "mean") if f"{p}: {st}" in set(long["bar"])]
+    palette = {f"{partners[0][1]}: median": "#e45756", f"{partners[0][1]}: mean": "#f2a5a4",
+               f"{partners[1][1]}: median": "#54a24b", f"{partners[1][1]}: mean": "#a8d5a2"}
     xw = alt.X("width:O", title="width (bits)", axis=alt.Axis(labelAngle=0))
-    stat = alt.Scale(domain=["median", "mean"], range=["#e45756", "#f2a5a4"])
+    off = alt.XOffset("bar:N", scale=alt.Scale(domain=bars_domain))
     tt = [alt.Tooltip("comparison:N"), alt.Tooltip("statistic:N"),
           alt.Tooltip("kvarn:Q", title="KVarN KLD", format=KLD_FMT),
           alt.Tooltip("standard:Q", title="standard KLD", format=KLD_FMT),
-          alt.Tooltip("pct:Q", title="% change", format="+.1f"),
-          alt.Tooltip("body_mib_kvarn:Q", title="KVarN MiB body", format=".2f"),
-          alt.Tooltip("staging_mib_kvarn:Q", title="KVarN MiB staging", format=".2f"),
-          alt.Tooltip("overlay_mib_kvarn:Q", title="KVarN MiB overlay", format=".2f"),
-          alt.Tooltip("body_mib_std:Q", title="standard MiB body", format=".2f"),
-          alt.Tooltip("overlay_mib_std:Q", title="standard MiB overlay", format=".2f")]
+          alt.Tooltip("pct:Q", title="% change", format="+.1f")]
     bars = alt.Chart(long, name="pct_change").mark_bar().encode(
-        x=xw, xOffset=alt.XOffset("statistic:N", scale=alt.Scale(domain=["median", "mean"])),
+        x=xw, xOffset=off,
         y=alt.Y("pct:Q", title="KVarN vs same-width standard, % change of KLD", scale=alt.Scale(padding=16)),
-        color=alt.Color("statistic:N", scale=stat, title="KLD statistic", legend=alt.Legend(orient="bottom")),
+        color=alt.Color("bar:N", scale=alt.Scale(domain=bars_domain, range=[palette[b] for b in bars_domain]),
+                        title="KLD statistic, partner", legend=alt.Legend(orient="bottom", columns=2)),
         tooltip=tt)
     text = alt.Chart(long.filter(pl.col("statistic") == "median")).mark_text(fontSize=9, dy=alt.ExprRef("datum.pct < 0 ? 8 : -6")).encode(
-        x=xw, xOffset=alt.XOffset("statistic:N", scale=alt.Scale(domain=["median", "mean"])), y="pct:Q",
-        text=alt.Text("pct:Q", format="+.1f"))
+        x=xw, xOffset=off, y="pct:Q", text=alt.Text("pct:Q", format="+.1f"))
     zero = alt.Chart(pl.DataFrame({"zero": [0.0]})).mark_rule(color="#333").encode(y="zero:Q")
     left = alt.layer(bars, zero, text).properties(
         width=WIDTH * 0.55, height=HEIGHT,
         title=alt.TitleParams("below 0: KVarN damages less (labels: median)", fontSize=11))
 
+    fams = [("std", "standard"), ("kvarn", "KVarN")]
+    if not sw["kv_mib_fmt"].is_null().all():
+        fams.insert(1, ("fmt", "standard + sink"))
     mem = pl.concat([
-        base.select("width", pl.col(f"pair_{fam}").alias("pair"), pl.lit(label).alias("family"),
-                    pl.lit(part).alias("part"), pl.lit(f"{label} {part}").alias("component"),
-                    pl.lit(order).cast(pl.Int8).alias("part_order"),
-                    pl.col(f"{part}_mib_{fam}").alias("mib"))
-        for fam, label in (("std", "standard"), ("kvarn", "KVarN"))
+        sw.filter(pl.col(f"kv_mib_{fam}").is_not_null()).select(
+            "width", pl.col(f"pair_{fam}").alias("pair"), pl.lit(label).alias("family"),
+            pl.lit(part).alias("part"), pl.lit(f"{label} {part}").alias("component"),
+            pl.lit(order).cast(pl.Int8).alias("part_order"), pl.col(f"{part}_mib_{fam}").alias("mib"))
+        for fam, label in fams
         for order, part in enumerate(("body", "staging", "overlay"))
     ])
-    comp = alt.Scale(domain=["standard body", "standard staging", "standard overlay",
-                             "KVarN body", "KVarN staging", "KVarN overlay"],
-                     range=["#4c78a8", "#7fa3c8", "#a6c3e0", "#e45756", "#ee8a89", "#f5b7b6"])
+    shades = {"standard": ["#4c78a8", "#7fa3c8", "#a6c3e0"], "standard + sink": ["#54a24b", "#88c580", "#b9dcb3"],
+              "KVarN": ["#e45756", "#ee8a89", "#f5b7b6"]}
+    comp = alt.Scale(domain=[f"{label} {part}" for _, label in fams for part in ("body", "staging", "overlay")],
+                     range=[c for _, label in fams for c in shades[label]])
     right = alt.Chart(mem, name="memory").mark_bar().encode(
-        x=xw, xOffset=alt.XOffset("family:N", scale=alt.Scale(domain=["standard", "KVarN"])),
+        x=xw, xOffset=alt.XOffset("family:N", scale=alt.Scale(domain=[label for _, label in fams])),
         y=alt.Y("mib:Q", title=f"KV cache MiB, {D.accounting_of(prep)} accounting", stack="zero"),
         color=alt.Color("component:N", scale=comp, title="memory", legend=alt.Legend(orient="bottom")),
         order=alt.Order("part_order:Q"),
@@ -171,7 +181,8 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
                  title=alt.TitleParams("cache size: quantized body + staging + exact overlay", fontSize=11))
     return alt.hconcat(left, right).resolve_scale(color="independent").properties(
         title=_title(model, "KVarN vs the same-width standard type",
-                     f"kvarnN-kvarnN (tail 128*) vs qN_0-qN_0 (tail {tail}); {_run_desc(prep)}"))
+                     f"kvarnN-kvarnN (tail 128*) vs qN_0-qN_0 (tail {tail}; format only: + sink 128, F16 tail); "
+                     f"{_run_desc(prep)}"))
 
 
 def tail_effect(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:

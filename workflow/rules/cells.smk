@@ -14,6 +14,7 @@ rule cell:
         rot=cell_opt("rot"),
         tail_dtype=cell_opt("tail_dtype"),
         iters=cell_opt("iters"),
+        sink=cell_opt("sink"),
         k_version=format_version("k"),
         v_version=format_version("v"),
     resources:

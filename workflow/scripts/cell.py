@@ -20,7 +20,7 @@ try:
     summary = run_cell(
         model_spec(snakemake), int(w.n_ctx), int(w.chunks), w.k, w.v, int(w.tail),  # noqa: F821
         baseline=Path(snakemake.input.baseline), out_dir=tmp, ubatch=p.ubatch, rot=p.rot,  # noqa: F821
-        tail_dtype=p.tail_dtype, iters=p.iters, text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
+        tail_dtype=p.tail_dtype, iters=p.iters, sink=p.sink, text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
         cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
     )
     os.replace(tmp / "tokens.parquet", out.tokens)  # summary.json last: its presence means done
