@@ -50,7 +50,7 @@ def test_options_roundtrip_through_the_path_and_normalize():
     cells = kvm.expand(cfg).cells
     assert [c.name for c in cells] == ["q4_0-q4_0-t0-norot-tdf16", "q4_0-q4_0-t0", "kvarn4-kvarn4-t0-i8"]
     for c in cells:
-        assert kvm.parse_opts(c.opts) == {"rot": c.rot, "tail_dtype": c.tail_dtype, "iters": c.iters}
+        assert kvm.parse_opts(c.opts) == {"rot": c.rot, "tail_dtype": c.tail_dtype, "iters": c.iters, "sink": c.sink}
 
 
 def test_tail_label_and_family():
