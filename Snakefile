@@ -33,6 +33,7 @@ include: "workflow/rules/baseline.smk"
 include: "workflow/rules/cells.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/paired.smk"
 
 
 rule all:

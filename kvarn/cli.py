@@ -25,6 +25,8 @@ examples (llama.cpp equivalents in brackets):
       [llama-perplexity -m M -f wiki.test.raw -c 512 --chunks 4 -ctk q4_0 -ctv q4_0 --kl-divergence-base base.kld --kl-divergence]
   kvarn memory -m config/models/qwen3.6-27b.json -c 65536 -ctk kvarn4 -ctv kvarn4 --tail 0 \
       --accounting beellama-qwen
+  kvarn compare cells/q4_0-q4_0-t128 cells/kvarn4-kvarn4-t0
+      (paired Δ median/mean KLD and Δ same-top of B − A, 95% block-bootstrap intervals)
   kvarn formats
 """
 
@@ -145,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Teacher-forced KL divergence of a quantized KV cache against a BF16-cache baseline "
                     "(comparable with llama-perplexity --kl-divergence).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,memory,formats}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,memory,compare,formats}")
 
     f = sub.add_parser("fetch", help="download / convert a model into the cache directory")
     f.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
@@ -200,6 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", default="resources/models", metavar="DIR")
     m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _accounting_arg(m)
+
+    c = sub.add_parser("compare", help="paired statistics of two cells of one run: Δ median KLD, Δ mean KLD, "
+                                       "Δ same-top (B − A) with block-bootstrap confidence intervals")
+    c.add_argument("a", metavar="CELL_A", help="cell directory (summary.json + tokens.parquet)")
+    c.add_argument("b", metavar="CELL_B", help="cell directory of the same run (same model, n_ctx, chunks)")
+    c.add_argument("--boot", type=_int_at_least("--boot", 100), default=2000, metavar="N",
+                   help="bootstrap resamples (default 2000)")
+    c.add_argument("--seed", type=_nonneg_int("--seed"), default=0, metavar="N", help="resampling seed (default 0)")
+    c.add_argument("--block", type=_positive_int("--block"), default=None, metavar="N",
+                   help="block length in tokens (default: Politis-White from the per-token autocorrelation)")
+    c.add_argument("--json", action="store_true", help="print the result as JSON")
 
     sub.add_parser("formats", help="list KV cache types: family and bits per value at head dim 64/128/256")
     return ap
@@ -307,6 +320,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "memory":
             sys.stdout.write(_memory(args))
+            return 0
+        if args.cmd == "compare":
+            import json
+
+            from kvarn import paired
+
+            res = paired.compare(paired.load_cell(args.a), paired.load_cell(args.b), n_boot=args.boot,
+                                 seed=args.seed, block=args.block)
+            sys.stdout.write(json.dumps(res, indent=1) + "\n" if args.json else paired.format_compare(res))
             return 0
         spec = model_spec(args.model)
         if args.cmd == "fetch":

@@ -230,6 +230,55 @@ def test_save_chart_writes_spec_svg_png(prep, tmp_path):
     assert not list((tmp_path / "fig").glob(".*tmp"))  # atomic writes leave no temporaries
 
 
+# ---------------------------------------------------------------- paired statistics
+
+
+@pytest.fixture(scope="module")
+def paired(results, prep):
+    from kvarn.paired import run_table
+
+    paths = synthetic.token_paths(results[0], "smollm2-135m")
+    return run_table(prep["smollm2-135m"], paths, n_boot=300)
+
+
+def test_paired_band_and_same_width(results, prep, paired):
+    p = prep["smollm2-135m"]
+    floor = D.standard_floor(p)
+    row = {r["cell"]: r for r in paired.iter_rows(named=True)}
+    assert set(row) == set(p["cell"])
+    assert row[floor["cell"]]["band"] == "floor" and row[floor["cell"]]["floor_delta"] == 0
+    for r in row.values():  # every interval holds its own estimate
+        assert r["kld_median_lo"] <= r["kld_median"] <= r["kld_median_hi"]
+        if r["band"] != "floor":
+            assert r["floor_lo"] <= r["floor_delta"] <= r["floor_hi"]
+            assert (r["band"] == "≈ floor") == (r["floor_lo"] <= 0 <= r["floor_hi"])
+    # 2-bit cells are far above the 8-bit floor; some high-bit cell shares its band
+    assert row["q2_0-q2_0-t0"]["band"] == "" and row["q2_0-q2_0-t0"]["floor_lo"] > 0
+    assert any(r["band"] == "≈ floor" for r in row.values())
+    # KVarN widths paired with qN_0 at tail 128 (q3_0 t128 is missing on purpose)
+    sw = {r["cell"]: r["sw_cell"] for r in row.values() if r["sw_cell"]}
+    assert sw["kvarn4-kvarn4-t0"] == "q4_0-q4_0-t128" and "kvarn3-kvarn3-t0" not in sw
+    assert "kvarn4-kvarn4-t128" not in sw  # the request-128 duplicate is not compared twice
+
+    table = R.build_table(results[1], "smollm2-135m", paired=paired)
+    md = R.to_markdown(table)
+    assert "| band |" in md.splitlines()[4]
+    kv4 = [ln for ln in md.splitlines() if "kvarn4-kvarn4" in ln and "128\\*" in ln][0]
+    assert "q4_0-q4_0 (Δ" in kv4
+    assert "| band |" not in R.to_markdown(R.build_table(results[1], "smollm2-135m"))
+
+
+def test_ranked_spec(prep, paired):
+    from kvarn.report.figures import ranked
+
+    spec = ranked(prep["smollm2-135m"], paired).to_dict()
+    marks = {u.get("name"): u for u in units(spec)}
+    assert mark(marks["intervals"]) == "rule" and fields(marks["intervals"])["x2"] == "kld_median_hi"
+    assert fields(marks["medians"])["x"] == "kld_median" and "standard_floor" in marks
+    labels = dataset_values(spec, "label")
+    assert "kvarn4-kvarn4 t128*" in labels and "kvarn4-kvarn4 t128" not in labels
+
+
 # ---------------------------------------------------------------- rules
 
 
@@ -245,6 +294,7 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
 
         include: "common.smk"
         include: {str(ROOT / "workflow/rules/report.smk")!r}
+        include: {str(ROOT / "workflow/rules/paired.smk")!r}
 
 
         rule all:
@@ -263,14 +313,15 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     dry = subprocess.run([snakemake, "-n", "-q", "rules"], cwd=tmp_path, capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
     for rule in ("report_table", "report_pareto", "report_same_width", "report_tail_effect", "report_heatmap",
-                 "report_position", "report_distribution"):
+                 "report_position", "report_distribution", "paired", "report_ranked"):
         assert f"{rule}" in dry.stdout + dry.stderr
     lint = subprocess.run([snakemake, "--lint"], cwd=tmp_path, capture_output=True, text=True)
-    assert "Lints for snakefile " + str(ROOT / "workflow/rules/report.smk") not in lint.stdout + lint.stderr, lint.stdout
+    for f in ("report.smk", "paired.smk"):
+        assert "Lints for snakefile " + str(ROOT / "workflow/rules" / f) not in lint.stdout + lint.stderr, lint.stdout
     from kvarn.report import workflow as W
 
     targets = W.targets(MODELS)
-    assert len(targets) == 2 * (3 + 6 * 3) and "results/figures/gemma3-270m/pareto.vl.json" in targets
+    assert len(targets) == 2 * (3 + 7 * 3) and "results/figures/gemma3-270m/pareto.vl.json" in targets
 
 
 def test_every_memory_view_names_its_accounting(results):

@@ -25,7 +25,7 @@ FLOOR_COLOR = "#2f7d32"
 WIDTH, HEIGHT = 520, 320
 KLD_FMT = ".3~g"
 
-FIGURES = ("pareto", "same_width", "tail_effect", "heatmap", "position", "distribution")
+FIGURES = ("pareto", "same_width", "tail_effect", "heatmap", "position", "distribution", "ranked")
 
 
 def _title(model: str, text: str, subtitle: str) -> alt.TitleParams:
@@ -257,6 +257,58 @@ def heatmap(prep: pl.DataFrame, standard_tail: int | None = None) -> alt.HConcat
             width=side * len(v_order), height=side * len(k_order), title=names[fam]))
     return alt.hconcat(*panels).resolve_scale(color="shared").properties(
         title=_title(model, "median KLD of every K×V pair", f"log colour scale shared by both panels; {_run_desc(prep)}"))
+
+
+# ---------------------------------------------------------------- figures from paired statistics
+
+
+def ranked(prep: pl.DataFrame, paired: pl.DataFrame) -> alt.LayerChart:
+    """Cells ranked by median KLD with 95 % block-bootstrap intervals (kvarn.paired.run_table).
+
+    Filled points: cells whose median is statistically indistinguishable from the standard
+    floor (paired interval of Δ median vs the floor holds 0); the dashed rule is the floor.
+    """
+    model = prep["model"][0]
+    rows = D.figure_rows(prep).select(["cell", "pair", "tail_label", "family", "series", "kld_median"]).join(
+        paired.select(["cell", "kld_median_lo", "kld_median_hi", "band", "floor_delta", "floor_lo", "floor_hi"]),
+        on="cell", how="inner")
+    rows = rows.with_columns(
+        (pl.col("pair") + " t" + pl.col("tail_label")).alias("label"),
+        pl.when(pl.col("band") == "").then(pl.lit("differs from floor")).otherwise(pl.lit("≈ floor")).alias("vs_floor"),
+        pl.col("kld_median_lo").clip(lower_bound=1e-8), pl.col("kld_median_hi").clip(lower_bound=1e-8),
+        pl.col("kld_median").clip(lower_bound=1e-8)).sort("kld_median")
+    order = rows["label"].to_list()
+    y = alt.Y("label:N", sort=order, title=None)
+    x_title = "median KLD vs BF16 cache (log), 95 % interval"
+    x = alt.X("kld_median:Q", title=x_title, scale=alt.Scale(type="log"))
+    series = _series_scale(rows["series"].to_list())
+    color = alt.Color("series:N", scale=series, title=None, legend=alt.Legend(orient="bottom"))
+    tt = [alt.Tooltip("label:N", title="cell"), alt.Tooltip("kld_median:Q", title="median KLD", format=KLD_FMT),
+          alt.Tooltip("kld_median_lo:Q", title="95% lo", format=KLD_FMT),
+          alt.Tooltip("kld_median_hi:Q", title="95% hi", format=KLD_FMT),
+          alt.Tooltip("floor_delta:Q", title="Δ median vs floor", format="+.3~g"),
+          alt.Tooltip("floor_lo:Q", title="Δ 95% lo", format="+.3~g"),
+          alt.Tooltip("floor_hi:Q", title="Δ 95% hi", format="+.3~g"), alt.Tooltip("vs_floor:N", title="band")]
+    bars = alt.Chart(rows, name="intervals").mark_rule(strokeWidth=2).encode(
+        y=y, x=alt.X("kld_median_lo:Q", scale=alt.Scale(type="log"), title=x_title), x2="kld_median_hi:Q",
+        color=color)
+    pts = alt.Chart(rows, name="medians").mark_point(size=60, strokeWidth=2).encode(
+        y=y, x=x, color=color, tooltip=tt,
+        fill=alt.condition("datum.vs_floor == '≈ floor'", alt.Color("series:N", scale=series, legend=None),
+                           alt.value("white")),
+        shape=alt.Shape("vs_floor:N", title="vs standard floor", legend=alt.Legend(orient="bottom"),
+                        scale=alt.Scale(domain=["≈ floor", "differs from floor"], range=["circle", "diamond"])))
+    layers = [bars, pts]
+    floor = D.standard_floor(prep)
+    if floor is not None:
+        fl = pl.DataFrame({"floor_kld": [max(floor["kld_median"], 1e-8)]})
+        layers.append(alt.Chart(fl, name="standard_floor").mark_rule(color=FLOOR_COLOR, strokeDash=[6, 4]).encode(
+            x="floor_kld:Q"))
+    return alt.layer(*layers).properties(
+        width=WIDTH, height=max(160, 16 * len(order)),
+        title=_title(model, "cells ranked by median KLD",
+                     f"bars: 95 % circular block-bootstrap intervals; filled: not distinguishable from the "
+                     f"standard floor (dashed); {_run_desc(prep)}"))
 
 
 # ---------------------------------------------------------------- figures from per-token data

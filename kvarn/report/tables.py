@@ -19,24 +19,52 @@ from kvarn.report.data import accounting_of, prepare
 
 #: Columns of the numeric table (the parquet), in order.
 TABLE_COLUMNS = [
-    "model", "n_ctx", "chunks", "n_tokens", "family", "k_type", "v_type", "pair", "tail_requested",
+    "model", "n_ctx", "chunks", "n_tokens", "family", "k_type", "v_type", "pair", "cell", "tail_requested",
     "tail_eff_full", "tail_label", "exact_share", "memory_accounting", "kv_mib", "delta_mib", "body_mib", "staging_mib",
     "overlay_mib", "kld_mean",
     "kld_mean_err", "kld_median", "kld_p99", "kld_p99_9", "same_top", "same_top_err", "tokens_per_s",
     "is_floor", "below_floor",
 ]
+#: Columns joined from kvarn.paired.run_table when the paired statistics are given.
+PAIRED_COLUMNS = ["kld_median_lo", "kld_median_hi", "band", "floor_delta", "floor_lo", "floor_hi", "sw_cell",
+                  "sw_delta", "sw_lo", "sw_hi", "sw_significant"]
 
 HEADERS = ["K/V pair", "tail", "exact %", "KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD",
-           "p99.9 KLD", "same top %", "tokens/s", "note"]
+           "p99.9 KLD", "same top %", "tokens/s", "band", "note"]
 MIB_HEADER = "KV cache MiB (Δ)"  # displayed with the accounting: `header(h, table)`
 FLOOR_NOTE = "standard floor"
 BELOW_NOTE = "below floor"
 
 
-def build_table(summary: pl.DataFrame, model: str) -> pl.DataFrame:
-    """The numeric table of one model: one row per cell, standard rows first, widest first."""
+def build_table(summary: pl.DataFrame, model: str, paired: pl.DataFrame | None = None) -> pl.DataFrame:
+    """The numeric table of one model: one row per cell, standard rows first, widest first.
+
+    `paired`: kvarn.paired.run_table of the same run (results/paired/{model}.parquet); adds
+    PAIRED_COLUMNS, joined by cell.
+    """
     prep = prepare(summary, model)
-    return prep.select([c for c in TABLE_COLUMNS if c in prep.columns])
+    table = prep.select([c for c in TABLE_COLUMNS if c in prep.columns])
+    if paired is not None:
+        missing = sorted(set(table["cell"]) - set(paired["cell"]))
+        if missing:
+            raise ValueError(f"paired statistics lack cells {missing}; rebuild results/paired/{model}.parquet")
+        table = table.join(paired.select(["cell", *PAIRED_COLUMNS]), on="cell", how="left", maintain_order="left")
+    return table
+
+
+def headers(table: pl.DataFrame) -> list[str]:
+    """HEADERS, without `band` when the table has no paired statistics."""
+    return [h for h in HEADERS if h != "band" or "band" in table.columns]
+
+
+def band_text(r: dict) -> str:
+    """The band column of one row: `floor` / `≈ floor`, then KVarN vs its same-width standard type."""
+    parts = [r["band"]] if r.get("band") else []
+    if r.get("sw_cell"):
+        sign = "≈" if not r["sw_significant"] else "<" if r["sw_delta"] < 0 else ">"
+        std = r["sw_cell"].rsplit("-t", 1)[0]
+        parts.append(f"{sign} {std} (Δ {r['sw_delta']:+.2g} [{r['sw_lo']:+.2g}, {r['sw_hi']:+.2g}])")
+    return "; ".join(parts)
 
 
 def _fmt_kld(x: float | None) -> str:
@@ -67,7 +95,7 @@ def format_rows(table: pl.DataFrame) -> list[dict]:
             "median KLD": _fmt_kld(r["kld_median"]), "p99 KLD": _fmt_kld(r["kld_p99"]),
             "p99.9 KLD": _fmt_kld(r["kld_p99_9"]), "same top %": st,
             "tokens/s": "–" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
-            "note": note, "_floor": r["is_floor"], "_below": r["below_floor"],
+            "band": band_text(r), "note": note, "_floor": r["is_floor"], "_below": r["below_floor"],
         })
     return out
 
@@ -86,18 +114,22 @@ def _caption(table: pl.DataFrame) -> str:
             f"KV cache MiB under the `{accounting_of(table)}` memory accounting (body + staging + exact overlay, "
             "kvarn.memory); Δ: MiB against the same pair at tail 0. "
             f"*{FLOOR_NOTE}*: the best standard row by median KLD; "
-            f"**bold** rows ({BELOW_NOTE}): median KLD lower than the standard floor.")
+            f"**bold** rows ({BELOW_NOTE}): median KLD lower than the standard floor. "
+            + ("Band (paired 95 % block-bootstrap intervals, kvarn.paired): *≈ floor* = median not "
+               "distinguishable from the floor's; for KVarN, </≈/> its same-width qN_0 at tail 128, with "
+               "Δ median [interval]." if "band" in table.columns else ""))
 
 
 def to_markdown(table: pl.DataFrame) -> str:
     """GitHub Markdown: a caption paragraph, then the table; below-floor rows in bold."""
     rows = format_rows(table)
+    cols = headers(table)
     right = {"exact %", "KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD", "p99.9 KLD", "same top %", "tokens/s"}
     lines = [f"### {table['model'][0]}", "", _caption(table), "",
-             "| " + " | ".join(header(h, table) for h in HEADERS) + " |",
-             "|" + "|".join("---:" if h in right else "---" for h in HEADERS) + "|"]
+             "| " + " | ".join(header(h, table) for h in cols) + " |",
+             "|" + "|".join("---:" if h in right else "---" for h in cols) + "|"]
     for r in rows:
-        cells = [r[h].replace("*", "\\*") for h in HEADERS]  # `128*` must not open emphasis
+        cells = [r[h].replace("*", "\\*") for h in cols]  # `128*` must not open emphasis
         if r["_below"]:
             cells = [f"**{c}**" if c else c for c in cells]
         elif r["_floor"]:
@@ -119,17 +151,18 @@ table.kvarn tr.below-floor td { background: #dff3e4; font-weight: bold; }
 def to_html(table: pl.DataFrame, standalone: bool = True) -> str:
     """An HTML table; rows carry classes `standard`/`kvarn`, `floor`, `below-floor`."""
     rows = format_rows(table)
+    cols = headers(table)
     num = {"exact %", "KV cache MiB (Δ)", "mean KLD ± err", "median KLD", "p99 KLD", "p99.9 KLD", "same top %", "tokens/s"}
     fams = table["family"].to_list()
     body = []
     for r, fam in zip(rows, fams):
         cls = [fam] + (["floor"] if r["_floor"] else []) + (["below-floor"] if r["_below"] else [])
         tds = "".join(f'<td class="num">{html.escape(r[h])}</td>' if h in num else f"<td>{html.escape(r[h])}</td>"
-                      for h in HEADERS)
+                      for h in cols)
         body.append(f'<tr class="{" ".join(cls)}">{tds}</tr>')
     cap = html.escape(_caption(table)).replace("*", "")
     tbl = (f'<table class="kvarn">\n<caption style="caption-side: bottom; text-align: left">{cap}</caption>\n'
-           "<thead><tr>" + "".join(f"<th>{html.escape(header(h, table))}</th>" for h in HEADERS)
+           "<thead><tr>" + "".join(f"<th>{html.escape(header(h, table))}</th>" for h in cols)
            + "</tr></thead>\n<tbody>\n"
            + "\n".join(body) + "\n</tbody>\n</table>\n")
     if not standalone:

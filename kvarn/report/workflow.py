@@ -7,10 +7,11 @@ imports this module.
 
 from __future__ import annotations
 
-from kvarn.report.data import select_token_paths
+from kvarn.report.data import parse_cell_path, select_token_paths
 
 SUMMARY_FIGURES = ["pareto", "same_width", "tail_effect", "heatmap"]
 TOKEN_FIGURES = ["position", "distribution"]
+PAIRED_FIGURES = ["ranked"]  # from results/paired/{model}.parquet (kvarn.paired.run_table)
 FIGURE_FORMATS = ["svg", "png", "vl.json"]
 TABLE_FORMATS = ["md", "html", "parquet"]
 FIGURE_TITLES = {
@@ -20,9 +21,10 @@ FIGURE_TITLES = {
     "heatmap": "K x V heatmap",
     "position": "KLD by position",
     "distribution": "KLD distribution",
+    "ranked": "cells ranked, with intervals",
 }
 # `report:` section of the config (optional; every key has a default).
-DEFAULTS = {"cells": None, "widths": [2, 4, 8], "tail": 128, "position_bins": 24}
+DEFAULTS = {"cells": None, "widths": [2, 4, 8], "tail": 128, "position_bins": 24, "boot": 2000, "seed": 0}
 
 
 def targets(models) -> list[str]:
@@ -30,7 +32,8 @@ def targets(models) -> list[str]:
     out = []
     for m in models:
         out += [f"results/tables/{m}.{ext}" for ext in TABLE_FORMATS]
-        out += [f"results/figures/{m}/{f}.{ext}" for f in SUMMARY_FIGURES + TOKEN_FIGURES for ext in FIGURE_FORMATS]
+        out += [f"results/figures/{m}/{f}.{ext}" for f in SUMMARY_FIGURES + TOKEN_FIGURES + PAIRED_FIGURES
+                for ext in FIGURE_FORMATS]
     return out
 
 
@@ -42,6 +45,16 @@ def figure_tokens(token_paths, config: dict) -> list[str]:
     """The tokens.parquet of the cells the position/distribution figures draw, chosen by path."""
     return select_token_paths(token_paths, cells=option(config, "cells"), widths=option(config, "widths"),
                               tail=option(config, "tail"))
+
+
+def report_run_tokens(token_paths) -> list[str]:
+    """The tokens.parquet of every cell of the run the tables show (kvarn.report.data.select_run:
+    the largest n_ctx, then chunks), for the paired statistics."""
+    parsed = [(str(p), parse_cell_path(p)) for p in token_paths]
+    if not parsed:
+        return []
+    best = max((d["n_ctx"], d["chunks"]) for _, d in parsed)
+    return [p for p, d in parsed if (d["n_ctx"], d["chunks"]) == best]
 
 
 def figure_outputs(figure: str) -> dict:

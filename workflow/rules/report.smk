@@ -18,6 +18,7 @@ figure_outputs = kvr.figure_outputs
 rule report_table:
     input:
         summary="results/summary.parquet",
+        paired="results/paired/{model}.parquet",
     output:
         md="results/tables/{model}.md",
         html=report(

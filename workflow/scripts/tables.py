@@ -8,7 +8,8 @@ from kvarn.report import build_table, to_html, to_markdown  # noqa: E402
 
 model = snakemake.wildcards.model  # noqa: F821
 out = snakemake.output  # noqa: F821
-table = build_table(pl.read_parquet(snakemake.input.summary), model)  # noqa: F821
+table = build_table(pl.read_parquet(snakemake.input.summary), model,  # noqa: F821
+                    paired=pl.read_parquet(snakemake.input.paired))  # noqa: F821
 with atomic(out.parquet) as tmp:
     table.write_parquet(tmp)
 with atomic(out.md) as tmp:

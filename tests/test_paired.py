@@ -1,0 +1,177 @@
+"""kvarn.paired: the block bootstrap's coverage on synthetic autocorrelated series, its block
+length rule against the AR(1) theory, determinism, refusal of unpaired cells, and the CLI."""
+
+import json
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+
+from kvarn import paired as P
+
+CHUNKS, M = 2, 400  # two "chunks" of 400 scored tokens, as a small run
+
+
+def ar1(rng, shape, phi):
+    """Stationary Gaussian AR(1) rows of unit innovation variance."""
+    e = rng.standard_normal(shape)
+    x = np.empty(shape)
+    x[..., 0] = e[..., 0] / math.sqrt(1 - phi * phi)
+    for t in range(1, shape[-1]):
+        x[..., t] = phi * x[..., t - 1] + e[..., t]
+    return x
+
+
+def cell(name, kld, top=None, summary=None, chunks=CHUNKS):
+    n = len(kld)
+    m = n // chunks
+    top = np.ones(n) if top is None else top
+    return P.CellTokens(name, summary or {"model": "m", "n_ctx": 2 * m + 2, "chunks": chunks},
+                        np.repeat(np.arange(chunks, dtype=np.int32), m), np.tile(np.arange(m, dtype=np.int32), chunks),
+                        np.asarray(kld, dtype=np.float64), np.asarray(top, dtype=np.float64), np.zeros(n))
+
+
+def aa_pair(rng, phi=0.7, scale=0.5):
+    """Two cells with identical marginals: KLD = exp(scale·(shared hard-token component + the
+    cell's own error)), both AR(1), so Δ median = Δ mean = Δ same-top = 0 in truth. The
+    log-normal has σ ≈ 1 at the default scale (skewed; far heavier tails make the percentile
+    interval of a mean under-cover at 800 tokens, see docs/notes/paired.md)."""
+    z = ar1(rng, (CHUNKS, M), phi)
+    ea, eb = ar1(rng, (CHUNKS, M), phi), ar1(rng, (CHUNKS, M), phi)
+    return (cell("a", np.exp(scale * (z + ea)).ravel(), (ea.ravel() > -1).astype(float)),
+            cell("b", np.exp(scale * (z + eb)).ravel(), (eb.ravel() > -1).astype(float)))
+
+
+def binomial_band(n, p, tail=0.0005):
+    """[lo, hi] counts holding all but `tail` of Binomial(n, p) at each end (exact sums)."""
+    pmf = [math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)]
+    cdf = np.cumsum(pmf)
+    return int(np.searchsorted(cdf, tail)), int(np.searchsorted(cdf, 1 - tail))
+
+
+def test_aa_coverage_is_95_percent_and_iid_resampling_is_not():
+    """200 A/A replications: the 95 % intervals of Δ median and Δ same-top cover 0 as often as
+    Binomial(200, 0.95) allows (99.9 % band); an iid bootstrap (block 1) of the same series
+    under-covers far below it. Δ mean, a mean of a skewed autocorrelated series over two
+    400-token chunks, is measured at ~90 % (the bootstrap SE ~12 % short at any block
+    length; docs/notes/paired.md): asserted >= 85 % and recorded, not hidden."""
+    rng = np.random.default_rng(11)
+    reps = 200
+    cover = {"kld_median": 0, "kld_mean": 0, "same_top": 0}
+    iid_cover = 0
+    blocks = []
+    for r in range(reps):
+        a, b = aa_pair(rng)
+        res = P.compare(a, b, n_boot=400, seed=r)
+        blocks.append(res["block"])
+        for k in cover:
+            cover[k] += res["stats"][k]["lo"] <= 0 <= res["stats"][k]["hi"]
+        if r < 100:
+            s = P.compare(a, b, n_boot=400, seed=r, block=1)["stats"]["kld_median"]
+            iid_cover += s["lo"] <= 0 <= s["hi"]
+    lo, hi = binomial_band(reps, 0.95)
+    for k in ("kld_median", "same_top"):
+        assert lo <= cover[k] <= hi, (k, cover[k], (lo, hi))
+    assert 0.85 * reps <= cover["kld_mean"] <= hi, cover
+    assert iid_cover < binomial_band(100, 0.95)[0], iid_cover  # the block length is what buys coverage
+    assert min(blocks) > 5  # the rule saw the autocorrelation
+
+
+def test_known_shift_is_found():
+    rng = np.random.default_rng(3)
+    a, _ = aa_pair(rng)
+    shift = 0.25
+    b = cell("b", a.kld + shift, np.where(np.arange(len(a.kld)) % 10 == 0, 0.0, a.same_top))
+    res = P.compare(a, b, n_boot=1000)
+    s = res["stats"]
+    for k in ("kld_median", "kld_mean"):
+        assert s[k]["delta"] == pytest.approx(shift) and s[k]["lo"] <= shift <= s[k]["hi"]
+        assert s[k]["significant"] and s[k]["lo"] > 0
+    assert s["same_top"]["delta"] < 0 and s["same_top"]["significant"]
+    tiny = P.compare(a, cell("d", aa_pair(rng)[1].kld), n_boot=500)["stats"]["kld_median"]
+    assert tiny["lo"] < tiny["delta"] < tiny["hi"]
+
+
+def test_block_length_follows_ar1_theory():
+    """Politis–White on a long AR(1) against the closed form of the optimal circular block,
+    b = (1.5·(2φ/(1−φ²))²)^(1/3)·n^(1/3); and iid data gets (about) 1."""
+    rng = np.random.default_rng(5)
+    n = 40000
+    for phi in (0.5, 0.8):
+        x = ar1(rng, (1, n), phi).ravel()
+        theory = (1.5 * (2 * phi / (1 - phi * phi)) ** 2) ** (1 / 3) * n ** (1 / 3)
+        assert P.politis_white(x, [(0, n)]) == pytest.approx(theory, rel=0.2)
+    assert P.politis_white(rng.standard_normal(n), [(0, n)]) < 3
+    # The rule clamps to half the shortest chunk.
+    x = ar1(rng, (1, 40), 0.99).ravel()
+    assert P.block_length([x], np.repeat([0, 1], 20)) <= 10
+
+
+def test_block_indices_stay_in_their_chunk_and_wrap():
+    rng = np.random.default_rng(0)
+    bounds = [(0, 7), (7, 20)]
+    idx = P.block_indices(P.block_starts(rng, bounds, 4, 50), bounds, 4)
+    assert idx.shape == (50, 20)
+    assert ((idx[:, :7] >= 0) & (idx[:, :7] < 7)).all() and ((idx[:, 7:] >= 7) & (idx[:, 7:] < 20)).all()
+    # within a block, consecutive indices step by one modulo the chunk length
+    d = (idx[:, 1:4] - idx[:, 0:3]) % 7
+    assert (d == 1).all()
+
+
+def test_seeded_and_deterministic():
+    rng = np.random.default_rng(9)
+    a, b = aa_pair(rng)
+    r1, r2 = P.compare(a, b, n_boot=300, seed=4), P.compare(a, b, n_boot=300, seed=4)
+    assert P.format_compare(r1) == P.format_compare(r2) and r1 == r2
+    r3 = P.compare(a, b, n_boot=300, seed=5)
+    assert r3["stats"]["kld_median"]["lo"] != r1["stats"]["kld_median"]["lo"]
+    # batching the resamples does not change them
+    old = P.MAX_ELEMENTS
+    try:
+        P.MAX_ELEMENTS = 1000
+        assert P.compare(a, b, n_boot=300, seed=4) == r1
+    finally:
+        P.MAX_ELEMENTS = old
+
+
+def test_refuses_cells_of_different_runs():
+    rng = np.random.default_rng(1)
+    a, b = aa_pair(rng)
+    other = cell("b", b.kld, summary={"model": "m", "n_ctx": 1024, "chunks": CHUNKS})
+    with pytest.raises(ValueError, match=r"n_ctx is 802 vs 1024"):
+        P.compare(a, other)
+    shifted_base = P.CellTokens("b", a.summary, a.chunk, a.pos, b.kld, b.same_top, a.nll_base + 0.1)
+    with pytest.raises(ValueError, match="different baselines"):
+        P.compare(a, shifted_base)
+    with pytest.raises(ValueError, match="resamples"):
+        P.compare(a, b, n_boot=10)
+
+
+def _write_cell(d, c, extra=None):
+    d.mkdir(parents=True)
+    pl.DataFrame({"chunk": c.chunk, "pos": c.pos, "kld": c.kld, "nll": c.nll_base, "nll_base": c.nll_base,
+                  "dp": np.zeros(len(c.kld)), "same_top": c.same_top > 0.5}).write_parquet(d / "tokens.parquet")
+    (d / "summary.json").write_text(json.dumps({**c.summary, **(extra or {})}))
+
+
+def test_cli_compare_text_and_json(tmp_path, capsys):
+    from kvarn.cli import main
+
+    rng = np.random.default_rng(2)
+    a, b = aa_pair(rng)
+    b = cell("b", a.kld + 0.5, a.same_top)
+    _write_cell(tmp_path / "q8_0-q8_0-t0", a)
+    _write_cell(tmp_path / "q4_0-q4_0-t0", b)
+    assert main(["compare", str(tmp_path / "q8_0-q8_0-t0"), str(tmp_path / "q4_0-q4_0-t0"), "--boot", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "A = q8_0-q8_0-t0" in out and "median KLD" in out and "+0.500000" in out
+    assert [ln for ln in out.splitlines() if ln.startswith("mean KLD")][0].endswith("*")
+    assert main(["compare", str(tmp_path / "q8_0-q8_0-t0"), str(tmp_path / "q4_0-q4_0-t0"), "--boot", "500",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["stats"]["kld_mean"]["delta"] == pytest.approx(0.5) and res["n_boot"] == 500
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(tmp_path / "q8_0-q8_0-t0"), str(tmp_path / "nope")])
+    assert e.value.code == 2
+    assert "nope" in capsys.readouterr().err

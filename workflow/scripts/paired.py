@@ -1,0 +1,15 @@
+"""Rule paired: one model's paired statistics (kvarn.paired.run_table) -> results/paired/{model}.parquet."""
+
+import polars as pl
+from _wf import atomic, start
+
+start(snakemake)  # noqa: F821
+from kvarn.paired import run_table  # noqa: E402
+from kvarn.report import prepare  # noqa: E402
+
+sm = snakemake  # noqa: F821
+prep = prepare(pl.read_parquet(sm.input.summary), sm.wildcards.model)
+table = run_table(prep, list(sm.input.tokens), n_boot=sm.params.boot, seed=sm.params.seed, tail=sm.params.tail)
+with atomic(sm.output[0]) as tmp:
+    table.write_parquet(tmp)
+print(table)
