@@ -187,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "from a model's config alone, no weights")
     m.add_argument("-m", "--model", required=True, metavar="MODEL|config.json",
                    help="a config.json (or a directory holding one), a study model of config/models "
-                        f"({', '.join(sorted(p.stem for p in STUDY_CONFIGS.glob('*.json')))}), or an embedded "
-                        "model already fetched into --cache-dir")
+                        f"({', '.join(sorted(p.stem for p in STUDY_CONFIGS.glob('*.json')))}), an embedded "
+                        "model already fetched into --cache-dir, hf:org/repo[@rev] (its config.json alone) "
+                        "or a .gguf file (its metadata)")
     m.add_argument("-c", "--ctx", type=_positive_int("--ctx"), required=True, metavar="N", help="context size n_ctx")
     m.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE")
     m.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE")
@@ -232,6 +233,10 @@ def memory_config(arg: str, cache_dir: str) -> tuple[dict, str]:
 
     from kvarn.sources import EMBEDDED
 
+    if arg.startswith(("hf:", "random:")) or arg.endswith(".gguf"):  # the config alone, no weights where possible
+        from kvarn.sources import config_json
+
+        return config_json(model_spec(arg), cache_dir), arg
     p = Path(arg)
     if p.is_dir():
         p = p / "config.json"
@@ -243,8 +248,8 @@ def memory_config(arg: str, cache_dir: str) -> tuple[dict, str]:
             raise UsageError(f"--model {arg!r}: embedded model not converted yet (no {p}); run `kvarn fetch -m {arg}`")
     if not p.is_file():
         raise UsageError(
-            f"--model {arg!r} is neither a config.json, a directory holding one, a study model of {STUDY_CONFIGS} "
-            f"nor an embedded model ({', '.join(EMBEDDED)})"
+            f"--model {arg!r} is neither a config.json, a directory holding one, a study model of {STUDY_CONFIGS}, "
+            f"an embedded model ({', '.join(EMBEDDED)}), hf:org/repo[@rev] nor a .gguf file"
         )
     try:
         with open(p) as f:

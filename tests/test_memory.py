@@ -255,6 +255,10 @@ def test_cli_memory_config_dir(tmp_path, capsys):
     assert cli.main(["memory", "-m", str(tmp_path), "-c", "300", "-ctk", "q4_0", "-ctv", "q4_0", "--json"]) == 0
     # 2 layers x 2 KV heads x head dim 256/4 = 64: the TINY geometry
     assert json.loads(capsys.readouterr().out)["total_bytes"] == 86400
+    # a random-weight source is its config file: the same bytes
+    assert cli.main(["memory", "-m", f"random:{tmp_path / 'config.json'}", "-c", "300", "-ctk", "q4_0", "-ctv", "q4_0",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total_bytes"] == 86400
 
 
 @pytest.mark.parametrize("argv, needle", [
