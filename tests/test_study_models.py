@@ -36,6 +36,7 @@ from kvarn.cache import KVarnCache, KVarnLayer
 from kvarn.engine import _policy_fields
 from kvarn.geometry import geometry_from_config
 
+REPO = Path(__file__).resolve().parents[1]
 N = 512  # tokens: KVarN's 128-token sink + 128-token tail leave body keys for queries >= 256
 VOCAB = 256
 
@@ -176,6 +177,35 @@ def test_summary_policy_fields():
         "tail_eff_full": 128, "tail_eff_sliding": None, "sink": 0}
     g = KVarnCache(gemma4_config(), "kvarn4", "kvarn4", 0)
     assert _policy_fields(g) == {"tail_eff_full": 128, "tail_eff_sliding": 32, "sink": 128}
+
+
+@pytest.mark.parametrize("name,want", [
+    ("qwen3.6-27b", ({"LinearAttentionLayer": 48, "KVarnLayer": 16}, None, {(4, 256)})),
+    ("gemma4-31b", ({"KVarnLayer": 60}, 128, {(16, 256), (4, 512)})),
+])
+def test_study_scale_configs_build_the_cache(name, want):
+    # The study's own text configs (config/models), as config.json dicts: the cache's layer
+    # classes and summary fields, without weights. kvarn4's tail 128 fits Gemma's W 1024.
+    from collections import Counter
+
+    from kvarn.geometry import config_object
+
+    layers, tail_sliding, shapes = want
+    cfg = config_object(json.loads((REPO / "config" / "models" / f"{name}.json").read_text()))
+    for k, tail in (("kvarn4", 0), ("q4_0", 128)):
+        cache = KVarnCache(cfg, k, k, tail)
+        assert dict(Counter(type(x).__name__ for x in cache.layers)) == layers
+        assert _policy_fields(cache)["tail_eff_sliding"] == tail_sliding
+        assert {(g.n_kv_heads, g.head_dim) for g in cache.geometry.layers if g.has_kv} == shapes
+
+
+def test_image_text_configs_use_their_text_config():
+    from transformers import Gemma4Config, Qwen3_5Config
+
+    q = KVarnCache(Qwen3_5Config(text_config=qwen35_config().to_dict()), "q4_0", "q4_0", 0)
+    assert [type(x).__name__ for x in q.layers] == (["LinearAttentionLayer"] * 3 + ["KVarnLayer"]) * 2
+    g = KVarnCache(Gemma4Config(text_config=gemma4_config().to_dict()), "q4_0", "q4_0", 0)
+    assert [p.window for p in g.policies] == [32] * 5 + [None]
 
 
 def test_head_dim_the_format_refuses_names_the_layer():
@@ -347,7 +377,6 @@ def test_reset_clears_the_linear_state(pair):
 
 # --- end to end: `kvarn baseline` + `kvarn run` on local directories -------------------
 
-REPO = Path(__file__).resolve().parents[1]
 SMOL_HF = REPO / "resources" / "models" / "smollm2-135m" / "hf"
 TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
 SMOL_VOCAB = 49152
