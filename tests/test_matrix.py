@@ -108,6 +108,9 @@ BAD = {
     "unknown model": (with_(("cells", 0, "models"), ["nope"]), "cells[0].models", "nope"),
     "unknown accounting": (with_(("models", 0, "memory_accounting"), "beellama"), "models[0].memory_accounting",
                            "packed, beellama-qwen, beellama-gemma"),
+    "chunks word": (with_(("models", 0, "chunks"), "most"), "models[0].chunks", '"all"'),
+    "chunks zero": (with_(("models", 0, "chunks"), 0), "models[0].chunks", "0"),
+    "allow_unpinned": ({**BASE, "allow_unpinned": "yes"}, "allow_unpinned", "true or false"),
 }
 
 
@@ -154,3 +157,35 @@ def test_bad_sink_is_rejected(sink, needle):
     with pytest.raises(kvm.MatrixError, match=r"^cells\[1\]\.sink") as e:
         kvm.expand(cfg)
     assert needle in str(e.value)
+
+
+def test_chunks_all_is_a_stable_path():
+    m = kvm.expand(with_(("models", 0, "chunks"), "all"))
+    assert m.cells[0].dir == "results/smollm2-135m/ctx512-call/cells/q8_0-q8_0-t0"
+    assert m.runs() == [("smollm2-135m", 512, "all")]
+    assert kvm.chunks_arg("all") is None and kvm.chunks_arg("3") == 3
+    # a count keeps the path it always had
+    assert kvm.expand(BASE).cells[0].dir == "results/smollm2-135m/ctx512-c2/cells/q8_0-q8_0-t0"
+
+
+@pytest.mark.parametrize("source,revision,pinned", [
+    ("embedded:smollm2-135m", None, True),
+    ("random:config/models/qwen3.6-27b.json", None, True),
+    ("hf:Qwen/Qwen3.6-27B", None, False),
+    ("hf:Qwen/Qwen3.6-27B", "main", False),
+    ("hf:Qwen/Qwen3.6-27B", "0123456789abcdef0123456789abcdef01234567", True),
+    ("hf:Qwen/Qwen3.6-27B@0123456789abcdef0123456789abcdef01234567", None, True),
+    ("hf:org/repo-GGUF/m-Q5_K_S.gguf", None, False),
+    ("hf:org/repo-GGUF/m-Q5_K_S.gguf", "sha256:" + "ab" * 32, True),
+    ("models/local.gguf", None, False),
+])
+def test_unpinned_sources_refused_unless_allowed(source, revision, pinned):
+    m = kvm.expand(with_(("models", 0), {**BASE["models"][0], "source": source, "revision": revision})).models
+    assert (kvm.unpinned(m["smollm2-135m"]) is None) == pinned
+    if pinned:
+        assert kvm.check_pinned(m, False) == []
+        return
+    with pytest.raises(kvm.MatrixError, match=r"smollm2-135m: .*allow_unpinned=true"):
+        kvm.check_pinned(m, False)
+    assert kvm.check_pinned(m, True) == []
+    assert kvm.check_pinned(m, False, plan_only=True)  # planning proceeds, with a note

@@ -39,7 +39,7 @@ SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
 # The cell directory name written by the workflow: {k}-{v}-t{tail}{opts}
 # ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}, -s{sink}; kvarn.matrix).
 _CELL_RE = re.compile(r"^(?P<k>[a-z0-9_]+)-(?P<v>[a-z0-9_]+)-t(?P<tail>\d+)(?P<opts>" + OPTS_PATTERN + ")$")
-_RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+)$")
+_RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+|all)$")
 
 
 def type_bits(name: str) -> int | None:
@@ -260,7 +260,8 @@ def parse_cell_path(path: str | Path) -> dict:
             "cells/{k}-{v}-t{tail}/tokens.parquet"
         )
     return {
-        "model": model, "n_ctx": int(mr["n_ctx"]), "chunks": int(mr["chunks"]),
+        "model": model, "n_ctx": int(mr["n_ctx"]),
+        "chunks": mr["chunks"] if mr["chunks"] == "all" else int(mr["chunks"]),
         "k_type": mc["k"], "v_type": mc["v"], "tail_requested": int(mc["tail"]), "opts": mc["opts"],
     }
 
@@ -310,8 +311,11 @@ def select_token_paths(
     parsed = [(str(p), parse_cell_path(p)) for p in paths]
     if not parsed:
         return []
-    best = max((d["n_ctx"], d["chunks"]) for _, d in parsed)
-    parsed = [(p, d) for p, d in parsed if (d["n_ctx"], d["chunks"]) == best]
+    def run(d):  # chunks "all" (every chunk of the text) ranks above any count
+        return d["n_ctx"], float("inf") if d["chunks"] == "all" else d["chunks"]
+
+    best = max(run(d) for _, d in parsed)
+    parsed = [(p, d) for p, d in parsed if run(d) == best]
     if cells:
         want = set(cells)
         return [p for p, _ in parsed if Path(p).parent.name in want]

@@ -13,6 +13,8 @@
 from kvarn import matrix as kvm
 
 MATRIX = kvm.expand(config)
+for _note in kvm.check_pinned(MATRIX.models, config.get("allow_unpinned", False), plan_only=True):
+    sys.stderr.write(f"kvarn: unpinned model {_note}; fetch_model refuses it without --config allow_unpinned=true\n")
 MODELS = {name: vars(m) for name, m in MATRIX.models.items()}  # for lookup(dpath=...)
 
 
@@ -86,6 +88,7 @@ def fetch_model_marker(marker, model, key, log):
     from kvarn.sources import ModelSpec, fetch
 
     m = MODELS[model]
+    kvm.check_pinned({model: MATRIX.models[model]}, config.get("allow_unpinned", False))
     if key != source_key(model):
         raise ValueError(f"{marker} is not the marker of {m['source']}@{m['revision']}; run snakemake without naming it")
     spec = ModelSpec(model, m["source"], m["revision"])

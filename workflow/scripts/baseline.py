@@ -7,11 +7,12 @@ from _wf import atomic, model_spec, start
 
 start(snakemake)  # noqa: F821
 from kvarn.engine import run_baseline  # noqa: E402
+from kvarn.matrix import chunks_arg  # noqa: E402
 
 w, p = snakemake.wildcards, snakemake.params  # noqa: F821
 with atomic(snakemake.output[0]) as tmp:  # noqa: F821
     info = run_baseline(
-        model_spec(snakemake), int(w.n_ctx), int(w.chunks), out=tmp, ubatch=p.ubatch,  # noqa: F821
+        model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), out=tmp, ubatch=p.ubatch,  # noqa: F821
         text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
         cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
     )

@@ -10,6 +10,7 @@ from _wf import model_spec, start
 
 start(snakemake)  # noqa: F821
 from kvarn.engine import run_cell  # noqa: E402
+from kvarn.matrix import chunks_arg  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
 cell_dir = Path(out.summary).parent
@@ -18,7 +19,7 @@ for stale in cell_dir.glob(".tmp-*"):  # scratch of a killed earlier attempt
 tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cell_dir))
 try:
     summary = run_cell(
-        model_spec(snakemake), int(w.n_ctx), int(w.chunks), w.k, w.v, int(w.tail),  # noqa: F821
+        model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), w.k, w.v, int(w.tail),  # noqa: F821
         baseline=Path(snakemake.input.baseline), out_dir=tmp, ubatch=p.ubatch, rot=p.rot,  # noqa: F821
         tail_dtype=p.tail_dtype, iters=p.iters, sink=p.sink, text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
         cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
