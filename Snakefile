@@ -19,7 +19,7 @@ include: "workflow/rules/common.smk"
 wildcard_constraints:
     model=kvm.MODEL_PATTERN,
     n_ctx=r"\d+",
-    chunks=r"\d+|all",
+    chunks=kvm.CHUNKS_PATTERN,
     k=kvm.TYPE_PATTERN,
     v=kvm.TYPE_PATTERN,
     tail=r"\d+",
