@@ -25,6 +25,8 @@ wildcard_constraints:
     tail=r"\d+",
     opts=kvm.OPTS_PATTERN,
     source_key=r"[0-9a-f]{8}",
+    prompts=r"\d+",
+    tokens=r"\d+",
 
 
 include: "workflow/rules/models.smk"
@@ -34,6 +36,7 @@ include: "workflow/rules/cells.smk"
 include: "workflow/rules/aggregate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/paired.smk"
+include: "workflow/rules/decode.smk"
 
 
 rule all:

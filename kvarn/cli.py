@@ -27,6 +27,9 @@ examples (llama.cpp equivalents in brackets):
       --accounting beellama-qwen
   kvarn compare cells/q4_0-q4_0-t128 cells/kvarn4-kvarn4-t0
       (paired Δ median/mean KLD and Δ same-top of B − A, 95% block-bootstrap intervals)
+  kvarn decode --model smollm2-135m --ctx 512 --prompts 8 --tokens 128 --k q4_0 --v q4_0 --tail 128 \
+      --out decode/q4_0-q4_0-t128
+      (free-running greedy decode vs the BF16 baseline: tokens to first divergence, KLD per step)
   kvarn formats
 """
 
@@ -147,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Teacher-forced KL divergence of a quantized KV cache against a BF16-cache baseline "
                     "(comparable with llama-perplexity --kl-divergence).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,memory,compare,formats}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,decode,memory,compare,formats}")
 
     f = sub.add_parser("fetch", help="download / convert a model into the cache directory")
     f.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
@@ -203,6 +206,33 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", default="resources/models", metavar="DIR")
     m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _accounting_arg(m)
+
+    d = sub.add_parser("decode", help="free-running greedy decode of a cell against the BF16 baseline: tokens "
+                                      "to the first divergence, KLD along the cell's own text (steps.parquet + "
+                                      "summary.json)")
+    d.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
+    d.add_argument("-c", "--ctx", type=_ctx, required=True, metavar="N",
+                   help="context: each prompt is the first N - tokens tokens of an N-token Wikitext chunk")
+    d.add_argument("--prompts", type=_positive_int("--prompts"), default=8, metavar="P",
+                   help="prompts (consecutive chunks), decoded as one batch (default 8)")
+    d.add_argument("--tokens", type=_positive_int("--tokens"), default=128, metavar="G",
+                   help="tokens generated per prompt (default 128)")
+    d.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE")
+    d.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE")
+    d.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N", help="requested exact tail (default 0)")
+    d.add_argument("--sink", type=_nonneg_int("--sink"), default=None, metavar="N",
+                   help="exact leading tokens (default: the pair's own)")
+    d.add_argument("--tail-dtype", choices=["bf16", "f16", "f32"], default=None)
+    d.add_argument("--no-rot", dest="rot", action="store_false")
+    d.add_argument("--iters", type=_positive_int("--iters"), default=16, metavar="N")
+    d.add_argument("-ub", "--ubatch", type=_positive_int("--ubatch"), default=512, metavar="N",
+                   help="micro-batch of the prompt (generation is one token at a time)")
+    d.add_argument("-f", "--text", metavar="PATH", default=None)
+    d.add_argument("-t", "--threads", type=_positive_int("--threads"), default=None, metavar="N")
+    d.add_argument("--device", default="auto")
+    d.add_argument("--dtype", default="auto")
+    d.add_argument("--cache-dir", default="resources/models", metavar="DIR")
+    d.add_argument("-o", "--out", required=True, metavar="DIR", help="directory to write (steps.parquet, summary.json)")
 
     c = sub.add_parser("compare", help="paired statistics of two cells of one run: Δ median KLD, Δ mean KLD, "
                                        "Δ same-top (B − A) with block-bootstrap confidence intervals")
@@ -314,6 +344,31 @@ def _formats() -> str:
     return "\n".join(rows) + "\n"
 
 
+def _decode(spec, args) -> int:
+    from kvarn.formats import get_format
+    from kvarn.policy import check_sink, pair_family
+
+    pair_family(get_format(args.k), get_format(args.v))
+    check_sink(get_format(args.k), get_format(args.v), args.sink)
+    if args.tokens > args.ctx - 2:
+        raise UsageError(f"--tokens {args.tokens} leaves no prompt in --ctx {args.ctx}; at most {args.ctx - 2}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from kvarn.decode import run_decode
+
+    s = run_decode(spec, args.ctx, args.prompts, args.tokens, args.k, args.v, args.tail, Path(args.out),
+                   ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype, iters=args.iters, sink=args.sink,
+                   text=args.text, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
+    fd = s["first_divergence"]
+    print(f"{args.k}-{args.v} tail {args.tail}: {s['n_prompts']} prompts x {s['n_tokens']} tokens; first divergence "
+          f"median {s['first_divergence_median']:g} ({s['n_diverged']} of {len(fd)} diverged: {fd}); "
+          f"KLD along own text mean {s['decode_kld_mean']:.6f}, median {s['decode_kld_median']:.6f}; "
+          f"same top {100 * s['decode_same_top']:.2f}% -> {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvarn.preflight import PreflightError
 
@@ -336,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(json.dumps(res, indent=1) + "\n" if args.json else paired.format_compare(res))
             return 0
         spec = model_spec(args.model)
+        if args.cmd == "decode":
+            return _decode(spec, args)
         if args.cmd == "fetch":
             from kvarn.sources import fetch
 

@@ -60,6 +60,16 @@ class MatrixError(ValueError):
 
 
 @dataclass(frozen=True)
+class Decode:
+    """A model's free-running decode axis (kvarn.decode): P prompts, G generated tokens, and
+    the cells (directory names) decoded; None = every cell of the model."""
+
+    prompts: int = 8
+    tokens: int = 128
+    cells: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Model:
     name: str
     source: str
@@ -69,6 +79,7 @@ class Model:
     ubatch: int
     dtype: str
     memory_accounting: str = "packed"
+    decode: Decode | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,20 @@ class Matrix:
     def runs(self) -> list[tuple[str, int, int]]:
         """The (model, n_ctx, chunks) baselines the cells need, in first-use order."""
         return list(dict.fromkeys((c.model, c.n_ctx, c.chunks) for c in self.cells))
+
+    def decode_dirs(self, model: str | None = None) -> list[str]:
+        """Every (cell, decode) result directory (of one model, or all)."""
+        out = []
+        for c in self.cells:
+            d = self.models[c.model].decode
+            if d is not None and (model is None or c.model == model) and (d.cells is None or c.name in d.cells):
+                out.append(decode_dir(c.model, c.n_ctx, d.prompts, d.tokens, c.name))
+        return out
+
+
+def decode_dir(model: str, n_ctx: int, prompts: int, tokens: int, cell: str) -> str:
+    """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{cell}: steps.parquet + summary.json."""
+    return f"results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{cell}"
 
 
 def source_key(source: str, revision: str | None) -> str:
@@ -249,8 +274,28 @@ def _models(config: dict) -> dict[str, Model]:
             raise MatrixError(f"{where}.memory_accounting: {m['memory_accounting']!r} is not a memory accounting; "
                               f"accepted: {', '.join(ACCOUNTINGS)}")
         models[name] = Model(name, source, m["revision"], n_ctx, _chunks(f"{where}.chunks", m["chunks"]),
-                             _int(f"{where}.ubatch", m["ubatch"], 1), m["dtype"], m["memory_accounting"])
+                             _int(f"{where}.ubatch", m["ubatch"], 1), m["dtype"], m["memory_accounting"],
+                             _decode(f"{where}.decode", m.get("decode"), n_ctx))
     return models
+
+
+def _decode(where: str, raw, n_ctx: tuple[int, ...]) -> Decode | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) - {"prompts", "tokens", "cells"}:
+        raise MatrixError(f"{where}: {raw!r}; expected a mapping of prompts, tokens and (optionally) cells")
+    d = Decode(**{**vars(Decode()), **raw})
+    _int(f"{where}.prompts", d.prompts, 1)
+    _int(f"{where}.tokens", d.tokens, 1)
+    for n in n_ctx:
+        if d.tokens > n - 2:
+            raise MatrixError(f"{where}.tokens: {d.tokens} leaves no prompt in n_ctx {n}; "
+                              f"at most n_ctx - 2 = {n - 2} (the prompt is the first n_ctx - tokens tokens)")
+    if d.cells is not None:
+        if not isinstance(d.cells, (list, tuple)) or not all(isinstance(c, str) for c in d.cells):
+            raise MatrixError(f"{where}.cells: {d.cells!r}; expected a list of cell names like q4_0-q4_0-t128")
+        d = Decode(d.prompts, d.tokens, tuple(d.cells))
+    return d
 
 
 def _pairs(where: str, entry: dict, known: list[str]) -> list[tuple[str, str, str]]:
@@ -326,6 +371,13 @@ def expand(config: dict) -> Matrix:
                         if tail >= n_ctx:
                             raise MatrixError(f"{where}.tail: {tail} must be < n_ctx {n_ctx} of model {name!r}")
                         cells[_normalize(Cell(name, n_ctx, m.chunks, k, v, tail, **opts), fam)] = None
+    for i, m in enumerate(models.values()):
+        if m.decode is not None and m.decode.cells is not None:
+            have = [c.name for c in cells if c.model == m.name]
+            for j, c in enumerate(m.decode.cells):
+                if c not in have:
+                    raise MatrixError(f"models[{i}].decode.cells[{j}]: {c!r} is not a cell of model {m.name!r}; "
+                                      f"its cells: {', '.join(have)}")
     return Matrix(models, list(cells))
 
 

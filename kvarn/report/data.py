@@ -379,3 +379,32 @@ def ecdf(tokens: pl.DataFrame, points: int = 200, floor: float = 1e-8) -> pl.Dat
         q = np.quantile(v, probs)
         out.append(pl.DataFrame({"cell": cell, "family": fam, "width": width, "kld": q, "fraction": probs}))
     return pl.concat(out).sort(["cell", "fraction"])
+
+
+# ---------------------------------------------------------------- free-running decode
+
+
+def decode_frame(summary_paths: Iterable[str | Path]) -> pl.DataFrame:
+    """Long rows of (cell, step) from kvarn.decode summary.json files: survival S(t) (fraction
+    of prompts still on the baseline's text after t tokens, t = 0..G) and the mean KLD of
+    decode step t (t < G; null at t = G), plus the cell's family, width, label, P and G."""
+    import json
+
+    frames = []
+    for p in summary_paths:
+        s = json.loads(Path(p).read_text())
+        cell = Path(p).parent.name
+        fam = family_of(s["k_type"])
+        g = s["n_tokens"]
+        width = type_bits(s["k_type"]) if s["k_type"] == s["v_type"] else None
+        tail_eff = max(128, -(-s["tail"] // 128) * 128) if fam == "kvarn" else s["tail"]
+        label = f"{s['k_type']}-{s['v_type']} t{tail_label(fam, s['tail'], tail_eff)}"
+        frames.append(pl.DataFrame({
+            "model": s["model"], "cell": cell, "label": label, "family": fam, "width": width,
+            "prompts": s["n_prompts"], "tokens": g, "step": list(range(g + 1)), "survival": s["survival"],
+            "kld_step_mean": [*s["decode_kld_step_mean"], None],
+            "first_divergence_median": s["first_divergence_median"], "decode_kld_mean": s["decode_kld_mean"],
+        }, schema_overrides={"width": pl.Int64, "kld_step_mean": pl.Float64}))
+    if not frames:
+        raise ValueError("no decode summaries given; the decode figure needs at least one (cell, decode) result")
+    return pl.concat(frames, how="vertical_relaxed")

@@ -25,7 +25,7 @@ FLOOR_COLOR = "#2f7d32"
 WIDTH, HEIGHT = 520, 320
 KLD_FMT = ".3~g"
 
-FIGURES = ("pareto", "same_width", "tail_effect", "heatmap", "position", "distribution", "ranked")
+FIGURES = ("pareto", "same_width", "tail_effect", "heatmap", "position", "distribution", "ranked", "decode")
 
 
 def _title(model: str, text: str, subtitle: str) -> alt.TitleParams:
@@ -309,6 +309,45 @@ def ranked(prep: pl.DataFrame, paired: pl.DataFrame) -> alt.LayerChart:
         title=_title(model, "cells ranked by median KLD",
                      f"bars: 95 % circular block-bootstrap intervals; filled: not distinguishable from the "
                      f"standard floor (dashed); {_run_desc(prep)}"))
+
+
+# ---------------------------------------------------------------- free-running decode
+
+
+def decode(frame: pl.DataFrame) -> alt.HConcatChart:
+    """Free-running greedy decode (kvarn.decode): survival curves (fraction of prompts whose
+    generation still equals the BF16 baseline's after t tokens) and the mean KLD of each
+    decode step along the cell's own text; dashed standard, solid KVarN, colour = width."""
+    model, p, g = frame["model"][0], frame["prompts"][0], frame["tokens"][0]
+    frame = frame.with_columns(pl.col("width").fill_null(0))
+    color, dash = _cell_encodings(frame)
+    tt = [alt.Tooltip("label:N", title="cell"), alt.Tooltip("step:Q", title="tokens generated"),
+          alt.Tooltip("survival:Q", title="still identical", format=".0%"),
+          alt.Tooltip("first_divergence_median:Q", title="median first divergence"),
+          alt.Tooltip("decode_kld_mean:Q", title="mean KLD along own text", format=KLD_FMT)]
+    surv = alt.Chart(frame, name="survival").mark_line(strokeWidth=2, interpolate="step-after").encode(
+        x=alt.X("step:Q", title="tokens generated", scale=alt.Scale(domain=[0, g])),
+        y=alt.Y("survival:Q", title="fraction of prompts identical to the baseline", scale=alt.Scale(domain=[0, 1])),
+        color=color, strokeDash=dash, detail="label:N", tooltip=tt)
+    ends = frame.filter(pl.col("step") == g)
+    lab = alt.Chart(ends).mark_text(align="left", dx=4, fontSize=9).encode(
+        x="step:Q", y="survival:Q", text="label:N", color=color)
+    kl = frame.filter(pl.col("kld_step_mean").is_not_null()).with_columns(
+        pl.col("kld_step_mean").clip(lower_bound=1e-8))
+    kld = alt.Chart(kl, name="kld_per_step").mark_line(strokeWidth=1.5).encode(
+        x=alt.X("step:Q", title="decode step"),
+        y=alt.Y("kld_step_mean:Q", title=f"mean KLD over the {p} prompts (log)", scale=alt.Scale(type="log")),
+        color=color, strokeDash=dash, detail="label:N",
+        tooltip=[alt.Tooltip("label:N", title="cell"), alt.Tooltip("step:Q"),
+                 alt.Tooltip("kld_step_mean:Q", title="mean KLD", format=KLD_FMT)])
+    return alt.hconcat(
+        alt.layer(surv, lab).properties(width=WIDTH * 0.55, height=HEIGHT,
+                                        title=alt.TitleParams("survival: identical to the baseline", fontSize=11)),
+        kld.properties(width=WIDTH * 0.55, height=HEIGHT,
+                       title=alt.TitleParams("KLD vs baseline along the cell's own text", fontSize=11)),
+    ).properties(title=_title(model, "free-running greedy decode",
+                              f"{p} prompts, {g} generated tokens each, baseline re-scoring the cell's text; "
+                              "a drop in survival is the first token where generation leaves the baseline"))
 
 
 # ---------------------------------------------------------------- figures from per-token data

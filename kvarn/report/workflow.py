@@ -22,6 +22,7 @@ FIGURE_TITLES = {
     "position": "KLD by position",
     "distribution": "KLD distribution",
     "ranked": "cells ranked, with intervals",
+    "decode": "free-running decode divergence",
 }
 # `report:` section of the config (optional; every key has a default).
 DEFAULTS = {"cells": None, "widths": [2, 4, 8], "tail": 128, "position_bins": 24, "boot": 2000, "seed": 0}

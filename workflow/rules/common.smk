@@ -5,7 +5,8 @@
 #                                  results/{model}/ctx{n_ctx}-c{chunks}/cells/{k}-{v}-t{tail}{opts}
 #                                  (holds summary.json, tokens.parquet, row.parquet)
 #   token_parquets(model)-> [str]  the per-token parquet of each of those cells
-#   all_targets()        -> [str]  the default target: the summary + report_targets()
+#   decode_targets()     -> [str]  every (cell, decode) summary.json + each decoding model's figure
+#   all_targets()        -> [str]  the default target: the summary + report_targets() + decode_targets()
 #
 # The matrix is expanded and checked once, here, before any job is planned (kvarn.matrix).
 # Per-cell parameters are read back from the wildcards of the cell path, never from the
@@ -37,7 +38,17 @@ def token_parquets(model):
 
 
 def all_targets():
-    return ["results/summary.parquet", "results/summary.csv", *report_targets()]
+    return ["results/summary.parquet", "results/summary.csv", *report_targets(), *decode_targets()]
+
+
+def decode_targets():
+    """Every (cell, decode) summary (kvarn.matrix.Matrix.decode_dirs) and each decoding model's figure."""
+    from kvarn.report.workflow import FIGURE_FORMATS
+
+    models = [m for m in MATRIX.models if MATRIX.decode_dirs(m)]
+    return [f"{d}/summary.json" for d in MATRIX.decode_dirs()] + [
+        f"results/figures/{m}/decode.{ext}" for m in models for ext in FIGURE_FORMATS
+    ]
 
 
 def source_key(model):

@@ -9,11 +9,14 @@ from _wf import start
 
 start(snakemake)  # noqa: F821
 from kvarn.report import load_tokens, prepare, save_chart, summary_figure, token_figure  # noqa: E402
-from kvarn.report.figures import ranked  # noqa: E402
+from kvarn.report.data import decode_frame  # noqa: E402
+from kvarn.report.figures import decode, ranked  # noqa: E402
 
 sm = snakemake  # noqa: F821
 figure, options, model = sm.params.figure, dict(sm.params.options), sm.wildcards.model
-if "paired" in sm.input.keys():
+if "decode" in sm.input.keys():
+    chart = decode(decode_frame(sm.input.decode), **options)
+elif "paired" in sm.input.keys():
     chart = ranked(prepare(pl.read_parquet(sm.input.summary), model), pl.read_parquet(sm.input.paired), **options)
 elif "tokens" in sm.input.keys():
     chart = token_figure(figure, load_tokens(sm.input.tokens), **options)

@@ -1,0 +1,157 @@
+"""kvarn.decode: free-running greedy decode through the cache model.
+
+Slow (real models): an f32 cache reproduces the model's own `generate(do_sample=False)` token
+for token; the bf16 cell is the baseline (never diverges, KLD exactly 0); a 2-bit cache
+diverges and its KLD along its own text is positive. Fast: the summary on hand-made steps.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvarn import decode as KD
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE_DIR = REPO / "resources" / "models"
+_LOCAL_TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+TEXT = str(_LOCAL_TEXT) if _LOCAL_TEXT.is_file() else None
+CTX, PROMPTS, TOKENS = 160, 2, 32
+
+
+def test_summary_on_hand_made_steps():
+    # 3 prompts x 4 steps: prompt 0 never diverges, prompt 1 at step 2, prompt 2 at step 0.
+    tok = np.array([[5, 6, 7, 8], [5, 6, 9, 9], [1, 2, 3, 4]])
+    base = np.array([[5, 6, 7, 8], [5, 6, 7, 9], [0, 2, 3, 4]])
+    kld = np.arange(12, dtype=float).reshape(3, 4) / 10
+    steps = {"token": tok.ravel(), "base_token": base.ravel(), "kld": kld.ravel(),
+             "same_top": (tok == base).ravel()}
+    s = KD.summarize_decode(steps, 3, 4)
+    assert s["first_divergence"] == [4, 2, 0] and s["first_divergence_median"] == 2.0 and s["n_diverged"] == 2
+    assert s["survival"] == pytest.approx([1.0, 2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    assert s["decode_kld_step_mean"] == pytest.approx([0.4, 0.5, 0.6, 0.7])
+    assert s["decode_same_top"] == pytest.approx(10 / 12)
+
+
+def test_prompt_length_is_checked():
+    ids = torch.arange(20).reshape(2, 10)
+    assert KD.decode_prompts(ids, 4).shape == (2, 6)
+    with pytest.raises(ValueError, match="decode tokens must be an integer in 1..8"):
+        KD.decode_prompts(ids, 9)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from kvarn import data, models
+
+    lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=CACHE_DIR)
+    lm.model.eval()
+    chunks = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)), CTX, PROMPTS, lm.info.bos_id)
+    return lm, KD.decode_prompts(chunks, TOKENS)
+
+
+@pytest.mark.slow
+def test_f32_cache_reproduces_generate(smol):
+    import kvarn.attention  # noqa: F401  (registers "kvarn")
+
+    lm, prompts = smol
+    lm.model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        ref = lm.model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                                max_new_tokens=TOKENS, min_new_tokens=TOKENS, pad_token_id=0)[:, prompts.shape[1]:]
+    lm.model.set_attn_implementation("kvarn")
+    steps = KD.decode(lm.model, prompts, "f32", "f32", 0, TOKENS, ubatch=64)
+    got = torch.as_tensor(steps["token"]).reshape(PROMPTS, TOKENS)
+    assert ref.shape == got.shape and torch.equal(got, ref), (got, ref)
+    # The f32 cell is within numerics noise of the baseline: same tokens, tiny KLD.
+    assert (steps["token"] == steps["base_token"]).all() and steps["kld"].max() < 1e-3
+
+
+@pytest.mark.slow
+def test_bf16_cell_never_diverges_and_q2_does(smol):
+    import kvarn.attention  # noqa: F401
+
+    lm, prompts = smol
+    lm.model.set_attn_implementation("kvarn")
+    b = KD.decode(lm.model, prompts, "bf16", "bf16", 0, TOKENS, ubatch=64)
+    s = KD.summarize_decode(b, PROMPTS, TOKENS)
+    assert s["n_diverged"] == 0 and s["survival"][-1] == 1.0 and (b["kld"] == 0).all() and b["same_top"].all()
+    q = KD.decode(lm.model, prompts, "q2_0", "q2_0", 0, TOKENS, ubatch=64)
+    sq = KD.summarize_decode(q, PROMPTS, TOKENS)
+    assert sq["n_diverged"] >= 1 and sq["decode_kld_mean"] > 0.01
+    # before its first divergence a prompt's tokens are the bf16 run's tokens
+    for p, fd in enumerate(sq["first_divergence"]):
+        assert (q["token"].reshape(PROMPTS, TOKENS)[p, :fd] == b["token"].reshape(PROMPTS, TOKENS)[p, :fd]).all()
+
+
+def test_cli_refuses_bad_decode_values(capsys):
+    from kvarn.cli import main
+
+    for argv, needle in [
+        (["--tokens", "600"], "--tokens 600 leaves no prompt in --ctx 512"),
+        (["--k", "kvarn4", "--v", "q4_0"], "kvarn4"),
+        (["--prompts", "0"], "--prompts must be a positive integer"),
+    ]:
+        base = {"--k": "q4_0", "--v": "q4_0"}
+        args = ["decode", "-m", "smollm2-135m", "-c", "512", "-o", "/tmp/never"]
+        extra = dict(zip(argv[::2], argv[1::2]))
+        for k, v in {**base, **extra}.items():
+            args += [k, v]
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
+def _fake_summary(tmp_path, cell, k, v, tail, fd, g=8):
+    import json
+
+    d = tmp_path / "results" / "m" / f"decode-ctx64-p{len(fd)}-g{g}" / cell
+    d.mkdir(parents=True)
+    steps = {"token": np.zeros(len(fd) * g, int), "base_token": np.zeros(len(fd) * g, int),
+             "kld": np.full(len(fd) * g, 0.01), "same_top": np.ones(len(fd) * g, bool)}
+    for p, f in enumerate(fd):
+        steps["base_token"][p * g + f: (p + 1) * g] = 1  # differs from step f on
+    s = KD.summarize_decode(steps, len(fd), g)
+    assert s["first_divergence"] == [min(f, g) for f in fd]
+    s.update(model="m", k_type=k, v_type=v, tail=tail)
+    (d / "summary.json").write_text(json.dumps(s))
+    return d / "summary.json"
+
+
+def test_decode_figure_spec(tmp_path):
+    from kvarn.report.data import decode_frame
+    from kvarn.report.figures import decode as decode_fig
+
+    paths = [_fake_summary(tmp_path, "q4_0-q4_0-t128", "q4_0", "q4_0", 128, [2, 3, 8]),
+             _fake_summary(tmp_path, "kvarn4-kvarn4-t0", "kvarn4", "kvarn4", 0, [5, 8, 8])]
+    f = decode_frame(paths)
+    assert set(f["label"]) == {"q4_0-q4_0 t128", "kvarn4-kvarn4 t128*"} and f.height == 2 * 9
+    kv = f.filter(f["cell"] == "kvarn4-kvarn4-t0").sort("step")
+    assert kv["survival"].to_list() == pytest.approx([1, 1, 1, 1, 1, 1, 2 / 3, 2 / 3, 2 / 3])
+    spec = decode_fig(f).to_dict()
+    names = {u.get("name") for u in spec["hconcat"][0]["layer"]} | {spec["hconcat"][1].get("name")}
+    assert any(n and n.startswith("survival") for n in names) and "kld_per_step" in names
+
+
+def test_matrix_decode_axis_plans_decode_jobs(tmp_path):
+    import sys
+
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_workflow
+    from test_workflow import TINY, plan, workflow_copy
+
+    cfg = {**TINY, "models": [{**TINY["models"][0], "decode": {"prompts": 2, "tokens": 16,
+                                                              "cells": ["q4_0-q4_0-t128", "kvarn4-kvarn4-t0"]}}]}
+    wd = workflow_copy(tmp_path, cfg)
+    old = test_workflow.OURS
+    try:
+        test_workflow.OURS = (*old, "decode", "report_decode")
+        jobs = plan(wd)
+    finally:
+        test_workflow.OURS = old
+    assert jobs["decode"] == 2 and jobs["report_decode"] == 1
+    assert yaml.safe_load((wd / "config" / "matrix.yaml").read_text())["models"][0]["decode"]["tokens"] == 16
