@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Teacher-forced KL divergence of a quantized KV cache against a BF16-cache baseline "
                     "(comparable with llama-perplexity --kl-divergence).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,decode,memory,compare,formats}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,decode,layers,memory,compare,formats}")
 
     f = sub.add_parser("fetch", help="download / convert a model into the cache directory")
     f.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
@@ -233,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="auto")
     d.add_argument("--cache-dir", default="resources/models", metavar="DIR")
     d.add_argument("-o", "--out", required=True, metavar="DIR", help="directory to write (steps.parquet, summary.json)")
+
+    le = sub.add_parser("layers", help="per-layer attention error of a cell: relative L2 error of each attention "
+                                       "layer's output vs an fp32 cache on the same inputs (K and V, K only, V only)")
+    for a in d._actions:  # the model/ctx/cache options of `decode`, less its decode-only ones
+        if a.dest in ("help", "prompts", "tokens", "out"):
+            continue
+        le._add_action(a)
+    le.add_argument("--chunks", type=_positive_int("--chunks"), default=1, metavar="N", help="chunks (default 1)")
+    le.add_argument("-o", "--out", required=True, metavar="STEM",
+                    help="writes STEM.parquet and the figure STEM.png / .svg / .vl.json")
 
     c = sub.add_parser("compare", help="paired statistics of two cells of one run: Δ median KLD, Δ mean KLD, "
                                        "Δ same-top (B − A) with block-bootstrap confidence intervals")
@@ -369,6 +379,33 @@ def _decode(spec, args) -> int:
     return 0
 
 
+def _layers(spec, args) -> int:
+    from kvarn.formats import get_format
+    from kvarn.policy import check_sink, pair_family
+
+    pair_family(get_format(args.k), get_format(args.v))
+    check_sink(get_format(args.k), get_format(args.v), args.sink)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from kvarn.atomic import atomic_path
+    from kvarn.engine import _setup
+    from kvarn.layer_error import layer_errors
+    from kvarn.report.figures import layer_error, save_chart
+
+    loaded, chunk_ids, _ = _setup(spec, args.ctx, args.chunks, args.text, args.device, args.dtype, args.cache_dir)
+    table = layer_errors(loaded.model, chunk_ids, args.k, args.v, args.tail, tail_dtype=args.tail_dtype, rot=args.rot,
+                         iters=args.iters, sink=args.sink, ubatch=args.ubatch)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out.with_name(out.name + ".parquet")) as tmp:
+        table.write_parquet(tmp)
+    save_chart(layer_error(table, f"{spec.name} {args.k}-{args.v} tail {args.tail}"), out)
+    print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvarn.preflight import PreflightError
 
@@ -393,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = model_spec(args.model)
         if args.cmd == "decode":
             return _decode(spec, args)
+        if args.cmd == "layers":
+            return _layers(spec, args)
         if args.cmd == "fetch":
             from kvarn.sources import fetch
 

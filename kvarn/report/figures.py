@@ -350,6 +350,37 @@ def decode(frame: pl.DataFrame) -> alt.HConcatChart:
                               "a drop in survival is the first token where generation leaves the baseline"))
 
 
+# ---------------------------------------------------------------- per-layer attention error
+
+
+def layer_error(table: pl.DataFrame, title: str = "") -> alt.Chart:
+    """Relative L2 error of each attention layer's output (kvarn.layer_error): K and V
+    quantized, K only, V only; full-attention layers as filled, sliding as open points."""
+    long = table.unpivot(index=["layer", "kind"], on=["rel_err_kv", "rel_err_k", "rel_err_v"],
+                         variable_name="quantized", value_name="rel_err").with_columns(
+        pl.col("quantized").replace({"rel_err_kv": "K and V", "rel_err_k": "K only", "rel_err_v": "V only"}),
+        pl.col("rel_err").clip(lower_bound=1e-8))
+    base = alt.Chart(long, name="layer_error").encode(
+        x=alt.X("layer:O", title="layer", axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("rel_err:Q", title="‖o − o_exact‖ / ‖o_exact‖ (log)", scale=alt.Scale(type="log")),
+        color=alt.Color("quantized:N", title="quantized", scale=alt.Scale(
+            domain=["K and V", "K only", "V only"], range=["#333333", "#e45756", "#4c78a8"]),
+            legend=alt.Legend(orient="bottom")),
+        tooltip=[alt.Tooltip("layer:O"), alt.Tooltip("kind:N"), alt.Tooltip("quantized:N"),
+                 alt.Tooltip("rel_err:Q", title="relative L2 error", format=".3~g")])
+    lines = base.mark_line(strokeWidth=1.2, opacity=0.6)
+    pts = base.mark_point(size=40).encode(
+        shape=alt.Shape("kind:N", title="layer", scale=alt.Scale(domain=["full", "sliding"], range=["circle", "square"]),
+                        legend=alt.Legend(orient="bottom")),
+        fill=alt.condition("datum.kind == 'full'", alt.Color("quantized:N", legend=None), alt.value("white")))
+    return alt.layer(lines, pts).properties(
+        width=WIDTH, height=HEIGHT,
+        title=alt.TitleParams(f"{title}: attention error by layer" if title else "attention error by layer",
+                              subtitle="relative L2 error of each attention layer's output vs an fp32 cache on the "
+                                       "same inputs, scored positions; filled: full attention, open: sliding window",
+                              anchor="start"))
+
+
 # ---------------------------------------------------------------- figures from per-token data
 
 
