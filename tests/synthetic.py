@@ -102,6 +102,9 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
             cells.append(("q4_0", "q4_0", 0, "standard", "-norot"))  # a non-default option
             # the format-only rows: KVarN's sink (128), tail and F16 tail dtype on q4_0 and q2_0
             cells += [(f"q{w}_0", f"q{w}_0", 128, "standard", "-tdf16-s128") for w in (2, 4)]
+            # the tail sweep (q4_0 and kvarn4 beyond 128; tails < the fixture's n_ctx 1024)
+            cells += [("q4_0", "q4_0", t, "standard") for t in (256, 512)]
+            cells += [("kvarn4", "kvarn4", t, "kvarn") for t in (256, 512)]
         for k, v, tail, family, *opt in cells:
             opts = opt[0] if opt else ""
             sink = 128 if "-s128" in opts else None

@@ -312,8 +312,8 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     """))
     dry = subprocess.run([snakemake, "-n", "-q", "rules"], cwd=tmp_path, capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
-    for rule in ("report_table", "report_pareto", "report_same_width", "report_tail_effect", "report_heatmap",
-                 "report_position", "report_distribution", "paired", "report_ranked"):
+    for rule in ("report_table", "report_pareto", "report_same_width", "report_tail_effect", "report_tail_sweep",
+                 "report_heatmap", "report_position", "report_distribution", "paired", "report_ranked"):
         assert f"{rule}" in dry.stdout + dry.stderr
     lint = subprocess.run([snakemake, "--lint"], cwd=tmp_path, capture_output=True, text=True)
     for f in ("report.smk", "paired.smk"):
@@ -321,7 +321,7 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     from kvarn.report import workflow as W
 
     targets = W.targets(MODELS)
-    assert len(targets) == 2 * (3 + 7 * 3) and "results/figures/gemma3-270m/pareto.vl.json" in targets
+    assert len(targets) == 2 * (3 + 8 * 3) and "results/figures/gemma3-270m/pareto.vl.json" in targets
 
 
 def test_every_memory_view_names_its_accounting(results):
@@ -363,3 +363,27 @@ def test_format_only_rows_in_table_and_same_width(prep, results):
     # gemma3 has no format-only row: the figure shows the matched partner only
     g = R.same_width(prep["gemma3-270m"]).to_dict()
     assert not any("format only" in b for b in dataset_values(g, "bar"))
+
+
+def test_tail_sweep(prep):
+    import math
+
+    sw = D.tail_sweep(prep["smollm2-135m"])
+    q4 = sw.filter(pl.col("pair") == "q4_0-q4_0")
+    kv = sw.filter(pl.col("pair") == "kvarn4-kvarn4")
+    assert q4["tail"].to_list() == [0, 128, 256, 512]
+    assert kv["tail"].to_list() == [128, 256, 512]  # requests 0 and 128 are one cache: drawn once
+    assert kv["exact_share"].to_list() == sorted(kv["exact_share"].to_list())  # longer tail: more exact
+    r = D.tail_vs_format(sw)
+    med = lambda s, t: s.filter(pl.col("tail") == t)["kld_median"][0]  # noqa: E731
+    tail = (abs(math.log(med(q4, 0) / med(q4, 512))) + abs(math.log(med(kv, 128) / med(kv, 512)))) / 2
+    fmt = sum(abs(math.log(med(q4, t) / med(kv, t))) for t in (128, 256, 512)) / 3
+    assert r["shared_tails"] == [128, 256, 512]
+    assert r["ratio"] == pytest.approx(tail / fmt) and r["tail_response"] == pytest.approx(tail)
+    spec = R.tail_sweep(prep["smollm2-135m"]).to_dict()
+    assert "more to the tail" in " ".join(spec["title"]["subtitle"] if isinstance(spec["title"]["subtitle"], list)
+                                          else [spec["title"]["subtitle"]])
+    assert dataset_values(spec, "pair") == {"q4_0-q4_0", "kvarn4-kvarn4"}
+    # gemma3 has no sweep beyond 128 on KVarN: one point per pair is still drawn, no ratio
+    g = D.tail_sweep(prep["gemma3-270m"])
+    assert D.tail_vs_format(g) is None

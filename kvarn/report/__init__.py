@@ -9,13 +9,13 @@ How to read each table and figure: docs/notes/report.md.
 
 from kvarn.report.data import load_tokens, prepare, select_token_paths, standard_floor
 from kvarn.report.figures import (
-    FIGURES, SUMMARY_FIGURES, TOKEN_FIGURES, distribution, heatmap, pareto, position, same_width, save_chart, summary_figure, tail_effect,
+    FIGURES, SUMMARY_FIGURES, TOKEN_FIGURES, distribution, heatmap, pareto, position, same_width, save_chart, summary_figure, tail_effect, tail_sweep,
     token_figure,
 )
 from kvarn.report.tables import build_table, to_html, to_markdown
 
 __all__ = [
     "FIGURES", "SUMMARY_FIGURES", "TOKEN_FIGURES", "build_table", "distribution", "heatmap", "load_tokens", "pareto", "position", "prepare",
-    "same_width", "save_chart", "select_token_paths", "standard_floor", "summary_figure", "tail_effect",
+    "same_width", "save_chart", "select_token_paths", "standard_floor", "summary_figure", "tail_effect", "tail_sweep",
     "to_html", "to_markdown", "token_figure",
 ]

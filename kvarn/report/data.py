@@ -237,6 +237,44 @@ def tail_effect(prep: pl.DataFrame) -> pl.DataFrame:
     ).sort(["width", "tail"])
 
 
+def tail_sweep(prep: pl.DataFrame, pairs=("q4_0-q4_0", "kvarn4-kvarn4")) -> pl.DataFrame:
+    """Median (and mean) KLD against the effective tail, one row per (pair, effective tail).
+
+    KVarN's requests 0 and 128 are one cache (effective 128): kept once. The exact share of
+    each row rides along, so a reader sees how much of the row is read exactly."""
+    rows = figure_rows(prep).filter(pl.col("pair").is_in(list(pairs)))
+    return rows.select(
+        "pair", "family", pl.col("tail_eff_full").alias("tail"), "tail_label", "exact_share",
+        "kld_median", "kld_mean",
+    ).unique(subset=["pair", "tail"], keep="first").sort(["pair", "tail"])
+
+
+def tail_vs_format(sweep: pl.DataFrame, standard: str = "q4_0-q4_0", kvarn: str = "kvarn4-kvarn4") -> dict | None:
+    """How much more the median responds to which tokens are exact than to the format.
+
+    tail response: |ln(median at the shortest / at the longest tail)|, averaged over the two
+    pairs (each over its own tails); format response: |ln(median standard / median KVarN)|
+    averaged over the effective tails both measured. ratio = tail / format response (the
+    study's "nearly seven times"). None when a pair or a shared tail is missing."""
+    import math
+
+    resp = []
+    by = {}
+    for pair in (standard, kvarn):
+        s = sweep.filter(pl.col("pair") == pair).sort("tail")
+        if s.height < 2:
+            return None
+        resp.append(abs(math.log(s["kld_median"][0] / s["kld_median"][-1])))
+        by[pair] = dict(zip(s["tail"].to_list(), s["kld_median"].to_list()))
+    shared = sorted(set(by[standard]) & set(by[kvarn]))
+    if not shared:
+        return None
+    fmt = sum(abs(math.log(by[standard][t] / by[kvarn][t])) for t in shared) / len(shared)
+    tail = sum(resp) / len(resp)
+    return {"tail_response": tail, "format_response": fmt, "ratio": tail / fmt if fmt else float("inf"),
+            "shared_tails": shared}
+
+
 def heatmap_standard_tail(prep: pl.DataFrame) -> int | None:
     """The standard tail whose K×V grid is fullest (ties: the shortest tail, so 0 first)."""
     std = prep.filter((pl.col("family") == "standard") & (pl.col("opts") == ""))

@@ -25,7 +25,7 @@ FLOOR_COLOR = "#2f7d32"
 WIDTH, HEIGHT = 520, 320
 KLD_FMT = ".3~g"
 
-FIGURES = ("pareto", "same_width", "tail_effect", "heatmap", "position", "distribution", "ranked", "decode")
+FIGURES = ("pareto", "same_width", "tail_effect", "tail_sweep", "heatmap", "position", "distribution", "ranked", "decode")
 
 
 def _title(model: str, text: str, subtitle: str) -> alt.TitleParams:
@@ -213,6 +213,33 @@ def tail_effect(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
         width=WIDTH * 0.8, height=HEIGHT,
         title=_title(model, "what an exact recent tail buys a standard cache",
                      f"median KLD, tail 0 → tail N, same pair; below 0: the tail helps. {_run_desc(prep)}"))
+
+
+def tail_sweep(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
+    """Median KLD against the effective tail for q4_0 and kvarn4 (log y), with the ratio of
+    how strongly the median responds to the tail and to the format."""
+    model = prep["model"][0]
+    sw = D.tail_sweep(prep)
+    if sw["pair"].n_unique() < 1 or sw.height < 2:
+        return _placeholder(model, "tail sweep", "q4_0-q4_0 / kvarn4-kvarn4 measured at fewer than two tails")
+    tvf = D.tail_vs_format(sw)
+    colors = alt.Scale(domain=["q4_0-q4_0", "kvarn4-kvarn4"], range=[SERIES_COLORS[D.SERIES_STANDARD_T128],
+                                                                     SERIES_COLORS[D.SERIES_KVARN]])
+    tt = [alt.Tooltip("pair:N"), alt.Tooltip("tail_label:N", title="tail"),
+          alt.Tooltip("kld_median:Q", title="median KLD", format=KLD_FMT),
+          alt.Tooltip("kld_mean:Q", title="mean KLD", format=KLD_FMT),
+          alt.Tooltip("exact_share:Q", title="exact share", format=".1%")]
+    base = alt.Chart(sw, name="sweep").encode(
+        x=alt.X("tail:Q", title="effective exact tail (tokens)"),
+        y=alt.Y("kld_median:Q", title="median KLD", scale=alt.Scale(type="log")),
+        color=alt.Color("pair:N", scale=colors, title=None, legend=alt.Legend(orient="top-right")), tooltip=tt)
+    sub = "x: the effective tail (KVarN: at least 128, plus its 128-token sink). "
+    if tvf is not None:
+        sub += (f"The median responds {tvf['ratio']:.1f}x more to the tail (|Δln| {tvf['tail_response']:.2f}) "
+                f"than to the format at equal tail (|Δln| {tvf['format_response']:.2f}). ")
+    return alt.layer(base.mark_line(point=True)).properties(
+        width=WIDTH * 0.8, height=HEIGHT,
+        title=_title(model, "which tokens are exact vs which format compresses the rest", sub + _run_desc(prep)))
 
 
 def heatmap(prep: pl.DataFrame, standard_tail: int | None = None) -> alt.HConcatChart | alt.Chart:
@@ -438,7 +465,8 @@ def distribution(tokens: pl.DataFrame) -> alt.LayerChart:
 # ---------------------------------------------------------------- writing
 
 
-SUMMARY_FIGURES = {"pareto": pareto, "same_width": same_width, "tail_effect": tail_effect, "heatmap": heatmap}
+SUMMARY_FIGURES = {"pareto": pareto, "same_width": same_width, "tail_effect": tail_effect, "tail_sweep": tail_sweep,
+                   "heatmap": heatmap}
 TOKEN_FIGURES = {"position": position, "distribution": distribution}
 
 

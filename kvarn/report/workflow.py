@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvarn.report.data import parse_cell_path, select_token_paths
 
-SUMMARY_FIGURES = ["pareto", "same_width", "tail_effect", "heatmap"]
+SUMMARY_FIGURES = ["pareto", "same_width", "tail_effect", "tail_sweep", "heatmap"]
 TOKEN_FIGURES = ["position", "distribution"]
 PAIRED_FIGURES = ["ranked"]  # from results/paired/{model}.parquet (kvarn.paired.run_table)
 FIGURE_FORMATS = ["svg", "png", "vl.json"]
@@ -18,6 +18,7 @@ FIGURE_TITLES = {
     "pareto": "damage vs cache size",
     "same_width": "KVarN vs same-width standard",
     "tail_effect": "tail 0 vs tail 128",
+    "tail_sweep": "median KLD vs tail (q4_0, kvarn4)",
     "heatmap": "K x V heatmap",
     "position": "KLD by position",
     "distribution": "KLD distribution",

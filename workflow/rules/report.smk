@@ -85,6 +85,22 @@ rule report_tail_effect:
         "../scripts/figures.py"
 
 
+rule report_tail_sweep:
+    input:
+        summary="results/summary.parquet",
+    output:
+        **figure_outputs("tail_sweep"),
+    params:
+        figure="tail_sweep",
+        options={},
+    log:
+        "logs/report/{model}/tail_sweep.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/figures.py"
+
+
 rule report_heatmap:
     input:
         summary="results/summary.parquet",

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kvarn.atomic import atomic_path  # noqa: E402
 
-FIGURES = ("pareto", "same_width", "tail_effect", "heatmap", "position", "distribution", "ranked")
+FIGURES = ("pareto", "same_width", "tail_effect", "tail_sweep", "heatmap", "position", "distribution", "ranked")
 
 
 def copy(src: Path, dst: Path) -> None:
