@@ -122,7 +122,7 @@ def test_bad_config_is_rejected_naming_the_field(name):
     assert str(e.value).startswith(field) and word in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["matrix.yaml", "article.yaml"])
+@pytest.mark.parametrize("name", ["matrix.yaml", "matrix-2048.yaml", "article.yaml"])
 def test_shipped_configs_expand(name):
     cfg = yaml.safe_load((ROOT / "config" / name).read_text())
     m = kvm.expand(cfg)
@@ -131,6 +131,12 @@ def test_shipped_configs_expand(name):
     if name == "article.yaml":  # 48 standard pairs x tails 0, 128 + 15 KVarN pairs, per model
         per_model = [sum(c.model == mm for c in m.cells) for mm in m.models]
         assert per_model == [48 * 2 + 15] * 2
+    if name.startswith("matrix"):  # the default runs: the format-only rows and the tail sweep
+        names = {c.name for c in m.cells}
+        assert "q4_0-q4_0-t128-tdf16-s128" in names and "kvarn4-kvarn4-t256" in names
+        n_ctx = m.cells[0].n_ctx
+        sweep = {c.tail for c in m.cells if c.k == "q4_0" and c.v == "q4_0" and not c.opts}
+        assert sweep == {t for t in (0, 128, 256, 512, 1024) if t <= n_ctx // 2}
 
 
 def test_sink_option_paths():
