@@ -131,7 +131,7 @@ def test_decode_figure_spec(tmp_path):
     kv = f.filter(f["cell"] == "kvarn4-kvarn4-t0").sort("step")
     assert kv["survival"].to_list() == pytest.approx([1, 1, 1, 1, 1, 1, 2 / 3, 2 / 3, 2 / 3])
     spec = decode_fig(f).to_dict()
-    names = {u.get("name") for u in spec["hconcat"][0]["layer"]} | {spec["hconcat"][1].get("name")}
+    names = {spec["hconcat"][0].get("name"), spec["hconcat"][1].get("name")}
     assert any(n and n.startswith("survival") for n in names) and "kld_per_step" in names
 
 

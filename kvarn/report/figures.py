@@ -356,9 +356,6 @@ def decode(frame: pl.DataFrame) -> alt.HConcatChart:
         x=alt.X("step:Q", title="tokens generated", scale=alt.Scale(domain=[0, g])),
         y=alt.Y("survival:Q", title="fraction of prompts identical to the baseline", scale=alt.Scale(domain=[0, 1])),
         color=color, strokeDash=dash, detail="label:N", tooltip=tt)
-    ends = frame.filter(pl.col("step") == g)
-    lab = alt.Chart(ends).mark_text(align="left", dx=4, fontSize=9).encode(
-        x="step:Q", y="survival:Q", text="label:N", color=color)
     kl = frame.filter(pl.col("kld_step_mean").is_not_null()).with_columns(
         pl.col("kld_step_mean").clip(lower_bound=1e-8))
     kld = alt.Chart(kl, name="kld_per_step").mark_line(strokeWidth=1.5).encode(
@@ -368,7 +365,7 @@ def decode(frame: pl.DataFrame) -> alt.HConcatChart:
         tooltip=[alt.Tooltip("label:N", title="cell"), alt.Tooltip("step:Q"),
                  alt.Tooltip("kld_step_mean:Q", title="mean KLD", format=KLD_FMT)])
     return alt.hconcat(
-        alt.layer(surv, lab).properties(width=WIDTH * 0.55, height=HEIGHT,
+        surv.properties(width=WIDTH * 0.55, height=HEIGHT,
                                         title=alt.TitleParams("survival: identical to the baseline", fontSize=11)),
         kld.properties(width=WIDTH * 0.55, height=HEIGHT,
                        title=alt.TitleParams("KLD vs baseline along the cell's own text", fontSize=11)),
