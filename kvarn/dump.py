@@ -108,15 +108,19 @@ def encode_rows(logp: torch.Tensor, mass_correct: bool = True) -> np.ndarray:
     return out
 
 
-def decode_rows(rows: np.ndarray, vocab_size: int) -> torch.Tensor:
-    """[n, nv] uint16 rows -> [n, V] float32 log-probs (`scale·code + lo`)."""
-    rows = np.asarray(rows)
-    out = np.empty((rows.shape[0], vocab_size), dtype=np.float32)
-    for a in range(0, rows.shape[0], _ROWS):  # float64 inside: one rounding, to fp32, at the end
+def decode_rows(rows: np.ndarray, vocab_size: int, device=None) -> torch.Tensor:
+    """[n, nv] uint16 rows -> [n, V] float32 log-probs (`scale·code + lo`) on `device`
+    (default CPU): the rows travel as 16-bit codes and are decoded where they are used.
+    float64 inside (code·scale, then + lo, two roundings), one rounding to fp32 at the end:
+    the same bits on every device."""
+    rows = torch.from_numpy(np.array(rows, dtype="<u2", copy=True).view(np.int16)).to(device)
+    out = torch.empty((rows.shape[0], vocab_size), dtype=torch.float32, device=rows.device)
+    for a in range(0, rows.shape[0], _ROWS):
         r = rows[a:a + _ROWS]
-        hdr = np.ascontiguousarray(r[:, :4]).view(np.float32).astype(np.float64)  # scale, lo
-        out[a:a + _ROWS] = r[:, 4:4 + vocab_size] * hdr[:, :1] + hdr[:, 1:2]
-    return torch.from_numpy(out)
+        hdr = r[:, :4].contiguous().view(torch.float32).double()  # scale, lo
+        codes = r[:, 4:4 + vocab_size].to(torch.int32).bitwise_and_(0xFFFF).double()  # uint16 from int16 bits
+        out[a:a + _ROWS] = codes.mul_(hdr[:, :1]).add_(hdr[:, 1:2])
+    return out
 
 
 def _sha256(a: np.ndarray) -> str:

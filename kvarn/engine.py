@@ -22,6 +22,7 @@ from kvarn.atomic import atomic_path, write_text
 from kvarn.cache import KVarnCache
 from kvarn.policy import exact_share
 from kvarn.preflight import preflight
+from kvarn.worker import job_key
 
 BASELINE_K = BASELINE_V = "bf16"
 LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gemma's vocabulary
@@ -43,6 +44,51 @@ def _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
     ident = identity.run_identity(spec, loaded.info, data.text_sha256(raw), n_ctx, int(chunk_ids.shape[0]),
                                   kattn.ATTN_NAME)
     return loaded, chunk_ids, ident
+
+
+class Context:
+    """What one job loads before its first chunk, kept for many cells of the same
+    (model, n_ctx, chunks, text, device, dtype): the model, the chunk tensor, the identity
+    and every baseline dump opened so far (its checksums verified once, on first read).
+
+    `kvarn.worker` holds one per process; `run_cell(..., context=)` and
+    `run_baseline(..., context=)` use it instead of loading, after checking that it was
+    made from the same arguments (a different model, text, ... is refused, never served).
+    """
+
+    def __init__(self, spec, n_ctx, chunks, text=None, device="auto", dtype="auto", cache_dir="resources/models",
+                 ubatch=512, baseline=False):
+        self.key = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+        preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline)  # before any weights load
+        self.loaded, self.chunk_ids, self.ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+        self._dumps: dict = {}
+
+    def check(self, spec, n_ctx, chunks, text, device, dtype, cache_dir) -> None:
+        want = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+        diff = [f"{k}: loaded {self.key[k]!r}, requested {want[k]!r}" for k in want if want[k] != self.key[k]]
+        if diff:
+            raise ValueError("this kvarn.engine.Context was loaded for another job; " + "; ".join(diff))
+
+    def open_dump(self, path):
+        """dump.open_dump, once per (file, size, mtime): a rewritten file is opened (and verified) anew."""
+        from kvarn import dump
+
+        if not Path(path).is_file():
+            return dump.open_dump(path)  # raises its own named error
+        st = Path(path).stat()
+        key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+        if key not in self._dumps:
+            self._dumps[key] = dump.open_dump(path)
+        return self._dumps[key]
+
+
+def _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, baseline):
+    """(loaded model, chunk ids, identity): from `context` if given (checked), else loaded now."""
+    if context is None:
+        preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline)  # before any weights load
+        return _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+    context.check(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+    return context.loaded, context.chunk_ids, context.ident
 
 
 # --- the forward ----------------------------------------------------------------------
@@ -97,7 +143,7 @@ def _progress(iterable, desc, total):
 # --- baseline -------------------------------------------------------------------------
 
 def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto", dtype="auto",
-                 cache_dir="resources/models", compute="exact", llama_kld_out=None) -> dict:
+                 cache_dir="resources/models", compute="exact", llama_kld_out=None, context=None) -> dict:
     """BF16-cache run (bf16 K and V, tail 0, same cache model); writes the log-prob dump to `out`.
 
     `compute`: the attention arithmetic (kvarn.compute), recorded in the header.
@@ -113,8 +159,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=True)  # before any weights load
-    loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, True)
     model, info = loaded.model, loaded.info
     scored = data.scored_positions(n_ctx)
     timing = {"forward_s": 0.0}
@@ -167,11 +212,13 @@ def _policy_fields(cache: KVarnCache) -> dict:
 
 def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot=True, tail_dtype=None,
              iters=16, text=None, device="auto", dtype="auto", cache_dir="resources/models",
-             compute="exact", accounting="packed", sink=None) -> dict:
+             compute="exact", accounting="packed", sink=None, context=None) -> dict:
     """One cache config against the baseline dump; writes out_dir/tokens.parquet and summary.json.
 
     `sink`: exact leading tokens on full-attention layers; None = the pair's own (0
     standard, 128 KVarN); a standard pair may take another (kvarn.policy.check_sink).
+
+    `context`: a loaded `Context` of the same job arguments (kvarn.worker), else loads now.
 
     `compute` (kvarn.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
     with the same. `baseline` may also be llama-perplexity's --kl-divergence-base file
@@ -196,9 +243,8 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     memory.check_accounting(accounting)
     t0 = time.perf_counter()
     # A missing, foreign or truncated dump is refused before the model is even looked at.
-    base = None if llamakld.is_llama_kld(baseline) else dump.open_dump(baseline)
-    preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=False)  # before any weights load
-    loaded, chunk_ids, ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+    base = None if llamakld.is_llama_kld(baseline) else (context.open_dump if context else dump.open_dump)(baseline)
+    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False)
     model, info = loaded.model, loaded.info
     # Validates the types, the tail and the pair before any work is done.
     probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
@@ -217,7 +263,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     forward_s = 0.0
     for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
         cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
-        ref = base.chunk(c)
+        ref = base.rows(c)  # 16-bit codes, decoded a slice at a time where the log-probs are
         targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
         gen = chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)
         while True:
@@ -228,7 +274,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
                 break
             a, lp = item
             b = a + lp.shape[0]
-            tm = metrics.token_metrics(lp.cpu(), ref[a:b], targets[a:b])
+            tm = metrics.token_metrics(lp, dump.decode_rows(ref[a:b], base.vocab_size, lp.device), targets[a:b])
             for key in cols:
                 cols[key].append(tm[key])
         chunk_col.append(np.full(len(pos), c, dtype=np.int32))

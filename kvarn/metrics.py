@@ -67,7 +67,8 @@ def token_metrics(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
     that are not normalised to within 1e-3 are refused, which catches raw logits).
     logp_base: [n, V] base log-probabilities. Both are used as given, in float64: a
     decoded dump is not renormalised (as in llama.cpp), and identical inputs give 0.
-    targets: [n] true next tokens.
+    targets: [n] true next tokens. Computed on logp_q's device (the compute device in the
+    engine: only the per-token numbers come back to the host).
     KLD = Σ_v p_base·(ln p_base − ln p_Q) over v with ln p_base > KLD_BASE_FLOOR.
     """
     logp_q = torch.as_tensor(logp_q)
@@ -83,7 +84,7 @@ def token_metrics(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
     out["same_top"] = np.empty(n, dtype=bool)
     for a in range(0, n, _ROWS):
         b = min(a + _ROWS, n)
-        q = logp_q[a:b].to("cpu", torch.float64)
+        q = logp_q[a:b].to(torch.float64)  # on the input's device: no host copy of the vocabulary
         lse = torch.logsumexp(q, dim=1)
         if not bool((lse.abs() < 1e-3).all()):
             bad = int(lse.abs().argmax()) + a
@@ -91,18 +92,18 @@ def token_metrics(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
                 f"logp_q row {bad} is not normalised (logsumexp {float(lse.abs().max()):.3g}); "
                 "pass log-probabilities (torch.log_softmax of the logits), not logits"
             )
-        base = logp_base[a:b].to("cpu", torch.float64)
-        t = targets[a:b].to("cpu").unsqueeze(1)
+        base = logp_base[a:b].to(q.device, torch.float64)
+        t = targets[a:b].to(q.device).unsqueeze(1)
         keep = base > KLD_BASE_FLOOR
         p_base = torch.where(keep, base.exp(), 0.0)
         terms = torch.where(keep, p_base * (base - q), 0.0)
         nll = -q.gather(1, t).squeeze(1)
         nll_base = -base.gather(1, t).squeeze(1)
-        out["kld"][a:b] = terms.sum(dim=1).numpy()
-        out["nll"][a:b] = nll.numpy()
-        out["nll_base"][a:b] = nll_base.numpy()
-        out["dp"][a:b] = (torch.exp(-nll) - torch.exp(-nll_base)).numpy()
-        out["same_top"][a:b] = (q.argmax(dim=1) == base.argmax(dim=1)).numpy()
+        out["kld"][a:b] = terms.sum(dim=1).cpu().numpy()
+        out["nll"][a:b] = nll.cpu().numpy()
+        out["nll_base"][a:b] = nll_base.cpu().numpy()
+        out["dp"][a:b] = (torch.exp(-nll) - torch.exp(-nll_base)).cpu().numpy()
+        out["same_top"][a:b] = (q.argmax(dim=1) == base.argmax(dim=1)).cpu().numpy()
     return out
 
 

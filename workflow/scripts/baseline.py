@@ -6,14 +6,14 @@ from pathlib import Path
 from _wf import atomic, model_spec, start
 
 start(snakemake)  # noqa: F821
-from kvarn.engine import run_baseline  # noqa: E402
+from kvarn import worker  # noqa: E402  (no torch here: the worker or this process loads it)
 from kvarn.matrix import chunks_arg  # noqa: E402
 
 w, p = snakemake.wildcards, snakemake.params  # noqa: F821
 with atomic(snakemake.output[0]) as tmp:  # noqa: F821
-    info = run_baseline(
-        model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), out=tmp, ubatch=p.ubatch,  # noqa: F821
+    info = worker.run(
+        "baseline", model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), out=tmp, ubatch=p.ubatch,  # noqa: F821
         text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
-        cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
+        cache_dir=Path(snakemake.input.model).parent, files=[snakemake.input.model],  # noqa: F821
     )
 print(json.dumps(info, indent=1, default=str))

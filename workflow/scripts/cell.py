@@ -1,4 +1,7 @@
-"""Rule cell: one quantized run (kvarn.engine.run_cell) -> tokens.parquet + summary.json, atomically."""
+"""Rule cell: one quantized run (kvarn.engine.run_cell) -> tokens.parquet + summary.json, atomically.
+
+Thin: no torch here. kvarn.worker runs the cell in the worker that holds this model, text
+and n_ctx already loaded (spawned if none), or in this process (KVARN_WORKER=0)."""
 
 import json
 import os
@@ -9,7 +12,7 @@ from pathlib import Path
 from _wf import model_spec, start
 
 start(snakemake)  # noqa: F821
-from kvarn.engine import run_cell  # noqa: E402
+from kvarn import worker  # noqa: E402
 from kvarn.matrix import chunks_arg  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
@@ -18,11 +21,11 @@ for stale in cell_dir.glob(".tmp-*"):  # scratch of a killed earlier attempt
     shutil.rmtree(stale, ignore_errors=True)
 tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cell_dir))
 try:
-    summary = run_cell(
-        model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), w.k, w.v, int(w.tail),  # noqa: F821
+    summary = worker.run(
+        "cell", model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), k=w.k, v=w.v, tail=int(w.tail),  # noqa: F821
         baseline=Path(snakemake.input.baseline), out_dir=tmp, ubatch=p.ubatch, rot=p.rot,  # noqa: F821
         tail_dtype=p.tail_dtype, iters=p.iters, sink=p.sink, text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
-        cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
+        cache_dir=Path(snakemake.input.model).parent, files=[snakemake.input.model],  # noqa: F821
     )
     os.replace(tmp / "tokens.parquet", out.tokens)  # summary.json last: its presence means done
     os.replace(tmp / "summary.json", out.summary)

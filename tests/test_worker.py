@@ -1,0 +1,185 @@
+"""kvarn.worker: one model load for many cells, the same numbers as in-process.
+
+Fast: the switch, the identity (a changed file means another worker), the job script's
+side imports no torch. Slow (real SmolLM2 at n_ctx 256, one chunk): the baseline and
+cells through one worker equal the in-process ones bit for bit (timing fields aside), the
+model loads once; a worker killed mid-cell leaves no output and the rerun succeeds; a
+request of another identity is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvarn import worker
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE_DIR = REPO / "resources" / "models"
+_LOCAL_TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+TEXT = str(_LOCAL_TEXT) if _LOCAL_TEXT.is_file() else None
+CTX = 256
+TIMING = ("tokens_per_s", "wall_s")
+CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0), ("bf16", "bf16", 0)]
+
+
+def _spec():
+    from kvarn.sources import ModelSpec
+
+    return ModelSpec("smollm2-135m", "embedded:smollm2-135m")
+
+
+# --- fast --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,env,want", [
+    ("1", {}, True), ("0", {}, False), ("auto", {}, True), (None, {}, True),
+    ("auto", {"SLURM_JOB_ID": "7"}, False), (None, {"SLURM_JOB_ID": "7"}, False), ("1", {"SLURM_JOB_ID": "7"}, True),
+])
+def test_switch(value, env, want):
+    env = dict(env, **({worker.ENV: value} if value is not None else {}))
+    assert worker.enabled(env) is want
+
+
+def test_switch_refuses_other_values():
+    with pytest.raises(ValueError, match=r"KVARN_WORKER='maybe'.*0, 1 or auto"):
+        worker.enabled({worker.ENV: "maybe"})
+
+
+def test_a_changed_file_or_argument_is_another_worker(tmp_path):
+    text, marker = tmp_path / "text.raw", tmp_path / "model.fetched.json"
+    text.write_text("a")
+    marker.write_text("{}")
+    key = worker.job_key(_spec(), CTX, 1, text, "auto", "auto", CACHE_DIR)
+    first = worker.socket_path(worker.identity(key, [marker]), tmp_path)
+    assert worker.socket_path(worker.identity(key, [marker]), tmp_path) == first  # stable
+    others = [worker.socket_path(worker.identity(dict(key, n_ctx=512), [marker]), tmp_path),
+              worker.socket_path(worker.identity(dict(key, revision="abc"), [marker]), tmp_path),
+              worker.socket_path(worker.identity(dict(key, dtype="bfloat16"), [marker]), tmp_path)]
+    os.utime(marker, ns=(1, 1))  # a re-fetched model: its marker's mtime changes
+    others.append(worker.socket_path(worker.identity(key, [marker]), tmp_path))
+    text.write_text("ab")
+    others.append(worker.socket_path(worker.identity(key, []), tmp_path))
+    assert len({first, *others}) == len(others) + 1
+
+
+def test_the_job_script_side_imports_no_torch():
+    code = ("import sys, kvarn.worker, kvarn.sources; "
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    assert out.strip() == "[]"
+
+
+# --- slow: real runs ---------------------------------------------------------------------
+
+def _strip(s: dict) -> dict:
+    return {k: v for k, v in s.items() if k not in TIMING}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Baseline + CELLS in-process, then the same through one worker (its own socket dir)."""
+    root = tmp_path_factory.mktemp("w")
+    os.environ[worker.DIR_ENV] = str(root / "sock")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = {}
+    try:
+        for mode, use in (("inproc", False), ("worker", True)):
+            base = root / mode / "base.kvd"
+            base.parent.mkdir()
+            b = worker.run("baseline", _spec(), CTX, 1, text=TEXT, cache_dir=CACHE_DIR, out=base, use_worker=use)
+            cells = {}
+            for k, v, tail in CELLS:
+                d = root / mode / f"{k}-{v}-t{tail}"
+                cells[(k, v, tail)] = worker.run("cell", _spec(), CTX, 1, text=TEXT, cache_dir=CACHE_DIR, k=k, v=v,
+                                                 tail=tail, baseline=base, out_dir=d, use_worker=use)
+            out[mode] = (base, b, cells)
+        yield root, out
+    finally:
+        os.environ.pop(worker.DIR_ENV, None)
+
+
+def _worker_log(root: Path) -> str:
+    logs = list((root / "sock").glob("*.log"))
+    assert len(logs) == 1, logs
+    return logs[0].read_text()
+
+
+@pytest.mark.slow
+def test_worker_gives_the_same_numbers_with_one_load(runs):
+    import polars as pl
+
+    from kvarn import dump
+
+    root, out = runs
+    (b0, h0, c0), (b1, h1, c1) = out["inproc"][:3], out["worker"][:3]
+    assert dump.open_dump(b0).header["chunk_sha256"] == dump.open_dump(b1).header["chunk_sha256"]
+    for cell in CELLS:
+        assert _strip(c0[cell]) == _strip(c1[cell]), cell
+        d0, d1 = (root / m / "{}-{}-t{}".format(*cell) / "tokens.parquet" for m in ("inproc", "worker"))
+        assert pl.read_parquet(d0).equals(pl.read_parquet(d1)), cell
+    # bf16 against the bf16 baseline: only the dump's encoding error, the same in both modes
+    assert c1[("bf16", "bf16", 0)]["same_top"] == 1.0 and c1[("bf16", "bf16", 0)]["kld_max"] <= 1.3e-4
+    log = _worker_log(root)  # the worker path was taken: one load served the baseline and every cell
+    assert log.count("loaded smollm2-135m") == 1 and log.count("served cell ") == len(CELLS), log
+    assert log.count("served baseline") == 1
+
+
+@pytest.mark.slow
+def test_identity_mismatch_is_refused(runs):
+    root, _ = runs
+    key = worker.job_key(_spec(), CTX, 1, TEXT, "auto", "auto", CACHE_DIR)
+    ident = worker.identity(key)
+    path = worker.socket_path(ident)
+    assert path.exists(), "the worker of the fixture's identity should still be alive"
+    other = dict(ident, dtype="bfloat16")
+    req = {"kind": "cell", "identity": other, "kwargs": {}}
+    with pytest.raises(ValueError, match=r"refused: this worker holds another job identity \(differs in \['dtype'\]\)"):
+        worker.request_reply(path, ident, req)
+
+
+@pytest.mark.slow
+def test_killed_worker_leaves_nothing_and_the_rerun_succeeds(runs, tmp_path, monkeypatch):
+    root, out = runs
+    base = out["worker"][0]
+    key = worker.job_key(_spec(), CTX, 1, TEXT, "auto", "auto", CACHE_DIR)
+    log = worker.socket_path(worker.identity(key)).with_suffix(".log")
+    monkeypatch.setenv(worker.IDLE_ENV, "60")
+    cell = dict(text=TEXT, cache_dir=CACHE_DIR, k="kvarn4", v="kvarn4", tail=0, baseline=base)
+    result = {}
+
+    def job():
+        try:
+            result["ok"] = worker.run("cell", _spec(), CTX, 1, out_dir=tmp_path / "a", use_worker=True, **cell)
+        except Exception as e:  # noqa: BLE001
+            result["error"] = e
+
+    n0 = log.read_text().count("served cell ")
+    # a fresh worker: stop the fixture's (it is idle) so the next request spawns and loads
+    pid = int(log.read_text().rsplit("kvarn worker pid ", 1)[1].split()[0])
+    os.kill(pid, signal.SIGKILL)
+    t = threading.Thread(target=job)
+    t.start()
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill once the new worker has loaded and started the cell
+        text = log.read_text()
+        if text.count("loaded smollm2-135m") >= 2:
+            pid = int(text.rsplit("kvarn worker pid ", 1)[1].split()[0])
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    t.join(300)
+    assert log.read_text().count("served cell ") == n0, "the cell finished before the kill: nothing was tested"
+    assert isinstance(result.get("error"), worker.WorkerDied), result
+    assert not (tmp_path / "a" / "summary.json").exists() and not (tmp_path / "a" / "tokens.parquet").exists()
+    again = worker.run("cell", _spec(), CTX, 1, out_dir=tmp_path / "b", use_worker=True, **cell)
+    assert _strip(again) == _strip(out["inproc"][2][("kvarn4", "kvarn4", 0)])
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["kld_median"] == again["kld_median"]
