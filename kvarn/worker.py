@@ -66,7 +66,8 @@ def enabled(env=None) -> bool:
 def job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir) -> dict:
     """The arguments that decide what a job loads (also kvarn.engine.Context's key)."""
     return {"name": spec.name, "source": spec.source, "revision": spec.revision, "n_ctx": int(n_ctx),
-            "chunks": None if chunks is None else int(chunks),  # None: every chunk of the text "text": None if text is None else str(Path(text).resolve()),
+            "chunks": None if chunks is None else int(chunks),  # None: every chunk of the text
+            "text": None if text is None else str(Path(text).resolve()),
             "device": str(device), "dtype": str(dtype), "cache_dir": str(Path(cache_dir).resolve())}
 
 
