@@ -1,0 +1,59 @@
+"""bench/gpu_article.py --smoke: the prepared GPU script's Python part runs end to end on CPU
+(tiny configs derived from the study's, one chunk), so it is known to work before a GPU is lent."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+if not TEXT.is_file():
+    TEXT = ROOT / "../shared/data/wikitext-2-raw-v1/wiki.test.raw"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("gpu_article", ROOT / "bench" / "gpu_article.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(not TEXT.is_file(), reason="wiki.test.raw not available")
+def test_smoke_writes_every_run_and_the_projection(tmp_path, one_thread):
+    out = tmp_path / "gpu_article.md"
+    assert _bench().main(["--smoke", "--out", str(out), "--text", str(TEXT)]) == 0
+    md = out.read_text()
+    for model in ("gemma4-31b", "qwen3.6-27b"):
+        for run in ("baseline", "q8_0 t0", "q4_0 t128", "kvarn4", "kvarn2"):
+            row = re.search(rf"^\| {re.escape(model)} \| 512 \| {re.escape(run)} \| ([0-9.]+) \|", md, re.M)
+            assert row and float(row.group(1)) > 0, (model, run)
+        # 111 article cells per model, each mapped to a measured type
+        assert re.search(rf"^\| {re.escape(model)} \| 111 \(48 t0, 48 t128, 15 KVarN\) \| \d+ \| \d+ \| [0-9.]+ \|$",
+                         md, re.M), md
+    assert "Projected total: " in md and "device-hours** (of the tiny smoke models" in md
+
+
+def test_a_budget_skips_runs_and_says_so(tmp_path, one_thread):
+    if not TEXT.is_file():
+        pytest.skip("wiki.test.raw not available")
+    out = tmp_path / "gpu_article.md"
+    assert _bench().main(["--smoke", "--models", "gemma4-31b", "--budget-s", "0", "--out", str(out),
+                          "--text", str(TEXT)]) == 0
+    md = out.read_text()
+    assert md.count("skipped (budget)") == 5
+    assert "not projected: baseline" in md and "not available" in md
+
+
+def test_tiny_config_keeps_the_layer_pattern(tmp_path):
+    import json
+
+    for name in ("gemma4-31b", "qwen3.6-27b"):
+        study = json.loads((ROOT / "config" / "models" / f"{name}.json").read_text())
+        tiny = json.loads(_bench().tiny_config(ROOT / "config" / "models" / f"{name}.json", tmp_path / "t.json")
+                          .read_text())
+        assert tiny["model_type"] == study["model_type"] and tiny["num_hidden_layers"] == 8
+        assert set(tiny["layer_types"]) == set(study["layer_types"]) and len(tiny["layer_types"]) == 8
