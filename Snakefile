@@ -24,6 +24,7 @@ wildcard_constraints:
     v=kvm.TYPE_PATTERN,
     tail=r"\d+",
     opts=kvm.OPTS_PATTERN,
+    bopts=r"(|-llamacpp_cpu)",
     source_key=r"[0-9a-f]{8}",
     prompts=r"\d+",
     tokens=r"\d+",

@@ -47,11 +47,11 @@ ALL_CHUNKS = "all"
 CHUNKS_PATTERN = r"\d+|all"
 MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
                   "memory_accounting": "packed"}
-CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS, "sink": None}
+CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS, "sink": None, "compute": "exact"}
 
 # Wildcard patterns: a type name has no "-", so "{k}-{v}-t{tail}{opts}" parses one way.
 TYPE_PATTERN = r"[a-z0-9_]+"
-OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+|-s[0-9]+)*"
+OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+|-s[0-9]+|-llamacpp_cpu)*"
 MODEL_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
@@ -94,13 +94,15 @@ class Cell:
     tail_dtype: str | None = None  # None: the family's default (bf16 standard, f16 KVarN)
     iters: int = DEFAULT_ITERS
     sink: int | None = None  # None: the pair's own (0 standard, 128 KVarN); standard types may set one
+    compute: str = "exact"  # kvarn.compute: "exact" | "llamacpp-cpu" (its own baseline)
 
     @property
     def opts(self) -> str:
         return (("" if self.rot else "-norot")
                 + (f"-td{self.tail_dtype}" if self.tail_dtype else "")
                 + (f"-i{self.iters}" if self.iters != DEFAULT_ITERS else "")
-                + (f"-s{self.sink}" if self.sink is not None else ""))
+                + (f"-s{self.sink}" if self.sink is not None else "")
+                + compute_suffix(self.compute))
 
     @property
     def name(self) -> str:
@@ -114,6 +116,11 @@ class Cell:
     def dir(self) -> str:
         return f"{self.run_dir}/cells/{self.name}"
 
+    @property
+    def baseline(self) -> str:
+        """The baseline dump this cell scores against: one per (model, n_ctx, chunks, compute)."""
+        return baseline_path(self.run_dir, self.compute)
+
 
 @dataclass
 class Matrix:
@@ -121,7 +128,7 @@ class Matrix:
     cells: list[Cell] = field(default_factory=list)
 
     def runs(self) -> list[tuple[str, int, int]]:
-        """The (model, n_ctx, chunks) baselines the cells need, in first-use order."""
+        """The (model, n_ctx, chunks) runs the cells need, in first-use order."""
         return list(dict.fromkeys((c.model, c.n_ctx, c.chunks) for c in self.cells))
 
     def decode_dirs(self, model: str | None = None) -> list[str]:
@@ -133,10 +140,24 @@ class Matrix:
                 out.append(decode_dir(c.model, c.n_ctx, d.prompts, d.tokens, c.name))
         return out
 
+    def baselines(self) -> list[str]:
+        """The baseline dumps the cells need (one per run and compute path), in first-use order."""
+        return list(dict.fromkeys(c.baseline for c in self.cells))
+
 
 def decode_dir(model: str, n_ctx: int, prompts: int, tokens: int, cell: str) -> str:
     """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{cell}: steps.parquet + summary.json."""
     return f"results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{cell}"
+
+
+def compute_suffix(compute: str) -> str:
+    """The path token of a compute path: '' for exact, '-llamacpp_cpu' for llamacpp-cpu."""
+    return "" if compute == "exact" else "-" + compute.replace("-", "_")
+
+
+def baseline_path(run_dir: str, compute: str = "exact") -> str:
+    """results/{model}/ctx{n_ctx}-c{chunks}/baseline{-llamacpp_cpu}.kvd"""
+    return f"{run_dir}/baseline{compute_suffix(compute)}.kvd"
 
 
 def source_key(source: str, revision: str | None) -> str:
@@ -202,11 +223,13 @@ def check_pinned(models: dict[str, Model], allow, plan_only: bool = False) -> li
 
 
 def parse_opts(opts: str) -> dict:
-    """rot, tail_dtype, iters, sink from a cell path's `opts` suffix (inverse of Cell.opts)."""
+    """rot, tail_dtype, iters, sink, compute from a cell path's `opts` suffix (inverse of Cell.opts)."""
     out = dict(CELL_DEFAULTS)
-    for tok in re.findall(r"-(norot|td[a-z0-9]+|i[0-9]+|s[0-9]+)", opts or ""):
+    for tok in re.findall(r"-(norot|td[a-z0-9]+|i[0-9]+|s[0-9]+|llamacpp_cpu)", opts or ""):
         if tok == "norot":
             out["rot"] = False
+        elif tok == "llamacpp_cpu":
+            out["compute"] = "llamacpp-cpu"
         elif tok.startswith("td"):
             out["tail_dtype"] = tok[2:]
         elif tok.startswith("s"):
@@ -348,6 +371,10 @@ def expand(config: dict) -> Matrix:
         _int(f"{where}.iters", opts["iters"], 1)
         if opts["sink"] is not None:
             _int(f"{where}.sink", opts["sink"], 0)
+        from kvarn.compute import COMPUTES, check_compute
+
+        if opts["compute"] not in COMPUTES:
+            raise MatrixError(f"{where}.compute: {opts['compute']!r}; accepted: {', '.join(COMPUTES)}")
         names = _as_list(entry.get("models", list(models)))
         for n in names:
             if n not in models:
@@ -364,6 +391,11 @@ def expand(config: dict) -> Matrix:
                     check_sink(facts.get(k), facts.get(v), opts["sink"])
                 except ValueError as e:
                     raise MatrixError(f"{where}.sink: {e}") from None
+            for tail in tails:
+                try:
+                    check_compute(opts["compute"], k, v, tail)
+                except ValueError as e:
+                    raise MatrixError(f"{fld}: {e}") from None
             for name in names:
                 m = models[name]
                 for n_ctx in m.n_ctx:

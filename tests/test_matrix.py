@@ -1,6 +1,7 @@
 """kvarn.matrix: the config -> cells expansion and the checks a JSON schema cannot make."""
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,8 @@ def test_options_roundtrip_through_the_path_and_normalize():
     cells = kvm.expand(cfg).cells
     assert [c.name for c in cells] == ["q4_0-q4_0-t0-norot-tdf16", "q4_0-q4_0-t0", "kvarn4-kvarn4-t0-i8"]
     for c in cells:
-        assert kvm.parse_opts(c.opts) == {"rot": c.rot, "tail_dtype": c.tail_dtype, "iters": c.iters, "sink": c.sink}
+        assert kvm.parse_opts(c.opts) == {"rot": c.rot, "tail_dtype": c.tail_dtype, "iters": c.iters, "sink": c.sink,
+                                          "compute": c.compute}
 
 
 def test_tail_label_and_family():
@@ -195,3 +197,27 @@ def test_unpinned_sources_refused_unless_allowed(source, revision, pinned):
         kvm.check_pinned(m, False)
     assert kvm.check_pinned(m, True) == []
     assert kvm.check_pinned(m, False, plan_only=True)  # planning proceeds, with a note
+
+
+def test_compute_path_is_part_of_the_cell_and_its_baseline():
+    cfg = copy.deepcopy(BASE)
+    cfg["cells"] = [{"types": ["q4_0"], "tail": 0}, {"types": ["q4_0"], "tail": 0, "compute": "llamacpp-cpu"}]
+    m = kvm.expand(cfg)
+    assert [c.name for c in m.cells] == ["q4_0-q4_0-t0", "q4_0-q4_0-t0-llamacpp_cpu"]  # default path unchanged
+    assert [c.baseline for c in m.cells] == ["results/smollm2-135m/ctx512-c2/baseline.kvd",
+                                             "results/smollm2-135m/ctx512-c2/baseline-llamacpp_cpu.kvd"]
+    assert m.baselines() == [c.baseline for c in m.cells] and len(m.runs()) == 1
+    assert kvm.parse_opts(m.cells[1].opts)["compute"] == "llamacpp-cpu"
+    assert re.fullmatch(kvm.OPTS_PATTERN, "-norot-llamacpp_cpu")
+
+
+@pytest.mark.parametrize("entry,needle", [
+    ({"types": ["q4_0"], "tail": 128, "compute": "llamacpp-cpu"}, "tail 128 not accepted"),
+    ({"types": ["q3_0"], "tail": 0, "compute": "llamacpp-cpu"}, "K type 'q3_0' has no llama.cpp CPU kernel"),
+    ({"types": ["q4_0"], "tail": 0, "compute": "fast"}, "cells[0].compute: 'fast'"),
+])
+def test_compute_refusals(entry, needle):
+    cfg = copy.deepcopy(BASE)
+    cfg["cells"] = [entry]
+    with pytest.raises(kvm.MatrixError, match=re.escape(needle)):
+        kvm.expand(cfg)

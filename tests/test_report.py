@@ -387,3 +387,32 @@ def test_tail_sweep(prep):
     # gemma3 has no sweep beyond 128 on KVarN: one point per pair is still drawn, no ratio
     g = D.tail_sweep(prep["gemma3-270m"])
     assert D.tail_vs_format(g) is None
+def test_compute_split_side_by_side():
+    from kvarn.report import figures as F
+    from kvarn.report import tables as T
+
+    base = {"model": "m", "n_ctx": 512, "chunks": 1, "k_type": "q8_0", "v_type": "q8_0", "tail": 0,
+            "tail_requested": 0, "kld_median": 0.001, "kld_mean": 0.002}
+    rows = [{**base, "cell": "q8_0-q8_0-t0", "compute": "exact"},
+            {**base, "cell": "q8_0-q8_0-t0-llamacpp_cpu", "compute": "llamacpp-cpu", "kld_median": 0.004,
+             "kld_mean": 0.004},
+            {**base, "k_type": "q4_0", "v_type": "q4_0", "cell": "q4_0-q4_0-t0", "compute": "exact"}]  # one path only
+    split = D.compute_split(pl.DataFrame(rows), "m")
+    assert split["pair"].to_list() == ["q8_0-q8_0"]
+    r = split.row(0, named=True)
+    assert (r["exact_median"], r["total_median"], r["width"]) == (0.001, 0.004, 8)
+    assert r["kernel_share_median"] == pytest.approx(0.75) and r["kernel_share_mean"] == pytest.approx(0.5)
+    assert "| q8_0-q8_0 | 0 | 0.001000 | 0.004000 | 75 % |" in T.split_markdown(split)
+    spec = F.kernel_share(split, "m").to_dict()
+    assert any(u.get("name") == "kernel_share" or "kernel_share" in json.dumps(u) for u in [spec])
+    assert D.compute_split(pl.DataFrame(rows[:1]), "m").is_empty()
+
+
+def test_prepare_keeps_llamacpp_rows_out_of_the_study_tables(results):
+    summary = results[1]
+    extra = summary.head(1).with_columns(pl.lit("llamacpp-cpu").alias("compute"),
+                                         (pl.col("cell") + "-llamacpp_cpu").alias("cell"),
+                                         pl.lit(9.9).alias("kld_median"))
+    both = pl.concat([summary.with_columns(pl.lit("exact").alias("compute")), extra], how="diagonal_relaxed")
+    model = summary["model"][0]
+    assert len(R.prepare(both, model)) == len(R.prepare(summary, model))

@@ -69,7 +69,7 @@ def plan(wd: Path, *args) -> dict[str, int]:
 
 def expected(config: dict) -> dict[str, int]:
     m = kvm.expand(config)
-    return {"fetch_model": len(m.models), "wikitext": 1, "baseline": len(m.runs()),
+    return {"fetch_model": len(m.models), "wikitext": 1, "baseline": len(m.baselines()),
             "cell": len(m.cells), "cell_row": len(m.cells), "summary": 1}
 
 
@@ -135,6 +135,18 @@ def test_adding_a_width_or_editing_a_cell_plans_only_those_cells(tmp_path):
     want = expected(TINY)
     del want["wikitext"]
     assert plan(wd, "--configfile", str(tmp_path / "rev.yaml")) == want
+
+
+def test_a_llamacpp_cpu_cell_plans_its_own_baseline(tmp_path):
+    wd = workflow_copy(tmp_path, TINY)
+    fake_done(wd)
+    # The same cell under llama.cpp's arithmetic: a new path and a baseline of its compute path.
+    more = {**TINY, "cells": [*TINY["cells"], {"types": ["q4_0"], "tail": 0, "compute": "llamacpp-cpu"}]}
+    (tmp_path / "more.yaml").write_text(yaml.safe_dump(more))
+    assert plan(wd, "--configfile", str(tmp_path / "more.yaml")) == {"baseline": 1, "cell": 1, "cell_row": 1,
+                                                                      "summary": 1}
+    out = smk(wd, "-n", "--configfile", str(tmp_path / "more.yaml"), "-p").stdout
+    assert "baseline-llamacpp_cpu.kvd" in out and "q4_0-q4_0-t0-llamacpp_cpu" in out
 
 
 def test_a_fresh_checkout_over_a_filled_model_cache_plans_everything_at_once(tmp_path):

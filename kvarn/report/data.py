@@ -37,7 +37,7 @@ FORMAT_ONLY_OPTS = f"-td{facts.get('kvarn4').default_tail_dtype}-s{facts.KVARN_S
 SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
 
 # The cell directory name written by the workflow: {k}-{v}-t{tail}{opts}
-# ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}, -s{sink}; kvarn.matrix).
+# ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}, -s{sink}, -llamacpp_cpu; kvarn.matrix).
 _CELL_RE = re.compile(r"^(?P<k>[a-z0-9_]+)-(?P<v>[a-z0-9_]+)-t(?P<tail>\d+)(?P<opts>" + OPTS_PATTERN + ")$")
 _RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+|all)$")
 
@@ -98,6 +98,9 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
     staging_mib, overlay_mib, delta_mib, memory_accounting (if missing), is_floor, below_floor.
     """
     df = select_run(summary, model) if model is not None else summary
+    if "compute" in df.columns:
+        # the study's tables are format damage: llamacpp-cpu rows live in `compute_split`
+        df = df.filter(pl.col("compute").fill_null("exact") == "exact")
     if "family" not in df.columns:
         df = df.with_columns(pl.col("k_type").map_elements(family_of, return_dtype=pl.String).alias("family"))
     if "tail_requested" not in df.columns:
@@ -153,6 +156,44 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
     )
     return out.sort(["family", "k_bits", "v_bits", "k_type", "v_type", "tail_requested"],
                     descending=[True, True, True, False, False, False])
+
+
+def compute_split(summary: pl.DataFrame, model: str) -> pl.DataFrame:
+    """Cells run in both compute paths (kvarn.compute), side by side: format damage
+    (`exact`), total as llama.cpp's CPU kernel computes it (`llamacpp-cpu`), and the share
+    of the total that is the kernel's arithmetic, `1 − exact/total`, for median and mean.
+
+    One row per (pair, tail) present in both paths; empty if none (or no `compute` column).
+    """
+    df = select_run(summary, model)
+    cols = ["pair", "k_type", "v_type", "tail_requested", "width", "exact_median", "total_median",
+            "kernel_share_median", "exact_mean", "total_mean", "kernel_share_mean"]
+    if "compute" not in df.columns:
+        return pl.DataFrame(schema={c: pl.Float64 for c in cols})
+    rows = {}
+    for r in df.to_dicts():
+        m = _CELL_RE.match(r.get("cell") or "")
+        opts = (m["opts"] if m else "").replace("-llamacpp_cpu", "")
+        key = (r["k_type"], r["v_type"], r.get("tail_requested", r.get("tail")), opts)
+        rows.setdefault(key, {})[r.get("compute") or "exact"] = r
+    out = []
+    for (k, v, tail, opts), both in rows.items():
+        if "exact" not in both or "llamacpp-cpu" not in both:
+            continue
+        ex, cp = both["exact"], both["llamacpp-cpu"]
+        bits = type_bits(k)
+        out.append({
+            "pair": f"{k}-{v}{opts}", "k_type": k, "v_type": v, "tail_requested": tail,
+            "width": bits if k == v and not opts else None,
+            "exact_median": ex["kld_median"], "total_median": cp["kld_median"],
+            "kernel_share_median": 1 - ex["kld_median"] / cp["kld_median"] if cp["kld_median"] else None,
+            "exact_mean": ex["kld_mean"], "total_mean": cp["kld_mean"],
+            "kernel_share_mean": 1 - ex["kld_mean"] / cp["kld_mean"] if cp["kld_mean"] else None,
+        })
+    if not out:
+        return pl.DataFrame(schema={c: pl.Float64 for c in cols})
+    return pl.DataFrame(out, infer_schema_length=None).sort(["width", "pair"], descending=[True, False],
+                                                           nulls_last=True)
 
 
 def standard_floor(prep: pl.DataFrame) -> dict | None:

@@ -240,6 +240,25 @@ def tail_sweep(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
     return alt.layer(base.mark_line(point=True)).properties(
         width=WIDTH * 0.8, height=HEIGHT,
         title=_title(model, "which tokens are exact vs which format compresses the rest", sub + _run_desc(prep)))
+def kernel_share(split: pl.DataFrame, model: str) -> alt.LayerChart | alt.Chart:
+    """Per width: how much of llama.cpp's median KLD is its kernel's arithmetic (`D.compute_split`)."""
+    sw = split.filter(pl.col("width").is_not_null()) if not split.is_empty() else split
+    if sw.is_empty():
+        return _placeholder(model, "kernel share", "no qN-qN pair run in both compute paths (exact and llamacpp-cpu)")
+    sw = sw.with_columns((100 * pl.col("kernel_share_median")).alias("pct"))
+    tt = [alt.Tooltip("pair:N"), alt.Tooltip("exact_median:Q", title="format (exact) median", format=KLD_FMT),
+          alt.Tooltip("total_median:Q", title="llamacpp-cpu median", format=KLD_FMT),
+          alt.Tooltip("pct:Q", title="kernel share %", format=".0f")]
+    bars = alt.Chart(sw, name="kernel_share").mark_bar(color=SERIES_COLORS[D.SERIES_STANDARD_T128]).encode(
+        x=alt.X("pair:N", title="K/V pair (widest first)", sort=None, axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("pct:Q", title="% of llama.cpp's median KLD from the kernel", scale=alt.Scale(domain=[0, 100])),
+        tooltip=tt)
+    text = alt.Chart(sw).mark_text(dy=-6, fontSize=10).encode(x=alt.X("pair:N", sort=None), y="pct:Q",
+                                                              text=alt.Text("pct:Q", format=".0f"))
+    return alt.layer(bars, text).properties(
+        width=WIDTH * 0.8, height=HEIGHT,
+        title=_title(model, "how much of llama.cpp's KLD is its kernel's arithmetic",
+                     "1 − median(exact) / median(llamacpp-cpu), same cell, tail 0"))
 
 
 def heatmap(prep: pl.DataFrame, standard_tail: int | None = None) -> alt.HConcatChart | alt.Chart:

@@ -170,3 +170,20 @@ def to_html(table: pl.DataFrame, standalone: bool = True) -> str:
     title = html.escape(f"kvarn: {table['model'][0]}")
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
             f"<style>{_CSS}</style></head>\n<body>\n<h3>{title}</h3>\n{tbl}</body></html>\n")
+
+
+SPLIT_HEADERS = ["K/V pair", "tail", "format median (exact)", "total median (llamacpp-cpu)", "kernel share",
+                 "format mean", "total mean", "kernel share (mean)"]
+
+
+def split_markdown(split: pl.DataFrame) -> str:
+    """`kvarn.report.data.compute_split` as Markdown: format damage beside llama.cpp's total."""
+    if split.is_empty():
+        return "(no cell was run in both compute paths)\n"
+    lines = ["| " + " | ".join(SPLIT_HEADERS) + " |", "|---|---|" + "---:|" * (len(SPLIT_HEADERS) - 2)]
+    for r in split.iter_rows(named=True):
+        share = lambda x: "–" if x is None else f"{100 * x:.0f} %"  # noqa: E731
+        lines.append(f"| {r['pair']} | {r['tail_requested']} | {_fmt_kld(r['exact_median'])} | "
+                     f"{_fmt_kld(r['total_median'])} | {share(r['kernel_share_median'])} | "
+                     f"{_fmt_kld(r['exact_mean'])} | {_fmt_kld(r['total_mean'])} | {share(r['kernel_share_mean'])} |")
+    return "\n".join(lines) + "\n"

@@ -2,7 +2,7 @@ rule cell:
     input:
         model=model_marker,
         text=ancient(rules.wikitext.output[0]),  # sha256-fixed: its identity cannot change
-        baseline=rules.baseline.output[0],
+        baseline=cell_baseline,
     output:
         summary=f"{CELL}/summary.json",
         tokens=f"{CELL}/tokens.parquet",
@@ -15,6 +15,7 @@ rule cell:
         tail_dtype=cell_opt("tail_dtype"),
         iters=cell_opt("iters"),
         sink=cell_opt("sink"),
+        compute=cell_opt("compute"),
         k_version=format_version("k"),
         v_version=format_version("v"),
     resources:

@@ -74,6 +74,12 @@ def cell_opt(key):
     return lambda wildcards: kvm.parse_opts(wildcards.opts)[key]
 
 
+def cell_baseline(wildcards):
+    """The cell's baseline dump: results/.../baseline.kvd, or baseline-llamacpp_cpu.kvd for that compute path."""
+    run = RUN.format(model=wildcards.model, n_ctx=wildcards.n_ctx, chunks=wildcards.chunks)
+    return kvm.baseline_path(run, kvm.parse_opts(wildcards.opts)["compute"])
+
+
 def format_version(role):
     """The numerics version of the cell's K or V type: bumping it reruns the cells using it."""
     return lambda wildcards: kvm.format_version(wildcards[role], role)

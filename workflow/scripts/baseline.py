@@ -13,7 +13,7 @@ w, p = snakemake.wildcards, snakemake.params  # noqa: F821
 with atomic(snakemake.output[0]) as tmp:  # noqa: F821
     info = worker.run(
         "baseline", model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), out=tmp, ubatch=p.ubatch,  # noqa: F821
-        text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
+        text=snakemake.input.text, dtype=p.dtype, compute=p.compute,  # noqa: F821
         cache_dir=Path(snakemake.input.model).parent, files=[snakemake.input.model],  # noqa: F821
     )
 print(json.dumps(info, indent=1, default=str))
