@@ -30,6 +30,30 @@ LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gem
 
 # --- loading --------------------------------------------------------------------------
 
+def gguf_path(spec, cache_dir) -> Path | None:
+    """The GGUF file a model's weights come from (a .gguf source, or the embedded model's), else None."""
+    p = Path(spec.source)
+    if p.suffix == ".gguf" and p.is_file():
+        return p
+    if spec.source.startswith("embedded:"):
+        hits = sorted((Path(cache_dir) / spec.source.split(":", 1)[1]).glob("*.gguf"))
+        return hits[0] if hits else None
+    return None
+
+
+def _set_compute(model, spec, cache_dir, compute: str) -> None:
+    """Switch the model's weight-matmul activation rounding for this run's compute path.
+
+    With llamacpp-cpu and GGUF weights every Linear's input is rounded as llama.cpp rounds
+    activations for that weight's type (`kvarn.compute.set_activation_rounding`); exact
+    switches it off. Set at the start of every run, because a `Context` model serves many.
+    """
+    from kvarn.compute import set_activation_rounding
+
+    set_activation_rounding(model, gguf_path(spec, cache_dir) if compute != "exact" else None,
+                            compute != "exact")
+
+
 def _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
     """Model, chunk tensor and the identity fields every dump and cell carries (`kvarn.identity`)."""
     from kvarn import data, identity, models
@@ -160,6 +184,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, True)
+    _set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
     scored = data.scored_positions(n_ctx)
     timing = {"forward_s": 0.0}
@@ -245,6 +270,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     # A missing, foreign or truncated dump is refused before the model is even looked at.
     base = None if llamakld.is_llama_kld(baseline) else (context.open_dump if context else dump.open_dump)(baseline)
     loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False)
+    _set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
     # Validates the types, the tail and the pair before any work is done.
     probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)

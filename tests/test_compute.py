@@ -285,3 +285,48 @@ def test_smollm2_paths():
     assert paths == {"one_chunk"}
     q8_exact, _ = run("q8_0", "q8_0", "exact", ubatch=128)
     assert kld(q8_cpp, bf16_cpp) > kld(q8_exact, bf16_exact)
+
+
+# --- activations of the weight matmuls ---------------------------------------------------
+
+def test_round_activations_hand_worked(one_thread):
+    # q8_0/q8_1: the 32-block codes times the fp16 d (values 127 and 2.5 in one block: d = 1)
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 127.0, 2.5
+    assert compute.round_activations(x, "q8_1")[0, :3].tolist() == [127.0, 2.0, 0.0]
+    # q8_K: 256-blocks, iscale = -127/vmax (signed), fp32 d = 1/iscale
+    x = torch.zeros(1, 256)
+    x[0, 0], x[0, 5] = -254.0, 3.0  # vmax -254: iscale 0.5, 3.0 -> round(1.5) = 2 -> 2/0.5 = 4
+    y = compute.round_activations(x, "q8_K")
+    assert y[0, 0].item() == -254.0 and y[0, 5].item() == 4.0
+    assert compute.round_activations(torch.tensor([1.00390625]), "bf16").item() == 1.0
+    assert compute.round_activations(x, None) is x
+    with pytest.raises(ValueError, match="'q4_0'"):
+        compute.round_activations(x, "q4_0")
+
+
+@pytest.mark.slow
+def test_activation_rounding_follows_the_gguf_types():
+    from collections import Counter
+    from pathlib import Path
+
+    from kvarn import models
+
+    root = Path(__file__).resolve().parents[1] / "resources" / "models"
+    lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=root)
+    hooked = compute.install_activation_rounding(lm.model, next((root / "smollm2-135m").glob("*.gguf")))
+    # 30 layers x 7 Q4_1 matmuls (q8_1 activations) + the tied Q8_0 token_embd as lm_head (q8_0)
+    assert Counter(hooked.values()) == {"q8_1": 210, "q8_0": 1} and hooked["lm_head"] == "q8_0"
+    seen = []
+    lin = lm.model.model.layers[0].self_attn.q_proj
+    lin.register_forward_pre_hook(lambda m, a: seen.append(a[0]))  # runs after the rounding hook
+    x = torch.randn(1, 3, lin.in_features)
+    lin(x)
+    assert torch.equal(seen[0], compute.round_activations(x, "q8_1")) and not torch.equal(seen[0], x)
+    # switched off for an exact run on the same (shared) model, on again for llamacpp-cpu
+    compute.set_activation_rounding(lm.model, None, False)
+    lin(x)
+    assert torch.equal(seen[1], x)
+    compute.set_activation_rounding(lm.model, next((root / "smollm2-135m").glob("*.gguf")), True)
+    lin(x)
+    assert torch.equal(seen[2], seen[0])
