@@ -387,6 +387,8 @@ def test_tail_sweep(prep):
     # gemma3 has no sweep beyond 128 on KVarN: one point per pair is still drawn, no ratio
     g = D.tail_sweep(prep["gemma3-270m"])
     assert D.tail_vs_format(g) is None
+
+
 def test_compute_split_side_by_side():
     from kvarn.report import figures as F
     from kvarn.report import tables as T
