@@ -123,7 +123,8 @@ def run(kind: str, spec, n_ctx: int, chunks: int, *, text=None, device="auto", d
         return fn(spec, n_ctx, chunks, **common, **kwargs)
     key = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     ident = identity(key, files)
-    request = {"kind": kind, "identity": ident, "kwargs": {k: (str(v) if isinstance(v, Path) else v)
+    # paths absolute: the worker may have been started from another working directory
+    request = {"kind": kind, "identity": ident, "kwargs": {k: (str(Path(v).resolve()) if isinstance(v, Path) else v)
                                                           for k, v in kwargs.items()}}
     return request_reply(socket_path(ident), ident, request)
 

@@ -135,3 +135,18 @@ def test_writer_checks_and_atomicity(tmp_path):
     with pytest.raises(RuntimeError, match="crashed"):
         dump.write_dump(p, header(), failing())
     assert list(tmp_path.iterdir()) == []  # neither a partial dump nor a temp file
+
+
+def test_decode_rows_is_the_float64_formula_bit_for_bit_and_slices_agree():
+    # decode_rows(rows, V, device): code*scale then + lo in float64, one rounding to fp32 (the
+    # former numpy decode); a cell decodes 64-row slices, which must equal slices of the whole.
+    torch.manual_seed(3)
+    lp = torch.log_softmax(torch.randn(70, 3001, dtype=torch.float64) * 5, dim=-1).float()
+    rows = dump.encode_rows(lp)
+    hdr = np.ascontiguousarray(rows[:, :4]).view(np.float32).astype(np.float64)
+    want = (rows[:, 4:4 + 3001] * hdr[:, :1] + hdr[:, 1:2]).astype(np.float32)
+    whole = dump.decode_rows(rows, 3001)
+    assert whole.dtype == torch.float32 and np.array_equal(whole.numpy(), want)
+    parts = torch.cat([dump.decode_rows(rows[a:a + 64], 3001, "cpu") for a in range(0, 70, 64)])
+    assert torch.equal(parts, whole)
+    assert torch.equal(dump.decode_rows(np.asarray(rows[:0]), 3001), whole[:0])
