@@ -8,6 +8,8 @@
 # benchmark files, the machine's load average before and after each run.
 #
 #   bench/bench_make_run.sh [CONFIG.yaml]      (PY=path/to/python to pick the interpreter)
+#   ONLY_MODEL=smollm2-135m bench/bench_make_run.sh   one model of the matrix, without its decode
+#                                                    jobs (not model-loading cell jobs): a shorter run
 #
 # Each run works in a fresh copy of the workflow (Snakefile, workflow/, config/, envs/)
 # under a temporary directory, over this checkout's model cache (already fetched: the
@@ -26,11 +28,16 @@ for mode in 0 1; do
   cp -r "$ROOT/Snakefile" "$ROOT/workflow" "$ROOT/config" "$ROOT/envs" "$wd/"
   # the text and the model cache as absolute paths (the config's are relative to the checkout)
   "$PY" - "$CONFIG" "$wd/config/matrix.yaml" "$ROOT" <<'EOF'
-import sys
+import os, sys
 from pathlib import Path
 import yaml
 src, dst, root = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 cfg = yaml.safe_load(open(src))
+only = os.environ.get("ONLY_MODEL")
+if only:
+    cfg["models"] = [{k: v for k, v in m.items() if k != "decode"} for m in cfg["models"] if m["name"] == only]
+    if not cfg["models"]:
+        sys.exit(f"ONLY_MODEL={only!r} (environment): not a model of {src}")
 for key in ("text", "model_cache"):
     if cfg.get(key) and not Path(cfg[key]).is_absolute():
         cfg[key] = str((root / cfg[key]).resolve())
@@ -48,7 +55,7 @@ EOF
 done
 
 "$PY" - "$WORK" "$OUT" "$CONFIG" <<'EOF'
-import subprocess, sys
+import os, subprocess, sys
 from pathlib import Path
 import polars as pl
 work, out, config = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -72,7 +79,9 @@ b, a = runs["0"], runs["1"]
 lines = [
     "# `make run` before and after kvarn.worker, side by side",
     "",
-    f"Written by `bench/bench_make_run.sh` at commit {commit}, matrix `{config}`, "
+    f"Written by `bench/bench_make_run.sh` at commit {commit}, matrix `{config}`"
+    + (f" restricted to {os.environ['ONLY_MODEL']} without its decode jobs (ONLY_MODEL)" if os.environ.get("ONLY_MODEL") else "")
+    + ", "
     f"`snakemake --cores 1 --resources gpu=1` from a clean results directory, the two runs one after "
     "the other on the same machine. **The machine is shared** (a 2-core VM with other engineers' "
     "jobs running): the load averages (1/5/15 min) at the start and end of each run are given; "
