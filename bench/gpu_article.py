@@ -98,7 +98,12 @@ def measure(name: str, source: str, n_ctx: int, device: str, dtype: str, text, d
     cuda = device.startswith("cuda")
     common = dict(text=text, device=device, dtype=dtype, cache_dir=work / "models")
     t0 = time.perf_counter()
-    ctx = engine.Context(spec, n_ctx, 1, **common, baseline=True)
+    try:
+        ctx = engine.Context(spec, n_ctx, 1, **common, baseline=True)
+    except Exception as e:  # a refusal by kvarn.preflight or an out-of-memory: recorded, the next model runs
+        print(f"{name}: could not load: {type(e).__name__}: {e}", flush=True)
+        return float("nan"), [{"run": label, "skipped": f"load failed: {type(e).__name__}: {_short(e)}"}
+                              for label, _ in RUNS]
     load_s = time.perf_counter() - t0
     base = work / f"{name}.kvd"
     rows, last = [], 0.0
@@ -109,17 +114,26 @@ def measure(name: str, source: str, n_ctx: int, device: str, dtype: str, text, d
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with PeakRSS() as rss:
-            t = time.perf_counter()
-            if cell is None:
-                out = engine.run_baseline(spec, n_ctx, 1, base, **common, context=ctx)
-            else:
-                k, v, tail = cell
-                out = engine.run_cell(spec, n_ctx, 1, k, v, tail, base, work / f"{name}-{label}", **common,
-                                      context=ctx)
+        try:
+            with PeakRSS() as rss:
+                t = time.perf_counter()
+                if cell is None:
+                    out = engine.run_baseline(spec, n_ctx, 1, base, **common, context=ctx)
+                else:
+                    k, v, tail = cell
+                    out = engine.run_cell(spec, n_ctx, 1, k, v, tail, base, work / f"{name}-{label}", **common,
+                                          context=ctx)
+                if cuda:
+                    torch.cuda.synchronize()
+                last = time.perf_counter() - t
+        except Exception as e:  # e.g. out of device memory: recorded with the peak reached, the next run goes on
+            peak = torch.cuda.max_memory_allocated() if cuda else None
+            print(f"{name} {label}: failed: {type(e).__name__}: {e}", flush=True)
+            rows.append({"run": label, "skipped": f"failed: {type(e).__name__}: {_short(e)}"
+                         + (f" (peak device {_gib(peak)} GiB)" if peak else "")})
             if cuda:
-                torch.cuda.synchronize()
-            last = time.perf_counter() - t
+                torch.cuda.empty_cache()
+            continue
         rows.append({"run": label, "s_per_chunk": last, "tokens_per_s": out["tokens_per_s"],
                      "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
                      "peak_host_bytes": rss.peak,
@@ -170,6 +184,10 @@ def projection(results: dict, article: Path, study_chunks: dict) -> tuple[list[s
                      + (f" ({', '.join(guessed)} not measured: the slowest measured cell type stands in)" if guessed
                         else "") + " |")
     return lines, total
+
+
+def _short(e: Exception) -> str:
+    return " ".join(str(e).split())[:160].replace("|", "/")
 
 
 def _gib(b):

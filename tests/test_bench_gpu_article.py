@@ -57,3 +57,20 @@ def test_tiny_config_keeps_the_layer_pattern(tmp_path):
                           .read_text())
         assert tiny["model_type"] == study["model_type"] and tiny["num_hidden_layers"] == 8
         assert set(tiny["layer_types"]) == set(study["layer_types"]) and len(tiny["layer_types"]) == 8
+
+
+def test_a_model_that_cannot_load_is_recorded_and_the_script_goes_on(tmp_path, monkeypatch):
+    if not TEXT.is_file():
+        pytest.skip("wiki.test.raw not available")
+    from kvarn import engine
+    from kvarn.preflight import PreflightError
+
+    def refuse(*a, **k):
+        raise PreflightError("estimate 170 GiB > capacity 141 GiB | lower --ctx")
+
+    monkeypatch.setattr(engine, "Context", refuse)
+    out = tmp_path / "gpu_article.md"
+    assert _bench().main(["--smoke", "--models", "gemma4-31b", "--out", str(out), "--text", str(TEXT)]) == 0
+    md = out.read_text()
+    assert md.count("load failed: PreflightError: estimate 170 GiB > capacity 141 GiB / lower --ctx") == 5
+    assert "not available" in md
