@@ -19,10 +19,11 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
 CONFIG=${1:-$ROOT/config/matrix.yaml}
 OUT=$ROOT/bench/results/make_run.md
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/kvarn-make-run.XXXXXX")
+WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/kvarn-make-run.XXXXXX")}  # WORK=<an earlier run's dir> SUMMARIZE_ONLY=1: the table again
 export PYTHONPATH=$ROOT KVARN_WORKER_IDLE=30 OMP_NUM_THREADS=1
 
 for mode in 0 1; do
+  [ -n "${SUMMARIZE_ONLY:-}" ] && break
   wd=$WORK/worker$mode
   mkdir -p "$wd"
   cp -r "$ROOT/Snakefile" "$ROOT/workflow" "$ROOT/config" "$ROOT/envs" "$wd/"
@@ -66,9 +67,10 @@ for line in (work / "runs.txt").read_text().splitlines():
 def rules(wd):
     rows = []
     for f in (wd / "benchmarks").rglob("*.tsv"):
-        name = f.name[: -len(".tsv")]
+        name, rel = f.name[: -len(".tsv")], f.relative_to(wd / "benchmarks")
         rule = ("baseline" if name == "baseline" else "cell_row" if name.endswith(".row")
-                else "cell" if f.parent.name == "cells" else f.parent.name)
+                else "cell" if f.parent.name == "cells" else f"report ({name})" if rel.parts[0] == "report"
+                else name)
         rows.append({"rule": rule, "s": pl.read_csv(f, separator="\t")["s"][0]})
     df = pl.DataFrame(rows)
     return df.group_by("rule").agg(pl.len().alias("jobs"), pl.col("s").sum().alias("total_s"),
@@ -85,7 +87,7 @@ lines = [
     f"`snakemake --cores 1 --resources gpu=1` from a clean results directory, the two runs one after "
     "the other on the same machine. **The machine is shared** (a 2-core VM with other engineers' "
     "jobs running): the load averages (1/5/15 min) at the start and end of each run are given; "
-    "wall times move with them.",
+    "wall times move with them." + (f" {os.environ['BENCH_NOTE']}" if os.environ.get("BENCH_NOTE") else ""),
     "",
     "| run | KVARN_WORKER | exit | wall s | load at start | load at end |",
     "|---|---|---:|---:|---|---|",
