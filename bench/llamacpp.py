@@ -55,8 +55,9 @@ def parse_llama(log: Path) -> dict | None:
     return out or None
 
 
-def run_dir(model: str) -> Path:
-    hits = sorted((LLAMACPP_DIR / "runs" / model).glob(f"ctx{CTX[model]}-c*"))
+def run_dir(model: str, chunks: int | None = None) -> Path:
+    pat = f"ctx{CTX[model]}-c{chunks}" if chunks else f"ctx{CTX[model]}-c*"
+    hits = sorted((LLAMACPP_DIR / "runs" / model).glob(pat), key=lambda p: int(p.name.split("-c")[-1]))
     if not hits:
         raise SystemExit(f"no llama-perplexity runs for {model} under {LLAMACPP_DIR}/runs: run bench/llamacpp.sh {model}")
     return hits[-1]
@@ -99,8 +100,8 @@ def fmt(x, nd=6):
     return "—" if x is None else f"{x:.{nd}f}"
 
 
-def model_section(model: str, threads: int, cross: bool, types=None) -> tuple[list[str], list[dict]]:
-    d = run_dir(model)
+def model_section(model: str, threads: int, cross: bool, types=None, chunks=None) -> tuple[list[str], list[dict]]:
+    d = run_dir(model, chunks)
     n_ctx, chunks = CTX[model], int(d.name.split("-c")[-1])
     kv = d / "kvarn"
     base = {mode: kvarn_baseline(model, n_ctx, chunks, mode, kv / mode / "base.kvd",
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for kvarn (default 1)")
     ap.add_argument("--no-cross", dest="cross", action="store_false", help="skip the baseline cross-scoring")
     ap.add_argument("--types", nargs="+", default=None, help="only these cache types (default: every llama run)")
+    ap.add_argument("--chunks", type=int, default=None,
+                    help="the runs over this many chunks (runs/{model}/ctx{n_ctx}-c{chunks}; default: the most chunks)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "llamacpp.md"))
     a = ap.parse_args()
     import torch
@@ -171,7 +174,7 @@ def main() -> None:
              "bf16-cache baseline in each program, the same tokens (checked).", ""]
     every = []
     for model in a.models:
-        sec, rows = model_section(model, a.threads, a.cross, a.types)
+        sec, rows = model_section(model, a.threads, a.cross, a.types, a.chunks)
         lines += sec
         every += rows
     write_text(a.out, "\n".join(lines) + "\n")

@@ -313,7 +313,8 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     dry = subprocess.run([snakemake, "-n", "-q", "rules"], cwd=tmp_path, capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
     for rule in ("report_table", "report_pareto", "report_same_width", "report_tail_effect", "report_tail_sweep",
-                 "report_heatmap", "report_position", "report_distribution", "paired", "report_ranked"):
+                 "report_heatmap", "report_position", "report_distribution", "paired", "report_ranked",
+                 "report_kernel_share"):
         assert f"{rule}" in dry.stdout + dry.stderr
     lint = subprocess.run([snakemake, "--lint"], cwd=tmp_path, capture_output=True, text=True)
     for f in ("report.smk", "paired.smk"):
@@ -321,7 +322,54 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     from kvarn.report import workflow as W
 
     targets = W.targets(MODELS)
-    assert len(targets) == 2 * (3 + 8 * 3) and "results/figures/gemma3-270m/pareto.vl.json" in targets
+    assert len(targets) == 2 * (3 + 9 * 3) and "results/figures/gemma3-270m/pareto.vl.json" in targets
+    assert "results/figures/gemma3-270m/kernel_share.vl.json" in targets
+
+
+def test_report_rules_draw_the_compute_split(results, paired, tmp_path):
+    """report_kernel_share and report_table, run by snakemake on a summary holding a q4_0
+    cell in both compute paths: the figure's bar and the table's split row carry its numbers."""
+    snakemake = shutil.which("snakemake", path=str(Path(sys.executable).parent)) or "snakemake"
+    summary = results[1]
+    ex = summary.filter((pl.col("model") == "smollm2-135m") & (pl.col("cell") == "q4_0-q4_0-t0"))
+    assert ex.height == 1
+    exact_median = ex["kld_median"][0]
+    cp = ex.with_columns(pl.lit("q4_0-q4_0-t0-llamacpp_cpu").alias("cell"), pl.lit("llamacpp-cpu").alias("compute"),
+                         (4 * pl.col("kld_median")).alias("kld_median"), (2 * pl.col("kld_mean")).alias("kld_mean"))
+    both = pl.concat([summary.with_columns(pl.lit("exact").alias("compute")), cp], how="diagonal_relaxed")
+    (tmp_path / "results" / "paired").mkdir(parents=True)
+    both.write_parquet(tmp_path / "results" / "summary.parquet")
+    paired.write_parquet(tmp_path / "results" / "paired" / "smollm2-135m.parquet")
+    (tmp_path / "Snakefile").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+
+
+        def model_names():
+            return ["smollm2-135m"]
+
+
+        def token_parquets(model):
+            return []
+
+
+        include: {str(ROOT / "workflow/rules/report.smk")!r}
+    """))
+    fig, md = "results/figures/smollm2-135m/kernel_share.vl.json", "results/tables/smollm2-135m.md"
+    done = subprocess.run([snakemake, "-c1", "-q", "--allowed-rules", "report_kernel_share", "report_table", "--", fig, md],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    spec = json.loads((tmp_path / fig).read_text())
+    assert [r["pair"] for r in dataset_rows(spec, "pct")] == ["q4_0-q4_0"]
+    assert dataset_rows(spec, "pct")[0]["pct"] == pytest.approx(75)  # 1 - exact / (4 exact)
+    text = (tmp_path / md).read_text()
+    assert "Format damage (exact) beside llama.cpp's total" in text
+    assert f"| q4_0-q4_0 | 0 | {exact_median:.6f} | {4 * exact_median:.6f} | 75 % |" in text
+
+
+def dataset_rows(spec, column):
+    """The rows of the Vega-Lite spec's inline datasets that have `column`."""
+    return [r for rows in spec.get("datasets", {}).values() for r in rows if column in r]
 
 
 def test_every_memory_view_names_its_accounting(results):

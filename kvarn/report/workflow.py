@@ -12,6 +12,8 @@ from kvarn.report.data import parse_cell_path, select_token_paths
 SUMMARY_FIGURES = ["pareto", "same_width", "tail_effect", "tail_sweep", "heatmap"]
 TOKEN_FIGURES = ["position", "distribution"]
 PAIRED_FIGURES = ["ranked"]  # from results/paired/{model}.parquet (kvarn.paired.run_table)
+# from the summary's rows of both compute paths (kvarn.report.data.compute_split), not `prepare`'s
+SPLIT_FIGURES = ["kernel_share"]
 FIGURE_FORMATS = ["svg", "png", "vl.json"]
 TABLE_FORMATS = ["md", "html", "parquet"]
 FIGURE_TITLES = {
@@ -23,6 +25,7 @@ FIGURE_TITLES = {
     "position": "KLD by position",
     "distribution": "KLD distribution",
     "ranked": "cells ranked, with intervals",
+    "kernel_share": "llama.cpp kernel share",
     "decode": "free-running decode divergence",
 }
 # `report:` section of the config (optional; every key has a default).
@@ -34,7 +37,7 @@ def targets(models) -> list[str]:
     out = []
     for m in models:
         out += [f"results/tables/{m}.{ext}" for ext in TABLE_FORMATS]
-        out += [f"results/figures/{m}/{f}.{ext}" for f in SUMMARY_FIGURES + TOKEN_FIGURES + PAIRED_FIGURES
+        out += [f"results/figures/{m}/{f}.{ext}" for f in SUMMARY_FIGURES + TOKEN_FIGURES + PAIRED_FIGURES + SPLIT_FIGURES
                 for ext in FIGURE_FORMATS]
     return out
 

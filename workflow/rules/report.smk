@@ -117,6 +117,22 @@ rule report_heatmap:
         "../scripts/figures.py"
 
 
+rule report_kernel_share:
+    input:
+        summary="results/summary.parquet",
+    output:
+        **figure_outputs("kernel_share"),
+    params:
+        figure="kernel_share",
+        options={},
+    log:
+        "logs/report/{model}/kernel_share.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/figures.py"
+
+
 rule report_position:
     input:
         tokens=figure_tokens,

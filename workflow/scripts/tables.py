@@ -1,19 +1,29 @@
-"""Rule report_table: results/summary.parquet -> one model's table as .md, .html and .parquet."""
+"""Rule report_table: results/summary.parquet -> one model's table as .md, .html and .parquet.
+
+The .md also carries the compute split (format damage beside llama.cpp's total) when a cell
+was run in both compute paths (kvarn.report.data.compute_split).
+"""
 
 import polars as pl
 from _wf import atomic, start
 
 start(snakemake)  # noqa: F821
 from kvarn.report import build_table, to_html, to_markdown  # noqa: E402
+from kvarn.report.data import compute_split  # noqa: E402
+from kvarn.report.tables import split_markdown  # noqa: E402
 
 model = snakemake.wildcards.model  # noqa: F821
 out = snakemake.output  # noqa: F821
-table = build_table(pl.read_parquet(snakemake.input.summary), model,  # noqa: F821
-                    paired=pl.read_parquet(snakemake.input.paired))  # noqa: F821
+summary = pl.read_parquet(snakemake.input.summary)  # noqa: F821
+table = build_table(summary, model, paired=pl.read_parquet(snakemake.input.paired))  # noqa: F821
+split = compute_split(summary, model)
+md = to_markdown(table)
+if not split.is_empty():
+    md += "\n### Format damage (exact) beside llama.cpp's total (llamacpp-cpu)\n\n" + split_markdown(split)
 with atomic(out.parquet) as tmp:
     table.write_parquet(tmp)
 with atomic(out.md) as tmp:
-    tmp.write_text(to_markdown(table), encoding="utf-8")
+    tmp.write_text(md, encoding="utf-8")
 with atomic(out.html) as tmp:
     tmp.write_text(to_html(table), encoding="utf-8")
 print(f"{model}: {table.height} rows -> {out.md}, {out.html}, {out.parquet}")
