@@ -1,6 +1,10 @@
 """What every workflow script shares: log redirection, kvarn on the path, atomic writes."""
 
+import contextlib
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -25,3 +29,20 @@ def model_spec(snakemake):
     from kvarn.sources import ModelSpec
 
     return ModelSpec(snakemake.wildcards.model, snakemake.params.source, snakemake.params.revision)
+
+
+@contextlib.contextmanager
+def scratch(*outputs):
+    """A fresh scratch directory beside `outputs` (paths in one directory) for a run to write
+    into; on success each output is moved into place in the order given (put the one whose
+    presence means "done" last). A killed earlier attempt's scratch is removed first."""
+    out_dir = Path(outputs[0]).parent
+    for stale in out_dir.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir))
+    try:
+        yield tmp
+        for out in outputs:
+            os.replace(tmp / Path(out).name, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -4,23 +4,16 @@ Thin: no torch here. kvarn.worker runs the cell in the worker that holds this mo
 and n_ctx already loaded (spawned if none), or in this process (KVARN_WORKER=0)."""
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from _wf import model_spec, start
+from _wf import model_spec, scratch, start
 
 start(snakemake)  # noqa: F821
 from kvarn import worker  # noqa: E402
 from kvarn.matrix import chunks_arg  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
-cell_dir = Path(out.summary).parent
-for stale in cell_dir.glob(".tmp-*"):  # scratch of a killed earlier attempt
-    shutil.rmtree(stale, ignore_errors=True)
-tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cell_dir))
-try:
+with scratch(out.tokens, out.summary) as tmp:  # summary.json last: its presence means done
     summary = worker.run(
         "cell", model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), k=w.k, v=w.v, tail=int(w.tail),  # noqa: F821
         baseline=Path(snakemake.input.baseline), out_dir=tmp, ubatch=p.ubatch, rot=p.rot,  # noqa: F821
@@ -28,8 +21,4 @@ try:
         compute=p.compute,  # noqa: F821
         cache_dir=Path(snakemake.input.model).parent, files=[snakemake.input.model],  # noqa: F821
     )
-    os.replace(tmp / "tokens.parquet", out.tokens)  # summary.json last: its presence means done
-    os.replace(tmp / "summary.json", out.summary)
-finally:
-    shutil.rmtree(tmp, ignore_errors=True)
 print(json.dumps(summary, indent=1, default=str))
