@@ -12,6 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Workers spawned by the workflow tests (kvarn.worker) outlive their snakemake run until
+# they have been idle this long: short, so a finished test run leaves none behind for
+# long, yet longer than the gap between two jobs of one run.
+os.environ.setdefault("KVARN_WORKER_IDLE", "30")
+
 
 @pytest.fixture(scope="module")
 def one_thread():
