@@ -8,11 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
+from paths import WIKI_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
-if not TEXT.is_file():
-    TEXT = ROOT / "../shared/data/wikitext-2-raw-v1/wiki.test.raw"
+TEXT = WIKI_TEXT
 
 
 def _bench():

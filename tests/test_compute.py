@@ -15,6 +15,7 @@ from kvarn import compute
 from kvarn.cache import KVarnLayer, make_format
 from kvarn.formats.hadamard import rotate_blocks
 from kvarn.policy import LayerPolicy
+from paths import WIKI_TEXT
 
 F32, F16 = np.float32, np.float16
 GGUF = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1}
@@ -253,7 +254,7 @@ def test_smollm2_paths():
 
     from kvarn import data, engine, models
 
-    text = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+    text = WIKI_TEXT
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"),
                      cache_dir=Path(__file__).resolve().parents[1] / "resources" / "models")
     lm.model.set_attn_implementation("kvarn")

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kvarn import data
+from paths import WIKI_TEXT
 
-WIKI = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw-v1/wiki.test.raw"
+WIKI = WIKI_TEXT
 
 
 def hub_rows(text: str) -> list[str]:

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from kvarn import cli
+from paths import WIKI_TEXT
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / "resources" / "models"
-_LOCAL_TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+_LOCAL_TEXT = WIKI_TEXT
 TEXT = str(_LOCAL_TEXT) if _LOCAL_TEXT.is_file() else None
 CTX = 256
 MODELS = ("smollm2-135m", "gemma3-270m")

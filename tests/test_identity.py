@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from kvarn import identity
+from paths import WIKI_TEXT
 
 REPO = Path(__file__).resolve().parents[1]
 SMOL_HF = REPO / "resources" / "models" / "smollm2-135m" / "hf"
-TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+TEXT = WIKI_TEXT
 
 
 # --- the weights fingerprint -------------------------------------------------------

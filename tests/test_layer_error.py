@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from paths import WIKI_TEXT
 
 REPO = Path(__file__).resolve().parents[1]
-_LOCAL_TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+_LOCAL_TEXT = WIKI_TEXT
 TEXT = str(_LOCAL_TEXT) if _LOCAL_TEXT.is_file() else None
 CTX = 256
 

@@ -35,6 +35,7 @@ import kvarn.attention as kattn
 from kvarn.cache import KVarnCache, KVarnLayer
 from kvarn.engine import _policy_fields
 from kvarn.geometry import geometry_from_config
+from paths import WIKI_TEXT
 
 REPO = Path(__file__).resolve().parents[1]
 N = 512  # tokens: KVarN's 128-token sink + 128-token tail leave body keys for queries >= 256
@@ -378,7 +379,7 @@ def test_reset_clears_the_linear_state(pair):
 # --- end to end: `kvarn baseline` + `kvarn run` on local directories -------------------
 
 SMOL_HF = REPO / "resources" / "models" / "smollm2-135m" / "hf"
-TEXT = Path("/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+TEXT = WIKI_TEXT
 SMOL_VOCAB = 49152
 CTX = 512  # scored queries 256..510 read KVarN body groups on full-attention layers
 

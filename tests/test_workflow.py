@@ -23,9 +23,10 @@ import pytest
 import yaml
 
 from kvarn import matrix as kvm
+from paths import WIKI_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXT = (ROOT / "../shared/data/wikitext-2-raw-v1/wiki.test.raw").resolve()
+TEXT = WIKI_TEXT
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 OURS = ("fetch_model", "wikitext", "baseline", "cell", "cell_row", "summary")
 TINY = {
