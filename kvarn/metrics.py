@@ -1,6 +1,7 @@
 """Teacher-forced KL-divergence metrics, llama-perplexity compatible (SPEC §6).
 
-Owns: the per-token numbers (`token_metrics`), the summary with llama.cpp's ± errors and
+Owns: the per-token numbers (`token_metrics`, beside its whole-vocabulary reference
+`token_metrics_ref`), the summary with llama.cpp's ± errors and
 percentiles (`summarize`), and the llama-perplexity `--kl-divergence` text block
 (`format_llama`). Formulas follow llama.cpp `tools/perplexity/perplexity.cpp`
 (`kl_divergence`, `mean_and_uncertainty`, `covariance`, `percentile`); all sums in float64.
@@ -56,11 +57,68 @@ DP_LADDER = [
 ]
 PER_TOKEN_KEYS = ("kld", "nll", "nll_base", "dp", "same_top")
 
-_ROWS = 16  # rows per float64 slice in token_metrics: bounds memory at large vocabularies
+_ROWS = 16  # rows per float64 slice in token_metrics_ref: bounds memory at large vocabularies
+_FAST_ROWS = 64  # rows per slice in token_metrics (float64 only at the entries above the floor)
 
 
 def token_metrics(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
     """Per scored token: KLD(base ‖ Q), NLL of the true token under Q and under base,
+    Δp = p_Q(true) − p_base(true), and whether the two argmaxes agree.
+
+    logp_q: [n, V] log-probabilities (log_softmax of the logits, any float dtype; rows
+    that are not normalised to within 1e-3 are refused, which catches raw logits).
+    logp_base: [n, V] base log-probabilities. Both are used as given: a decoded dump is
+    not renormalised (as in llama.cpp), and identical inputs give 0.
+    targets: [n] true next tokens. Computed on logp_q's device (the compute device in the
+    engine: only the per-token numbers come back to the host).
+    KLD = Σ_v p_base·(ln p_base − ln p_Q) over v with ln p_base > KLD_BASE_FLOOR.
+
+    The fast path of `token_metrics_ref` (same formulas, tested against it): the KLD terms
+    are computed in float64 only at the entries above the floor (a few % of a large
+    vocabulary), gathered and summed per row; the argmax, the targets' entries and the
+    normalisation check read the rows in their own dtype (widening to float64 is exact, so
+    the argmax and the NLLs are the same numbers). Only the order of the float64 KLD sum
+    differs from the reference.
+    """
+    logp_q = torch.as_tensor(logp_q)
+    logp_base = torch.as_tensor(logp_base)
+    targets = torch.as_tensor(targets, dtype=torch.long).reshape(-1)
+    if logp_q.ndim != 2 or logp_q.shape != logp_base.shape or targets.numel() != logp_q.shape[0]:
+        raise ValueError(
+            f"shapes disagree: logp_q {tuple(logp_q.shape)}, logp_base {tuple(logp_base.shape)}, "
+            f"targets {tuple(targets.shape)}; expected [n, V], [n, V], [n]"
+        )
+    n = logp_q.shape[0]
+    out = {k: np.empty(n, dtype=np.float64) for k in PER_TOKEN_KEYS[:-1]}
+    out["same_top"] = np.empty(n, dtype=bool)
+    for a in range(0, n, _FAST_ROWS):
+        b = min(a + _FAST_ROWS, n)
+        q = logp_q[a:b]
+        lse = torch.logsumexp(q.float() if q.dtype != torch.float64 else q, dim=1)
+        if not bool((lse.abs() < 1e-3).all()):
+            bad = int(lse.abs().argmax()) + a
+            raise ValueError(
+                f"logp_q row {bad} is not normalised (logsumexp {float(lse.abs().max()):.3g}); "
+                "pass log-probabilities (torch.log_softmax of the logits), not logits"
+            )
+        base = logp_base[a:b].to(q.device)
+        t = targets[a:b].to(q.device).unsqueeze(1)
+        rows, cols = (base > KLD_BASE_FLOOR).nonzero(as_tuple=True)
+        kb = base[rows, cols].to(torch.float64)
+        terms = kb.exp() * (kb - q[rows, cols].to(torch.float64))
+        kld = torch.zeros(b - a, dtype=torch.float64, device=q.device).index_add_(0, rows, terms)
+        nll = -q.gather(1, t).squeeze(1).to(torch.float64)
+        nll_base = -base.gather(1, t).squeeze(1).to(torch.float64)
+        out["kld"][a:b] = kld.cpu().numpy()
+        out["nll"][a:b] = nll.cpu().numpy()
+        out["nll_base"][a:b] = nll_base.cpu().numpy()
+        out["dp"][a:b] = (torch.exp(-nll) - torch.exp(-nll_base)).cpu().numpy()
+        out["same_top"][a:b] = (q.argmax(dim=1) == base.argmax(dim=1)).cpu().numpy()
+    return out
+
+
+def token_metrics_ref(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
+    """The reference of `token_metrics`: the whole vocabulary in float64. Per scored token: KLD(base ‖ Q), NLL of the true token under Q and under base,
     Δp = p_Q(true) − p_base(true), and whether the two argmaxes agree.
 
     logp_q: [n, V] log-probabilities (log_softmax of the logits, any float dtype; rows

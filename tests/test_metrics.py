@@ -8,11 +8,16 @@ import torch
 
 from kvarn import metrics
 
+# The fast path and its whole-vocabulary reference both answer the hand-worked cases.
+BOTH = pytest.mark.parametrize("token_metrics", [metrics.token_metrics, metrics.token_metrics_ref],
+                               ids=["fast", "ref"])
 
-def test_two_tokens_by_hand():
+
+@BOTH
+def test_two_tokens_by_hand(token_metrics):
     base = torch.tensor([[0.8, 0.2], [0.1, 0.9]]).log()
     q = torch.tensor([[0.6, 0.4], [0.7, 0.3]]).log()
-    m = metrics.token_metrics(q, base, torch.tensor([1, 1]))
+    m = token_metrics(q, base, torch.tensor([1, 1]))
     kld = [0.8 * math.log(0.8 / 0.6) + 0.2 * math.log(0.2 / 0.4),
            0.1 * math.log(0.1 / 0.7) + 0.9 * math.log(0.9 / 0.3)]
     np.testing.assert_allclose(m["kld"], kld, rtol=1e-6)
@@ -23,33 +28,58 @@ def test_two_tokens_by_hand():
     assert m["kld"].dtype == np.float64 and m["same_top"].dtype == bool
 
 
-def test_kld_zero_for_identical_and_nonnegative():
+@BOTH
+def test_kld_zero_for_identical_and_nonnegative(token_metrics):
     g = torch.Generator().manual_seed(0)
     logits = 2 * torch.randn(40, 50, generator=g)
     base = torch.log_softmax(logits, -1)
     targets = torch.randint(0, 50, (40,), generator=g)
-    same = metrics.token_metrics(base, base, targets)
+    same = token_metrics(base, base, targets)
     assert np.all(same["kld"] == 0)
     assert same["same_top"].all() and np.all(same["dp"] == 0)
     q = torch.log_softmax(logits + 0.5 * torch.randn(40, 50, generator=g), -1)
-    m = metrics.token_metrics(q, base, targets)
+    m = token_metrics(q, base, targets)
     assert np.all(m["kld"] >= 0) and m["kld"].max() > 0
     # Logits in place of log-probs for Q are refused.
     with pytest.raises(ValueError, match="is not normalised"):
-        metrics.token_metrics(q + 3.0, base, targets)
+        token_metrics(q + 3.0, base, targets)
 
 
-def test_base_entries_at_or_below_floor_left_out():
+@BOTH
+def test_base_entries_at_or_below_floor_left_out(token_metrics):
     # Entry 2's base log-prob is -20 (< -16): llama.cpp leaves it out of the sum.
     base = torch.tensor([[math.log(0.5), math.log(0.5), -20.0]], dtype=torch.float64)
     q = torch.tensor([[math.log(0.25), math.log(0.5), math.log(0.25)]], dtype=torch.float64)
-    m = metrics.token_metrics(q, base, torch.tensor([0]))
+    m = token_metrics(q, base, torch.tensor([0]))
     assert m["kld"][0] == pytest.approx(0.5 * math.log(2.0), rel=1e-12)
 
 
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="shapes disagree"):
         metrics.token_metrics(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fast_path_matches_reference(dtype):
+    """token_metrics (float64 only above the floor) against token_metrics_ref (the whole
+    vocabulary in float64) on rows like a large model's: most of the vocabulary below the
+    −16-nat floor, a few thousand entries above it, targets both likely and unlikely."""
+    g = torch.Generator().manual_seed(3)
+    n, V = 70, 30000  # 70 rows: more than one 64-row slice
+    logits = 6 * torch.randn(n, V, generator=g, dtype=torch.float64)
+    base = torch.log_softmax(logits, -1).float()
+    q = torch.log_softmax(logits + 0.3 * torch.randn(n, V, generator=g, dtype=torch.float64), -1).to(dtype)
+    targets = torch.randint(0, V, (n,), generator=g)
+    targets[::2] = base[::2].argmax(1)
+    kept = (base > metrics.KLD_BASE_FLOOR).sum(1)
+    assert 0 < int(kept.min()) and int(kept.max()) < V  # the floor filter is exercised
+    fast, ref = metrics.token_metrics(q, base, targets), metrics.token_metrics_ref(q, base, targets)
+    # Only the order of the float64 KLD sum differs: float64 noise, far below any KLD here.
+    assert ref["kld"].min() > 1e-3
+    np.testing.assert_allclose(fast["kld"], ref["kld"], rtol=1e-13, atol=0)
+    for key in ("nll", "nll_base", "dp", "same_top"):
+        assert np.array_equal(fast[key], ref[key]), key
+    assert not fast["same_top"].all() and fast["same_top"].any()
 
 
 def test_percentile_linear_interpolation():
