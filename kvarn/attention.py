@@ -4,7 +4,9 @@ Registered with transformers as attn_implementation "kvarn" (both in `AttentionI
 and in `masking_utils.AttentionMaskInterface`: without the mask registration transformers
 silently passes no mask at all, i.e. no causal masking).
 
-For a ubatch of queries at positions q_offset .. q_offset + n_q - 1 over L cached keys:
+For a ubatch of queries at positions q_offset .. q_offset + n_q - 1 over the L cached keys
+at positions kv_offset .. kv_offset + L - 1 (kv_offset > 0 only on a sliding layer that
+has forgotten keys no query can read; the model's mask covers the same L keys):
 
     keys   = [K_body ; K_exact]              (2L rows)
     values = [V_body ; V_exact]
@@ -65,11 +67,12 @@ def _block_spans(block: int, *masks_ranges) -> list[list[tuple[int, int] | None]
 
 
 def _block_keys(key, value, layer, body_mask, exact_mask, spans):
-    """Keys, values and mask for one block of queries: only the key spans it reads.
+    """Keys, values (fp32) and mask for one block of queries: only the key spans it reads.
 
     spans: (body span, exact sink span, exact tail-band span) from `_block_spans`. A block
     of B queries with tail N thus reads about (last position + B) keys instead of 2L, and
-    none beyond its last query.
+    none beyond its last query. The exact copy (stored in the tail dtype) is widened to
+    fp32 span by span: exact, its values are that dtype's.
     """
     ks, vs, ms = [], [], []
     for i, span in enumerate(spans):
@@ -77,23 +80,23 @@ def _block_keys(key, value, layer, body_mask, exact_mask, spans):
             continue
         lo, hi = span
         k, v, m = (key, value, body_mask) if i == 0 else (layer.exact_keys, layer.exact_values, exact_mask)
-        ks.append(k[..., lo:hi, :])
-        vs.append(v[..., lo:hi, :])
+        ks.append(k[..., lo:hi, :].float())
+        vs.append(v[..., lo:hi, :].float())
         ms.append(m[..., lo:hi])
     if len(ks) == 1:
         return ks[0], vs[0], ms[0]
     return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), torch.cat(ms, dim=-1)
 
 
-def split_mask(allowed: torch.Tensor, q_offset: int, policy) -> tuple[torch.Tensor, torch.Tensor]:
+def split_mask(allowed: torch.Tensor, q_offset: int, policy, kv_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(body_mask, exact_mask) from the model's boolean mask `allowed` [..., n_q, L].
 
-    Queries sit at positions q_offset .. q_offset + n_q - 1, keys at 0 .. L - 1. Every
-    allowed pair is True in exactly one of the two masks.
+    Queries sit at positions q_offset .. q_offset + n_q - 1, keys at kv_offset ..
+    kv_offset + L - 1. Every allowed pair is True in exactly one of the two masks.
     """
     n_q, L = allowed.shape[-2:]
     q_pos = torch.arange(q_offset, q_offset + n_q, device=allowed.device)
-    sel = exact_selection(q_pos, L, policy)
+    sel = exact_selection(q_pos, L, policy, kv_offset)
     return allowed & ~sel, allowed & sel
 
 
@@ -110,7 +113,7 @@ def kvarn_attention_forward(
     kvarn_cache: KVarnCache | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [b, H, n_q, D]; key/value: the body copies [b, H_kv, L, D] from KVarnLayer.update."""
+    """query [b, H, n_q, D]; key/value: the body rows [b, H_kv, L, D] from KVarnLayer.update."""
     if kvarn_cache is None:
         raise RuntimeError(
             "attn_implementation 'kvarn' needs the cache passed as a forward kwarg: "
@@ -154,16 +157,23 @@ def kvarn_attention_forward(
     if scaling is None:
         scaling = d**-0.5
 
-    body_mask, exact_mask = split_mask(attention_mask[..., -n_q:, -L:], layer.q_offset, policy)
-    sink = min(policy.sink, L)
+    off = layer.kv_offset
+    if attention_mask.shape[-1] != L:
+        raise RuntimeError(f"layer {module.layer_idx}: the mask covers {attention_mask.shape[-1]} keys, the cache "
+                           f"returned {L} (from position {off}); its get_mask_sizes and update disagree")
+    body_mask, exact_mask = split_mask(attention_mask[..., -n_q:, :], layer.q_offset, policy, off)
+    sink = min(max(policy.sink - off, 0), L)
     # Per query block: the body span, the exact sink span, the exact tail-band span.
     spans = _block_spans(QUERY_BLOCK, (body_mask, (0, L)), (exact_mask, (0, sink)), (exact_mask, (sink, L)))
     for body, *_ in spans:
-        if body is not None and body[1] > layer.n_body:
+        if body is not None and off + body[1] > layer.n_body:
             raise AssertionError(
-                f"layer {module.layer_idx}: a query reads body rows {layer.n_body}..{body[1] - 1} of an incomplete "
+                f"layer {module.layer_idx}: a query reads body rows {layer.n_body}..{off + body[1] - 1} of an incomplete "
                 f"{layer.group}-token group; the tail ({policy.tail}) must cover them"
             )
+    # A bf16 / f16 body (float-type cells, the baseline) is widened once per call (exact:
+    # its values are that dtype's); the exact copy's few rows per block in _block_keys.
+    key, value = key.float(), value.float()
     q = query.float()
     outs = []
     for i, qs in enumerate(range(0, n_q, QUERY_BLOCK)):

@@ -1,13 +1,16 @@
 """The KV cache model of SPEC §2 as a transformers `Cache`: per layer an exact and a body copy.
 
-Each layer keeps, for every token it has seen (all positions, also on sliding-window
-layers, whose window is applied by the mask):
+Each layer keeps, for every token a query can still read (every position on a
+full-attention layer; on a sliding-window layer of window W the W - 1 positions before
+the ubatch and the ubatch's own, as transformers' `DynamicSlidingWindowLayer` does, with
+`get_mask_sizes` giving the matching offset):
 
 * the **exact** copy: K (post-RoPE, as `Cache.update` receives it) and V rounded to the
-  tail dtype (bf16 for standard types, f16 for KVarN), held as fp32 tensors;
+  tail dtype (bf16 for standard types, f16 for KVarN), stored in that dtype;
 * the **body** copy: K and V through `fmt.roundtrip`, the value attention reads back
-  from the quantized cache. Standard types write the body per token, at once (so with
-  tail 0 a query reads even its own key from the body, as llama.cpp does). KVarN writes
+  from the quantized cache (stored in fp32; bf16 / f16 for those float types). Standard
+  types write the body per token, at once (so with tail 0 a query reads even its own key
+  from the body, as llama.cpp does). KVarN writes
   whole groups of `fmt.group` = 128 tokens aligned to chunk position 0, quantized once
   their last token has arrived, from the tail-dtype staging copy (BeeLlama stages in
   F16); rows of an incomplete group stay zero and are never read (the tail, >= 128,
@@ -34,6 +37,7 @@ from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
 from kvarn.geometry import Geometry, geometry_from_config, text_config
 from kvarn.policy import LayerPolicy, default_tail_dtype, layer_policy
+from kvarn.rows import Rows
 
 TAIL_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -47,13 +51,14 @@ def layer_windows(config) -> list[int | None]:
     return list(geometry_from_config(config).windows)
 
 
-def exact_selection(q_pos: torch.Tensor, kv_len: int, policy: LayerPolicy) -> torch.Tensor:
+def exact_selection(q_pos: torch.Tensor, kv_len: int, policy: LayerPolicy, kv_offset: int = 0) -> torch.Tensor:
     """bool [n_queries, kv_len]: True where the query at q_pos reads key j from the exact copy.
 
-    SPEC §2: exact if j < sink or p - j < tail. Causality and the sliding window are not
-    applied here; the attention mask does that (the selection only picks the copy).
+    Keys j = kv_offset .. kv_offset + kv_len - 1. SPEC §2: exact if j < sink or p - j <
+    tail. Causality and the sliding window are not applied here; the attention mask does
+    that (the selection only picks the copy).
     """
-    j = torch.arange(kv_len, device=q_pos.device)
+    j = torch.arange(kv_offset, kv_offset + kv_len, device=q_pos.device)
     dist = q_pos[:, None] - j[None, :]
     return (j[None, :] < policy.sink) | (dist < policy.tail)
 
@@ -67,10 +72,21 @@ def make_format(name: str, role: str, rot: bool = True, iters: int = 16):
 
 
 class KVarnLayer(CacheLayerMixin):
-    """One decoder layer's cache: exact and body copies of K and V, fp32 [batch, kv_heads, n, head_dim]."""
+    """One decoder layer's cache: exact and body copies of K and V, [batch, kv_heads, ·, head_dim].
+
+    Stored in preallocated `kvarn.rows.Rows` buffers: the exact copy in the tail dtype
+    (its values are that dtype's, so widening a span to fp32 when attention reads it is
+    exact), the body in fp32 (a dequantized q4_0 value d·q, d an f16 scale, needs up to 14
+    significant bits, more than bf16 or f16 hold; a rotated block needs all of fp32's), or
+    in the type's own dtype for the float types (bf16 / f16 bodies are those dtypes'
+    values). A sliding-window layer keeps only the rows a query can still read
+    (`first_readable`); `keys`, `values`, `exact_keys`, `exact_values` are views of the
+    rows the ubatch being processed reads, positions `kv_offset` .. `n_tokens` - 1.
+    """
 
     is_compileable = False
     is_croppable = False
+    trim = True  # sliding layers forget keys no query can read (False: keep all, the tests' reference)
 
     def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype, layer_idx: int = 0,
                  compute: str = "exact"):
@@ -87,9 +103,15 @@ class KVarnLayer(CacheLayerMixin):
         # The exact copy is needed when some query reads it, or as KVarN's staging group.
         self.keep_exact = policy.sink > 0 or policy.tail > 0 or self.group > 1
         self.exact_keys = self.exact_values = None
+        self.n_ctx = 0  # tokens the chunk will have, when known (`KVarnCache.reserve`): the buffers' size
         self.n_tokens = 0
         self.n_body = 0  # tokens whose body copy has been written
         self.q_offset = 0  # position of the first query of the ubatch being processed
+        self.kv_offset = 0  # position of the first key row the ubatch's attention reads
+        self.rows: dict[str, Rows] = {}
+
+    def _body_dtype(self, fmt) -> torch.dtype:
+        return TAIL_DTYPES[fmt.name] if fmt.family == "float" else torch.float32
 
     def lazy_initialization(self, key_states, value_states) -> None:
         b, h, _, d = key_states.shape
@@ -98,6 +120,18 @@ class KVarnLayer(CacheLayerMixin):
         self.exact_keys = self.exact_values = empty
         self.device = key_states.device
         self.is_initialized = True
+        if self.compute != "exact":
+            return
+        # Rows a ubatch's attention can read: all on a full layer; on a sliding layer the
+        # W - 1 keys before its first query and its own (and KVarN's incomplete group, up
+        # to group - 1 rows, should a window be shorter than a group).
+        u = key_states.shape[-2]
+        hint = self.n_ctx if not self.is_sliding or not self.trim else max(self.policy.window, self.group) - 1 + u
+        if self.n_ctx:
+            hint = min(hint, self.n_ctx)
+        self.rows = {"k": Rows(self._body_dtype(self.k_fmt), hint), "v": Rows(self._body_dtype(self.v_fmt), hint)}
+        if self.keep_exact:
+            self.rows.update(ek=Rows(self.tail_dtype, hint), ev=Rows(self.tail_dtype, hint))
 
     def _checked(self, what: str, offset: int, fn, *args) -> torch.Tensor:
         """fn(*args), a finite [b, H, n, D] tensor; a value that cannot be stored, or a
@@ -108,10 +142,16 @@ class KVarnLayer(CacheLayerMixin):
             raise ValueError(f"{e.where(self.layer_idx, offset, what)}: {e.detail} [{e.name}]") from None
 
     def _exact(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.tail_dtype).float()
+        return x.to(self.tail_dtype)
+
+    def first_readable(self, q_offset: int) -> int:
+        """The first key position a query at >= q_offset can read (0 on a full layer)."""
+        if not self.is_sliding or not self.trim or self.compute != "exact":
+            return 0
+        return max(0, q_offset - self.policy.window + 1)
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Store a ubatch's post-RoPE K and V; return the body copies (what the body half reads)."""
+        """Store a ubatch's post-RoPE K and V; return the body rows its attention reads."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         k = key_states.float()
@@ -128,42 +168,43 @@ class KVarnLayer(CacheLayerMixin):
             compute.append_kv(self, k, v)
             self.n_body = self.n_tokens
             return self.keys, self.values  # unused: kvarn.compute.attention reads k_op / v_op
+        # Forget what no query of this ubatch or later reads (kept from n_body on: KVarN's
+        # staging rows and the body rows its next group is written to).
+        self.kv_offset = lo = self.first_readable(off)
+        r = self.rows
+        for buf in r.values():
+            buf.forget_before(min(lo, self.n_body))
         if self.keep_exact:
-            ek = self._checked(f"K (exact, {tdn})", off, self._exact, k)
-            ev = self._checked(f"V (exact, {tdn})", off, self._exact, v)
-            self.exact_keys = torch.cat([self.exact_keys, ek], dim=-2)
-            self.exact_values = torch.cat([self.exact_values, ev], dim=-2)
+            r["ek"].append(self._checked(f"K (exact, {tdn})", off, self._exact, k))
+            r["ev"].append(self._checked(f"V (exact, {tdn})", off, self._exact, v))
         if self.group == 1:
             # Standard and float types: every token is written to the body at once, from fp32.
-            bk = self._checked(f"K (body, {self.k_fmt.name})", off, self.k_fmt.roundtrip, k.contiguous())
-            bv = self._checked(f"V (body, {self.v_fmt.name})", off, self.v_fmt.roundtrip, v.contiguous())
-            self.keys = torch.cat([self.keys, bk], dim=-2)
-            self.values = torch.cat([self.values, bv], dim=-2)
+            r["k"].append(self._checked(f"K (body, {self.k_fmt.name})", off, self.k_fmt.roundtrip, k.contiguous()))
+            r["v"].append(self._checked(f"V (body, {self.v_fmt.name})", off, self.v_fmt.roundtrip, v.contiguous()))
             self.n_body = self.n_tokens
         else:
-            # KVarN: quantize every group whose last token has now arrived, from the staging copy.
+            # KVarN: quantize every group whose last token has now arrived, from the staging
+            # copy; the rows of the incomplete group stay zero until then.
+            r["k"].extend(k, n_new)
+            r["v"].extend(v, n_new)
             done = (self.n_tokens // self.group) * self.group
-            new_k, new_v = [self.keys[..., : self.n_body, :]], [self.values[..., : self.n_body, :]]
             if done > self.n_body:
                 nb = self.n_body
-                new_k.append(self._checked(f"K (body, {self.k_fmt.name})", nb, self.k_fmt.roundtrip,
-                                           self.exact_keys[..., nb:done, :].contiguous()))
-                new_v.append(self._checked(f"V (body, {self.v_fmt.name})", nb, self.v_fmt.roundtrip,
-                                           self.exact_values[..., nb:done, :].contiguous()))
+                r["k"].write(nb, self._checked(f"K (body, {self.k_fmt.name})", nb, self.k_fmt.roundtrip,
+                                               r["ek"].view(nb, done).float().contiguous()))
+                r["v"].write(nb, self._checked(f"V (body, {self.v_fmt.name})", nb, self.v_fmt.roundtrip,
+                                               r["ev"].view(nb, done).float().contiguous()))
                 self.n_body = done
-            pad = self.n_tokens - self.n_body
-            if pad:
-                z = k.new_zeros((*k.shape[:-2], pad, k.shape[-1]))
-                new_k.append(z)
-                new_v.append(z)
-            self.keys = torch.cat(new_k, dim=-2)
-            self.values = torch.cat(new_v, dim=-2)
+        self.keys, self.values = r["k"].view(lo, self.n_tokens), r["v"].view(lo, self.n_tokens)
+        if self.keep_exact:
+            self.exact_keys, self.exact_values = r["ek"].view(lo, self.n_tokens), r["ev"].view(lo, self.n_tokens)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Full-length on sliding layers too: the sliding mask over all positions reproduces
-        # the single pass exactly.
-        return self.n_tokens + query_length, 0
+        # (kv_length, kv_offset) before `update`, as transformers' DynamicSlidingWindowLayer
+        # gives them: the mask covers exactly the rows `update` will return.
+        lo = self.first_readable(self.n_tokens)
+        return self.n_tokens + query_length - lo, lo
 
     def get_seq_length(self) -> int:
         return self.n_tokens
@@ -171,10 +212,15 @@ class KVarnLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def stored_rows(self) -> int:
+        """Rows allocated per copy (the largest buffer), for the memory tests and benches."""
+        return max((b.capacity for b in self.rows.values()), default=0)
+
     def reset(self) -> None:
         self.keys = self.values = self.exact_keys = self.exact_values = None
         self.k_op = self.v_op = None
-        self.n_tokens = self.n_body = self.q_offset = 0
+        self.rows = {}
+        self.n_tokens = self.n_body = self.q_offset = self.kv_offset = 0
         self.is_initialized = False
 
 
@@ -227,6 +273,12 @@ class KVarnCache(Cache):
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
+
+    def reserve(self, n_ctx: int) -> None:
+        """Size every attention layer's buffers for a chunk of n_ctx tokens (before its first ubatch)."""
+        for layer in self.layers:
+            if isinstance(layer, KVarnLayer):
+                layer.n_ctx = n_ctx
 
 
 def _state_layers(config, geometry: Geometry) -> dict[int, object]:

@@ -129,6 +129,7 @@ def chunk_logprobs(model, ids: torch.Tensor, cache: KVarnCache, ubatch: int, sco
     device = next(model.parameters()).device
     ids = ids.to(device)
     n = ids.shape[0]
+    cache.reserve(n)  # buffers allocated once at their final size
     row = 0
     for start in range(0, n, ubatch):
         stop = min(start + ubatch, n)

@@ -9,11 +9,13 @@ What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
 
 * weights: parameter count (the model built on the meta device: exact, no memory) x the
   compute dtype's bytes;
-* cache copies: the cache model (`kvarn.cache`) keeps, on every attention layer, an exact
-  and a body copy of K and V for every position of the chunk (sliding layers too: their
-  window is applied by the mask), all fp32: 4 x n_kv_heads x n_ctx x head_dim x 4 bytes,
-  from `kvarn.geometry`; linear-attention layers keep transformers' conv and recurrent
-  state (fp32, a few MB);
+* cache copies: the cache model (`kvarn.cache`) keeps, on every attention layer, rows of
+  K and V for every position of the chunk (a sliding layer of window W only the
+  W - 1 + ubatch rows a query can still read): a cell an fp32 body and a 16-bit exact
+  copy of each (12 bytes per row and channel, the most any cell stores; bf16 / f16 bodies
+  and cells without an exact copy store less), the baseline only its bf16 body (4
+  bytes), per layer n_kv_heads x rows x head_dim, from `kvarn.geometry`;
+  linear-attention layers keep transformers' conv and recurrent state (fp32, a few MB);
 * temporaries: one attention call of `kvarn.attention` (the boolean masks of a ubatch,
   one 128-query block's gathered K/V in fp32 and its fp32 score matrix and softmax, as
   SDPA's math path makes them), the MLP activations of a ubatch, and the logits of a
@@ -34,7 +36,9 @@ from typing import Any
 from kvarn.geometry import Geometry, geometry_from_config, text_config
 
 HEADROOM = 1.10  # 10 % on top of the estimate for what is not modelled
-CACHE_COPIES = 4  # exact K, exact V, body K, body V (kvarn.cache)
+# Bytes per cached row and channel (K and V together), kvarn.cache.KVarnLayer's storage:
+CELL_ROW_BYTES = 2 * (4 + 2)  # fp32 body + tail-dtype (16-bit) exact copy, K and V
+BASELINE_ROW_BYTES = 2 * 2  # the bf16/bf16 tail-0 baseline: bf16 bodies only
 QUERY_BLOCK = 128  # kvarn.attention.QUERY_BLOCK (not imported: it pulls in torch and transformers)
 LOGIT_ROWS = 64  # kvarn.engine.LOGIT_ROWS
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -42,7 +46,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The knob that lowers each part, for the error message.
 KNOBS = {
     "weights": "--dtype bfloat16 (if not already), or a device with more memory",
-    "cache copies": "--ctx (the cache holds every position of a chunk, 16 bytes per value)",
+    "cache copies": "--ctx (a full-attention layer holds every position of a chunk)",
     "linear-attention state": "nothing: it does not grow with the context",
     "attention temporaries": "--ctx (a 128-query block reads every earlier key)",
     "activations": "--ubatch (tokens per forward)",
@@ -95,6 +99,12 @@ def param_count(config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def cached_rows(window: int | None, n_ctx: int, ubatch: int) -> int:
+    """Rows one attention layer stores (kvarn.cache.KVarnLayer): the whole chunk on a full
+    layer; on a sliding layer the W - 1 rows before a ubatch and the ubatch's own."""
+    return n_ctx if window is None else min(n_ctx, window - 1 + ubatch)
+
+
 def _linear_state_bytes(c: Any) -> int:
     """Conv + recurrent state of one Gated DeltaNet layer (transformers' linear-attention cache), fp32."""
     k_heads, v_heads = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
@@ -121,7 +131,8 @@ def estimate(config: Any, n_ctx: int, ubatch: int, dtype: str, device: str, base
     kv_max = max(layer.n_kv_heads for layer in kv)
     parts = {
         "weights": (n_params if n_params is not None else param_count(config)) * wb,
-        "cache copies": sum(CACHE_COPIES * layer.n_kv_heads * n_ctx * layer.head_dim * 4 for layer in kv),
+        "cache copies": sum(layer.n_kv_heads * cached_rows(layer.window, n_ctx, u) * layer.head_dim
+                            * (BASELINE_ROW_BYTES if baseline else CELL_ROW_BYTES) for layer in kv),
     }
     if n_linear:
         parts["linear-attention state"] = n_linear * _linear_state_bytes(c)

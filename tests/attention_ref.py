@@ -29,7 +29,7 @@ def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float
     b, H, n_q, D = query.shape
     n_kv, L = body_k.shape[1], body_k.shape[-2]
     p = torch.arange(layer.q_offset, layer.q_offset + n_q)[:, None]
-    j = torch.arange(L)[None, :]
+    j = torch.arange(layer.kv_offset, layer.kv_offset + L)[None, :]  # the positions of the rows returned
     allowed = j <= p
     if pol.window is not None:
         allowed &= p - j < pol.window

@@ -177,10 +177,10 @@ def test_reference_check_catches_a_tail_off_by_one(monkeypatch):
     ids = _ids(model)
     real = kattn.exact_selection
 
-    def off_by_one(q_pos, kv_len, policy):
+    def off_by_one(q_pos, kv_len, policy, kv_offset=0):
         from kvarn.policy import LayerPolicy
 
-        return real(q_pos, kv_len, LayerPolicy(policy.sink, max(policy.tail - 1, 0), policy.window))
+        return real(q_pos, kv_len, LayerPolicy(policy.sink, max(policy.tail - 1, 0), policy.window), kv_offset)
     monkeypatch.setattr(kattn, "exact_selection", off_by_one)
     rec = checked_run(model, ids, "q2_0", "q2_0", 5, 7)
     assert max(rec.diffs) > 100 * max(rec.noise)

@@ -220,3 +220,50 @@ def test_kvarn_end_to_end_reads_the_body(smol_baseline_512, tmp_path_factory):
     # The body is read: 2-bit KVarN must do clearly worse than 8-bit (identical if no body key were read).
     assert s["kvarn2"]["kld_median"] > 4 * s["kvarn8"]["kld_median"]
     assert s["kvarn8"]["kld_max"] > 0
+
+
+# --- sliding layers that forget: n_ctx beyond window + ubatch ------------------------------
+
+@pytest.mark.slow
+def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypatch):
+    # n_ctx 2048 > window 512 + ubatch 512: Gemma 3's sliding layers keep only the 511 + 512
+    # rows a ubatch can read (the rest really dropped), yet the f32 cache is the model's own
+    # single pass at fp32 noise, and a q4_0 tail-128 cell is bit for bit the same cache
+    # keeping every row.
+    from kvarn import data, engine
+    from kvarn.cache import KVarnLayer
+
+    lm, n, ub = loaded("gemma3-270m"), 2048, 512
+    window = lm.model.config.sliding_window
+    assert window + ub < n
+    ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)), n, 1, lm.info.bos_id)[0]
+    sc = data.scored_positions(n)
+
+    def run(k, v, tail):
+        lm.model.set_attn_implementation("kvarn")
+        cache = engine._new_cache(lm.model, k, v, tail)
+        return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ub, sc)]), cache
+
+    with torch.inference_mode():
+        plain = {}
+        for impl in ("sdpa", "eager"):
+            lm.model.set_attn_implementation(impl)
+            plain[impl] = torch.log_softmax(lm.model(ids[None]).logits[0, sc.start : sc.stop].float(), dim=-1)
+    noise = (plain["eager"] - plain["sdpa"]).abs().max().item()
+    got, cache = run("f32", "f32", 0)
+    diff = (got - plain["sdpa"]).abs().max().item()
+    print(f"gemma3 n_ctx {n}: f32 cache vs plain sdpa max |Δlogp| {diff:.3g}; eager vs sdpa {noise:.3g}")
+    assert diff <= 2 * max(noise, 1e-6)
+    layers = [layer for layer in cache.layers if isinstance(layer, KVarnLayer)]
+    assert {layer.is_sliding for layer in layers} == {True, False}
+    for layer in layers:
+        if layer.is_sliding:
+            assert layer.stored_rows() == window - 1 + ub and layer.keys.shape[-2] == window - 1 + ub
+            assert all(b.n_moves > 0 and b.lo > 0 for b in layer.rows.values())  # rows were dropped
+        else:
+            assert layer.stored_rows() == n and layer.keys.shape[-2] == n
+    q4, _ = run("q4_0", "q4_0", 128)
+    monkeypatch.setattr(KVarnLayer, "trim", False)
+    q4_all, full = run("q4_0", "q4_0", 128)
+    assert all(layer.stored_rows() == n for layer in full.layers if isinstance(layer, KVarnLayer))
+    assert torch.equal(q4, q4_all)

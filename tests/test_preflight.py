@@ -23,15 +23,17 @@ def test_study_estimates_printed(capsys):
     assert "cache copies" in out and "log-prob block" in out and not Path("unused.kvd").exists()
     q = preflight.preflight(ModelSpec("q", QWEN), 65536, 512, "cuda", "bfloat16", "unused", baseline=True,
                             dry_run=True)
-    # 16 attention layers x (exact + body) x (K + V) x 4 KV heads x 65536 x 256 x fp32, by hand:
-    assert q.device_parts["cache copies"] == 16 * 4 * 4 * 65536 * 256 * 4 == 16 * GIB
+    # 16 attention layers x (K + V) bf16 bodies (the baseline keeps no exact copy) x 4 KV heads
+    # x 65536 x 256, by hand:
+    assert q.device_parts["cache copies"] == 16 * 2 * 2 * 4 * 65536 * 256 == 4 * GIB
     assert 26.8e9 * 2 < q.device_parts["weights"] < 27.0e9 * 2  # 26.9 B parameters in bf16
     assert q.device_parts["logits"] == 512 * 248320 * 4 + 2 * 64 * 248320 * 4
     assert q.host_parts["log-prob block"] == 32767 * 248320 * 10  # fp32 parts + concat + 16-bit dump rows
     g = preflight.preflight(ModelSpec("g", GEMMA), 16384, 512, "cuda", "bfloat16", "unused", baseline=False,
                             dry_run=True)
-    # 50 sliding layers (16 x 256, every position kept) + 10 full layers (4 x 512)
-    assert g.device_parts["cache copies"] == (50 * 16 * 256 + 10 * 4 * 512) * 4 * 16384 * 4 == 55 * GIB
+    # 50 sliding layers (16 x 256, window 1024: 1023 + 512 rows kept) + 10 full layers (4 x 512,
+    # all 16384 rows), each row K and V as an fp32 body and a 16-bit exact copy (12 bytes):
+    assert g.device_parts["cache copies"] == (50 * 16 * 256 * 1535 + 10 * 4 * 512 * 16384) * 12
     assert "linear-attention state" not in g.device_parts and g.host_parts == {}
     for est in (q, g):
         assert est.device_bytes == int(sum(est.device_parts.values()) * preflight.HEADROOM)

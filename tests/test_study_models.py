@@ -243,6 +243,8 @@ def input_noise(model, ids, ubatches) -> float:
         for a, b in zip(whole.layers, c.layers):
             if isinstance(a, KVarnLayer):
                 for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                    m = min(x.shape[-2], y.shape[-2])  # a sliding layer keeps the last rows: align them
+                    x, y = x[..., -m:, :], y[..., -m:, :]
                     out = max(out, ((x - y).abs().max() / x.abs().max()).item())
     return out
 
@@ -344,7 +346,7 @@ def test_cell_changes_only_attention_layers(pair):
         if g.has_kv:
             assert isinstance(cell.layers[i], KVarnLayer)
             assert not torch.equal(cell.layers[i].keys, cell.layers[i].exact_keys), i  # q4_0 bodies
-            assert torch.equal(base.layers[i].keys, base.layers[i].keys.bfloat16().float()), i  # bf16 bodies
+            assert base.layers[i].keys.dtype == torch.bfloat16, i  # bf16 bodies, stored as such
         else:
             a, b = base.layers[i], cell.layers[i]
             assert type(a) is type(b) is LinearAttentionLayer
