@@ -16,10 +16,25 @@ entry at or above the range floor then decodes within `scale ≤ 16/65535 ≈ 2.
 `hi − 16` read back as the floor (≤ −16 nats), which `kvarn.metrics` leaves out of the
 KLD sum exactly as llama.cpp does.
 
-File: a 64-byte preamble (magic, format version, offset and length of the JSON header),
-the payload (chunks × rows × nv uint16, little-endian), then the JSON header. The header
-is written last so it can carry the payload's per-chunk sha256; a truncated file loses
-it and is refused.
+File: a 64-byte preamble (magic, file version, offset and length of the JSON header),
+the payload, then the JSON header. The header is written last so it can carry the
+payload's per-chunk sha256; a truncated file loses it and is refused. Two payload
+layouts, told apart by the file version (header `layout`):
+
+* version 1, `dense` (the former format; still read, and written on request): chunks ×
+  rows × nv uint16, every row llama.cpp's row.
+* version 2, `sparse` (the default): the same rows without their zero codes. A zero code
+  (the floor, and entries within half a step of it) decodes to `lo` whether it is stored
+  or not, so nothing is lost: a decoded row is bit-identical to the dense row's, and so
+  are the metrics (tested). A row is either `[scale: f32, lo: f32, bitmap, codes]`, the
+  bitmap of V bits (bit v set iff code_v ≠ 0, little bit order, padded to a multiple of
+  8 bytes: `bitmap_bytes(V)`) followed by the nonzero codes in vocabulary order, 2 bytes
+  each; or, when that is not shorter, the dense row verbatim (2·nv bytes), so no row is
+  longer than llama.cpp's. A row's length says which (sparse rows are strictly shorter).
+  Rows follow each other chunk after chunk; after the payload, a table of
+  n_chunks·n_scored + 1 uint64 row offsets (relative to the payload start, sha256 in the
+  header) gives random access to any row slice. At the study's scale that is ~8 GB per
+  model instead of 65-69 GB dense (measured distribution: bench/results/baseline_size.md).
 """
 
 from __future__ import annotations
@@ -37,7 +52,8 @@ import torch
 from kvarn.atomic import atomic_path
 
 MAGIC = b"KVARNKVD"
-FILE_VERSION = 1
+FILE_VERSION = 2  # written by default; 1 (dense) is still read and written on request
+LAYOUTS = {"dense": 1, "sparse": 2}  # layout -> file version
 PREAMBLE = struct.Struct("<8sII QQ")  # magic, file version, reserved, json offset, json length
 PAYLOAD_OFFSET = 64
 ENCODING = "llama-logprob-u16"
@@ -46,11 +62,17 @@ RANGE_NATS = 16.0
 REQUIRED = ("model", "revision", "tokenizer_hash", "text_sha256", "n_ctx")
 
 _ROWS = 16  # rows encoded per float64 slice
+_WRITE_ROWS = 256  # rows encoded, packed and written at a time: no encoded copy of a whole chunk
 
 
 def row_uint16(vocab_size: int) -> int:
     """uint16 per row: 4 for the f32 scale and floor, the codes, padded to even (llama.cpp)."""
     return 2 * ((vocab_size + 1) // 2) + 4
+
+
+def bitmap_bytes(vocab_size: int) -> int:
+    """Bytes of a sparse row's bitmap: one bit per vocabulary entry, padded to a multiple of 8."""
+    return 8 * ((vocab_size + 63) // 64)
 
 
 def _mass_corrected_floor(x, codes, scale, lo, hi):
@@ -113,81 +135,191 @@ def decode_rows(rows: np.ndarray, vocab_size: int, device=None) -> torch.Tensor:
     (default CPU): the rows travel as 16-bit codes and are decoded where they are used.
     float64 inside (code·scale, then + lo, two roundings), one rounding to fp32 at the end:
     the same bits on every device."""
-    rows = torch.from_numpy(np.array(rows, dtype="<u2", copy=True).view(np.int16)).to(device)
-    out = torch.empty((rows.shape[0], vocab_size), dtype=torch.float32, device=rows.device)
-    for a in range(0, rows.shape[0], _ROWS):
-        r = rows[a:a + _ROWS]
-        hdr = r[:, :4].contiguous().view(torch.float32).double()  # scale, lo
-        codes = r[:, 4:4 + vocab_size].to(torch.int32).bitwise_and_(0xFFFF).double()  # uint16 from int16 bits
-        out[a:a + _ROWS] = codes.mul_(hdr[:, :1]).add_(hdr[:, 1:2])
+    rows = np.array(rows, dtype="<u2", copy=True)
+    hdr = torch.from_numpy(np.ascontiguousarray(rows[:, :4]).view(np.float32)).to(device)  # scale, lo
+    return _decode_codes(torch.from_numpy(rows.view(np.int16)).to(device)[:, 4:4 + vocab_size], hdr, vocab_size)
+
+
+def _decode_codes(codes: torch.Tensor, hdr: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """codes [n, V] (uint16 bits in any integer dtype), hdr fp32 [n, 2] (scale, lo) -> fp32 [n, V]:
+    the one decode formula of both layouts."""
+    out = torch.empty((codes.shape[0], vocab_size), dtype=torch.float32, device=codes.device)
+    for a in range(0, codes.shape[0], _ROWS):
+        h = hdr[a:a + _ROWS].double()
+        c = (codes[a:a + _ROWS].to(torch.int32) & 0xFFFF).double()  # uint16 from int16 bits
+        out[a:a + _ROWS] = c.mul_(h[:, :1]).add_(h[:, 1:2])
     return out
+
+
+def pack_rows(rows: np.ndarray, vocab_size: int) -> tuple[bytes, np.ndarray]:
+    """Dense [n, nv] uint16 rows -> (the bytes of the sparse layout, each row's length in
+    bytes): `[scale, lo, bitmap, nonzero codes]`, or the dense row where that is not shorter."""
+    rows = np.asarray(rows, dtype=np.uint16)
+    n, nv = rows.shape
+    codes = rows[:, 4:4 + vocab_size]
+    nz = codes != 0
+    nnz = nz.sum(1)
+    dense_len, nb = 2 * nv, bitmap_bytes(vocab_size)
+    sparse = 8 + nb + 2 * nnz < dense_len
+    bits = np.zeros((n, nb), dtype=np.uint8)
+    bits[:, :(vocab_size + 7) // 8] = np.packbits(nz, axis=1, bitorder="little")
+    vals = codes[nz].astype("<u2")  # row after row, vocabulary order
+    ends = np.cumsum(nnz)
+    parts = []
+    for r in range(n):
+        if sparse[r]:
+            parts += [rows[r, :4].astype("<u2").tobytes(), bits[r].tobytes(), vals[ends[r] - nnz[r]:ends[r]].tobytes()]
+        else:
+            parts.append(rows[r].astype("<u2").tobytes())
+    return b"".join(parts), np.where(sparse, 8 + nb + 2 * nnz, dense_len).astype(np.int64)
+
+
+def unpack_rows(blob: np.ndarray, starts: np.ndarray, lengths: np.ndarray, vocab_size: int,
+                device=None, where: str = "sparse rows") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the sparse layout -> (codes int32 [n, V], hdr fp32 [n, 2] = scale, lo) on `device`.
+
+    blob: uint8 bytes holding the rows; starts, lengths: each row's byte range in it. Only
+    the stored bytes travel; bitmaps are expanded and codes scattered on `device`. A row
+    whose bitmap disagrees with its length is refused (ValueError naming `where`, the row)."""
+    n = len(starts)
+    nb, dense_len = bitmap_bytes(vocab_size), 2 * row_uint16(vocab_size)
+    hdr = torch.from_numpy(blob[starts[:, None] + np.arange(8)].view(np.float32)).to(device)  # [n, 2]
+    full = torch.zeros((n, 8 * nb), dtype=torch.int32, device=hdr.device)  # codes, bitmap-wide
+
+    def u16(a):  # uint16 bytes -> int32 tensor on the device
+        return torch.from_numpy(a.view(np.int16)).to(hdr.device).to(torch.int32) & 0xFFFF
+
+    dense = lengths == dense_len
+    if dense.any():
+        rows = np.stack([blob[s + 8:s + ln] for s, ln in zip(starts[dense], lengths[dense])]).view("<u2")
+        full[torch.from_numpy(np.flatnonzero(dense)).to(hdr.device), :vocab_size] = u16(rows[:, :vocab_size])
+    if not dense.all():
+        st, ln = starts[~dense], lengths[~dense]
+        bm = torch.from_numpy(blob[st[:, None] + 8 + np.arange(nb)]).to(hdr.device)  # [ns, nb]
+        bits = ((bm.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=hdr.device)) & 1).reshape(len(st), -1)
+        want = (ln - 8 - nb) // 2
+        got = bits.sum(1, dtype=torch.int64).cpu().numpy()
+        if not np.array_equal(got, want):
+            r = int(np.flatnonzero(got != want)[0])
+            raise ValueError(f"{where}: row {int(np.flatnonzero(~dense)[r])} has {int(got[r])} bits set in its "
+                             f"bitmap but room for {int(want[r])} codes: the dump is corrupt")
+        mask = bits.bool()
+        if dense.any():
+            mask = torch.zeros(full.shape, dtype=torch.bool, device=hdr.device).index_put_(
+                (torch.from_numpy(np.flatnonzero(~dense)).to(hdr.device),), mask)
+        vals = np.concatenate([blob[s + 8 + nb:s + k] for s, k in zip(st, ln)])
+        full.masked_scatter_(mask, u16(vals))
+    return full[:, :vocab_size], hdr
 
 
 def _sha256(a: np.ndarray) -> str:
     return hashlib.sha256(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest()
 
 
-def write_dump(path: str | os.PathLike, header: dict, blocks: Iterable[torch.Tensor]) -> dict:
+def write_dump(path: str | os.PathLike, header: dict, blocks: Iterable[torch.Tensor],
+               layout: str = "sparse") -> dict:
     """Encode and stream `blocks` (fp32 log-probs [n_scored, V], one per chunk) to `path`
     atomically; return the header written. `header` must hold REQUIRED; n_chunks and
-    vocab_size, if given, are checked against the blocks."""
+    vocab_size, if given, are checked against the blocks. `layout`: "sparse" (file version
+    2, the default) or "dense" (version 1, llama.cpp's rows); both decode to the same bits."""
     missing = [k for k in REQUIRED if k not in header]
     if missing:
         raise ValueError(f"dump header lacks {missing}; required: {list(REQUIRED)}")
     n_ctx = int(header["n_ctx"])
     n_scored = n_ctx - 1 - n_ctx // 2
     vocab = header.get("vocab_size")
+
+    def chunks():
+        nonlocal vocab
+        for i, block in enumerate(blocks):
+            block = torch.as_tensor(block)
+            if block.ndim != 2 or block.shape[0] != n_scored:
+                raise ValueError(
+                    f"chunk {i}: block shape {tuple(block.shape)}, expected "
+                    f"[{n_scored}, vocab] for n_ctx={n_ctx}"
+                )
+            if vocab is None:
+                vocab = int(block.shape[1])
+            elif block.shape[1] != vocab:
+                raise ValueError(f"chunk {i}: vocab {block.shape[1]}, expected {vocab}")
+            yield ((encode_rows(block[a:a + _WRITE_ROWS]), int(vocab)) for a in range(0, n_scored, _WRITE_ROWS))
+
+    def full_header(sums):
+        if "n_chunks" in header and header["n_chunks"] != len(sums):
+            raise ValueError(f"header says n_chunks={header['n_chunks']}, got {len(sums)} blocks")
+        if not sums:
+            raise ValueError("no blocks to write")
+        return {
+            **header,
+            "n_chunks": len(sums),
+            "n_scored": n_scored,
+            "vocab_size": int(vocab),
+            "row_uint16": row_uint16(int(vocab)),
+            "encoding": ENCODING,
+            "encoding_version": ENCODING_VERSION,
+            "range_nats": RANGE_NATS,
+            "checksum": "sha256 per chunk",
+        }
+
+    return _write(path, layout, chunks(), full_header)
+
+
+_LAYOUT_FIELDS = ("layout", "chunk_sha256", "bitmap_bytes", "payload_bytes", "offsets_offset", "offsets_sha256")
+
+
+def _write(path, layout: str, chunks, full_header) -> dict:
+    """The file, atomically: preamble, the payload from `chunks` (per chunk, an iterable of
+    (dense uint16 rows [r, nv], V)) in `layout`, the row offset table (sparse), then the JSON
+    header `full_header(chunk sha256s)` plus the layout's fields."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"dump layout {layout!r} is not one of {sorted(LAYOUTS)}")
     sums: list[str] = []
+    offsets, pos = [np.zeros(1, dtype=np.int64)], 0
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(b"\0" * PAYLOAD_OFFSET)
-            for i, block in enumerate(blocks):
-                block = torch.as_tensor(block)
-                if block.ndim != 2 or block.shape[0] != n_scored:
-                    raise ValueError(
-                        f"chunk {i}: block shape {tuple(block.shape)}, expected "
-                        f"[{n_scored}, vocab] for n_ctx={n_ctx}"
-                    )
-                if vocab is None:
-                    vocab = int(block.shape[1])
-                elif block.shape[1] != vocab:
-                    raise ValueError(f"chunk {i}: vocab {block.shape[1]}, expected {vocab}")
-                rows = encode_rows(block)
-                sums.append(_sha256(rows))
-                f.write(rows.astype("<u2", copy=False).tobytes())
-            if "n_chunks" in header and header["n_chunks"] != len(sums):
-                raise ValueError(f"header says n_chunks={header['n_chunks']}, got {len(sums)} blocks")
-            if not sums:
-                raise ValueError("no blocks to write")
-            full = {
-                **header,
-                "n_chunks": len(sums),
-                "n_scored": n_scored,
-                "vocab_size": int(vocab),
-                "row_uint16": row_uint16(int(vocab)),
-                "encoding": ENCODING,
-                "encoding_version": ENCODING_VERSION,
-                "range_nats": RANGE_NATS,
-                "checksum": "sha256 per chunk",
-                "chunk_sha256": sums,
-            }
+            for parts in chunks:
+                h = hashlib.sha256()
+                for rows, vocab in parts:
+                    if layout == "dense":
+                        data = np.ascontiguousarray(rows).astype("<u2", copy=False).tobytes()
+                    else:
+                        data, lengths = pack_rows(rows, vocab)
+                        offsets.append(pos + np.cumsum(lengths))
+                    pos += len(data)
+                    h.update(data)
+                    f.write(data)
+                sums.append(h.hexdigest())
+            full = {k: v for k, v in full_header(sums).items() if k not in _LAYOUT_FIELDS}
+            full.update({"layout": layout, "chunk_sha256": sums})
+            if layout == "sparse":
+                table = np.concatenate(offsets).astype("<u8").tobytes()
+                full.update({"bitmap_bytes": bitmap_bytes(full["vocab_size"]), "payload_bytes": pos,
+                             "offsets_offset": PAYLOAD_OFFSET + pos,
+                             "offsets_sha256": hashlib.sha256(table).hexdigest()})
+                f.write(table)
             blob = json.dumps(full, indent=1, sort_keys=True).encode("utf-8")
             json_offset = f.tell()
             f.write(blob)
             f.seek(0)
-            f.write(PREAMBLE.pack(MAGIC, FILE_VERSION, 0, json_offset, len(blob)))
+            f.write(PREAMBLE.pack(MAGIC, LAYOUTS[layout], 0, json_offset, len(blob)))
             f.flush()
             os.fsync(f.fileno())
     return full
 
 
 class Dump:
-    """A baseline dump opened read-only; `chunk(i)` decodes one chunk (verified lazily)."""
+    """A baseline dump opened read-only. `decode(c, a, b, device)` gives rows a..b of
+    chunk c as fp32 log-probs (the cells' 64-row slices), `chunk(i)` a whole chunk,
+    `dense_rows(c, a, b)` llama.cpp's uint16 rows; each chunk's sha256 is verified the
+    first time it is read."""
 
     kind = "kvarn"  # vs "llama" (kvarn.llamakld.LlamaKld)
 
-    def __init__(self, path: Path, header: dict, payload: np.memmap, verify: bool):
+    def __init__(self, path: Path, header: dict, payload: np.memmap, verify: bool,
+                 offsets: np.ndarray | None = None):
         self.path, self.header, self._payload = path, header, payload
+        self._offsets = offsets  # sparse layout: row offsets into the uint8 payload; dense: None
         self._verify = verify
         self._verified: set[int] = set()
 
@@ -203,24 +335,60 @@ class Dump:
     def vocab_size(self) -> int:
         return int(self.header["vocab_size"])
 
-    def rows(self, i: int) -> np.ndarray:
-        """The raw uint16 rows [n_scored, nv] of chunk i, checksum verified once."""
+    @property
+    def layout(self) -> str:
+        return self.header.get("layout", "dense")
+
+    def _rows_span(self, i: int, a: int, b: int | None) -> tuple[int, int]:
         if not 0 <= i < self.n_chunks:
             raise IndexError(f"chunk {i} out of range: dump {self.path} has {self.n_chunks} chunks")
-        rows = self._payload[i]
+        b = self.n_scored if b is None else min(b, self.n_scored)
+        if not 0 <= a <= b:
+            raise IndexError(f"rows {a}..{b} out of range: dump {self.path} has {self.n_scored} rows per chunk")
         if self._verify and i not in self._verified:
-            got, want = _sha256(rows), self.header["chunk_sha256"][i]
+            if self._offsets is None:
+                got = _sha256(self._payload[i])
+            else:
+                r = self._offsets[i * self.n_scored:(i + 1) * self.n_scored + 1:self.n_scored]
+                got = _sha256(self._payload[r[0]:r[1]])
+            want = self.header["chunk_sha256"][i]
             if got != want:
                 raise ValueError(f"dump {self.path}: chunk {i} sha256 {got} does not match the header's {want}")
             self._verified.add(i)
-        return rows
+        return a, b
+
+    def _unpack(self, i: int, a: int, b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self._offsets[i * self.n_scored + a:i * self.n_scored + b + 1]
+        blob = np.asarray(self._payload[o[0]:o[-1]])
+        return unpack_rows(blob, o[:-1] - o[0], np.diff(o), self.vocab_size, device,
+                           where=f"dump {self.path}, chunk {i} from row {a}")
+
+    def decode(self, i: int, a: int = 0, b: int | None = None, device=None) -> torch.Tensor:
+        """Rows a..b of chunk i, float32 [b − a, vocab] log-probs on `device` (default CPU)."""
+        a, b = self._rows_span(i, a, b)
+        if self._offsets is None:
+            return decode_rows(self._payload[i, a:b], self.vocab_size, device)
+        codes, hdr = self._unpack(i, a, b, device)
+        return _decode_codes(codes, hdr, self.vocab_size)
 
     def chunk(self, i: int) -> torch.Tensor:
         """Chunk i's decoded base log-probs, float32 [n_scored, vocab]."""
-        return decode_rows(self.rows(i), self.vocab_size)
+        return self.decode(i)
+
+    def dense_rows(self, i: int, a: int = 0, b: int | None = None) -> np.ndarray:
+        """Rows a..b of chunk i in llama.cpp's layout, uint16 [b − a, nv] (what the dense layout stores)."""
+        a, b = self._rows_span(i, a, b)
+        if self._offsets is None:
+            return np.asarray(self._payload[i, a:b])
+        codes, hdr = self._unpack(i, a, b, "cpu")
+        out = np.zeros((b - a, row_uint16(self.vocab_size)), dtype=np.uint16)
+        out[:, :4] = hdr.numpy().view(np.uint16)
+        out[:, 4:4 + self.vocab_size] = codes.numpy()
+        return out
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
+def _read_header(path: Path) -> tuple[dict, int, int]:
+    """(header, json offset, file version), the payload's extent checked against the header."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         pre = f.read(PREAMBLE.size)
@@ -229,8 +397,9 @@ def _read_header(path: Path) -> tuple[dict, int]:
         magic, version, _, json_offset, json_len = PREAMBLE.unpack(pre)
         if magic != MAGIC:
             raise ValueError(f"{path} is not a kvarn dump (magic {magic!r}, expected {MAGIC!r})")
-        if version != FILE_VERSION:
-            raise ValueError(f"dump {path} has file version {version}, this reader reads {FILE_VERSION}")
+        if version not in LAYOUTS.values():
+            raise ValueError(f"dump {path} has file version {version}, this reader reads "
+                             f"{sorted(LAYOUTS.values())} ({', '.join(f'{v}: {k}' for k, v in LAYOUTS.items())})")
         if json_offset == 0 or size != json_offset + json_len:
             raise ValueError(
                 f"dump {path} is truncated or incomplete: {size} bytes, header says "
@@ -238,21 +407,56 @@ def _read_header(path: Path) -> tuple[dict, int]:
             )
         f.seek(json_offset)
         header = json.loads(f.read(json_len).decode("utf-8"))
-    expected = PAYLOAD_OFFSET + 2 * header["n_chunks"] * header["n_scored"] * header["row_uint16"]
+    layout = header.get("layout", "dense")
+    if LAYOUTS.get(layout) != version:
+        raise ValueError(f"dump {path}: header layout {layout!r} does not match file version {version}")
+    if version == 1:
+        expected = PAYLOAD_OFFSET + 2 * header["n_chunks"] * header["n_scored"] * header["row_uint16"]
+    else:
+        expected = header["offsets_offset"] + 8 * (header["n_chunks"] * header["n_scored"] + 1)
     if json_offset != expected:
         raise ValueError(f"dump {path}: payload is {json_offset - PAYLOAD_OFFSET} bytes, header implies "
                          f"{expected - PAYLOAD_OFFSET}")
-    return header, json_offset
+    return header, json_offset, version
+
+
+def _read_offsets(path: Path, header: dict, verify: bool) -> np.ndarray:
+    """The sparse layout's row offset table, checked: sha256 (with `verify`), and every row
+    a possible length (dense, or sparse and shorter), ending where the payload ends."""
+    n = header["n_chunks"] * header["n_scored"]
+    with open(path, "rb") as f:
+        f.seek(header["offsets_offset"])
+        raw = f.read(8 * (n + 1))
+    if verify and hashlib.sha256(raw).hexdigest() != header["offsets_sha256"]:
+        raise ValueError(f"dump {path}: row offset table sha256 does not match the header's {header['offsets_sha256']}")
+    off = np.frombuffer(raw, dtype="<u8").astype(np.int64)
+    V = header["vocab_size"]
+    dense_len, nb = 2 * row_uint16(V), bitmap_bytes(V)
+    lengths = np.diff(off)
+    ok = (lengths == dense_len) | ((lengths >= 8 + nb) & (lengths < dense_len) & (lengths % 2 == 0))
+    if off[0] != 0 or not ok.all():
+        r = 0 if off[0] != 0 else int(np.flatnonzero(~ok)[0])
+        c, row = divmod(r, header["n_scored"])
+        got = int(off[0]) if off[0] != 0 else int(lengths[r])
+        raise ValueError(
+            f"dump {path}: row offset table is corrupt at chunk {c} row {row}: "
+            + (f"the table starts at {got}, not 0" if off[0] != 0 else
+               f"a row of {got} bytes; a row is {dense_len} bytes (dense) or 8 + {nb} + 2·k < {dense_len} (sparse)"))
+    if off[-1] != header["payload_bytes"] or PAYLOAD_OFFSET + off[-1] != header["offsets_offset"]:
+        raise ValueError(f"dump {path}: row offset table ends at byte {int(off[-1])}, the payload is "
+                         f"{header['offsets_offset'] - PAYLOAD_OFFSET} bytes (header payload_bytes "
+                         f"{header['payload_bytes']}): offset out of range")
+    return off
 
 
 def open_dump(path: str | os.PathLike, expect: dict | None = None, verify: bool = True) -> Dump:
-    """Open a dump written by `write_dump`. Every key of `expect` must equal the header's
-    (ValueError naming the field, expected and found). With `verify`, each chunk's
-    sha256 is checked the first time it is read."""
+    """Open a dump written by `write_dump` (either layout). Every key of `expect` must equal
+    the header's (ValueError naming the field, expected and found). With `verify`, the row
+    offset table's sha256 is checked now and each chunk's the first time it is read."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no baseline dump at {path}; make it with `kvarn baseline`")
-    header, _ = _read_header(path)
+    header, _, version = _read_header(path)
     if header.get("encoding") != ENCODING or header.get("encoding_version") not in (1, 2):
         raise ValueError(
             f"dump {path}: encoding {header.get('encoding')!r} v{header.get('encoding_version')}, "
@@ -262,9 +466,24 @@ def open_dump(path: str | os.PathLike, expect: dict | None = None, verify: bool 
         found = header.get(key, "<missing>")
         if found != want:
             raise ValueError(f"dump {path}: header field {key!r} is {found!r}, expected {want!r}")
-    payload = np.memmap(path, dtype="<u2", mode="r", offset=PAYLOAD_OFFSET,
-                        shape=(header["n_chunks"], header["n_scored"], header["row_uint16"]))
-    return Dump(path, header, payload, verify)
+    if version == 1:
+        payload = np.memmap(path, dtype="<u2", mode="r", offset=PAYLOAD_OFFSET,
+                            shape=(header["n_chunks"], header["n_scored"], header["row_uint16"]))
+        return Dump(path, header, payload, verify)
+    offsets = _read_offsets(path, header, verify)
+    payload = np.memmap(path, dtype=np.uint8, mode="r", offset=PAYLOAD_OFFSET, shape=(int(offsets[-1]),))
+    return Dump(path, header, payload, verify, offsets)
+
+
+def convert_dump(src: str | os.PathLike, out: str | os.PathLike, layout: str = "sparse") -> dict:
+    """Rewrite the dump at `src` in `layout` at `out` (atomic), code for code (the decoded
+    log-probs are bit-identical); returns the new header. For dumps written before the
+    sparse layout, or a dense copy of a sparse one."""
+    d = open_dump(src)
+    V, ns = d.vocab_size, d.n_scored
+    chunks = (((d.dense_rows(i, a, a + _WRITE_ROWS), V) for a in range(0, ns, _WRITE_ROWS))
+              for i in range(d.n_chunks))
+    return _write(out, layout, chunks, lambda sums: d.header)
 
 
 def measure_encoding_error(name: str = "smollm2-135m", n_ctx: int = 512, chunks: int = 1,

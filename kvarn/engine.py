@@ -290,7 +290,6 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     forward_s = 0.0
     for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
         cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
-        ref = base.rows(c)  # 16-bit codes, decoded a slice at a time where the log-probs are
         targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
         gen = chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)
         while True:
@@ -301,7 +300,8 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
                 break
             a, lp = item
             b = a + lp.shape[0]
-            tm = metrics.token_metrics(lp, dump.decode_rows(ref[a:b], base.vocab_size, lp.device), targets[a:b])
+            # the baseline's stored codes, decoded a slice at a time where the log-probs are
+            tm = metrics.token_metrics(lp, base.decode(c, a, b, lp.device), targets[a:b])
             for key in cols:
                 cols[key].append(tm[key])
         chunk_col.append(np.full(len(pos), c, dtype=np.int32))

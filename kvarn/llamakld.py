@@ -12,8 +12,9 @@ The file (tools/perplexity/perplexity.cpp, llama-cpp-python 0.3.36), little-endi
 
 Each row is exactly the row of our dump (kvarn.dump): `[scale: f32, lo: f32, codes]`,
 decoded `scale·code + lo`. So writing ours in llama's format copies the dump's rows
-behind llama's header (our mass-corrected `lo` decodes the same way in llama-perplexity),
-and reading llama's file decodes its rows with `kvarn.dump.decode_rows`.
+behind llama's header (our mass-corrected `lo` decodes the same way in llama-perplexity;
+a sparse-layout dump gives its rows back densely, `Dump.dense_rows`), and reading llama's
+file decodes its rows with `kvarn.dump.decode_rows`. This file stays dense.
 
 llama-perplexity's `--kl-divergence` evaluates the tokens stored in the file, never the
 text, so a file we write makes it score our tokenization; a file it wrote is accepted as
@@ -60,8 +61,9 @@ def write_from_dump(dump_path, chunk_ids: torch.Tensor, out) -> Path:
         with open(tmp, "wb") as f:
             f.write(HEADER.pack(MAGIC, n_ctx, d.vocab_size, n_chunks))
             f.write(chunk_ids.to(torch.int32).numpy().astype("<i4").tobytes())
-            for i in range(n_chunks):
-                f.write(np.ascontiguousarray(d.rows(i)).astype("<u2", copy=False).tobytes())
+            for i in range(n_chunks):  # llama.cpp's rows, a slice at a time (either dump layout)
+                for a in range(0, d.n_scored, 1024):
+                    f.write(np.ascontiguousarray(d.dense_rows(i, a, a + 1024)).astype("<u2", copy=False).tobytes())
             f.flush()
             os.fsync(f.fileno())
     return out
@@ -84,13 +86,16 @@ class LlamaKld:
     def n_scored(self) -> int:
         return self.n_ctx - 1 - self.n_ctx // 2
 
-    def rows(self, i: int) -> np.ndarray:
+    def dense_rows(self, i: int, a: int = 0, b: int | None = None) -> np.ndarray:
         if not 0 <= i < self.n_chunks:
             raise IndexError(f"chunk {i} out of range: {self.path} has {self.n_chunks} chunks")
-        return self._payload[i]
+        return self._payload[i, a:b]
+
+    def decode(self, i: int, a: int = 0, b: int | None = None, device=None) -> torch.Tensor:
+        return decode_rows(self.dense_rows(i, a, b), self.vocab_size, device)
 
     def chunk(self, i: int) -> torch.Tensor:
-        return decode_rows(self.rows(i), self.vocab_size)
+        return self.decode(i)
 
 
 def read_llama_kld(path) -> LlamaKld:

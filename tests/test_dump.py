@@ -1,4 +1,5 @@
-"""kvarn.dump: encoding error bound, round trip, refusal of bad or mismatched files."""
+"""kvarn.dump: encoding error bound, round trip, both layouts decoding to the same bits, refusal of bad or
+mismatched files."""
 
 import numpy as np
 import pytest
@@ -65,13 +66,15 @@ def test_mass_correction_removes_kld_bias():
     assert bias[True] < 0.2 * bias[False]
 
 
-def test_round_trip_and_kld_floor(tmp_path):
+@pytest.mark.parametrize("layout", ["sparse", "dense"])
+def test_round_trip_and_kld_floor(tmp_path, layout):
     blocks = [logprobs(7, 300, seed=s) for s in range(3)]  # n_ctx 16 -> 7 scored
     p = tmp_path / "base.kvd"
-    written = dump.write_dump(p, header(), iter(blocks))
+    written = dump.write_dump(p, header(), iter(blocks), **({} if layout == "sparse" else {"layout": layout}))
     d = dump.open_dump(p, expect=header())
     assert d.n_chunks == 3 and d.n_scored == 7 and d.vocab_size == 300
     assert d.header == written and d.header["encoding"] == "llama-logprob-u16"
+    assert d.layout == layout and p.read_bytes()[8] == dump.LAYOUTS[layout]  # the preamble's file version
     for i, b in enumerate(blocks):
         c = d.chunk(i)
         assert c.dtype == torch.float32 and c.shape == (7, 300)
@@ -95,10 +98,12 @@ def test_mismatched_header_refused(tmp_path):
         dump.open_dump(p, expect={"dtype": "bfloat16"})
 
 
-def test_truncated_and_corrupt_refused(tmp_path):
+@pytest.mark.parametrize("layout", ["sparse", "dense"])
+def test_truncated_and_corrupt_refused(tmp_path, layout):
     p = tmp_path / "base.kvd"
-    dump.write_dump(p, header(), [logprobs(7, 50, seed=s) for s in range(2)])
+    dump.write_dump(p, header(), [logprobs(7, 50, seed=s) for s in range(2)], layout=layout)
     data = p.read_bytes()
+    chunk1 = 2 * 7 * 54 if layout == "dense" else int(dump.open_dump(p)._offsets[7])  # where chunk 1 starts
     (tmp_path / "cut.kvd").write_bytes(data[: len(data) - 100])
     with pytest.raises(ValueError, match="truncated"):
         dump.open_dump(tmp_path / "cut.kvd")
@@ -106,7 +111,7 @@ def test_truncated_and_corrupt_refused(tmp_path):
     with pytest.raises(ValueError, match="truncated"):
         dump.open_dump(tmp_path / "tiny.kvd")
     flipped = bytearray(data)
-    flipped[dump.PAYLOAD_OFFSET + 2 * (7 * 54) + 20] ^= 0xFF  # a code in chunk 1
+    flipped[dump.PAYLOAD_OFFSET + chunk1 + 20] ^= 0xFF  # a bitmap byte or code in chunk 1
     (tmp_path / "bad.kvd").write_bytes(bytes(flipped))
     d = dump.open_dump(tmp_path / "bad.kvd")
     d.chunk(0)
@@ -150,3 +155,128 @@ def test_decode_rows_is_the_float64_formula_bit_for_bit_and_slices_agree():
     parts = torch.cat([dump.decode_rows(rows[a:a + 64], 3001, "cpu") for a in range(0, 70, 64)])
     assert torch.equal(parts, whole)
     assert torch.equal(dump.decode_rows(np.asarray(rows[:0]), 3001), whole[:0])
+
+
+def _mixed_rows(n=150, V=1001, seed=5):
+    """Log-probs whose rows take every path: peaked rows (few entries above the floor:
+    sparse), flat rows (every code nonzero: the dense fallback), a constant row (scale 0,
+    every code 0), an odd vocabulary (padding)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.linspace(0.3, 9.0, n).unsqueeze(1)
+    lp = torch.log_softmax(spread * torch.randn(n, V, generator=g), -1)
+    lp[n // 2] = torch.log_softmax(torch.zeros(V), -1)
+    return lp
+
+
+def test_sparse_layout_decodes_and_scores_bit_identically_to_dense(tmp_path):
+    # Storing only the nonzero codes loses nothing: every decoded row (floor entries
+    # included) and every metric equal the dense layout's bit for bit, also by 64-row slices.
+    V, n_ctx = 1001, 300  # 149 scored rows per chunk
+    blocks = [_mixed_rows(149, V, seed=s) for s in range(2)]
+    q = [torch.log_softmax(b + 0.05 * torch.randn(b.shape, generator=torch.Generator().manual_seed(9)), -1)
+         for b in blocks]
+    t = torch.randint(0, V, (149,), generator=torch.Generator().manual_seed(1))
+    sp, de = tmp_path / "sparse.kvd", tmp_path / "dense.kvd"
+    dump.write_dump(sp, header(n_ctx), blocks)
+    dump.write_dump(de, header(n_ctx), blocks, layout="dense")
+    s, d = dump.open_dump(sp), dump.open_dump(de)
+    assert (s.layout, d.layout) == ("sparse", "dense") and sp.stat().st_size < de.stat().st_size
+    # both row kinds were written: sparse (shorter) rows and dense fallbacks
+    lengths = np.diff(s._offsets)
+    dense_len = 2 * dump.row_uint16(V)
+    assert (lengths == dense_len).sum() >= 50 and (lengths < dense_len).sum() >= 50
+    assert lengths.min() == 8 + dump.bitmap_bytes(V)  # the constant row: no code stored at all
+    for c in range(2):
+        whole = d.chunk(c)
+        assert torch.equal(s.chunk(c), whole)
+        slices = torch.cat([s.decode(c, a, min(a + 64, 149)) for a in range(0, 149, 64)])
+        assert torch.equal(slices, whole)
+        assert np.array_equal(s.dense_rows(c), d.dense_rows(c))  # code for code, llama.cpp's rows
+        floor = (whole == whole.min(1, keepdim=True).values) & (whole <= -16)  # entries read as a clipped floor
+        assert floor.sum() > 10000  # the floor was exercised
+        ms, md = (metrics.token_metrics(q[c], base.chunk(c), t) for base in (s, d))
+        for key in metrics.PER_TOKEN_KEYS:
+            assert np.array_equal(ms[key], md[key]), key
+
+
+def test_convert_dump_between_layouts(tmp_path):
+    blocks = [_mixed_rows(7, 300, seed=s) for s in range(2)]
+    dense = tmp_path / "dense.kvd"
+    h = dump.write_dump(dense, header(), blocks, layout="dense")
+    sp = dump.convert_dump(dense, tmp_path / "sparse.kvd")
+    back = dump.convert_dump(tmp_path / "sparse.kvd", tmp_path / "back.kvd", layout="dense")
+    assert sp["layout"] == "sparse" and sp["chunk_sha256"] != h["chunk_sha256"]
+    assert back == h and (tmp_path / "back.kvd").read_bytes() == dense.read_bytes()  # the same file again
+    for c in range(2):
+        assert torch.equal(dump.open_dump(tmp_path / "sparse.kvd").chunk(c), dump.open_dump(dense).chunk(c))
+    with pytest.raises(ValueError, match=r"layout 'zip' is not one of \['dense', 'sparse'\]"):
+        dump.convert_dump(dense, tmp_path / "x.kvd", layout="zip")
+    assert not (tmp_path / "x.kvd").exists()
+
+
+def test_sparse_layout_corruption_named(tmp_path):
+    p = tmp_path / "base.kvd"
+    h = dump.write_dump(p, header(), [_mixed_rows(7, 300, seed=s) for s in range(2)])
+    data = bytearray(p.read_bytes())
+    table = h["offsets_offset"]
+
+    def variant(name, edit, verify=True):
+        b = bytearray(data)
+        edit(b)
+        (tmp_path / name).write_bytes(bytes(b))
+        return tmp_path / name
+
+    def set_offset(b, i, v):
+        b[table + 8 * i:table + 8 * i + 8] = int(v).to_bytes(8, "little")
+
+    off = dump.open_dump(p)._offsets
+    # the offset table is checksummed
+    bad = variant("t.kvd", lambda b: set_offset(b, 3, off[3] + 2))
+    with pytest.raises(ValueError, match="row offset table sha256"):
+        dump.open_dump(bad)
+    # and checked for shape even unverified: a row length no row can have ...
+    with pytest.raises(ValueError, match=r"corrupt at chunk 0 row 2: a row of \d+ bytes; a row is 608 bytes "
+                                         r"\(dense\) or 8 \+ 40 \+ 2·k < 608"):
+        dump.open_dump(variant("t2.kvd", lambda b: set_offset(b, 3, off[3] + 1)), verify=False)
+    # ... an index that does not start at 0 or runs past the payload
+    with pytest.raises(ValueError, match="table starts at 8, not 0"):
+        dump.open_dump(variant("t3.kvd", lambda b: set_offset(b, 0, 8)), verify=False)
+    with pytest.raises(ValueError, match="offset out of range"):
+        dump.open_dump(variant("t4.kvd", lambda b: set_offset(b, 14, off[14] + 2)), verify=False)
+    # a bitmap that disagrees with its row's length (caught by the chunk sha256 when verifying)
+    r = int(np.flatnonzero(np.diff(off) < 608)[0])
+    start = dump.PAYLOAD_OFFSET + int(off[r]) + 8
+    row0 = bytearray(data[start:start + 40])
+    bit = next(i for i in range(300) if not row0[i // 8] >> (i % 8) & 1)  # an unset bit
+    flip = variant("b.kvd", lambda b: b.__setitem__(start + bit // 8, b[start + bit // 8] | 1 << (bit % 8)))
+    with pytest.raises(ValueError, match="chunk 0 sha256"):
+        dump.open_dump(flip).chunk(0)
+    with pytest.raises(ValueError, match=rf"chunk 0 from row 0: row {r} has \d+ bits set in its bitmap but room "
+                                         r"for \d+ codes"):
+        dump.open_dump(flip, verify=False).chunk(0)
+    # an unknown file version, and a header that disagrees with the version
+    with pytest.raises(ValueError, match=r"file version 3, this reader reads \[1, 2\]"):
+        dump.open_dump(variant("v.kvd", lambda b: b.__setitem__(8, 3)))
+    with pytest.raises(ValueError, match="header layout 'sparse' does not match file version 1"):
+        dump.open_dump(variant("v1.kvd", lambda b: b.__setitem__(8, 1)))
+    with pytest.raises(IndexError, match="rows 5..3 out of range"):
+        dump.open_dump(p).decode(0, 5, 3)
+    with pytest.raises(ValueError, match=r"layout 'zip' is not one of"):
+        dump.write_dump(tmp_path / "z.kvd", header(), [_mixed_rows(7, 300)], layout="zip")
+    assert not (tmp_path / "z.kvd").exists()
+
+
+def test_write_streams_slices_without_a_whole_chunk_encoding(tmp_path, monkeypatch):
+    # a chunk is encoded and packed _WRITE_ROWS rows at a time (no encoded copy of a whole
+    # chunk: 16 GB at Qwen 3.6 64k), and the per-chunk sha256 is that of the whole chunk's bytes
+    monkeypatch.setattr(dump, "_WRITE_ROWS", 3)
+    seen = []
+    real = dump.encode_rows
+    monkeypatch.setattr(dump, "encode_rows", lambda x, **k: seen.append(len(x)) or real(x, **k))
+    b = _mixed_rows(7, 300)
+    h = dump.write_dump(tmp_path / "d.kvd", header(), [b], layout="dense")
+    assert seen == [3, 3, 1]
+    assert h["chunk_sha256"] == [dump._sha256(real(b))]
+    s = dump.write_dump(tmp_path / "s.kvd", header(), [b])
+    assert torch.equal(dump.open_dump(tmp_path / "s.kvd").chunk(0), dump.decode_rows(real(b), 300))
+    assert s["payload_bytes"] == len(dump.pack_rows(real(b), 300)[0])
