@@ -179,6 +179,31 @@ def test_bf16_cell_against_baseline_dump(smol_baseline, tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_factory):
+    # The default (sparse) dump stores only the nonzero codes; a dense copy of it must give
+    # the same cell, per-token metrics bit for bit, through the engine's slice decoding.
+    import polars as pl
+
+    from kvarn import dump, engine, sources
+
+    dense = tmp_path_factory.mktemp("dense") / "base.kvd"
+    dump.convert_dump(smol_baseline, dense, layout="dense")
+    assert dump.open_dump(smol_baseline).layout == "sparse" and dump.open_dump(dense).layout == "dense"
+    assert smol_baseline.stat().st_size < dense.stat().st_size
+    got = {}
+    for name, base in (("sparse", smol_baseline), ("dense", dense)):
+        out = tmp_path_factory.mktemp(f"q8-{name}")
+        s = engine.run_cell(sources.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, "q8_0", "q8_0", 0,
+                            base, out, text=TEXT, cache_dir=CACHE_DIR)
+        got[name] = (pl.read_parquet(out / "tokens.parquet"), s)
+    assert got["sparse"][0].equals(got["dense"][0]) and got["sparse"][0]["kld"].max() > 0
+    from kvarn import metrics
+
+    keys = list(metrics.summarize(got["dense"][0]))  # every summary statistic
+    assert [got["sparse"][1][k] for k in keys] == [got["dense"][1][k] for k in keys]
+
+
+@pytest.mark.slow
 def test_smollm2_orderings(smol_baseline, tmp_path_factory):
     med = {}
     for k, tail in (("q8_0", 0), ("q4_0", 0), ("q4_0", 128), ("q2_0", 0)):
