@@ -192,6 +192,11 @@ def test_sparse_layout_decodes_and_scores_bit_identically_to_dense(tmp_path):
         slices = torch.cat([s.decode(c, a, min(a + 64, 149)) for a in range(0, 149, 64)])
         assert torch.equal(slices, whole)
         assert np.array_equal(s.dense_rows(c), d.dense_rows(c))  # code for code, llama.cpp's rows
+        # both expansions: numpy's (the CPU default) and torch's (what an accelerator runs)
+        o = s._offsets[c * 149:(c + 1) * 149 + 1]
+        blob = np.asarray(s._payload[o[0]:o[-1]])
+        for host in (True, False):
+            assert torch.equal(dump.decode_packed(blob, o[:-1] - o[0], np.diff(o), V, host=host), whole)
         floor = (whole == whole.min(1, keepdim=True).values) & (whole <= -16)  # entries read as a clipped floor
         assert floor.sum() > 10000  # the floor was exercised
         ms, md = (metrics.token_metrics(q[c], base.chunk(c), t) for base in (s, d))
@@ -251,9 +256,15 @@ def test_sparse_layout_corruption_named(tmp_path):
     flip = variant("b.kvd", lambda b: b.__setitem__(start + bit // 8, b[start + bit // 8] | 1 << (bit % 8)))
     with pytest.raises(ValueError, match="chunk 0 sha256"):
         dump.open_dump(flip).chunk(0)
-    with pytest.raises(ValueError, match=rf"chunk 0 from row 0: row {r} has \d+ bits set in its bitmap but room "
-                                         r"for \d+ codes"):
+    msg = rf"chunk 0 from row 0: row {r} has \d+ bits set in its bitmap but room for \d+ codes"
+    with pytest.raises(ValueError, match=msg):
         dump.open_dump(flip, verify=False).chunk(0)
+    with pytest.raises(ValueError, match=msg):
+        dump.open_dump(flip, verify=False).dense_rows(0)
+    o = off[:8]
+    blob = np.frombuffer(flip.read_bytes()[dump.PAYLOAD_OFFSET:dump.PAYLOAD_OFFSET + int(o[-1])], np.uint8)
+    with pytest.raises(ValueError, match=f"torch path: row {r} has"):
+        dump.decode_packed(blob, o[:-1], np.diff(o), 300, host=False, where="torch path")
     # an unknown file version, and a header that disagrees with the version
     with pytest.raises(ValueError, match=r"file version 3, this reader reads \[1, 2\]"):
         dump.open_dump(variant("v.kvd", lambda b: b.__setitem__(8, 3)))
