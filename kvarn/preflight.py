@@ -21,7 +21,7 @@ What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
   SDPA's math path makes them), the MLP activations of a ubatch, and the logits of a
   ubatch (vocab wide, fp32) plus the log-softmax slices of `kvarn.engine`;
 * host, baseline: one chunk's fp32 log-probs [n_scored, vocab] twice (the parts and their
-  concatenation) and the dump's 16-bit encoding of it; cell: the baseline chunk is
+  concatenation; `kvarn.dump` encodes 256 rows at a time, a few MB); cell: the baseline chunk is
   memory-mapped and the per-token metrics are small. On a CPU device everything is host.
 
 It is an estimate of the large terms (allocator slack, CUDA context and the framework's
@@ -145,7 +145,7 @@ def estimate(config: Any, n_ctx: int, ubatch: int, dtype: str, device: str, base
     inter = int(getattr(c, "intermediate_size", 4 * hidden) or 4 * hidden)
     parts["activations"] = u * (3 * inter + 6 * hidden) * wb
     parts["logits"] = u * vocab * 4 + 2 * LOGIT_ROWS * vocab * 4
-    host = {"log-prob block": n_scored * vocab * (4 + 4 + 2)} if baseline else {}
+    host = {"log-prob block": n_scored * vocab * (4 + 4)} if baseline else {}
     if not str(device).startswith("cuda"):  # the device is the host
         host = {**parts, **host}
         return Estimate(str(device), {}, host)
