@@ -52,8 +52,7 @@ import torch
 from kvarn.atomic import atomic_path
 
 MAGIC = b"KVARNKVD"
-FILE_VERSION = 2  # written by default; 1 (dense) is still read and written on request
-LAYOUTS = {"dense": 1, "sparse": 2}  # layout -> file version
+LAYOUTS = {"dense": 1, "sparse": 2}  # layout -> the preamble's file version; "sparse" is written by default
 PREAMBLE = struct.Struct("<8sII QQ")  # magic, file version, reserved, json offset, json length
 PAYLOAD_OFFSET = 64
 ENCODING = "llama-logprob-u16"
