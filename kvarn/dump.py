@@ -33,8 +33,8 @@ layouts, told apart by the file version (header `layout`):
   longer than llama.cpp's. A row's length says which (sparse rows are strictly shorter).
   Rows follow each other chunk after chunk; after the payload, a table of
   n_chunks·n_scored + 1 uint64 row offsets (relative to the payload start, sha256 in the
-  header) gives random access to any row slice. At the study's scale that is ~8 GB per
-  model instead of 65-69 GB dense (measured distribution: bench/results/baseline_size.md).
+  header) gives random access to any row slice. At the study's scale that is ~7-8 GB per
+  model instead of 65-73 GB dense (projected from measured rows: bench/results/baseline_size.md).
 """
 
 from __future__ import annotations
