@@ -10,9 +10,10 @@ else 0; stored as `[scale: f32, lo: f32, code_0 … code_{V−1}: u16, pad to ev
 `nv = 2·⌈V/2⌉ + 4` uint16 per row, the same row layout llama.cpp writes. Decoding is
 `scale·code + lo`. One deliberate difference: the stored `lo` is shifted by δ (|δ| ≤
 scale/2) so the decoded probabilities above −16 nats keep their true total mass, which
-removes the first-order KLD bias of the rounding (see `_mass_corrected_floor`). Every
-entry at or above the range floor then decodes within `scale ≤ 16/65535 ≈ 2.44e-4` nats
-(plus fp32 rounding) of its true value (`scale/2` without the shift); entries below
+removes the first-order KLD bias of the rounding, and lo's fp32 rounding is taken up by a
+few ulps of lo and scale (see `_mass_corrected_floor`). Every entry at or above the range
+floor then decodes within `scale ≤ 16/65535 ≈ 2.44e-4` nats (plus fp32 rounding and
+< 3e-5 of ulps) of its true value (`scale/2` without the shift); entries below
 `hi − 16` read back as the floor (≤ −16 nats), which `kvarn.metrics` leaves out of the
 KLD sum exactly as llama.cpp does.
 
@@ -56,7 +57,7 @@ LAYOUTS = {"dense": 1, "sparse": 2}  # layout -> the preamble's file version; "s
 PREAMBLE = struct.Struct("<8sII QQ")  # magic, file version, reserved, json offset, json length
 PAYLOAD_OFFSET = 64
 ENCODING = "llama-logprob-u16"
-ENCODING_VERSION = 2  # 1: llama.cpp lo; 2: mass-corrected lo
+ENCODING_VERSION = 3  # 1: llama.cpp lo; 2: mass-corrected lo; 3: and its fp32 rounding taken up (lo, scale)
 RANGE_NATS = 16.0
 REQUIRED = ("model", "revision", "tokenizer_hash", "text_sha256", "n_ctx")
 
@@ -74,30 +75,55 @@ def bitmap_bytes(vocab_size: int) -> int:
     return 8 * ((vocab_size + 63) // 64)
 
 
+_LO_ULPS, _SCALE_ULPS = 4, 16  # the lattice `_mass_corrected_floor` searches (encoding version 3)
+
+
 def _mass_corrected_floor(x, codes, scale, lo, hi):
-    """Shift `lo` so the decoded probabilities of the entries the KLD sums (base log-prob
-    above KLD_BASE_FLOOR) carry exactly their true mass.
+    """Shift `lo` (and nudge `scale`) so the decoded probabilities of the entries the KLD
+    sums (base log-prob above KLD_BASE_FLOOR) carry exactly their true mass; returns the
+    stored (lo, scale).
 
     Rounding moves each log-prob by ε ∈ ±scale/2; with a perfect Q the KLD then reads
     ≈ Σ p·ε, a bias of ~1e-5 per token (measured: docs/notes/engine-io.md) that swamps
     the low KLD percentiles of 8-bit caches. Subtracting the p-weighted mean of ε (a
-    common shift δ, |δ| ≤ scale/2) cancels it to first order. The row layout and the
-    decode rule are llama.cpp's; only the stored `lo` differs. x, codes: fp32 [r, V];
-    scale, lo, hi: fp32 [r, 1].
+    common shift δ, |δ| ≤ scale/2) cancels it to first order (encoding version 2). Storing
+    lo in fp32 then leaves up to half its ulp (~1e-6 nats at 16-32 nats) of δ undone, a
+    per-row KLD bias of the same size, ~1 % of a q8_0 cell's median KLD on SmolLM2. Version
+    3 takes that residual up on a lattice: lo moved by k of its ulps (|k| ≤ _LO_ULPS) moves
+    every entry by k·ulp_lo; scale moved by j of its ulps (|j| ≤ _SCALE_ULPS) moves entry v
+    by j·ulp_s·code_v, i.e. the mass by j·ulp_s·c̄ (c̄ the mass-weighted mean code): the
+    pair that leaves the least of δ undone is stored (measured: a perfect Q's mean |KLD|
+    drops ~5x, tests/test_dump.py; SmolLM2's q8_0 median KLD moves 0.04 % instead of
+    0.96 %, bench/results/baseline_size.md). The row layout and decode rule are llama.cpp's.
+    x, codes: fp32 [r, V]; scale, lo, hi: fp32 [r, 1].
     """
     from kvarn.metrics import KLD_BASE_FLOOR
 
     keep = x > KLD_BASE_FLOOR
-    p = x.exp()
-    mass = torch.where(keep, p, 0.0).sum(1, keepdim=True).double()
+    p = torch.where(keep, x.exp(), 0.0)
+    mass = p.sum(1, keepdim=True).double()
+    e = torch.where(keep, (codes * scale + lo).exp(), 0.0)
     # the excess of decoded over true mass, summed as differences (accurate in fp32)
-    excess = torch.where(keep, (codes * scale + lo).exp() - p, 0.0).sum(1, keepdim=True).double()
+    excess = (e - p).sum(1, keepdim=True).double()
+    cbar = (e * codes).sum(1, keepdim=True).double() / e.sum(1, keepdim=True).double().clamp(min=1e-300)
     delta = torch.where(mass > 0, -torch.log1p(excess / mass.clamp(min=1e-300)), 0.0)
     shifted = lo.double() + delta
     # Entries clamped to the floor must stay out of the KLD sum (≤ −16 nats).
     clipped = x.min(dim=1, keepdim=True).values < hi - RANGE_NATS
     shifted = torch.where(clipped, shifted.clamp(max=KLD_BASE_FLOOR), shifted)
-    return shifted.float()
+    lo32 = shifted.float()
+    inf = torch.tensor(float("inf"))
+    ulp_lo = (torch.nextafter(lo32, inf) - lo32).double().view(-1, 1, 1)
+    ulp_s = (torch.nextafter(scale, inf) - scale).double().view(-1, 1, 1)
+    k = torch.arange(-_LO_ULPS, _LO_ULPS + 1, dtype=torch.float64).view(1, -1, 1)
+    j = torch.arange(-_SCALE_ULPS, _SCALE_ULPS + 1, dtype=torch.float64).view(1, 1, -1)
+    undone = ((shifted - lo32.double()).view(-1, 1, 1) - k * ulp_lo - j * ulp_s * cbar.view(-1, 1, 1)).abs()
+    undone = undone + 1e-30 * (k.abs() + j.abs())  # ties: the smallest move
+    too_high = clipped.view(-1, 1, 1) & (lo32.double().view(-1, 1, 1) + k * ulp_lo > KLD_BASE_FLOOR)
+    best = torch.where(too_high, float("inf"), undone).flatten(1).argmin(1)
+    kk, jj = k.flatten()[best // j.numel()].view(-1, 1), j.flatten()[best % j.numel()].view(-1, 1)
+    new_scale = torch.where(scale > 0, scale.double() + jj * ulp_s.view(-1, 1), 0.0)
+    return (lo32.double() + kk * ulp_lo.view(-1, 1)).float(), new_scale.float()
 
 
 def encode_rows(logp: torch.Tensor, mass_correct: bool = True) -> np.ndarray:
@@ -123,7 +149,7 @@ def encode_rows(logp: torch.Tensor, mass_correct: bool = True) -> np.ndarray:
         codes = ((x - lo) * inv).round_().clamp_(0, 65535)
         codes = torch.where(x > lo, codes, 0.0)
         if mass_correct:
-            lo = _mass_corrected_floor(x, codes, scale, lo, hi)
+            lo, scale = _mass_corrected_floor(x, codes, scale, lo, hi)
         out[a:a + len(x), 4:4 + V] = codes.numpy().astype(np.uint16)
         out[a:a + len(x), :4] = torch.cat([scale, lo], dim=1).numpy().view(np.uint16)
     return out
@@ -501,10 +527,10 @@ def open_dump(path: str | os.PathLike, expect: dict | None = None, verify: bool 
     if not path.is_file():
         raise FileNotFoundError(f"no baseline dump at {path}; make it with `kvarn baseline`")
     header, _, version = _read_header(path)
-    if header.get("encoding") != ENCODING or header.get("encoding_version") not in (1, 2):
+    if header.get("encoding") != ENCODING or header.get("encoding_version") not in (1, 2, 3):
         raise ValueError(
             f"dump {path}: encoding {header.get('encoding')!r} v{header.get('encoding_version')}, "
-            f"this reader decodes {ENCODING!r} v1 and v2"
+            f"this reader decodes {ENCODING!r} v1 to v3 (one decode rule)"
         )
     for key, want in (expect or {}).items():
         found = header.get(key, "<missing>")
