@@ -428,9 +428,19 @@ def test_tail_sweep(prep):
     fmt = sum(abs(math.log(med(q4, t) / med(kv, t))) for t in (128, 256, 512)) / 3
     assert r["shared_tails"] == [128, 256, 512]
     assert r["ratio"] == pytest.approx(tail / fmt) and r["tail_response"] == pytest.approx(tail)
+    assert "ratio_format_only" not in r  # no format-only median given
+    # Against the format-only row (q4_0 with KVarN's sink and F16 tail): the quantizer alone.
+    fo = D.format_only_median(prep["smollm2-135m"])
+    fo_row = prep["smollm2-135m"].filter(pl.col("pair") == "q4_0-q4_0-tdf16-s128")
+    assert fo == fo_row["kld_median"][0]
+    r2 = D.tail_vs_format(sw, format_only=fo)
+    assert r2["format_only_response"] == pytest.approx(abs(math.log(fo / med(kv, 128))))
+    assert r2["ratio_format_only"] == pytest.approx(tail / r2["format_only_response"])
+    assert D.format_only_median(prep["gemma3-270m"]) is None  # not measured there
     spec = R.tail_sweep(prep["smollm2-135m"]).to_dict()
-    assert "more to the tail" in " ".join(spec["title"]["subtitle"] if isinstance(spec["title"]["subtitle"], list)
-                                          else [spec["title"]["subtitle"]])
+    sub = " ".join(spec["title"]["subtitle"] if isinstance(spec["title"]["subtitle"], list)
+                   else [spec["title"]["subtitle"]])
+    assert "more to the tail" in sub and "quantizer alone" in sub
     assert dataset_values(spec, "pair") == {"q4_0-q4_0", "kvarn4-kvarn4"}
     # gemma3 has no sweep beyond 128 on KVarN: one point per pair is still drawn, no ratio
     g = D.tail_sweep(prep["gemma3-270m"])

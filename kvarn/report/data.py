@@ -290,13 +290,19 @@ def tail_sweep(prep: pl.DataFrame, pairs=("q4_0-q4_0", "kvarn4-kvarn4")) -> pl.D
     ).unique(subset=["pair", "tail"], keep="first").sort(["pair", "tail"])
 
 
-def tail_vs_format(sweep: pl.DataFrame, standard: str = "q4_0-q4_0", kvarn: str = "kvarn4-kvarn4") -> dict | None:
+def tail_vs_format(sweep: pl.DataFrame, standard: str = "q4_0-q4_0", kvarn: str = "kvarn4-kvarn4",
+                   format_only: float | None = None) -> dict | None:
     """How much more the median responds to which tokens are exact than to the format.
 
     tail response: |ln(median at the shortest / at the longest tail)|, averaged over the two
     pairs (each over its own tails); format response: |ln(median standard / median KVarN)|
     averaged over the effective tails both measured. ratio = tail / format response (the
-    study's "nearly seven times"). None when a pair or a shared tail is missing."""
+    study's "nearly seven times"). None when a pair or a shared tail is missing.
+
+    The standard pair at an equal tail still lacks KVarN's 128-token sink and F16 tail, so
+    its format response counts them as format. `format_only` (the median of the
+    format-only row: `format_only_median`) adds `format_only_response` = |ln(format_only /
+    median KVarN at 128)| and `ratio_format_only` = tail / that: the quantizer alone."""
     import math
 
     resp = []
@@ -312,8 +318,20 @@ def tail_vs_format(sweep: pl.DataFrame, standard: str = "q4_0-q4_0", kvarn: str 
         return None
     fmt = sum(abs(math.log(by[standard][t] / by[kvarn][t])) for t in shared) / len(shared)
     tail = sum(resp) / len(resp)
-    return {"tail_response": tail, "format_response": fmt, "ratio": tail / fmt if fmt else float("inf"),
-            "shared_tails": shared}
+    out = {"tail_response": tail, "format_response": fmt, "ratio": tail / fmt if fmt else float("inf"),
+           "shared_tails": shared}
+    kv128 = by[kvarn].get(128)
+    if format_only is not None and kv128 is not None:
+        f = abs(math.log(format_only / kv128))
+        out.update(format_only_response=f, ratio_format_only=tail / f if f else float("inf"))
+    return out
+
+
+def format_only_median(prep: pl.DataFrame, width: int = 4, tail: int = 128) -> float | None:
+    """Median KLD of the format-only row qN_0-qN_0 (KVarN's sink, tail `tail`, F16 tail), if measured."""
+    pair = f"q{width}_0-q{width}_0{FORMAT_ONLY_OPTS}"
+    r = prep.filter((pl.col("pair") == pair) & (pl.col("tail_requested") == tail))
+    return float(r["kld_median"][0]) if r.height else None
 
 
 def heatmap_standard_tail(prep: pl.DataFrame) -> int | None:

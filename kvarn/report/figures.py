@@ -222,7 +222,7 @@ def tail_sweep(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
     sw = D.tail_sweep(prep)
     if sw["pair"].n_unique() < 1 or sw.height < 2:
         return _placeholder(model, "tail sweep", "q4_0-q4_0 / kvarn4-kvarn4 measured at fewer than two tails")
-    tvf = D.tail_vs_format(sw)
+    tvf = D.tail_vs_format(sw, format_only=D.format_only_median(prep))
     colors = alt.Scale(domain=["q4_0-q4_0", "kvarn4-kvarn4"], range=[SERIES_COLORS[D.SERIES_STANDARD_T128],
                                                                      SERIES_COLORS[D.SERIES_KVARN]])
     tt = [alt.Tooltip("pair:N"), alt.Tooltip("tail_label:N", title="tail"),
@@ -236,7 +236,11 @@ def tail_sweep(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
     sub = "x: the effective tail (KVarN: at least 128, plus its 128-token sink). "
     if tvf is not None:
         sub += (f"The median responds {tvf['ratio']:.1f}x more to the tail (|Δln| {tvf['tail_response']:.2f}) "
-                f"than to the format at equal tail (|Δln| {tvf['format_response']:.2f}). ")
+                f"than to the format at equal tail (|Δln| {tvf['format_response']:.2f})")
+        if "ratio_format_only" in tvf:
+            sub += (f", {tvf['ratio_format_only']:.1f}x more than to the quantizer alone (kvarn4 vs q4_0 with "
+                    f"KVarN's sink and F16 tail, |Δln| {tvf['format_only_response']:.2f})")
+        sub += ". "
     return alt.layer(base.mark_line(point=True)).properties(
         width=WIDTH * 0.8, height=HEIGHT,
         title=_title(model, "which tokens are exact vs which format compresses the rest", sub + _run_desc(prep)))
