@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-CORES ?= 1
+CORES ?= all
 
 .PHONY: setup run test bench report clean-results
 

@@ -10,6 +10,7 @@ rule baseline:
         ubatch=model_param("ubatch"),
         dtype=model_param("dtype"),
         compute=lambda wildcards: kvm.parse_opts(wildcards.bopts)["compute"],
+    threads: MODEL_THREADS
     resources:
         gpu=1,
     log:

@@ -18,6 +18,7 @@ rule cell:
         compute=cell_opt("compute"),
         k_version=format_version("k"),
         v_version=format_version("v"),
+    threads: MODEL_THREADS
     resources:
         gpu=1,
     log:

@@ -11,12 +11,32 @@
 # The matrix is expanded and checked once, here, before any job is planned (kvarn.matrix).
 # Per-cell parameters are read back from the wildcards of the cell path, never from the
 # whole config, so adding or editing one cell plans only that cell.
+import os
+
+from snakemake.exceptions import WorkflowError
+
 from kvarn import matrix as kvm
 
 MATRIX = kvm.expand(config)
 for _note in kvm.check_pinned(MATRIX.models, config.get("allow_unpinned", False), plan_only=True):
     sys.stderr.write(f"kvarn: unpinned model {_note}; fetch_model refuses it without --config allow_unpinned=true\n")
 MODELS = {name: vars(m) for name, m in MATRIX.models.items()}  # for lookup(dpath=...)
+
+
+# Model-running jobs (baseline, cell, decode) take every core the run was given: they run
+# one at a time anyway (each declares the one `gpu`), and torch sizes its thread pool from
+# OMP_NUM_THREADS, which Snakemake sets to the job's threads (1 unless declared, i.e. one
+# core of a CPU machine left idle). At most this machine's cores (a remote executor may
+# report an unbounded --cores, or none); under Slurm the profile's cpus_per_task decides.
+def _model_threads() -> int:
+    try:
+        cores = workflow.cores  # raises when a remote executor runs without --cores
+    except WorkflowError:
+        return 1
+    return min(cores, os.cpu_count() or 1) if isinstance(cores, int) else 1
+
+
+MODEL_THREADS = _model_threads()
 
 
 RUN = "results/{model}/ctx{n_ctx}-c{chunks}"

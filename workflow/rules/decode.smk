@@ -28,6 +28,7 @@ rule decode:
         sink=cell_opt("sink"),
         k_version=format_version("k"),
         v_version=format_version("v"),
+    threads: MODEL_THREADS
     resources:
         gpu=1,
     log:
