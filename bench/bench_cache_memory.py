@@ -93,11 +93,12 @@ def run_worker(code: str, spec: dict) -> dict:
 
 def dry_run(code: str, model: str, n_ctx: int, cmd: str) -> str:
     env = {**os.environ, "PYTHONPATH": code, "OMP_NUM_THREADS": "1"}
+    # cwd = the code's directory: `python -m` puts the working directory ahead of PYTHONPATH
     argv = [sys.executable, "-m", "kvarn.cli", cmd, "--dry-run", "-m", f"random:{REPO}/config/models/{model}.json",
             "-c", str(n_ctx), "--device", "cuda", "--dtype", "bfloat16", "-o", "/nonexistent/unused"]
     if cmd == "run":
         argv += ["-ctk", "q4_0", "-ctv", "q4_0", "--tail", "128", "--baseline", "/nonexistent/unused"]
-    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(argv, env=env, cwd=code, check=True, capture_output=True, text=True).stdout
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
     total = next(ln for ln in out.splitlines() if ln.startswith("device"))
     return total.split(": ", 1)[1].split(" (")[0], lines["cache"].split()[-2]
@@ -115,6 +116,9 @@ def main() -> int:
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--cache-dir", default=str(REPO / "resources" / "models"))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "cache_memory.md"))
+    ap.add_argument("--reuse-runs", action="store_true",
+                    help="take the measured runs from the .json beside --out (written by a full run), "
+                         "redo only the preflight estimates")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -123,14 +127,18 @@ def main() -> int:
         ap.error(f"--before {args.before!r}: give a directory holding the kvarn package to compare with")
     codes = {"before": str(Path(args.before).resolve()), "after": str(REPO)}
 
-    rows = []
-    for model, n_ctx in CASES:
-        for k, v, tail in CELLS:
-            spec = {"model": model, "n_ctx": n_ctx, "k": k, "v": v, "tail": tail, "ubatch": args.ubatch,
-                    "threads": args.threads, "cache_dir": args.cache_dir}
-            res = {name: run_worker(code, spec) for name, code in codes.items()}
-            rows.append((spec, res))
-            print(model, n_ctx, k, tail, json.dumps(res), flush=True)
+    raw = Path(args.out).with_suffix(".json")
+    if args.reuse_runs:
+        rows = json.loads(raw.read_text())
+    else:
+        rows = []
+        for model, n_ctx in CASES:
+            for k, v, tail in CELLS:
+                spec = {"model": model, "n_ctx": n_ctx, "k": k, "v": v, "tail": tail, "ubatch": args.ubatch,
+                        "threads": args.threads, "cache_dir": args.cache_dir}
+                res = {name: run_worker(code, spec) for name, code in codes.items()}
+                rows.append((spec, res))
+                print(model, n_ctx, k, tail, json.dumps(res), flush=True)
 
     study = []
     for model, n_ctx in STUDY:
@@ -172,6 +180,8 @@ def main() -> int:
     sys.path.insert(0, str(REPO))
     from kvarn.atomic import write_text
 
+    if not args.reuse_runs:
+        write_text(raw, json.dumps(rows, indent=1) + "\n")
     write_text(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
