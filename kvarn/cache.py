@@ -89,12 +89,14 @@ class KVarnLayer(CacheLayerMixin):
     trim = True  # sliding layers forget keys no query can read (False: keep all, the tests' reference)
 
     def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype, layer_idx: int = 0,
-                 compute: str = "exact"):
+                 compute: str = "exact", qk_gguf_order: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.k_fmt, self.v_fmt, self.policy, self.tail_dtype = k_fmt, v_fmt, policy, tail_dtype
-        # "llamacpp-cpu": the layer keeps what ggml's kernel reads instead (kvarn.compute)
+        # "llamacpp-cpu": the layer keeps what ggml's kernel reads instead (kvarn.compute),
+        # with Q and K in the GGUF's channel order when `qk_gguf_order` (llama arch)
         self.compute = compute
+        self.qk_gguf_order = qk_gguf_order
         self.k_op = self.v_op = None
         self.is_sliding = policy.window is not None
         if k_fmt.group != v_fmt.group:
@@ -231,7 +233,8 @@ class KVarnCache(Cache):
         model(ids, cache=cache, kvarn_cache=cache)   # with attn_implementation "kvarn"
 
     `compute="llamacpp-cpu"` emulates llama.cpp's CPU flash-attention arithmetic instead of
-    exact fp32 attention (kvarn.compute; upstream llama.cpp types, tail 0).
+    exact fp32 attention (kvarn.compute; upstream llama.cpp types, tail 0), in llama.cpp's
+    channel order of Q and K (`kvarn.compute.gguf_qk_permuted` of the model_type).
 
     `layers[i]` is a `KVarnLayer` on attention layers and transformers' own state layer
     (e.g. `LinearAttentionLayer`) elsewhere; `policies[i]` is the layer's `LayerPolicy`,
@@ -240,9 +243,11 @@ class KVarnCache(Cache):
 
     def __init__(self, config, k_type: str, v_type: str, tail: int = 0, tail_dtype: str | None = None,
                  rot: bool = True, iters: int = 16, compute: str = "exact", sink: int | None = None):
-        from kvarn.compute import check_compute
+        from kvarn.compute import LLAMACPP_CPU, check_compute, gguf_qk_permuted
 
         self.compute = check_compute(compute, k_type, v_type, tail)
+        # `exact` keeps transformers' order (SPEC's format damage); llamacpp-cpu llama.cpp's
+        self.qk_gguf_order = compute == LLAMACPP_CPU and gguf_qk_permuted(text_config(config).model_type)
         self.k_fmt = make_format(k_type, "k", rot, iters)
         self.v_fmt = make_format(v_type, "v", rot, iters)
         self.tail_dtype_name = tail_dtype or default_tail_dtype(self.k_fmt, self.v_fmt)
@@ -262,7 +267,8 @@ class KVarnCache(Cache):
             layer_policy(self.k_fmt, self.v_fmt, tail, g.window, sink) if g.has_kv else None for g in self.geometry.layers
         ]
         state = _state_layers(config, self.geometry)
-        layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, self.compute) if p is not None else state[i]
+        layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, self.compute, self.qk_gguf_order)
+                  if p is not None else state[i]
                   for i, p in enumerate(self.policies)]
         super().__init__(layers=layers)
 

@@ -29,6 +29,11 @@ together split a KLD into format damage and kernel arithmetic. What ggml does, p
   K, Q and K are rotated by the Hadamard of `k_rotation_block(head_dim)` before the kernel
   (so Q is quantized to q8 in the rotated frame); with a quantized V, V is rotated by the
   64-Hadamard and the attention output rotated back. f16/bf16 caches are never rotated.
+* Channel order: for an architecture whose GGUF permutes Q/K (`gguf_qk_permuted`, the
+  llama arch), llama.cpp holds each head of Q and K in the GGUF's interleaved order, so its
+  rotation and its 32-wide K blocks see other channels than transformers' order gives
+  them. Q and K are gathered into that order (`gguf_order`) before the rotation and the
+  rounding; the scores do not depend on a common channel order, so nothing is gathered back.
 
 Approximations (each far below the effects this mode exists to show; the slow reference
 in tests/test_compute.py shows how far): dot products are computed exactly (float64) and
@@ -68,6 +73,41 @@ VEC_DOT_TYPE = {
     "q5_1": "q8_1", "q4_1": "q8_1",
 }
 _FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+# --- llama.cpp's channel order of Q and K ---------------------------------------------------
+#
+# transformers rotates the two halves of a head (`rotate_half`: channel i with i + d/2) for
+# every architecture below. llama.cpp rotates adjacent pairs (2i, 2i+1) where its RoPE type
+# (src/llama-model.cpp `llama_model_rope_type`) is NORM, so its converter reorders those
+# architectures' q_proj/k_proj rows per head (conversion/llama.py `LlamaModel.permute`: GGUF
+# position 2i+s holds HF dimension s*d/2+i) and transformers' GGUF loader
+# (`LlamaTensorProcessor`) reorders them back. NEOX/IMROPE architectures rotate the halves,
+# as transformers does, and are stored unpermuted. The value: whether llama.cpp's Q and K
+# channels are in the GGUF (interleaved) order rather than transformers' order.
+GGUF_QK_PERMUTED = {
+    "llama": True, "mistral": True, "mixtral": True,  # LLM_ARCH_LLAMA: NORM
+    "gemma3": False, "gemma3_text": False, "gemma4": False, "gemma4_text": False,  # NEOX
+    "qwen2": False, "qwen3": False,  # NEOX
+    "qwen3_5": False, "qwen3_5_text": False,  # IMROPE (neox halves, interleaved sections)
+}
+
+
+def gguf_qk_permuted(model_type: str) -> bool:
+    """Whether llama.cpp holds this architecture's Q/K head channels in the GGUF's interleaved order."""
+    if model_type not in GGUF_QK_PERMUTED:
+        raise ValueError(
+            f"compute {LLAMACPP_CPU}: model_type {model_type!r}: llama.cpp's channel order of Q and K "
+            f"(whether its GGUF permutes q_proj/k_proj) is not known for it; known: {', '.join(GGUF_QK_PERMUTED)}")
+    return GGUF_QK_PERMUTED[model_type]
+
+
+def gguf_order(d: int, device=None) -> torch.Tensor:
+    """Gather index of one head of width d: x[..., gguf_order(d)] is x in the GGUF order
+    (position 2i+s holds transformers' dimension s*d/2+i)."""
+    if d % 2:
+        raise ValueError(f"head dim {d} is odd; the GGUF Q/K order pairs channels i and i + d/2")
+    return torch.arange(d, device=device).view(2, d // 2).t().reshape(-1)
 
 
 def check_compute(compute: str, k: str | None = None, v: str | None = None, tail: int = 0) -> str:
@@ -119,12 +159,15 @@ def quantize_q8(x: torch.Tensor, kind: str):
 
 # --- the cache layer operands ----------------------------------------------------------
 
-def k_operand(fmt, x: torch.Tensor) -> dict:
-    """What ggml's K vec_dot reads for K rows x fp32 [..., n, D] (rotated if fmt.rot).
+def k_operand(fmt, x: torch.Tensor, gguf: bool = False) -> dict:
+    """What ggml's K vec_dot reads for K rows x fp32 [..., n, D] (in the GGUF channel order
+    if `gguf`, then rotated if fmt.rot).
 
     Float types: {"val"}; quantized: {"int": the integer operand of the block dot, "d": d
     per block, "m": m per block (q4_1/q5_1) or None}, all fp32.
     """
+    if gguf:
+        x = x[..., gguf_order(x.shape[-1], x.device)]
     if fmt.family == "float":
         return {"val": x.to(_FLOAT_DTYPES[fmt.name]).float()}
     spec = fmt.spec
@@ -169,7 +212,7 @@ def _cat(a, b):
 
 def append_kv(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store a ubatch's K/V operands on `layer` (a KVarnLayer in llamacpp-cpu mode)."""
-    layer.k_op = _cat(layer.k_op, k_operand(layer.k_fmt, k))
+    layer.k_op = _cat(layer.k_op, k_operand(layer.k_fmt, k, layer.qk_gguf_order))
     layer.v_op = _cat(layer.v_op, v_operand(layer.v_fmt, v))
 
 
@@ -246,6 +289,8 @@ def attention(module, query: torch.Tensor, layer, allowed: torch.Tensor, scaling
     path = kernel_path(k_fmt.name, v_fmt.name, n_q)
     layer.last_path = path
     q = query.float()
+    if layer.qk_gguf_order:  # K was gathered the same way (k_operand)
+        q = q[..., gguf_order(d, q.device)]
     if k_fmt.family != "float" and k_fmt.rot:
         q = rotate_blocks(q, k_rotation_block(d))
     # GQA: the rep query heads sharing a KV head become extra rows of that head.

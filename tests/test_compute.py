@@ -173,9 +173,9 @@ def _ref_attention(q, k, v, kt, vt, rot, scale, mask):
     return out
 
 
-def _emulate(q, k, v, kt, vt, rot, scale, mask, compute_mode="llamacpp-cpu"):
+def _emulate(q, k, v, kt, vt, rot, scale, mask, compute_mode="llamacpp-cpu", layer=None):
     kf, vf = make_format(kt, "k", rot), make_format(vt, "v", rot)
-    layer = KVarnLayer(kf, vf, LayerPolicy(0, 0, None), torch.bfloat16, compute=compute_mode)
+    layer = layer or KVarnLayer(kf, vf, LayerPolicy(0, 0, None), torch.bfloat16, compute=compute_mode)
     kk, vv = torch.from_numpy(k)[None], torch.from_numpy(v)[None]
     layer.update(kk, vv)
     allowed = torch.from_numpy(mask)[None, None]
@@ -230,6 +230,92 @@ def test_tiled_path_is_fp32_attention(one_thread):
     np.testing.assert_allclose(got, exact, atol=2e-6)
     one, path = _emulate(q[:, :63], k, v, "f16", "f16", False, 0.125, mask[:63])
     assert path == "one_chunk" and np.abs(one - exact[:, :63]).max() > 1e-4
+
+
+# --- llama.cpp's channel order of Q and K (llama arch) ----------------------------------------
+
+def test_gguf_order_is_the_converters_permutation():
+    # hand-worked, d = 8: GGUF position 2i+s holds HF dimension s*d/2+i
+    assert compute.gguf_order(8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    # transformers' GGUF loader undoes llama.cpp's converter permutation (LlamaTensorProcessor):
+    # rows put in the GGUF order per head must come back in HF order
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    n_head, n_kv, d = 6, 2, 64
+    w = np.arange(n_kv * d * 3, dtype=F32).reshape(n_kv * d, 3)  # k_proj rows, 3 inputs
+    gguf_rows = torch.from_numpy(w).reshape(n_kv, d, 3)[:, compute.gguf_order(d)].reshape(n_kv * d, 3).numpy()
+    proc = LlamaTensorProcessor(config={"num_attention_heads": n_head, "num_key_value_heads": n_kv})
+    back = proc.process(gguf_rows, "blk.0.attn_k.weight").weights
+    assert np.array_equal(back, w) and not np.array_equal(gguf_rows, w)
+    assert compute.gguf_qk_permuted("llama") and not compute.gguf_qk_permuted("gemma3_text")
+    with pytest.raises(ValueError, match="model_type 'olmo'.*not known"):
+        compute.gguf_qk_permuted("olmo")
+
+
+@pytest.mark.parametrize("model,model_type,permuted", [
+    ("smollm2-135m", "llama", True),
+    pytest.param("gemma3-270m", "gemma3_text", False, marks=pytest.mark.slow),  # 25 s: a 262k-token vocabulary to parse
+])
+def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted):
+    """The embedded GGUFs, written by llama.cpp's converter: attn_k/attn_q rows against the
+    HF weights transformers' loader made of them (resources/models/<model>/hf)."""
+    import json
+
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    from kvarn.gguf_weights import _tensor
+    from paths import CACHE_DIR
+
+    d = CACHE_DIR / model
+    hf = d / "hf" / "model.safetensors"
+    ggufs = sorted(d.glob("*.gguf"))
+    if not (hf.is_file() and ggufs):
+        pytest.skip(f"needs the fetched {model} (GGUF and its hf/ conversion) under {CACHE_DIR}")
+    cfg = json.loads((d / "hf" / "config.json").read_text())
+    assert cfg["model_type"] == model_type and compute.gguf_qk_permuted(model_type) is permuted
+    hd = cfg["head_dim"]
+    tensors = {t.name: t for t in GGUFReader(str(ggufs[0])).tensors}
+    with safe_open(str(hf), "pt") as f:
+        for g, h in (("attn_k", "k_proj"), ("attn_q", "q_proj")):
+            file_rows = _tensor(tensors[f"blk.0.{g}.weight"])
+            ours = f.get_tensor(f"model.layers.0.self_attn.{h}.weight").float()
+            heads = ours.reshape(-1, hd, ours.shape[-1])
+            gathered = heads[:, compute.gguf_order(hd)].reshape(ours.shape)
+            assert torch.equal(file_rows, gathered if permuted else ours), (model, g)
+            assert not torch.equal(file_rows, ours if permuted else gathered), (model, g)
+
+
+@pytest.mark.parametrize("kt,rot", [("q4_0", False), ("q4_0", True), ("q5_1", False), ("q8_0", True)])
+def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thread):
+    """A llama-arch cache: Q and K rotated and rounded in the GGUF order, as llama.cpp holds them."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from kvarn.cache import KVarnCache
+
+    g = np.random.default_rng(7)
+    H, Hkv, n_q, L, D = 4, 2, 5, 12, 64
+    # real K: a few large channels, here in one half of the head (RoPE's low frequencies)
+    q = (g.standard_normal((H, n_q, D)) * np.where(np.arange(D) % 32 > 26, 6, 1)).astype(F32)
+    k = (g.standard_normal((Hkv, L, D)) * np.where(np.arange(D) % 32 > 26, 8, 1)).astype(F32)
+    v = g.standard_normal((Hkv, L, D)).astype(F32)
+    mask = np.tril(np.ones((n_q, L), bool), L - n_q)
+    dims = dict(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
+                num_hidden_layers=1, intermediate_size=32, vocab_size=32)
+    cache = KVarnCache(LlamaConfig(**dims), kt, kt, 0, rot=rot, compute="llamacpp-cpu")
+    layer = cache.layers[0]
+    assert layer.qk_gguf_order  # the path under test
+    got, _ = _emulate(q, k, v, kt, kt, rot, 0.125, mask, layer=layer)
+    idx = compute.gguf_order(D).numpy()
+    in_gguf = _ref_attention(q[..., idx], k[..., idx], v, kt, kt, rot, 0.125, mask)
+    in_hf = _ref_attention(q, k, v, kt, kt, rot, 0.125, mask)
+    order_effect = np.abs(in_gguf - in_hf).max()
+    assert order_effect > 1e-3, order_effect  # the order changes the result: the test can fail
+    assert np.abs(got - in_gguf).max() < order_effect / 50
+    # exact keeps transformers' order (SPEC's format damage); neox architectures are not permuted
+    assert not KVarnCache(LlamaConfig(**dims), kt, kt, 0, rot=rot).layers[0].qk_gguf_order
+    gemma = KVarnCache(Gemma3TextConfig(**dims, sliding_window=8), kt, kt, 0, rot=rot, compute="llamacpp-cpu")
+    assert not any(getattr(la, "qk_gguf_order", True) for la in gemma.layers)
 
 
 def test_baseline_compute_must_match(tmp_path):
