@@ -8,7 +8,9 @@ K's roundtrip done in the GGUF order (then permuted back), against an exact base
 
     PYTHONPATH=. python bench/llamacpp_korder.py q4_0 norot BASELINE.kvd OUT_DIR [n_ctx] [chunks]
 
-A monkeypatch of kvarn.cache.make_format, on purpose: an experiment, not a compute path.
+A monkeypatch of kvarn.cache.make_format, on purpose: an experiment, not a compute path
+(`exact` keeps transformers' order; `llamacpp-cpu` uses the GGUF order by itself, through
+the same `kvarn.compute.gguf_order`).
 """
 
 import json
@@ -16,7 +18,7 @@ import sys
 
 import torch
 
-from kvarn import cache, engine
+from kvarn import cache, compute, engine
 from kvarn.cli import model_spec
 
 TEXT = "/work/shared/data/wikitext-2-raw-v1/wiki.test.raw"
@@ -27,8 +29,7 @@ def gguf_order(fmt):
     rt = fmt.roundtrip
 
     def roundtrip(x):
-        d = x.shape[-1]
-        idx = torch.arange(d).view(2, d // 2).t().reshape(-1)  # [0, d/2, 1, d/2+1, ...]
+        idx = compute.gguf_order(x.shape[-1])  # [0, d/2, 1, d/2+1, ...]
         return rt(x[..., idx].contiguous())[..., torch.argsort(idx)]
 
     fmt.roundtrip = roundtrip
