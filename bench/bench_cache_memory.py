@@ -153,7 +153,7 @@ def main() -> int:
         "chunk, each run in its own process. before = fp32 exact and body copies of every position of every "
         "layer, grown by torch.cat per ubatch; after = `kvarn.rows.Rows` buffers (exact copy in the tail dtype, "
         "sliding layers window - 1 + ubatch rows). Seconds per chunk are single runs, before then after, on a "
-        "machine shared with other jobs (load 5-8 when measured): differences of 15 % are within its noise; "
+        "2-core machine shared with other jobs (load 2-4 when measured): differences of 10 % are within its noise; "
         "the stored bytes and the log-prob checksums are exact.",
         "",
         "| model | n_ctx | cell | cache stored MiB before → after | peak RSS GiB before → after | "
