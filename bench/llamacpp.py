@@ -135,7 +135,8 @@ def model_section(model: str, threads: int, cross: bool, types=None, chunks=None
     any_cell = rows[0] if rows else None
     lines += ["", "| base PPL | llama-perplexity | kvarn exact | kvarn llamacpp-cpu |", "|---|---:|---:|---:|"]
     if any_cell:
-        lines.append(f"| bf16 cache | {fmt(lbase.get('ppl_base') or any_cell['llama'].get('ppl_base'), 4)} | "
+        # the cells' "Mean PPL(base)" is over the scored rows, as ours; base.log's "Final estimate" is not
+        lines.append(f"| bf16 cache | {fmt(any_cell['llama'].get('ppl_base') or lbase.get('ppl_base'), 4)} | "
                      f"{fmt(any_cell['exact']['ppl_base'], 4)} | {fmt(any_cell['llamacpp-cpu']['ppl_base'], 4)} |")
     if cross:
         lines += ["", "Baseline against baseline (the two programs' bf16-cache runs scored against each other):", "",
