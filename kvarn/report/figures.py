@@ -28,7 +28,7 @@ KLD_FMT = ".3~g"
 FIGURES = ("pareto", "same_width", "tail_effect", "tail_sweep", "heatmap", "position", "distribution", "ranked", "decode")
 
 
-def _title(model: str, text: str, subtitle: str) -> alt.TitleParams:
+def _title(model: str, text: str, subtitle: str | list[str]) -> alt.TitleParams:
     return alt.TitleParams(f"{model}: {text}", subtitle=subtitle, anchor="start")
 
 
@@ -230,20 +230,22 @@ def tail_sweep(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
           alt.Tooltip("kld_mean:Q", title="mean KLD", format=KLD_FMT),
           alt.Tooltip("exact_share:Q", title="exact share", format=".1%")]
     base = alt.Chart(sw, name="sweep").encode(
-        x=alt.X("tail:Q", title="effective exact tail (tokens)"),
+        x=alt.X("tail:Q", title="effective exact tail (tokens)",
+                axis=alt.Axis(values=sorted(set(sw["tail"].to_list())), labelAngle=0)),
         y=alt.Y("kld_median:Q", title="median KLD", scale=alt.Scale(type="log")),
         color=alt.Color("pair:N", scale=colors, title=None, legend=alt.Legend(orient="top-right")), tooltip=tt)
-    sub = "x: the effective tail (KVarN: at least 128, plus its 128-token sink). "
+    sub = ["x: the effective tail (KVarN: at least 128, plus its 128-token sink). " + _run_desc(prep)]
     if tvf is not None:
-        sub += (f"The median responds {tvf['ratio']:.1f}x more to the tail (|Δln| {tvf['tail_response']:.2f}) "
-                f"than to the format at equal tail (|Δln| {tvf['format_response']:.2f})")
+        sub.append(f"The median responds {tvf['ratio']:.1f}x more to the tail (|Δln| {tvf['tail_response']:.2f}) "
+                   f"than to the format at equal tail (|Δln| {tvf['format_response']:.2f}),")
         if "ratio_format_only" in tvf:
-            sub += (f", {tvf['ratio_format_only']:.1f}x more than to the quantizer alone (kvarn4 vs q4_0 with "
-                    f"KVarN's sink and F16 tail, |Δln| {tvf['format_only_response']:.2f})")
-        sub += ". "
+            sub.append(f"{tvf['ratio_format_only']:.1f}x more than to the quantizer alone (kvarn4 vs q4_0 with "
+                       f"KVarN's sink and F16 tail, |Δln| {tvf['format_only_response']:.2f}).")
     return alt.layer(base.mark_line(point=True)).properties(
         width=WIDTH * 0.8, height=HEIGHT,
-        title=_title(model, "which tokens are exact vs which format compresses the rest", sub + _run_desc(prep)))
+        title=_title(model, "which tokens are exact vs which format compresses the rest", sub))
+
+
 def kernel_share(split: pl.DataFrame, model: str) -> alt.LayerChart | alt.Chart:
     """Per width: how much of llama.cpp's median KLD is its kernel's arithmetic (`D.compute_split`)."""
     sw = split.filter(pl.col("width").is_not_null()) if not split.is_empty() else split
