@@ -61,6 +61,22 @@ _ROWS = 16  # rows per float64 slice in token_metrics_ref: bounds memory at larg
 _FAST_ROWS = 64  # rows per slice in token_metrics (float64 only at the entries above the floor)
 
 
+def _inputs_and_outputs(logp_q, logp_base, targets):
+    """The checked [n, V], [n, V], [n] tensors of token_metrics(_ref), and its empty outputs."""
+    logp_q = torch.as_tensor(logp_q)
+    logp_base = torch.as_tensor(logp_base)
+    targets = torch.as_tensor(targets, dtype=torch.long).reshape(-1)
+    if logp_q.ndim != 2 or logp_q.shape != logp_base.shape or targets.numel() != logp_q.shape[0]:
+        raise ValueError(
+            f"shapes disagree: logp_q {tuple(logp_q.shape)}, logp_base {tuple(logp_base.shape)}, "
+            f"targets {tuple(targets.shape)}; expected [n, V], [n, V], [n]"
+        )
+    n = logp_q.shape[0]
+    out = {k: np.empty(n, dtype=np.float64) for k in PER_TOKEN_KEYS[:-1]}
+    out["same_top"] = np.empty(n, dtype=bool)
+    return logp_q, logp_base, targets, out
+
+
 def token_metrics(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
     """Per scored token: KLD(base ‖ Q), NLL of the true token under Q and under base,
     Δp = p_Q(true) − p_base(true), and whether the two argmaxes agree.
@@ -80,17 +96,8 @@ def token_metrics(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
     the argmax and the NLLs are the same numbers). Only the order of the float64 KLD sum
     differs from the reference.
     """
-    logp_q = torch.as_tensor(logp_q)
-    logp_base = torch.as_tensor(logp_base)
-    targets = torch.as_tensor(targets, dtype=torch.long).reshape(-1)
-    if logp_q.ndim != 2 or logp_q.shape != logp_base.shape or targets.numel() != logp_q.shape[0]:
-        raise ValueError(
-            f"shapes disagree: logp_q {tuple(logp_q.shape)}, logp_base {tuple(logp_base.shape)}, "
-            f"targets {tuple(targets.shape)}; expected [n, V], [n, V], [n]"
-        )
+    logp_q, logp_base, targets, out = _inputs_and_outputs(logp_q, logp_base, targets)
     n = logp_q.shape[0]
-    out = {k: np.empty(n, dtype=np.float64) for k in PER_TOKEN_KEYS[:-1]}
-    out["same_top"] = np.empty(n, dtype=bool)
     for a in range(0, n, _FAST_ROWS):
         b = min(a + _FAST_ROWS, n)
         q = logp_q[a:b]
@@ -129,17 +136,8 @@ def token_metrics_ref(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
     engine: only the per-token numbers come back to the host).
     KLD = Σ_v p_base·(ln p_base − ln p_Q) over v with ln p_base > KLD_BASE_FLOOR.
     """
-    logp_q = torch.as_tensor(logp_q)
-    logp_base = torch.as_tensor(logp_base)
-    targets = torch.as_tensor(targets, dtype=torch.long).reshape(-1)
-    if logp_q.ndim != 2 or logp_q.shape != logp_base.shape or targets.numel() != logp_q.shape[0]:
-        raise ValueError(
-            f"shapes disagree: logp_q {tuple(logp_q.shape)}, logp_base {tuple(logp_base.shape)}, "
-            f"targets {tuple(targets.shape)}; expected [n, V], [n, V], [n]"
-        )
+    logp_q, logp_base, targets, out = _inputs_and_outputs(logp_q, logp_base, targets)
     n = logp_q.shape[0]
-    out = {k: np.empty(n, dtype=np.float64) for k in PER_TOKEN_KEYS[:-1]}
-    out["same_top"] = np.empty(n, dtype=bool)
     for a in range(0, n, _ROWS):
         b = min(a + _ROWS, n)
         q = logp_q[a:b].to(torch.float64)  # on the input's device: no host copy of the vocabulary
