@@ -293,12 +293,15 @@ def _sha256(a: np.ndarray) -> str:
     return hashlib.sha256(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest()
 
 
-def write_dump(path: str | os.PathLike, header: dict, blocks: Iterable[torch.Tensor],
+def write_dump(path: str | os.PathLike, header: dict, blocks: Iterable,
                layout: str = "sparse") -> dict:
-    """Encode and stream `blocks` (fp32 log-probs [n_scored, V], one per chunk) to `path`
-    atomically; return the header written. `header` must hold REQUIRED; n_chunks and
-    vocab_size, if given, are checked against the blocks. `layout`: "sparse" (file version
-    2, the default) or "dense" (version 1, llama.cpp's rows); both decode to the same bits."""
+    """Encode and stream `blocks` (fp32 log-probs, one block per chunk) to `path`
+    atomically; return the header written. A block is a [n_scored, V] tensor, or an
+    iterable of [r, V] row slices in order that add up to n_scored rows (so a baseline
+    never holds a whole chunk's log-probs: at Qwen 3.6's 64k that is 32 GB). `header` must
+    hold REQUIRED; n_chunks and vocab_size, if given, are checked against the blocks.
+    `layout`: "sparse" (file version 2, the default) or "dense" (version 1, llama.cpp's
+    rows); both decode to the same bits, whatever the slicing."""
     missing = [k for k in REQUIRED if k not in header]
     if missing:
         raise ValueError(f"dump header lacks {missing}; required: {list(REQUIRED)}")
@@ -306,20 +309,31 @@ def write_dump(path: str | os.PathLike, header: dict, blocks: Iterable[torch.Ten
     n_scored = n_ctx - 1 - n_ctx // 2
     vocab = header.get("vocab_size")
 
-    def chunks():
+    def slices(i, block):
         nonlocal vocab
-        for i, block in enumerate(blocks):
-            block = torch.as_tensor(block)
-            if block.ndim != 2 or block.shape[0] != n_scored:
+        whole = isinstance(block, (torch.Tensor, np.ndarray))
+        rows = 0
+        for part in ([block] if whole else block):
+            part = torch.as_tensor(part)
+            if part.ndim != 2 or (whole and part.shape[0] != n_scored) or rows + part.shape[0] > n_scored:
                 raise ValueError(
-                    f"chunk {i}: block shape {tuple(block.shape)}, expected "
-                    f"[{n_scored}, vocab] for n_ctx={n_ctx}"
+                    f"chunk {i}: block shape {tuple(part.shape)}"
+                    + ("" if whole else f" after {rows} rows")
+                    + f", expected [{n_scored}, vocab] rows in all for n_ctx={n_ctx}"
                 )
             if vocab is None:
-                vocab = int(block.shape[1])
-            elif block.shape[1] != vocab:
-                raise ValueError(f"chunk {i}: vocab {block.shape[1]}, expected {vocab}")
-            yield ((encode_rows(block[a:a + _WRITE_ROWS]), int(vocab)) for a in range(0, n_scored, _WRITE_ROWS))
+                vocab = int(part.shape[1])
+            elif part.shape[1] != vocab:
+                raise ValueError(f"chunk {i}: vocab {part.shape[1]}, expected {vocab}")
+            for a in range(0, part.shape[0], _WRITE_ROWS):
+                yield encode_rows(part[a:a + _WRITE_ROWS]), int(vocab)
+            rows += part.shape[0]
+        if rows != n_scored:
+            raise ValueError(f"chunk {i}: {rows} rows, expected {n_scored} for n_ctx={n_ctx}")
+
+    def chunks():
+        for i, block in enumerate(blocks):
+            yield slices(i, block)
 
     def full_header(sums):
         if "n_chunks" in header and header["n_chunks"] != len(sums):

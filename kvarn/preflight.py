@@ -20,9 +20,10 @@ What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
   one 128-query block's gathered K/V in fp32 and its fp32 score matrix and softmax, as
   SDPA's math path makes them), the MLP activations of a ubatch, and the logits of a
   ubatch (vocab wide, fp32) plus the log-softmax slices of `kvarn.engine`;
-* host, baseline: one chunk's fp32 log-probs [n_scored, vocab] twice (the parts and their
-  concatenation; `kvarn.dump` encodes 256 rows at a time, a few MB); cell: the baseline chunk is
-  memory-mapped and the per-token metrics are small. On a CPU device everything is host.
+* host, baseline: one LOGIT_ROWS slice of fp32 log-probs on its way to `kvarn.dump` (the
+  engine streams a chunk slice by slice; the writer encodes it with float64 temporaries
+  and 16-bit codes); cell: the baseline chunk is memory-mapped and the per-token metrics are
+  small. On a CPU device everything is host.
 
 It is an estimate of the large terms (allocator slack, CUDA context and the framework's
 own workspace are not modelled; `HEADROOM` covers them), not a measurement.
@@ -51,7 +52,7 @@ KNOBS = {
     "attention temporaries": "--ctx (a 128-query block reads every earlier key)",
     "activations": "--ubatch (tokens per forward)",
     "logits": "--ubatch (rows of logits per forward)",
-    "log-prob block": "--ctx (one chunk's log-probs: n_ctx/2 rows x vocab, fp32)",
+    "log-prob slice": "nothing: 64 rows x vocab on their way to the dump, whatever the context",
 }
 
 
@@ -124,7 +125,6 @@ def estimate(config: Any, n_ctx: int, ubatch: int, dtype: str, device: str, base
     vocab, hidden = int(c.vocab_size), int(c.hidden_size)
     n_heads = int(c.num_attention_heads)
     u = min(ubatch, n_ctx)
-    n_scored = n_ctx - 1 - n_ctx // 2
     kv = [layer for layer in geom.layers if layer.has_kv]
     n_linear = sum(1 for layer in geom.layers if not layer.has_kv)
     d_max = max(layer.head_dim for layer in kv)
@@ -145,7 +145,7 @@ def estimate(config: Any, n_ctx: int, ubatch: int, dtype: str, device: str, base
     inter = int(getattr(c, "intermediate_size", 4 * hidden) or 4 * hidden)
     parts["activations"] = u * (3 * inter + 6 * hidden) * wb
     parts["logits"] = u * vocab * 4 + 2 * LOGIT_ROWS * vocab * 4
-    host = {"log-prob block": n_scored * vocab * (4 + 4)} if baseline else {}
+    host = {"log-prob slice": LOGIT_ROWS * vocab * (4 + 8 + 2)} if baseline else {}
     if not str(device).startswith("cuda"):  # the device is the host
         host = {**parts, **host}
         return Estimate(str(device), {}, host)

@@ -171,6 +171,24 @@ def test_writer_checks_and_atomicity(tmp_path):
     assert list(tmp_path.iterdir()) == []  # neither a partial dump nor a temp file
 
 
+@pytest.mark.parametrize("layout", ["sparse", "dense"])
+def test_a_chunk_streamed_in_row_slices_writes_the_same_file(tmp_path, layout):
+    # run_baseline hands each chunk over as its log-prob slices (no whole chunk on the host):
+    # the file is byte for byte the one written from whole blocks.
+    blocks = [logprobs(7, 300, seed=s) for s in range(2)]
+    whole, sliced = tmp_path / "whole.kvd", tmp_path / "sliced.kvd"
+    dump.write_dump(whole, header(), blocks, layout=layout)
+    dump.write_dump(sliced, header(), [iter([b[:3], b[3:4], b[4:]]) for b in blocks], layout=layout)
+    assert sliced.read_bytes() == whole.read_bytes()
+    # Slices adding up to the wrong number of rows are refused, and nothing is left behind.
+    with pytest.raises(ValueError, match=r"chunk 0: 6 rows, expected 7"):
+        dump.write_dump(tmp_path / "short.kvd", header(), [iter([blocks[0][:6]])], layout=layout)
+    with pytest.raises(ValueError, match=r"chunk 1: block shape \(5, 300\) after 3 rows"):
+        dump.write_dump(tmp_path / "long.kvd", header(), [blocks[0], iter([blocks[1][:3], blocks[1][2:]])],
+                        layout=layout)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sliced.kvd", "whole.kvd"]
+
+
 def test_decode_rows_is_the_float64_formula_bit_for_bit_and_slices_agree():
     # decode_rows(rows, V, device): code*scale then + lo in float64, one rounding to fp32 (the
     # former numpy decode); a cell decodes 64-row slices, which must equal slices of the whole.

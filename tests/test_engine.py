@@ -147,6 +147,33 @@ def smol_baseline(tmp_path_factory):
     return out
 
 
+def test_baseline_streams_its_log_probs_to_the_dump_in_slices(tmp_path, monkeypatch):
+    # The host never holds a whole chunk's log-probs (32 GB at Qwen 3.6's 64k): each chunk
+    # reaches the writer as LOGIT_ROWS slices (test_dump: the file is the same either way).
+    from kvarn import dump, engine, sources
+
+    real, seen = dump.write_dump, []
+
+    def spy(path, header, blocks, **kw):
+        def watched():
+            for block in blocks:
+                assert not isinstance(block, torch.Tensor), "a whole chunk was materialised"
+
+                def rows(block=block):
+                    for part in block:
+                        seen.append(part.shape[0])
+                        yield part
+                yield rows()
+        return real(path, header, watched(), **kw)
+
+    monkeypatch.setattr(dump, "write_dump", spy)
+    out = tmp_path / "base.kvd"
+    engine.run_baseline(sources.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, out, text=TEXT,
+                        cache_dir=CACHE_DIR)
+    assert len(seen) > 1 and max(seen) <= engine.LOGIT_ROWS and sum(seen) == CTX - 1 - CTX // 2
+    assert dump.open_dump(out).n_chunks == 1
+
+
 def _cell(base, k, v, tail, tmp_path_factory):
     from kvarn import engine, sources
 

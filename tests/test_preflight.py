@@ -20,7 +20,7 @@ def test_study_estimates_printed(capsys):
                      "-o", "unused.kvd", "--dry-run"]) == 0
     out = capsys.readouterr().out
     print(out)
-    assert "cache copies" in out and "log-prob block" in out and not Path("unused.kvd").exists()
+    assert "cache copies" in out and "log-prob slice" in out and not Path("unused.kvd").exists()
     q = preflight.preflight(ModelSpec("q", QWEN), 65536, 512, "cuda", "bfloat16", "unused", baseline=True,
                             dry_run=True)
     # 16 attention layers x (K + V) bf16 bodies (the baseline keeps no exact copy) x 4 KV heads
@@ -28,7 +28,9 @@ def test_study_estimates_printed(capsys):
     assert q.device_parts["cache copies"] == 16 * 2 * 2 * 4 * 65536 * 256 == 4 * GIB
     assert 26.8e9 * 2 < q.device_parts["weights"] < 27.0e9 * 2  # 26.9 B parameters in bf16
     assert q.device_parts["logits"] == 512 * 248320 * 4 + 2 * 64 * 248320 * 4
-    assert q.host_parts["log-prob block"] == 32767 * 248320 * 8  # fp32 parts + concat (the dump encodes slices)
+    # The baseline streams a chunk to the dump a 64-row slice at a time: fp32 log-probs, the
+    # writer's float64 temporaries and 16-bit codes, never the chunk (32767 x 248320 x 4 B).
+    assert q.host_parts["log-prob slice"] == 64 * 248320 * (4 + 8 + 2)
     g = preflight.preflight(ModelSpec("g", GEMMA), 16384, 512, "cuda", "bfloat16", "unused", baseline=False,
                             dry_run=True)
     # 50 sliding layers (16 x 256, window 1024: 1023 + 512 rows kept) + 10 full layers (4 x 512,
