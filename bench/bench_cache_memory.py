@@ -72,6 +72,7 @@ def worker(spec: dict) -> dict:
     cache = engine._new_cache(lm.model, spec["k"], spec["v"], spec["tail"])
     gen = engine.chunk_logprobs(lm.model, ids, cache, spec["ubatch"], data.scored_positions(spec["n_ctx"]))
     h, forward_s = hashlib.sha256(), 0.0
+    # Its own timing loop, not kvarn.engine.timed: it also runs against older kvarn checkouts.
     while True:
         t = time.perf_counter()
         item = next(gen, None)

@@ -144,6 +144,18 @@ def chunk_logprobs(model, ids: torch.Tensor, cache: KVarnCache, ubatch: int, sco
     assert row == len(scored), (row, len(scored))
 
 
+def timed(gen, timing: dict, key: str = "forward_s"):
+    """Yield the items of `gen`, adding the time spent producing each to timing[key]: the
+    caller's work on an item (metrics, encoding) is not counted."""
+    while True:
+        t = time.perf_counter()
+        item = next(gen, None)
+        timing[key] += time.perf_counter() - t
+        if item is None:
+            return
+        yield item
+
+
 def _new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=16, compute="exact", sink=None):
     return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters, compute=compute,
                       sink=sink)
@@ -192,18 +204,10 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
 
     def chunk_slices(c):
         # The chunk's log-probs a LOGIT_ROWS slice at a time, straight to the writer: the host
-        # never holds a whole chunk (32 GB at Qwen 3.6's 64k). Only the forward is timed.
+        # never holds a whole chunk (32 GB at Qwen 3.6's 64k). Only the forward (and the copy
+        # to the host, which waits for it) is timed, not the writer.
         cache = _new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute)
-        gen = chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)
-        while True:
-            tf = time.perf_counter()
-            item = next(gen, None)
-            if item is not None:
-                item = item[1].cpu()
-            timing["forward_s"] += time.perf_counter() - tf
-            if item is None:
-                return
-            yield item
+        return timed((lp.cpu() for _, lp in chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)), timing)
 
     def blocks():
         for c in _progress(range(chunk_ids.shape[0]), f"baseline {info.name} ctx {n_ctx}", chunk_ids.shape[0]):
@@ -298,18 +302,11 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
 
     cols = {key: [] for key in metrics.PER_TOKEN_KEYS}
     chunk_col, pos_col = [], []
-    forward_s = 0.0
+    timing = {"forward_s": 0.0}
     for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
         cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
         targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
-        gen = chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)
-        while True:
-            tf = time.perf_counter()
-            item = next(gen, None)
-            forward_s += time.perf_counter() - tf
-            if item is None:
-                break
-            a, lp = item
+        for a, lp in timed(chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored), timing):
             b = a + lp.shape[0]
             # the baseline's stored codes, decoded a slice at a time where the log-probs are
             tm = metrics.token_metrics(lp, base.decode(c, a, b, lp.device), targets[a:b])
@@ -346,7 +343,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         "compute": compute,
         "baseline_kind": base.kind,
         **kv,
-        "tokens_per_s": n_tok / forward_s,
+        "tokens_per_s": n_tok / timing["forward_s"],
         "wall_s": time.perf_counter() - t0,
         "kvarn_version": kvarn.__version__,
         "format_version": max(probe.k_fmt.version, probe.v_fmt.version),
