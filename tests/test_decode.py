@@ -12,12 +12,8 @@ import pytest
 import torch
 
 from kvarn import decode as KD
-from paths import WIKI_TEXT
+from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE_DIR = REPO / "resources" / "models"
-_LOCAL_TEXT = WIKI_TEXT
-TEXT = str(_LOCAL_TEXT) if _LOCAL_TEXT.is_file() else None
 CTX, PROMPTS, TOKENS = 160, 2, 32
 
 

@@ -8,18 +8,13 @@ tolerance from the eager-vs-sdpa fp32 noise, and the expected orderings of the f
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvarn import cli
-from paths import WIKI_TEXT
+from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE_DIR = REPO / "resources" / "models"
-_LOCAL_TEXT = WIKI_TEXT
-TEXT = str(_LOCAL_TEXT) if _LOCAL_TEXT.is_file() else None
 CTX = 256
 MODELS = ("smollm2-135m", "gemma3-270m")
 

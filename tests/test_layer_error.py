@@ -2,15 +2,10 @@
 inputs the cell cannot have changed) matches the attention output captured at o_proj's input
 in two plain engine runs (f32 cache vs the cell); the error is split into K and V parts."""
 
-from pathlib import Path
-
 import pytest
 import torch
-from paths import WIKI_TEXT
+from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
-REPO = Path(__file__).resolve().parents[1]
-_LOCAL_TEXT = WIKI_TEXT
-TEXT = str(_LOCAL_TEXT) if _LOCAL_TEXT.is_file() else None
 CTX = 256
 
 
@@ -19,7 +14,7 @@ def smol():
     import kvarn.attention  # noqa: F401  (registers "kvarn")
     from kvarn import data, models
 
-    lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=REPO / "resources" / "models")
+    lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=CACHE_DIR)
     lm.model.eval()
     lm.model.set_attn_implementation("kvarn")
     return lm, data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)), CTX, 1, lm.info.bos_id)

@@ -21,12 +21,8 @@ from pathlib import Path
 import pytest
 
 from kvarn import worker
-from paths import WIKI_TEXT
+from paths import CACHE_DIR, ENGINE_TEXT as TEXT, REPO
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE_DIR = REPO / "resources" / "models"
-_LOCAL_TEXT = WIKI_TEXT
-TEXT = str(_LOCAL_TEXT) if _LOCAL_TEXT.is_file() else None
 CTX = 256
 TIMING = ("tokens_per_s", "wall_s")
 CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0), ("bf16", "bf16", 0)]
