@@ -103,6 +103,28 @@ def test_bad_config_fails_before_any_job(tmp_path, bad, field):
 
 # ---- planning and incrementality ---------------------------------------------------------
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores to tell one thread from all")
+def test_model_jobs_take_every_core_the_run_is_given(tmp_path):
+    # Snakemake sets OMP_NUM_THREADS from a job's threads: a model job declaring none would run
+    # torch on one core whatever --cores says. Model jobs (baseline, cell) take them all; the
+    # small jobs (rows, summary) stay at one.
+    wd = workflow_copy(tmp_path, TINY)
+
+    def threads(cores: str) -> dict[str, set[int]]:
+        out = smk(wd, "-n", "--cores", cores).stdout
+        jobs = re.findall(r"^(?:local)?rule (\w+):\n((?:    .*\n)*)", out, flags=re.M)
+        got: dict[str, set[int]] = {}
+        for rule, body in jobs:
+            m = re.search(r"^    threads: (\d+)$", body, flags=re.M)
+            got.setdefault(rule, set()).add(int(m.group(1)) if m else 1)
+        return got
+
+    two = threads("2")
+    assert two["baseline"] == two["cell"] == {2} and two["cell_row"] == two["summary"] == {1}
+    one = threads("1")
+    assert one["baseline"] == one["cell"] == {1}
+
+
 def test_default_matrix_plans_one_job_per_cell(tmp_path):
     config = yaml.safe_load((ROOT / "config" / "matrix.yaml").read_text())
     wd = workflow_copy(tmp_path, {k: config[k] for k in ("models", "cells")})
