@@ -194,6 +194,20 @@ def _gib(b):
     return "" if b is None else f"{b / 2**30:.2f}"
 
 
+def linear_attention_kernel() -> str:
+    """The chunked gated-delta-rule function transformers' Qwen 3.5/3.6 linear layers call:
+    flash-linear-attention's Triton kernel when `fla` imports, else transformers' torch
+    reference (read from the closure of transformers' kernel-or-fallback wrapper)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    f = m.torch_chunk_gated_delta_rule
+    free = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__ or ())))
+    impl = free.get("implementation")
+    if impl is None:
+        return "unknown (transformers' wrapper changed; see the run's log)"
+    return f"{impl.__module__}.{impl.__qualname__}"
+
+
 def report(results, proj, total, args, device_name, elapsed) -> str:
     L = ["# The article matrix on one device: measured seconds per chunk and the projection", "",
          f"Written by `bench/gpu_article.py{' --smoke' if args.smoke else ''}` on {device_name} "
@@ -203,7 +217,8 @@ def report(results, proj, total, args, device_name, elapsed) -> str:
             "(config/models) at the study's n_ctx, bf16 weights.")
          + " One chunk per run; s/chunk is end to end (forward, log-softmax, dump encoding or metrics);"
          " tokens/s is the forward alone; peak device memory is torch's max allocated during the run; "
-         "peak host memory is the process's resident set, sampled.", "",
+         "peak host memory is the process's resident set, sampled."
+         f" Qwen's Gated DeltaNet layers call `{linear_attention_kernel()}`.", "",
          "| model | n_ctx | run | s/chunk | ×baseline | tokens/s | peak device GiB | peak host GiB |",
          "|---|---:|---|---:|---:|---:|---:|---:|"]
     for name, (load_s, rows) in results.items():

@@ -4,7 +4,8 @@
 # kvarn4 and kvarn2 cells on random-weight models of the study's exact geometry at the
 # study's n_ctx (Gemma 4 31B at 16,384 first, then Qwen 3.6 27B at 65,536), and the
 # projected device-hours of config/article.yaml -> bench/results/gpu_article.md.
-#   bash bench/gpu_article.sh [OUTDIR]      (TEXT=path/to/wiki.test.raw if not at ../shared/data/...)
+#   bench/gpu_prepare.sh                    (here: wheels + text into .gpu/, git-ignored)
+#   bash bench/gpu_article.sh [OUTDIR]      (there, with .gpu carried; TEXT=path/to/wiki.test.raw overrides)
 # Runs that would start after BUDGET_S seconds (default 360) are skipped and marked, so the
 # whole call stays under the device limit; its Python part is checked on CPU by
 # `python bench/gpu_article.py --smoke` (tests/test_bench_gpu_article.py).
@@ -12,11 +13,20 @@ set -uo pipefail
 out=${1:-bench/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# The packages the machine lacks, carried as wheels (bench/gpu_prepare.sh, carry [".gpu"]).
+if [ -d .gpu/wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvarn-site \
+    .gpu/wheels/*.whl || { echo "installing .gpu/wheels failed" >&2; exit 1; }
+  export PYTHONPATH=$PWD:/tmp/kvarn-site
+else
+  echo "no .gpu/wheels (run bench/gpu_prepare.sh here and carry .gpu): using the machine's own packages" >&2
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$out/gpu.txt"
 python3 -c "import fla; print('flash-linear-attention', fla.__version__)" 2>/dev/null | tee -a "$out/gpu.txt" \
   || echo "flash-linear-attention: not installed (Qwen's linear layers run transformers' reference path)" | tee -a "$out/gpu.txt"
 text=${TEXT:-../shared/data/wikitext-2-raw-v1/wiki.test.raw}
+[ -z "${TEXT:-}" ] && [ -f .gpu/wiki.test.raw ] && text=.gpu/wiki.test.raw  # ../shared does not travel
 timeout 460 python3 bench/gpu_article.py --budget-s "${BUDGET_S:-360}" --text "$text" \
   --out bench/results/gpu_article.md 2>&1 | tee "$out/gpu_article.log"
 cp bench/results/gpu_article.md "$out/" 2>/dev/null || true

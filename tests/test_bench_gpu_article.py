@@ -34,6 +34,8 @@ def test_smoke_writes_every_run_and_the_projection(tmp_path, one_thread):
         assert re.search(rf"^\| {re.escape(model)} \| 111 \(48 t0, 48 t128, 15 KVarN\) \| \d+ \| \d+ \| [0-9.]+ \|$",
                          md, re.M), md
     assert "Projected total: " in md and "device-hours** (of the tiny smoke models" in md
+    # which Gated DeltaNet kernel ran is part of the report (here, without fla: the torch reference)
+    assert "layers call `transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule`" in md
 
 
 def test_a_budget_skips_runs_and_says_so(tmp_path, one_thread):
@@ -73,3 +75,16 @@ def test_a_model_that_cannot_load_is_recorded_and_the_script_goes_on(tmp_path, m
     md = out.read_text()
     assert md.count("load failed: PreflightError: estimate 170 GiB > capacity 141 GiB / lower --ctx") == 5
     assert "not available" in md
+
+
+def test_the_linear_attention_kernel_is_read_from_transformers():
+    """Without flash-linear-attention (CPU here) transformers' Qwen 3.5 layers fall back to its torch
+    reference; the report names what was actually bound, not what is installed."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    name = _bench().linear_attention_kernel()
+    if importlib.util.find_spec("fla") is None:
+        assert name == "transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule"
+    else:
+        assert name.startswith("fla."), name
+    assert m.torch_chunk_gated_delta_rule.__code__.co_freevars  # the wrapper whose closure is read
