@@ -12,6 +12,12 @@ metrics against the dump) with the device's peak allocated memory and the proces
 resident memory during that run. Random weights: the log-probs mean nothing; only time and
 memory are read.
 
+Attention paths (`--attention`, kvarn.attention.resolve_attention): each run on `flex` (one
+compiled flex_attention call per layer call; the projection reads these) and then, where the
+budget still allows, on `ref` (sdpa per query block, the reference), each cell against the
+baseline of its own path; the table puts their seconds per chunk side by side. `--smoke`
+runs flex eagerly (kvarn.flex.COMPILE = False): compiling on a CPU takes minutes.
+
 Projection: each article cell (kvarn.matrix.expand of config/article.yaml) takes the
 measured time of its nearest type (standard at tail 0: q8_0 t0; standard at tail > 0:
 q4_0 t128; KVarN: the mean of kvarn4 and kvarn2), times the study's chunk count per model
@@ -87,8 +93,9 @@ def _rss() -> int:
 
 
 def measure(name: str, source: str, n_ctx: int, device: str, dtype: str, text, deadline: float,
-            work: Path) -> tuple[float, list[dict]]:
-    """(model load seconds, one dict per run of RUNS) for one model."""
+            work: Path, paths=("flex", "ref")) -> tuple[float, list[dict]]:
+    """(model load seconds, one dict per run of RUNS) for one model: the first path's
+    figures, and `<path>_s_per_chunk` of the others where they ran."""
     import torch
 
     from kvarn import engine
@@ -105,40 +112,51 @@ def measure(name: str, source: str, n_ctx: int, device: str, dtype: str, text, d
         return float("nan"), [{"run": label, "skipped": f"load failed: {type(e).__name__}: {_short(e)}"}
                               for label, _ in RUNS]
     load_s = time.perf_counter() - t0
-    base = work / f"{name}.kvd"
-    rows, last = [], 0.0
+    rows, last = [], {}
     for label, cell in RUNS:
-        if time.monotonic() + last > deadline:
-            rows.append({"run": label, "skipped": "budget"})
-            continue
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            with PeakRSS() as rss:
-                t = time.perf_counter()
-                if cell is None:
-                    out = engine.run_baseline(spec, n_ctx, 1, base, **common, context=ctx)
-                else:
-                    k, v, tail = cell
-                    out = engine.run_cell(spec, n_ctx, 1, k, v, tail, base, work / f"{name}-{label}", **common,
-                                          context=ctx)
-                if cuda:
-                    torch.cuda.synchronize()
-                last = time.perf_counter() - t
-        except Exception as e:  # e.g. out of device memory: recorded with the peak reached, the next run goes on
-            peak = torch.cuda.max_memory_allocated() if cuda else None
-            print(f"{name} {label}: failed: {type(e).__name__}: {e}", flush=True)
-            rows.append({"run": label, "skipped": f"failed: {type(e).__name__}: {_short(e)}"
-                         + (f" (peak device {_gib(peak)} GiB)" if peak else "")})
+        row = {"run": label}
+        for path in paths:
+            first = path == paths[0]
+            if time.monotonic() + last.get(path, 0.0) > deadline:
+                row.update({"skipped": "budget"} if first else {f"{path}_s_per_chunk": "skipped (budget)"})
+                if first:
+                    break
+                continue
+            base = work / f"{name}-{path}.kvd"
             if cuda:
-                torch.cuda.empty_cache()
-            continue
-        rows.append({"run": label, "s_per_chunk": last, "tokens_per_s": out["tokens_per_s"],
-                     "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-                     "peak_host_bytes": rss.peak,
-                     "dump_bytes_per_chunk": (base.stat().st_size - 64) if cell is None else None})
-        print(f"{name} {label}: {last:.2f} s/chunk, {out['tokens_per_s']:.0f} tok/s", flush=True)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                with PeakRSS() as rss:
+                    t = time.perf_counter()
+                    if cell is None:
+                        out = engine.run_baseline(spec, n_ctx, 1, base, **common, context=ctx, attention=path)
+                    else:
+                        k, v, tail = cell
+                        out = engine.run_cell(spec, n_ctx, 1, k, v, tail, base, work / f"{name}-{path}-{label}",
+                                              **common, context=ctx, attention=path)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    last[path] = time.perf_counter() - t
+            except Exception as e:  # e.g. out of device memory: recorded with the peak reached, the next run goes on
+                peak = torch.cuda.max_memory_allocated() if cuda else None
+                print(f"{name} {label} {path}: failed: {type(e).__name__}: {e}", flush=True)
+                why = (f"failed: {type(e).__name__}: {_short(e)}" + (f" (peak device {_gib(peak)} GiB)" if peak else ""))
+                row.update({"skipped": why} if first else {f"{path}_s_per_chunk": why})
+                if cuda:
+                    torch.cuda.empty_cache()
+                if first:
+                    break
+                continue
+            print(f"{name} {label} {path}: {last[path]:.2f} s/chunk, {out['tokens_per_s']:.0f} tok/s", flush=True)
+            if not first:
+                row[f"{path}_s_per_chunk"] = last[path]
+                continue
+            row.update({"s_per_chunk": last[path], "tokens_per_s": out["tokens_per_s"],
+                        "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                        "peak_host_bytes": rss.peak,
+                        "dump_bytes_per_chunk": (base.stat().st_size - 64) if cell is None else None})
+        rows.append(row)
     del ctx
     import gc
 
@@ -218,19 +236,27 @@ def report(results, proj, total, args, device_name, elapsed) -> str:
          + " One chunk per run; s/chunk is end to end (forward, log-softmax, dump encoding or metrics);"
          " tokens/s is the forward alone; peak device memory is torch's max allocated during the run; "
          "peak host memory is the process's resident set, sampled."
-         f" Qwen's Gated DeltaNet layers call `{linear_attention_kernel()}`.", "",
-         "| model | n_ctx | run | s/chunk | ×baseline | tokens/s | peak device GiB | peak host GiB |",
-         "|---|---:|---|---:|---:|---:|---:|---:|"]
+         f" Qwen's Gated DeltaNet layers call `{linear_attention_kernel()}`. Attention path {args.paths[0]} "
+         + (f"(s/chunk, tokens/s, memory) beside {', '.join(args.paths[1:])} (s/chunk only), each cell against "
+            "the baseline of its own path" if len(args.paths) > 1 else "only")
+         + (" (flex eager here: the smoke checks the script, not flex's speed)." if args.smoke else "."), "",
+         "| model | n_ctx | run | s/chunk | " + "".join(f"{p} s/chunk | " for p in args.paths[1:])
+         + "×baseline | tokens/s | peak device GiB | peak host GiB |",
+         "|---|---:|---|---:|" + "---:|" * len(args.paths[1:]) + "---:|---:|---:|---:|"]
     for name, (load_s, rows) in results.items():
         base = next((r.get("s_per_chunk") for r in rows if r["run"] == "baseline"), None)
         for r in rows:
             if "skipped" in r:
-                L.append(f"| {name} | {args.n_ctx[name]} | {r['run']} | skipped ({r['skipped']}) | | | | |")
+                L.append(f"| {name} | {args.n_ctx[name]} | {r['run']} | skipped ({r['skipped']}) | "
+                         + "| " * len(args.paths[1:]) + "| | | |")
                 continue
             ratio = f"{r['s_per_chunk'] / base:.2f}" if base else ""
-            L.append(f"| {name} | {args.n_ctx[name]} | {r['run']} | {r['s_per_chunk']:.2f} | {ratio} | "
+            others = "".join((f"{x:.2f}" if isinstance(x, float) else str(x or "")) + " | "
+                             for x in (r.get(f"{p}_s_per_chunk") for p in args.paths[1:]))
+            L.append(f"| {name} | {args.n_ctx[name]} | {r['run']} | {r['s_per_chunk']:.2f} | {others}{ratio} | "
                      f"{r['tokens_per_s']:.0f} | {_gib(r['peak_device_bytes'])} | {_gib(r['peak_host_bytes'])} |")
-        L.append(f"| {name} | | model load (once per model) | {load_s:.1f} | | | | |")
+        L.append(f"| {name} | | model load (once per model) | {load_s:.1f} | " + "| " * len(args.paths[1:])
+                 + "| | | |")
     L += ["", "Baseline dump on disk at the study's chunk count (kvarn.dump's sparse layout; random weights give "
           "near-flat log-probs, so nearly every row is stored dense: the real models' size is projected in "
           "bench/results/baseline_size.md):", ""]
@@ -260,7 +286,13 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip runs that would start after this")
     ap.add_argument("--study-chunks", default=",".join(f"{k}={v}" for k, v in STUDY_CHUNKS.items()))
     ap.add_argument("--models", default=",".join(STUDY), help="comma-separated, from config/models")
+    ap.add_argument("--attention", default="flex,ref",
+                    help="attention paths, comma-separated: the first is measured fully and projected, the "
+                         "others' s/chunk is put beside it where the budget allows (default flex,ref)")
     args = ap.parse_args(argv)
+    args.paths = tuple(p for p in args.attention.split(",") if p)
+    if not args.paths or any(p not in ("ref", "flex") for p in args.paths) or len(set(args.paths)) < len(args.paths):
+        ap.error(f"--attention {args.attention!r}: give distinct paths from ref, flex")
     args.study_chunks = {k: int(v) for k, v in (x.split("=") for x in args.study_chunks.split(",") if x)}
     names = [m for m in args.models.split(",") if m]
     bad = [m for m in names if m not in STUDY]
@@ -277,16 +309,24 @@ def main(argv=None) -> int:
     deadline = t_start + args.budget_s
     import torch
 
+    import kvarn.flex
+
+    compile_flex = kvarn.flex.COMPILE
+    kvarn.flex.COMPILE = compile_flex and not args.smoke  # restored below (main runs inside the tests too)
     device_name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     results = {}
     with tempfile.TemporaryDirectory(prefix="kvarn-gpu-article-") as tmp:
         work = Path(tmp)
         (work / "models").mkdir()
-        for name in names:
-            cfg = ROOT / "config" / "models" / f"{name}.json"
-            if args.smoke:
-                cfg = tiny_config(cfg, work / f"{name}-tiny.json")
-            results[name] = measure(name, f"random:{cfg}", args.n_ctx[name], device, dtype, text, deadline, work)
+        try:
+            for name in names:
+                cfg = ROOT / "config" / "models" / f"{name}.json"
+                if args.smoke:
+                    cfg = tiny_config(cfg, work / f"{name}-tiny.json")
+                results[name] = measure(name, f"random:{cfg}", args.n_ctx[name], device, dtype, text, deadline,
+                                        work, args.paths)
+        finally:
+            kvarn.flex.COMPILE = compile_flex
     proj, total = projection(results, ROOT / "config" / "article.yaml", args.study_chunks)
     md = report(results, proj, total, args, device_name, time.monotonic() - t_start)
     from kvarn.atomic import write_text

@@ -18,6 +18,11 @@ therefore counted exactly once, from one of the two copies, in a single softmax.
 speed the queries go in blocks of QUERY_BLOCK, each with only the key rows its mask can
 select (body: one span; exact: the sink and the tail band), so the exact half costs about
 one block of extra keys instead of doubling attention, and causal waste is cut too.
+
+That is the reference path (`attention_ref`, attention "ref"). `kvarn.flex` computes the
+same thing as one flex_attention call per layer call (attention "flex"); the cache's
+`attention` picks the path (`resolve_attention` turns the option "auto" into one), after
+the checks both share (`check_call`, `check_mask_size`, `check_body_rows`).
 """
 
 from __future__ import annotations
@@ -100,20 +105,23 @@ def split_mask(allowed: torch.Tensor, q_offset: int, policy, kv_offset: int = 0)
     return allowed & ~sel, allowed & sel
 
 
-def kvarn_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    kvarn_cache: KVarnCache | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """query [b, H, n_q, D]; key/value: the body rows [b, H_kv, L, D] from KVarnLayer.update."""
+def resolve_attention(attention: str, device) -> str:
+    """The attention path a run takes: "ref" or "flex" (`kvarn.matrix.ATTENTIONS`).
+
+    "auto": flex on CUDA, ref on CPU (compiled flex was not faster there at the embedded
+    models' sizes: bench/results/flex.md).
+    """
+    from kvarn.matrix import ATTENTIONS
+
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r} not accepted; use one of {', '.join(ATTENTIONS)}")
+    if attention != "auto":
+        return attention
+    return "flex" if torch.device(device).type == "cuda" else "ref"
+
+
+def check_call(module, attention_mask, dropout, softcap, sliding_window, kvarn_cache):
+    """The checks every path makes on one attention call; returns (layer, policy)."""
     if kvarn_cache is None:
         raise RuntimeError(
             "attn_implementation 'kvarn' needs the cache passed as a forward kwarg: "
@@ -147,30 +155,70 @@ def kvarn_attention_forward(
         raise RuntimeError(
             f"layer {module.layer_idx}: model uses sliding window {sliding_window}, cache policy expects {policy.window}"
         )
+    return layer, policy
+
+
+def check_mask_size(module, layer, attention_mask, n_keys: int) -> None:
+    if attention_mask.shape[-1] != n_keys:
+        raise RuntimeError(f"layer {module.layer_idx}: the mask covers {attention_mask.shape[-1]} keys, the cache "
+                           f"returned {n_keys} (from position {layer.kv_offset}); its get_mask_sizes and update disagree")
+
+
+def check_body_rows(module, layer, body_end: int) -> None:
+    """A query may read body rows only below `layer.n_body` (`body_end`: one past the last
+    body position some query of the call reads): KVarN's incomplete group is zeros."""
+    if body_end > layer.n_body:
+        raise AssertionError(
+            f"layer {module.layer_idx}: a query reads body rows {layer.n_body}..{body_end - 1} of an incomplete "
+            f"{layer.group}-token group; the tail ({layer.policy.tail}) must cover them"
+        )
+
+
+def kvarn_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    kvarn_cache: KVarnCache | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [b, H, n_q, D]; key/value: the body rows [b, H_kv, L, D] from KVarnLayer.update.
+
+    Runs the cache's attention path: this module's blocked sdpa (`attention_ref`, "ref")
+    or one flex_attention call (`kvarn.flex`, "flex"), after the same checks.
+    """
+    layer, policy = check_call(module, attention_mask, dropout, softcap, sliding_window, kvarn_cache)
     if layer.compute != "exact":
         from kvarn import compute
 
         return compute.attention(module, query, layer, attention_mask, scaling or query.shape[-1] ** -0.5), None
+    check_mask_size(module, layer, attention_mask, key.shape[-2])
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if kvarn_cache.attention == "flex":
+        from kvarn import flex
+
+        return flex.attention(module, query, key, value, attention_mask, scaling, layer, policy), None
+    return attention_ref(module, query, key, value, attention_mask, scaling, layer, policy), None
+
+
+def attention_ref(module, query, key, value, attention_mask, scaling, layer, policy) -> torch.Tensor:
+    """The reference path: fp32 sdpa per block of QUERY_BLOCK queries over the key spans the
+    block reads (the module docstring). Returns [b, n_q, H, D] in the query's dtype."""
     b, n_heads, n_q, d = query.shape
     n_kv, L = key.shape[1], key.shape[-2]
     rep = n_heads // n_kv
-    if scaling is None:
-        scaling = d**-0.5
-
     off = layer.kv_offset
-    if attention_mask.shape[-1] != L:
-        raise RuntimeError(f"layer {module.layer_idx}: the mask covers {attention_mask.shape[-1]} keys, the cache "
-                           f"returned {L} (from position {off}); its get_mask_sizes and update disagree")
     body_mask, exact_mask = split_mask(attention_mask[..., -n_q:, :], layer.q_offset, policy, off)
     sink = min(max(policy.sink - off, 0), L)
     # Per query block: the body span, the exact sink span, the exact tail-band span.
     spans = _block_spans(QUERY_BLOCK, (body_mask, (0, L)), (exact_mask, (0, sink)), (exact_mask, (sink, L)))
-    for body, *_ in spans:
-        if body is not None and off + body[1] > layer.n_body:
-            raise AssertionError(
-                f"layer {module.layer_idx}: a query reads body rows {layer.n_body}..{off + body[1] - 1} of an incomplete "
-                f"{layer.group}-token group; the tail ({policy.tail}) must cover them"
-            )
+    check_body_rows(module, layer, max((off + body[1] for body, *_ in spans if body is not None), default=0))
     # A bf16 / f16 body (float-type cells, the baseline) is widened once per call (exact:
     # its values are that dtype's); the exact copy's few rows per block in _block_keys.
     key, value = key.float(), value.float()
@@ -186,7 +234,7 @@ def kvarn_attention_forward(
         o = F.scaled_dot_product_attention(q_blk, k_blk, v_blk, attn_mask=m_blk.repeat(1, 1, rep, 1), scale=scaling)
         outs.append(o.reshape(b, n_heads, qe - qs, d))
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(ATTN_NAME, kvarn_attention_forward)

@@ -40,6 +40,7 @@ from kvarn.policy import LayerPolicy, default_tail_dtype, layer_policy
 from kvarn.rows import Rows
 
 TAIL_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+ATTENTION_PATHS = ("ref", "flex")  # the attention computations of the exact compute path
 
 
 def layer_windows(config) -> list[int | None]:
@@ -51,16 +52,22 @@ def layer_windows(config) -> list[int | None]:
     return list(geometry_from_config(config).windows)
 
 
+def reads_exact(p, j, sink, tail):
+    """SPEC §2 elementwise: the query at position p reads key position j from the exact copy
+    iff j < sink or p - j < tail. p, j (and sink, tail) are ints or broadcastable tensors:
+    the one rule behind `exact_selection` and the flex path's mask_mod (`kvarn.flex`)."""
+    return (j < sink) | (p - j < tail)
+
+
 def exact_selection(q_pos: torch.Tensor, kv_len: int, policy: LayerPolicy, kv_offset: int = 0) -> torch.Tensor:
     """bool [n_queries, kv_len]: True where the query at q_pos reads key j from the exact copy.
 
-    Keys j = kv_offset .. kv_offset + kv_len - 1. SPEC §2: exact if j < sink or p - j <
-    tail. Causality and the sliding window are not applied here; the attention mask does
-    that (the selection only picks the copy).
+    Keys j = kv_offset .. kv_offset + kv_len - 1 (`reads_exact`). Causality and the sliding
+    window are not applied here; the attention mask does that (the selection only picks
+    the copy).
     """
     j = torch.arange(kv_offset, kv_offset + kv_len, device=q_pos.device)
-    dist = q_pos[:, None] - j[None, :]
-    return (j[None, :] < policy.sink) | (dist < policy.tail)
+    return reads_exact(q_pos[:, None], j[None, :], policy.sink, policy.tail)
 
 
 def make_format(name: str, role: str, rot: bool = True, iters: int = 16):
@@ -232,6 +239,9 @@ class KVarnCache(Cache):
         cache = KVarnCache(model.config, "q4_0", "q4_0", tail=128)
         model(ids, cache=cache, kvarn_cache=cache)   # with attn_implementation "kvarn"
 
+    `attention`: "ref" (kvarn.attention's blocked sdpa) or "flex" (kvarn.flex, one
+    flex_attention call per layer call): the same numbers at fp32 noise.
+
     `compute="llamacpp-cpu"` emulates llama.cpp's CPU flash-attention arithmetic instead of
     exact fp32 attention (kvarn.compute; upstream llama.cpp types, tail 0), in llama.cpp's
     channel order of Q and K (`kvarn.compute.gguf_qk_permuted` of the model_type).
@@ -242,10 +252,15 @@ class KVarnCache(Cache):
     """
 
     def __init__(self, config, k_type: str, v_type: str, tail: int = 0, tail_dtype: str | None = None,
-                 rot: bool = True, iters: int = 16, compute: str = "exact", sink: int | None = None):
+                 rot: bool = True, iters: int = 16, compute: str = "exact", sink: int | None = None,
+                 attention: str = "ref"):
         from kvarn.compute import LLAMACPP_CPU, check_compute, gguf_qk_permuted
 
         self.compute = check_compute(compute, k_type, v_type, tail)
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention path {attention!r} not accepted; use one of {', '.join(ATTENTION_PATHS)} "
+                             "(kvarn.attention.resolve_attention turns 'auto' into one)")
+        self.attention = attention  # how `kvarn.attention` computes the exact compute path
         # `exact` keeps transformers' order (SPEC's format damage); llamacpp-cpu llama.cpp's
         self.qk_gguf_order = compute == LLAMACPP_CPU and gguf_qk_permuted(text_config(config).model_type)
         self.k_fmt = make_format(k_type, "k", rot, iters)

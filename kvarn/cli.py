@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvarn.matrix import DTYPES  # one list of compute dtypes for the CLI and the matrix
+from kvarn.matrix import ATTENTIONS, DTYPES  # one list each for the CLI and the matrix
 
 EPILOG = """\
 examples (llama.cpp equivalents in brackets):
@@ -113,6 +113,14 @@ def model_spec(arg: str):
     )
 
 
+def _attention_arg(p):
+    p.add_argument("--attention", choices=ATTENTIONS, default="auto",
+                   help="how the exact compute path's attention is computed: ref (sdpa per 128-query block, the "
+                        "reference), flex (one torch flex_attention call per layer, compiled; the first call "
+                        "compiles for minutes on a CPU) or auto (flex on CUDA, ref on CPU; default). The same "
+                        "numbers at fp32 noise: not part of a result's identity, recorded in its summary")
+
+
 def _common(p, out_help):
     p.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|random:CONFIG|PATH",
                    help="embedded model name (smollm2-135m, gemma3-270m), a Hugging Face repo (or one .gguf in "
@@ -138,6 +146,7 @@ def _common(p, out_help):
                    help="attention arithmetic: exact (fp32, the format alone; default) or llamacpp-cpu "
                         "(llama.cpp's CPU flash attention: Q rounded to K's dot type, f16 V accumulation...); "
                         "a cell needs a baseline made with the same")
+    _attention_arg(p)
     p.add_argument("-o", "--out", required=True, metavar="PATH", help=out_help)
     p.add_argument("--dry-run", action="store_true",
                    help="print the job's estimated peak device and host memory (kvarn.preflight, from the "
@@ -232,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="auto")
     d.add_argument("--dtype", default="auto")
     d.add_argument("--cache-dir", default="resources/models", metavar="DIR")
+    _attention_arg(d)
     d.add_argument("-o", "--out", required=True, metavar="DIR", help="directory to write (steps.parquet, summary.json)")
 
     le = sub.add_parser("layers", help="per-layer attention error of a cell: relative L2 error of each attention "
@@ -370,7 +380,8 @@ def _decode(spec, args) -> int:
 
     s = run_decode(spec, args.ctx, args.prompts, args.tokens, args.k, args.v, args.tail, Path(args.out),
                    ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype, iters=args.iters, sink=args.sink,
-                   text=args.text, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
+                   text=args.text, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
+                   attention=args.attention)
     fd = s["first_divergence"]
     print(f"{args.k}-{args.v} tail {args.tail}: {s['n_prompts']} prompts x {s['n_tokens']} tokens; first divergence "
           f"median {s['first_divergence_median']:g} ({s['n_diverged']} of {len(fd)} diverged: {fd}); "
@@ -463,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "baseline":
             h = engine.run_baseline(spec, args.ctx, chunks, Path(args.out), ubatch=args.ubatch, text=args.text,
                                     device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
-                                    compute=args.compute, llama_kld_out=args.llama_kld_out)
+                                    compute=args.compute, llama_kld_out=args.llama_kld_out, attention=args.attention)
             print(f"baseline: {h['n_chunks']} chunks x {args.ctx} tokens, {h['tokens_per_s']:.1f} tokens/s -> {args.out}")
             return 0
         if args.cmd == "run":
@@ -486,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                                 Path(args.out), ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype,
                                 iters=args.iters, text=args.text, device=args.device, dtype=args.dtype,
                                 cache_dir=args.cache_dir, compute=args.compute, accounting=args.accounting,
-                                sink=args.sink)
+                                sink=args.sink, attention=args.attention)
             sys.stdout.write(format_llama(s))
             print(f"\nKV cache ({s['memory_accounting']} accounting): {s['kv_total_bytes'] / 2**20:.2f} MiB "
                   f"(body {s['kv_body_bytes'] / 2**20:.2f}, staging {s['kv_staging_bytes'] / 2**20:.2f}, "

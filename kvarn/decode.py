@@ -57,18 +57,19 @@ def _feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode(model, prompts: torch.Tensor, k: str, v: str, tail: int, n_tokens: int, tail_dtype=None, rot=True,
-           iters=16, ubatch=512, sink=None, compute="exact") -> dict[str, np.ndarray]:
+           iters=16, ubatch=512, sink=None, compute="exact", attention="ref") -> dict[str, np.ndarray]:
     """Greedy-generate `n_tokens` per prompt with the (k, v, tail) cache, the BF16 baseline
     re-scoring the cell's text in lock step. Returns the STEP_KEYS columns, [P · n_tokens] rows
-    ordered by (prompt, step). `model` must use attn_implementation "kvarn"."""
+    ordered by (prompt, step). `model` must use attn_implementation "kvarn"; `attention`: the
+    attention path of both caches ("ref" or "flex", `kvarn.engine.attention_path`)."""
     from kvarn import metrics
     from kvarn.engine import BASELINE_K, BASELINE_V, _new_cache
 
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     n_p = prompts.shape[0]
-    cell = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
-    base = _new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute)
+    cell = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, attention)
+    base = _new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=attention)
     lc, lb = _feed(model, prompts, cell, ubatch), _feed(model, prompts, base, ubatch)
     cols = {key: [] for key in STEP_KEYS}
     for s in range(n_tokens):
@@ -119,30 +120,35 @@ def summarize_decode(steps: dict[str, np.ndarray], n_prompts: int, n_tokens: int
 
 
 def run_decode(spec, n_ctx, prompts, tokens, k, v, tail, out_dir, ubatch=512, rot=True, tail_dtype=None, iters=16,
-               sink=None, text=None, device="auto", dtype="auto", cache_dir="resources/models") -> dict:
-    """One (cell, decode) result: out_dir/steps.parquet (STEP_KEYS) and out_dir/summary.json."""
+               sink=None, text=None, device="auto", dtype="auto", cache_dir="resources/models",
+               attention="auto") -> dict:
+    """One (cell, decode) result: out_dir/steps.parquet (STEP_KEYS) and out_dir/summary.json.
+
+    `attention`: ref | flex | auto (`kvarn.attention.resolve_attention`), recorded in the summary."""
     import polars as pl
 
     import kvarn
     from kvarn.atomic import atomic_path, write_text
-    from kvarn.engine import _setup
+    from kvarn.engine import _setup, attention_path
 
     out_dir = Path(out_dir)
+    attention_path(attention, "cpu", "exact")  # a bad option is refused before any work
     t0 = time.perf_counter()
     loaded, chunk_ids, ident = _setup(spec, n_ctx, prompts, text, device, dtype, cache_dir)
     if chunk_ids.shape[0] < prompts:
         raise ValueError(f"decode prompts {prompts}: the text holds only {chunk_ids.shape[0]} chunks of {n_ctx} tokens")
     p_ids = decode_prompts(chunk_ids, tokens)
+    path = attention_path(attention, loaded.info.device, "exact")
     td = time.perf_counter()
     steps = decode(loaded.model, p_ids, k, v, tail, tokens, tail_dtype=tail_dtype, rot=rot, iters=iters,
-                   ubatch=ubatch, sink=sink)
+                   ubatch=ubatch, sink=sink, attention=path)
     decode_s = time.perf_counter() - td
     summary = summarize_decode(steps, prompts, tokens)
     info = loaded.info
     summary.update({
         "model": info.name, "source": info.source, "revision": info.revision, "n_ctx": n_ctx,
         "prompt_tokens": int(p_ids.shape[1]), "k_type": k, "v_type": v, "tail": tail, "rot": bool(rot),
-        "tail_dtype": tail_dtype, "iters": iters, "sink": sink, "ubatch": ubatch,
+        "tail_dtype": tail_dtype, "iters": iters, "sink": sink, "ubatch": ubatch, "attention": path,
         "text_sha256": ident.get("text_sha256"), "tokenizer_hash": ident.get("tokenizer_hash"), "decode_s": decode_s, "wall_s": time.perf_counter() - t0,
         "kvarn_version": kvarn.__version__, "device": info.device, "dtype": info.dtype,
     })

@@ -156,9 +156,16 @@ def timed(gen, timing: dict, key: str = "forward_s"):
         yield item
 
 
-def _new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=16, compute="exact", sink=None):
+def _new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=16, compute="exact", sink=None, attention="ref"):
     return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters, compute=compute,
-                      sink=sink)
+                      sink=sink, attention=attention)
+
+
+def attention_path(attention: str, device: str, compute: str) -> str | None:
+    """The attention path a run takes (`kvarn.attention.resolve_attention`), None under
+    compute llamacpp-cpu (kvarn.compute has its own). What summaries and dumps record."""
+    path = kattn.resolve_attention(attention, device)  # validates the option in every case
+    return path if compute == "exact" else None
 
 
 def check_baseline_compute(base, compute: str) -> None:
@@ -180,10 +187,14 @@ def _progress(iterable, desc, total):
 # --- baseline -------------------------------------------------------------------------
 
 def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto", dtype="auto",
-                 cache_dir="resources/models", compute="exact", llama_kld_out=None, context=None) -> dict:
+                 cache_dir="resources/models", compute="exact", llama_kld_out=None, context=None,
+                 attention="auto") -> dict:
     """BF16-cache run (bf16 K and V, tail 0, same cache model); writes the log-prob dump to `out`.
 
     `compute`: the attention arithmetic (kvarn.compute), recorded in the header.
+    `attention`: ref | flex | auto (`kvarn.attention.resolve_attention`): how the exact
+    compute path is computed, the same numbers at fp32 noise; the path taken is recorded in
+    the header, not in the dump's identity.
     `llama_kld_out`: also write the log-probs as llama-perplexity's --kl-divergence-base
     file (kvarn.llamakld), so llama-perplexity can score against our baseline.
     Returns the dump header (identity fields, vocab size, timing).
@@ -192,6 +203,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     from kvarn.compute import check_compute
 
     check_compute(compute, BASELINE_K, BASELINE_V, 0)
+    kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -199,6 +211,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, True)
     _set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
+    path = attention_path(attention, info.device, compute)
     scored = data.scored_positions(n_ctx)
     timing = {"forward_s": 0.0}
 
@@ -206,7 +219,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         # The chunk's log-probs a LOGIT_ROWS slice at a time, straight to the writer: the host
         # never holds a whole chunk (32 GB at Qwen 3.6's 64k). Only the forward (and the copy
         # to the host, which waits for it) is timed, not the writer.
-        cache = _new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute)
+        cache = _new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=path or "ref")
         return timed((lp.cpu() for _, lp in chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)), timing)
 
     def blocks():
@@ -224,6 +237,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         "tail": 0,
         "ubatch": ubatch,
         "compute": compute,
+        "attention": path,
         "kvarn_version": kvarn.__version__,
         "device": info.device,
     })
@@ -253,13 +267,17 @@ def _policy_fields(cache: KVarnCache) -> dict:
 
 def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot=True, tail_dtype=None,
              iters=16, text=None, device="auto", dtype="auto", cache_dir="resources/models",
-             compute="exact", accounting="packed", sink=None, context=None) -> dict:
+             compute="exact", accounting="packed", sink=None, context=None, attention="auto") -> dict:
     """One cache config against the baseline dump; writes out_dir/tokens.parquet and summary.json.
 
     `sink`: exact leading tokens on full-attention layers; None = the pair's own (0
     standard, 128 KVarN); a standard pair may take another (kvarn.policy.check_sink).
 
     `context`: a loaded `Context` of the same job arguments (kvarn.worker), else loads now.
+
+    `attention`: ref | flex | auto (`kvarn.attention.resolve_attention`), how the exact
+    compute path's attention is computed: the same numbers at fp32 noise, so not part of
+    the cell's path; the summary records the path taken (`attention`) and the baseline's.
 
     `compute` (kvarn.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
     with the same. `baseline` may also be llama-perplexity's --kl-divergence-base file
@@ -276,6 +294,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     from kvarn.compute import check_compute
 
     check_compute(compute, k, v, tail)
+    kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
     from kvarn import facts
     from kvarn.policy import check_sink
 
@@ -288,6 +307,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False)
     _set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
+    path = attention_path(attention, info.device, compute)
     # Validates the types, the tail and the pair before any work is done.
     probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
     if base is None:
@@ -304,7 +324,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     chunk_col, pos_col = [], []
     timing = {"forward_s": 0.0}
     for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
-        cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
+        cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, path or "ref")
         targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
         for a, lp in timed(chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored), timing):
             b = a + lp.shape[0]
@@ -341,6 +361,10 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         "tail_dtype": probe.tail_dtype_name,
         "iters": iters,
         "compute": compute,
+        "attention": path,
+        # dumps written before the option existed were all made on the reference path
+        "baseline_attention": base.header.get("attention", "ref" if compute == "exact" else None)
+        if base.kind == "kvarn" else None,
         "baseline_kind": base.kind,
         **kv,
         "tokens_per_s": n_tok / timing["forward_s"],

@@ -40,6 +40,9 @@ from kvarn.memory import ACCOUNTINGS
 
 DEFAULT_ITERS = 16  # KVarN variance-normalization passes (SPEC §4)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The attention path option (kvarn.attention.resolve_attention); one list for the CLI,
+# the matrix and the engine. Not part of any cell path: the paths agree at fp32 noise.
+ATTENTIONS = ("ref", "flex", "auto")
 TAIL_DTYPES = facts.TAIL_DTYPES
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
 SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
@@ -126,6 +129,7 @@ class Cell:
 class Matrix:
     models: dict[str, Model]
     cells: list[Cell] = field(default_factory=list)
+    attention: str = "auto"  # the jobs' attention path (ATTENTIONS); in no cell's path
 
     def runs(self) -> list[tuple[str, int, int]]:
         """The (model, n_ctx, chunks) runs the cells need, in first-use order."""
@@ -262,6 +266,14 @@ def _int(where: str, x, lo: int) -> int:
     if isinstance(x, bool) or not isinstance(x, int) or x < lo:
         raise MatrixError(f"{where}: {x!r} must be an integer >= {lo}")
     return x
+
+
+def check_attention(value) -> str:
+    """The top-level `attention` key: one of ATTENTIONS (kvarn.attention.resolve_attention)."""
+    if value not in ATTENTIONS:
+        raise MatrixError(f"attention: {value!r} is not an attention path; accepted: {', '.join(ATTENTIONS)} "
+                          "(auto: flex on CUDA, ref on CPU)")
+    return value
 
 
 def _models(config: dict) -> dict[str, Model]:
@@ -410,7 +422,7 @@ def expand(config: dict) -> Matrix:
                 if c not in have:
                     raise MatrixError(f"models[{i}].decode.cells[{j}]: {c!r} is not a cell of model {m.name!r}; "
                                       f"its cells: {', '.join(have)}")
-    return Matrix(models, list(cells))
+    return Matrix(models, list(cells), check_attention(config.get("attention", "auto")))
 
 
 def _normalize(cell: Cell, fam: str) -> Cell:

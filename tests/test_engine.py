@@ -38,6 +38,8 @@ def _exit_code(argv, capsys):
       "--baseline", "b", "-o", "o"], "invalid choice: 'beellama'"),
     (["baseline", "-m", "no-such-model", "-c", "256", "-o", "o"], "no-such-model"),
     (["baseline", "-m", "smollm2-135m", "-c", "256", "--chunks", "0", "-o", "o"], "--chunks"),
+    (["baseline", "-m", "smollm2-135m", "-c", "256", "--attention", "fast", "-o", "o"],
+     "invalid choice: 'fast' (choose from 'ref', 'flex', 'auto')"),
 ])
 def test_cli_bad_values_exit_2(argv, needle, capsys):
     code, err = _exit_code(argv, capsys)

@@ -223,3 +223,21 @@ def test_compute_refusals(entry, needle):
     cfg["cells"] = [entry]
     with pytest.raises(kvm.MatrixError, match=re.escape(needle)):
         kvm.expand(cfg)
+
+
+def test_attention_option_is_in_no_cell_path():
+    # The attention path moves results only by fp32 noise: it names no cell or baseline.
+    paths = {}
+    for value in (None, "ref", "flex", "auto"):
+        cfg = copy.deepcopy(BASE)
+        if value is not None:
+            cfg["attention"] = value
+        m = kvm.expand(cfg)
+        assert m.attention == (value or "auto")
+        paths[value] = ([c.dir for c in m.cells], m.baselines())
+    assert len({repr(p) for p in paths.values()}) == 1
+    cfg = copy.deepcopy(BASE)
+    cfg["attention"] = "fast"
+    with pytest.raises(kvm.MatrixError, match=re.escape("attention: 'fast' is not an attention path; accepted: "
+                                                        "ref, flex, auto")):
+        kvm.expand(cfg)

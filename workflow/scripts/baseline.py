@@ -14,6 +14,7 @@ with atomic(snakemake.output[0]) as tmp:  # noqa: F821
     info = worker.run(
         "baseline", model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), out=tmp, ubatch=p.ubatch,  # noqa: F821
         text=snakemake.input.text, dtype=p.dtype, compute=p.compute,  # noqa: F821
+        attention=snakemake.config.get("attention", "auto"),  # noqa: F821  (not a param: no rerun trigger)
         cache_dir=Path(snakemake.input.model).parent, files=[snakemake.input.model],  # noqa: F821
     )
 print(json.dumps(info, indent=1, default=str))

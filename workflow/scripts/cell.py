@@ -18,7 +18,7 @@ with scratch(out.tokens, out.summary) as tmp:  # summary.json last: its presence
         "cell", model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), k=w.k, v=w.v, tail=int(w.tail),  # noqa: F821
         baseline=Path(snakemake.input.baseline), out_dir=tmp, ubatch=p.ubatch, rot=p.rot,  # noqa: F821
         tail_dtype=p.tail_dtype, iters=p.iters, sink=p.sink, text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
-        compute=p.compute,  # noqa: F821
+        compute=p.compute, attention=snakemake.config.get("attention", "auto"),  # noqa: F821  (no rerun trigger)
         cache_dir=Path(snakemake.input.model).parent, files=[snakemake.input.model],  # noqa: F821
     )
 print(json.dumps(summary, indent=1, default=str))

@@ -14,5 +14,6 @@ with scratch(out.steps, out.summary) as tmp:  # summary.json last: its presence 
         model_spec(snakemake), int(w.n_ctx), int(w.prompts), int(w.tokens), w.k, w.v, int(w.tail),  # noqa: F821
         out_dir=tmp, ubatch=p.ubatch, rot=p.rot, tail_dtype=p.tail_dtype, iters=p.iters, sink=p.sink,
         text=snakemake.input.text, dtype=p.dtype, cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
+        attention=snakemake.config.get("attention", "auto"),  # noqa: F821  (not a param: no rerun trigger)
     )
 print(json.dumps(summary, indent=1, default=str))

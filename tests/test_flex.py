@@ -1,0 +1,280 @@
+"""The flex attention path (kvarn.flex) against the float64 reference and the reference path.
+
+Every attention call of a tiny random-weight model is computed three ways on the very same
+inputs: the flex path (returned to the model), the reference path (`attention_ref`, sdpa
+per query block) and the dense float64 reference of tests/attention_ref.py; both paths must
+sit within a few times the reference's own fp32 noise (the method of tests/test_cache.py).
+flex_attention runs eagerly here (`kvarn.flex.COMPILE = False`: an unfused dense path, fast
+at these sizes; compiling on CPU takes minutes); bench/bench_flex.py runs the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+import attention_ref as AR
+import kvarn.attention as kattn
+import kvarn.flex as kflex
+from kvarn.cache import KVarnCache
+from kvarn.formats import get_format
+from kvarn.policy import layer_policy
+from test_cache import _gemma, _ids, _llama
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+BOTH = "kvarn_both"
+
+
+@pytest.fixture(autouse=True)
+def eager_flex(monkeypatch):
+    monkeypatch.setattr(kflex, "COMPILE", False)
+
+
+@contextlib.contextmanager
+def both_paths(sample=None):
+    """Register BOTH: each call runs flex (returned) and ref, and, on the layers `sample`
+    selects (default all), the float64 reference (dense: the costly part on a real model)."""
+    rec = SimpleNamespace(flex=[], ref=[], flex_ref=[], noise=[], calls=0)
+
+    def fwd(module, query, key, value, attention_mask, scaling=None, kvarn_cache=None, **kw):
+        out = {}
+        for path in ("ref", "flex"):
+            kvarn_cache.attention = path
+            out[path], _ = kattn.kvarn_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                                         kvarn_cache=kvarn_cache, **kw)
+        rec.flex_ref.append((out["flex"] - out["ref"]).abs().max().item())
+        rec.calls += 1
+        if sample is not None and not sample(module.layer_idx):
+            return out["flex"], None
+        layer = kvarn_cache.layers[module.layer_idx]
+        sc = scaling if scaling is not None else query.shape[-1] ** -0.5
+        ref64 = AR.reference_attention(query, layer, sc, key, value).transpose(1, 2)
+        ref32 = AR.reference_attention(query, layer, sc, key, value, torch.float32).transpose(1, 2)
+        rec.flex.append((out["flex"].double() - ref64).abs().max().item())
+        rec.ref.append((out["ref"].double() - ref64).abs().max().item())
+        rec.noise.append((ref32.double() - ref64).abs().max().item())
+        return out["flex"], None
+
+    AttentionInterface.register(BOTH, fwd)
+    AttentionMaskInterface.register(BOTH, kattn._kvarn_mask)
+    try:
+        yield rec
+    finally:
+        AttentionInterface._global_mapping.pop(BOTH, None)
+        AttentionMaskInterface._global_mapping.pop(BOTH, None)
+
+
+@torch.no_grad()
+def both_run(model, ids, k, v, tail, ubatch, sample=None, **kw):
+    before = kflex.calls
+    with both_paths(sample) as rec:
+        model.set_attn_implementation(BOTH)
+        cache = KVarnCache(model.config, k, v, tail, attention="flex", **kw)
+        for s in range(0, ids.shape[1], ubatch):
+            model(ids[:, s : s + ubatch], cache=cache, kvarn_cache=cache, use_cache=True)
+    n = model.config.num_hidden_layers * -(-ids.shape[1] // ubatch)
+    assert rec.calls >= n and kflex.calls - before >= n  # the flex path really ran, every call
+    return rec, cache
+
+
+def assert_paths_at_fp32_noise(rec, what):
+    noise = max(rec.noise)
+    print(f"{what}: flex-ref64 {max(rec.flex):.3g}, ref-ref64 {max(rec.ref):.3g}, flex-ref {max(rec.flex_ref):.3g}, "
+          f"fp32 noise {noise:.3g} ({rec.calls} calls)")
+    assert max(rec.flex) <= 4 * noise, (what, max(rec.flex), noise)
+    assert max(rec.ref) <= 4 * noise, (what, max(rec.ref), noise)
+    assert max(rec.flex_ref) <= 4 * noise, (what, max(rec.flex_ref), noise)
+
+
+MODELS = {"llama": _llama, "gemma3": _gemma}  # full GQA 4/2; sliding window 16 (kv_offset > 0) GQA 4/1
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+@pytest.mark.parametrize("k,v,tail,kw,ubatches", [
+    ("f32", "f32", 0, {}, (64, 13)),
+    ("bf16", "bf16", 0, {}, (64, 13)),  # the baseline: no exact copy at all
+    ("q4_0", "q4_0", 8, {}, (64, 13, 1)),  # ubatch 1: the decode regime
+    ("q2_0", "q2_0", 5, {"sink": 8}, (64, 7)),  # a sink on full layers
+    ("q4_0", "q8_0", 100, {}, (64,)),  # tail > L: everything exact
+    ("q2_0", "q8_0", 0, {}, (64, 7)),  # tail 0: even the own key from the body
+])
+def test_flex_matches_reference(model, k, v, tail, kw, ubatches):
+    ids = _ids(model)
+    for ub in ubatches:
+        rec, _ = both_run(model, ids, k, v, tail, ub, **kw)
+        assert_paths_at_fp32_noise(rec, f"{type(model).__name__} {k}/{v} t{tail} {kw} ub{ub}")
+
+
+def test_flex_kvarn_groups(model):
+    # 300 tokens: two sealed KVarN groups and an incomplete one; ubatch 100 seals groups
+    # mid-ubatch. The full layers read body keys 128..p-128.
+    ids = _ids(model, 300)
+    for ub in (300, 100):
+        rec, cache = both_run(model, ids, "kvarn4", "kvarn4", 0, ub)
+        assert_paths_at_fp32_noise(rec, f"{type(model).__name__} kvarn4 ub{ub}")
+    assert all(layer.n_body == 256 for layer in cache.layers)
+
+
+def test_flex_with_swapped_sources_is_caught():
+    # The check must be able to fail: a mask_mod reading exact keys from the body and back.
+    model = _llama()
+    real = kflex.reads_exact
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kflex, "reads_exact", lambda p, j, s, t: ~real(p, j, s, t))
+        rec, _ = both_run(model, _ids(model), "q2_0", "q2_0", 5, 64)
+    assert max(rec.flex) > 100 * max(rec.noise) and max(rec.ref) <= 4 * max(rec.noise)
+
+
+def test_flex_refuses_a_mask_it_does_not_compute(monkeypatch):
+    # The model's mask is checked against the mask_mod's causal / sliding rule: a rule
+    # without the window (or a model mask with padding) is refused, not silently used.
+    model = _gemma()
+    monkeypatch.setattr(kflex, "allowed", lambda p, j, window: j <= p)
+    model.set_attn_implementation(kattn.ATTN_NAME)
+    cache = KVarnCache(model.config, "q4_0", "q4_0", 0, attention="flex")
+    with pytest.raises(RuntimeError, match="sliding-window"), torch.no_grad():
+        model(_ids(model), cache=cache, kvarn_cache=cache, use_cache=True)
+
+
+def test_flex_refuses_an_incomplete_kvarn_group():
+    # The shared KVarN check: a tail that does not cover the incomplete group is refused.
+    kv = get_format("kvarn4")
+    pol = layer_policy(kv, get_format("kvarn4", role="v"), 0)
+    layer = SimpleNamespace(q_offset=256, kv_offset=0, n_body=128, group=128, policy=pol)
+    mask = torch.ones(1, 1, 44, 300, dtype=torch.bool).tril(256)
+    with pytest.raises(AssertionError, match="incomplete 128-token group"):
+        kflex._check_mask(SimpleNamespace(layer_idx=0), layer, pol, mask, 44, 300)
+
+
+def test_block_mask_skips_blocks():
+    # A ubatch of 512 queries at 1536..2047 over 2048 body + 2048 exact rows, q4_0 tail 128:
+    # the exact half is read only in the tail band. The BlockMask must be exactly the
+    # blocks the dense mask_mod touches, and skip most of them.
+    pol = layer_policy(get_format("q4_0"), get_format("q4_0", role="v"), 128)
+    bm = kflex.block_mask(1536, 512, 0, 2048, 2048, pol, "cpu")
+    p = torch.arange(1536, 2048)[:, None]
+    r = torch.arange(4096)[None, :]
+    j = r % 2048
+    dense = (j <= p) & ((r >= 2048) == (p - j < 128))
+    touched = dense.view(4, 128, 32, 128).any(3).any(1)
+    assert torch.equal(bm.to_dense()[0, 0].bool(), touched)
+    # Query block i (positions 1536 + 128 i ..) reads body blocks 0 .. 11 + i (j <= p - 128)
+    # and two exact blocks (its tail band j in p - 127 .. p): 54 + 8 of 128 blocks.
+    assert touched[:, :16].sum() == 12 + 13 + 14 + 15 and touched[:, 16:].sum() == 4 * 2
+    assert bm.sparsity() == pytest.approx(100 * (1 - 62 / 128))
+
+
+def test_attention_option_is_checked():
+    with pytest.raises(ValueError, match="attention 'fast' not accepted; use one of ref, flex, auto"):
+        kattn.resolve_attention("fast", "cpu")
+    assert kattn.resolve_attention("auto", "cpu") == "ref" and kattn.resolve_attention("auto", "cuda:0") == "flex"
+    from kvarn.engine import attention_path
+
+    assert attention_path("auto", "cpu", "exact") == "ref" and attention_path("flex", "cpu", "llamacpp-cpu") is None
+    with pytest.raises(ValueError, match="attention 'x' not accepted"):
+        attention_path("x", "cpu", "llamacpp-cpu")
+    with pytest.raises(ValueError, match="attention path 'auto' not accepted"):
+        KVarnCache(_llama().config, "q4_0", "q4_0", 0, attention="auto")
+
+
+# --- end to end on the embedded SmolLM2 ------------------------------------------------------
+
+E2E_CTX = 512  # KVarN reads a third of its keys from the body here (none at 256)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from paths import CACHE_DIR, ENGINE_TEXT
+
+    from kvarn import data, models
+    from kvarn.sources import ModelSpec
+
+    lm = models.load(ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=CACHE_DIR)
+    ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(ENGINE_TEXT)), E2E_CTX, 1, lm.info.bos_id)[0]
+    return lm, ids
+
+
+def _logprobs(lm, ids, k, v, tail, attention, ubatch=512):
+    from kvarn import data, engine
+
+    lm.model.set_attn_implementation(kattn.ATTN_NAME)
+    cache = engine._new_cache(lm.model, k, v, tail, attention=attention)
+    sc = data.scored_positions(ids.shape[0])
+    return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, sc)])
+
+
+@torch.inference_mode()
+def _plain(lm, ids, impl):
+    from kvarn import data
+
+    lm.model.set_attn_implementation(impl)
+    sc = data.scored_positions(ids.shape[0])
+    return torch.log_softmax(lm.model(ids[None]).logits[0, sc.start : sc.stop].float(), dim=-1)
+
+
+@pytest.mark.slow
+def test_smollm2_flex_matches_ref(smol):
+    # f32: the per-token log-probs of the scored half, flex vs ref, within the model's own
+    # fp32 noise (eager vs sdpa plain forwards: the tolerance of tests/test_engine.py).
+    lm, ids = smol
+    noise = max((_plain(lm, ids, "eager") - _plain(lm, ids, "sdpa")).abs().max().item(), 1e-6)
+    before = kflex.calls
+    flex = _logprobs(lm, ids, "f32", "f32", 0, "flex", ubatch=200)
+    assert kflex.calls - before == 30 * 3  # 30 layers, 3 ubatches: every call on the flex path
+    diff = (flex - _logprobs(lm, ids, "f32", "f32", 0, "ref")).abs().max().item()
+    print(f"smollm2 f32: flex vs ref max |dlogp| {diff:.3g} (eager vs sdpa {noise:.3g})")
+    assert diff <= 2 * noise
+    # Quantized cells are not continuous in their inputs: fp32 noise in a K flips a rounding
+    # decision of q4_0 / KVarN, so two correct paths (or the ref path at two ubatches) end
+    # 0.1-1 nats apart in a few log-probs (bench/results/flex.md). What must hold is every
+    # attention call at fp32 noise on the same inputs: flex vs ref on all 30 layers, and
+    # both vs the float64 reference on layers 0 and 15 (the dense reference is the slow part).
+    # 384 tokens in ubatches of 192: KVarN seals a group mid-ubatch and queries p >= 256 read
+    # its body keys 128 .. p - 128.
+    for k, tail in (("q4_0", 128), ("kvarn4", 0)):
+        rec, cache = both_run(lm.model, ids[None, :384], k, k, tail, 192, sample=lambda i: i % 15 == 0)
+        assert_paths_at_fp32_noise(rec, f"smollm2 {k} t{tail}")
+        assert len(rec.noise) == 2 * 2 and rec.calls == 30 * 2
+        if k == "kvarn4":
+            assert cache.layers[0].n_body == 384
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_cell_is_the_baseline_on_flex(smol, tmp_path):
+    # Same computation on the flex path => bit-identical log-probs => KLD exactly 0; through
+    # the engine the dump and the summary record the path taken.
+    import json
+
+    from paths import CACHE_DIR, ENGINE_TEXT
+
+    from kvarn import dump, engine, metrics
+    from kvarn.sources import ModelSpec
+
+    lm, ids = smol
+    ids = ids[:256]
+    a = _logprobs(lm, ids, "bf16", "bf16", 0, "flex")
+    b = _logprobs(lm, ids, "bf16", "bf16", 0, "flex")
+    assert torch.equal(a, b)
+    tm = metrics.token_metrics(a, b, ids[129:256])
+    assert (tm["kld"] == 0).all() and tm["same_top"].all()
+
+    spec, ctx = ModelSpec("smollm2-135m", "embedded:smollm2-135m"), 256
+    base = engine.run_baseline(spec, ctx, 1, tmp_path / "base.kvd", text=ENGINE_TEXT, cache_dir=CACHE_DIR,
+                               attention="flex")
+    assert base["attention"] == "flex" and dump.open_dump(tmp_path / "base.kvd").header["attention"] == "flex"
+    before = kflex.calls
+    s = engine.run_cell(spec, ctx, 1, "bf16", "bf16", 0, tmp_path / "base.kvd", tmp_path / "cell", text=ENGINE_TEXT,
+                        cache_dir=CACHE_DIR, attention="flex")
+    assert kflex.calls - before == 30
+    assert (s["attention"], s["baseline_attention"]) == ("flex", "flex")
+    assert json.loads((tmp_path / "cell" / "summary.json").read_text())["attention"] == "flex"
+    assert abs(s["kld_max"]) <= 1.3e-4 and s["same_top"] == 1.0  # the dump's encoding error only
