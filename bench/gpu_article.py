@@ -117,7 +117,8 @@ def measure(name: str, source: str, n_ctx: int, device: str, dtype: str, text, d
         row = {"run": label}
         for path in paths:
             first = path == paths[0]
-            if time.monotonic() + last.get(path, 0.0) > deadline:
+            # a path not yet timed on this model is guessed at twice the first path's last run
+            if time.monotonic() + last.get(path, 2 * last.get(paths[0], 0.0)) > deadline:
                 row.update({"skipped": "budget"} if first else {f"{path}_s_per_chunk": "skipped (budget)"})
                 if first:
                     break

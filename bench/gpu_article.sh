@@ -3,7 +3,9 @@
 # chunk, tokens/s, peak device and host memory of the baseline and the q8_0 t0, q4_0 t128,
 # kvarn4 and kvarn2 cells on random-weight models of the study's exact geometry at the
 # study's n_ctx (Gemma 4 31B at 16,384 first, then Qwen 3.6 27B at 65,536), and the
-# projected device-hours of config/article.yaml -> bench/results/gpu_article.md.
+# projected device-hours of config/article.yaml -> bench/results/gpu_article.md. Each run on
+# the flex attention path (projected) and, where the budget allows, on ref beside it
+# (ATTENTION=flex skips ref).
 #   bench/gpu_prepare.sh                    (here: wheels + text into .gpu/, git-ignored)
 #   bash bench/gpu_article.sh [OUTDIR]      (there, with .gpu carried; TEXT=path/to/wiki.test.raw overrides)
 # Runs that would start after BUDGET_S seconds (default 360) are skipped and marked, so the
@@ -27,6 +29,6 @@ python3 -c "import fla; print('flash-linear-attention', fla.__version__)" 2>/dev
   || echo "flash-linear-attention: not installed (Qwen's linear layers run transformers' reference path)" | tee -a "$out/gpu.txt"
 text=${TEXT:-../shared/data/wikitext-2-raw-v1/wiki.test.raw}
 [ -z "${TEXT:-}" ] && [ -f .gpu/wiki.test.raw ] && text=.gpu/wiki.test.raw  # ../shared does not travel
-timeout 460 python3 bench/gpu_article.py --budget-s "${BUDGET_S:-360}" --text "$text" \
+timeout 460 python3 bench/gpu_article.py --budget-s "${BUDGET_S:-360}" --text "$text" --attention "${ATTENTION:-flex,ref}" \
   --out bench/results/gpu_article.md 2>&1 | tee "$out/gpu_article.log"
 cp bench/results/gpu_article.md "$out/" 2>/dev/null || true

@@ -28,8 +28,10 @@ def test_smoke_writes_every_run_and_the_projection(tmp_path, one_thread):
     md = out.read_text()
     for model in ("gemma4-31b", "qwen3.6-27b"):
         for run in ("baseline", "q8_0 t0", "q4_0 t128", "kvarn4", "kvarn2"):
-            row = re.search(rf"^\| {re.escape(model)} \| 512 \| {re.escape(run)} \| ([0-9.]+) \|", md, re.M)
-            assert row and float(row.group(1)) > 0, (model, run)
+            # flex (the projected path) and ref beside it, each against its own baseline
+            row = re.search(rf"^\| {re.escape(model)} \| 512 \| {re.escape(run)} \| ([0-9.]+) \| ([0-9.]+) \|",
+                            md, re.M)
+            assert row and float(row.group(1)) > 0 and float(row.group(2)) > 0, (model, run)
         # 111 article cells per model, each mapped to a measured type
         assert re.search(rf"^\| {re.escape(model)} \| 111 \(48 t0, 48 t128, 15 KVarN\) \| \d+ \| \d+ \| [0-9.]+ \|$",
                          md, re.M), md
@@ -45,7 +47,7 @@ def test_a_budget_skips_runs_and_says_so(tmp_path, one_thread):
     assert _bench().main(["--smoke", "--models", "gemma4-31b", "--budget-s", "0", "--out", str(out),
                           "--text", str(TEXT)]) == 0
     md = out.read_text()
-    assert md.count("skipped (budget)") == 5
+    assert md.count("skipped (budget)") == 5 and "beside ref (s/chunk only)" in md
     assert "not projected: baseline" in md and "not available" in md
 
 

@@ -124,6 +124,24 @@ def test_flex_kvarn_groups(model):
     assert all(layer.n_body == 256 for layer in cache.layers)
 
 
+def test_decode_batch_on_flex():
+    # kvarn.decode: 3 prompts as one batch, then one token at a time, both caches on flex;
+    # the same greedy text as on ref (an f32 cell: continuous in its inputs).
+    import numpy as np
+
+    from kvarn.decode import decode
+
+    model = _llama()
+    model.set_attn_implementation(kattn.ATTN_NAME)
+    prompts = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(5))
+    before = kflex.calls
+    a = decode(model, prompts, "f32", "f32", 0, 6, ubatch=16, attention="flex")
+    assert kflex.calls - before == 2 * 2 * (3 + 5)  # 2 layers x 2 caches x (3 prompt ubatches + 5 steps)
+    b = decode(model, prompts, "f32", "f32", 0, 6, ubatch=16, attention="ref")
+    assert np.array_equal(a["token"], b["token"]) and np.array_equal(a["base_token"], b["base_token"])
+    np.testing.assert_allclose(a["nll_base"], b["nll_base"], rtol=1e-5)
+
+
 def test_flex_with_swapped_sources_is_caught():
     # The check must be able to fail: a mask_mod reading exact keys from the body and back.
     model = _llama()
