@@ -92,6 +92,7 @@ def fake_done(wd: Path):
     ({**TINY, "cells": [{"types": ["q8_0"], "tail": 256}]}, "cells[0].tail"),  # kvarn.matrix
     ({**TINY, "models": [{**TINY["models"][0], "n_ctx": [255]}]}, "['n_ctx']"),  # the schema
     ({**TINY, "models": [{"name": "x"}]}, "'source' is a required property"),  # the schema
+    ({**TINY, "attention": "fast"}, "attention: 'fast' is not an attention path; accepted: ref, flex, auto"),
 ])
 def test_bad_config_fails_before_any_job(tmp_path, bad, field):
     wd = workflow_copy(tmp_path, TINY)
@@ -209,6 +210,9 @@ def test_a_memory_accounting_change_reruns_rows_not_cells(tmp_path):
     (tmp_path / "acc.yaml").write_text(yaml.safe_dump(acc))
     n = len(kvm.expand(TINY).cells)
     assert plan(wd, "--configfile", str(tmp_path / "acc.yaml")) == {"cell_row": n, "summary": 1}
+    # The attention path moves numbers only by fp32 noise: switching it reruns nothing.
+    (tmp_path / "flex.yaml").write_text(yaml.safe_dump({**TINY, "attention": "flex"}))
+    assert plan(wd, "--configfile", str(tmp_path / "flex.yaml")) == {}
 
 
 def test_conda_env_matches_pyproject_pins():
@@ -271,6 +275,8 @@ def test_tiny_matrix_end_to_end(tiny_run):
     assert row["q4_0-q4_0-t128"]["tail_label"] == "128" and row["q8_0-q8_0-t0"]["family"] == "standard"
     assert all(r["kld_mean"] >= 0 and r["n_tokens"] == 256 - 1 - 128 for r in row.values())
     assert row["q8_0-q8_0-t0"]["kv_delta_bytes_vs_tail0"] == 0
+    # attention auto: ref on CPU, recorded per cell with its baseline's
+    assert all((r["attention"], r["baseline_attention"]) == ("ref", "ref") for r in row.values())
     # Every table and figure the report rules declare was built.
     for target in report_targets():
         assert (wd / target).exists(), target
