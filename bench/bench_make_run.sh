@@ -64,17 +64,7 @@ runs = {}
 for line in (work / "runs.txt").read_text().splitlines():
     mode, t0, t1, rc, *load = line.split()
     runs[mode] = dict(wall=float(t1) - float(t0), rc=int(rc), load0=" ".join(load[:3]), load1=" ".join(load[3:]))
-def rules(wd):
-    rows = []
-    for f in (wd / "benchmarks").rglob("*.tsv"):
-        name, rel = f.name[: -len(".tsv")], f.relative_to(wd / "benchmarks")
-        rule = ("baseline" if name == "baseline" else "cell_row" if name.endswith(".row")
-                else "cell" if f.parent.name == "cells" else f"report ({name})" if rel.parts[0] == "report"
-                else name)
-        rows.append({"rule": rule, "s": pl.read_csv(f, separator="\t")["s"][0]})
-    df = pl.DataFrame(rows)
-    return df.group_by("rule").agg(pl.len().alias("jobs"), pl.col("s").sum().alias("total_s"),
-                                   pl.col("s").mean().alias("mean_s")).sort("rule")
+from bench.snakemake_bench import rules
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                         cwd=Path(out).parents[2]).stdout.strip()
 b, a = runs["0"], runs["1"]

@@ -58,7 +58,7 @@ load0=$(cut -d' ' -f1-3 /proc/loadavg)
 run old 0 "$CONFIG_OLD" & run new 1 "$CONFIG_NEW" & wait
 load1=$(cut -d' ' -f1-3 /proc/loadavg)
 
-"$PY" - "$WORK" "$OUT" "$OLD" "$NEW" "$CONFIG_OLD" "$CONFIG_NEW" "$load0" "$load1" <<'EOF'
+PYTHONPATH=$ROOT "$PY" - "$WORK" "$OUT" "$OLD" "$NEW" "$CONFIG_OLD" "$CONFIG_NEW" "$load0" "$load1" <<'EOF'
 import os, sys
 from pathlib import Path
 import polars as pl
@@ -68,16 +68,7 @@ runs = {}
 for line in (work / "runs.txt").read_text().splitlines():
     side, t0, t1, rc = line.split()
     runs[side] = dict(wall=float(t1) - float(t0), rc=int(rc))
-def rules(wd):
-    rows = []
-    for f in (wd / "benchmarks").rglob("*.tsv"):
-        name, rel = f.name[: -len(".tsv")], f.relative_to(wd / "benchmarks")
-        rule = ("baseline" if name == "baseline" else "cell_row" if name.endswith(".row")
-                else "cell" if f.parent.name == "cells" else f"report ({name})" if rel.parts[0] == "report"
-                else name)
-        rows.append({"rule": rule, "s": pl.read_csv(f, separator="\t")["s"][0]})
-    return pl.DataFrame(rows).group_by("rule").agg(
-        pl.len().alias("jobs"), pl.col("s").sum().alias("total_s"), pl.col("s").mean().alias("mean_s")).sort("rule")
+from bench.snakemake_bench import rules
 o, n = runs["old"], runs["new"]
 lines = [
     "# `make run` at two commits, side by side (issue 9: >= 2x on the unchanged default matrix)",

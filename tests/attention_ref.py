@@ -74,10 +74,17 @@ def checking():
         rec.calls += 1
         return out, None
 
-    AttentionInterface.register(CHECK_NAME, fwd)
-    AttentionMaskInterface.register(CHECK_NAME, kattn._kvarn_mask)
-    try:
+    with registered(CHECK_NAME, fwd):
         yield rec
+
+
+@contextlib.contextmanager
+def registered(name: str, fwd):
+    """Register `fwd` as attn_implementation `name` (with kvarn's boolean mask) for the block."""
+    AttentionInterface.register(name, fwd)
+    AttentionMaskInterface.register(name, kattn._kvarn_mask)
+    try:
+        yield
     finally:
-        AttentionInterface._global_mapping.pop(CHECK_NAME, None)
-        AttentionMaskInterface._global_mapping.pop(CHECK_NAME, None)
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)

@@ -15,8 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 import attention_ref as AR
 import kvarn.attention as kattn
@@ -60,13 +58,8 @@ def both_paths(sample=None):
         rec.noise.append((ref32.double() - ref64).abs().max().item())
         return out["flex"], None
 
-    AttentionInterface.register(BOTH, fwd)
-    AttentionMaskInterface.register(BOTH, kattn._kvarn_mask)
-    try:
+    with AR.registered(BOTH, fwd):
         yield rec
-    finally:
-        AttentionInterface._global_mapping.pop(BOTH, None)
-        AttentionMaskInterface._global_mapping.pop(BOTH, None)
 
 
 @torch.no_grad()
