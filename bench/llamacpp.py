@@ -5,13 +5,17 @@ files under $LLAMACPP_DIR/runs/{model}/ctx{n_ctx}-c{chunks}/). This script, per 
 
 1. kvarn baselines in both compute modes (the llamacpp-cpu one also as a llama KLD file);
 2. kvarn cells for every type the llama runs cover, rotation on and off, in both modes;
-3. cross-scoring between the two programs' baselines: kvarn's bf16 cells scored against
-   llama's own base file (how far our dequantized-weights model is from llama.cpp's
-   quantized-activation arithmetic), and llama-perplexity scoring its bf16 cache against
-   our baseline file (`--kl-divergence-base ours.kld --kl-divergence`);
+3. `--cross` (the default; `--no-cross` skips it): the two programs' bf16-cache runs scored
+   against each other's baseline, in both directions, per kvarn compute mode: kvarn's bf16
+   cell against llama's own base file, and llama-perplexity's bf16 cache against our
+   baseline dump written in llama's format (`kvarn.llamakld.write_from_dump`, then
+   `llama-perplexity --kl-divergence-base ours.kld --kl-divergence`). Both directions
+   measure the same two programs' arithmetic difference (KL(P‖Q) and KL(Q‖P) agree to
+   second order), so they should be close; a gap would point at the file format;
 4. the table: llama's median / mean KLD beside ours, the ratio llamacpp-cpu / llama.
 
-    python bench/llamacpp.py [--models smollm2-135m gemma3-270m] [--threads 1]
+    python bench/llamacpp.py [--models smollm2-135m gemma3-270m] [--chunks N] [--types T ...]
+                             [--threads 1] [--llama-threads 2] [--cross | --no-cross] [--out FILE]
 
 Every kvarn result is cached beside the llama runs (summary.json per run) and reused.
 """
@@ -84,24 +88,62 @@ def kvarn_cell(model, n_ctx, chunks, k, rot, mode, baseline: Path, out: Path) ->
     return json.loads((out / "summary.json").read_text())
 
 
-def llama_vs_ours(d: Path, our_kld: Path, threads: int) -> dict | None:
-    """llama-perplexity's bf16 cache scored against our llamacpp-cpu baseline file."""
-    log = d / "bf16-vs-kvarn-base.log"
+def our_llama_kld(model: str, n_ctx: int, chunks: int, dump: Path, out: Path) -> Path:
+    """Our baseline dump `dump` as llama-perplexity's KLD base file `out` (written once), on
+    the tokens kvarn computed it on (`kvarn.engine.Context`: the same tokenization and BOS)."""
+    if not out.is_file():
+        from kvarn import engine, llamakld
+        from kvarn.cli import model_spec
+
+        ctx = engine.Context(model_spec(model), n_ctx, chunks, text=TEXT,
+                             cache_dir=str(REPO / "resources" / "models"), baseline=True)
+        llamakld.write_from_dump(dump, ctx.chunk_ids, out)
+    return out
+
+
+def llama_vs_ours(d: Path, our_kld: Path, mode: str, threads: int) -> dict | None:
+    """llama-perplexity's bf16 cache scored against our `mode` baseline file (log kept, reused)."""
+    log = d / f"bf16-vs-kvarn-{mode}-base.log"
     if not (log.is_file() and "Same top p" in log.read_text(errors="replace")):
         gguf = next((REPO / "resources" / "models" / d.parent.name).glob("*.gguf"))
-        with open(log, "w") as f:
+        tmp = log.with_suffix(".log.tmp")
+        with open(tmp, "w") as f:
             subprocess.run(["nice", "-n", "5", str(BIN), "-m", str(gguf), "-c", str(CTX[d.parent.name]),
                             "-t", str(threads), "-nr", "-ctk", "bf16", "-ctv", "bf16",
                             "--kl-divergence-base", str(our_kld), "--kl-divergence"],
                            stdout=f, stderr=subprocess.STDOUT, check=False)
+        tmp.replace(log)
     return parse_llama(log)
+
+
+def cross_lines(model: str, d: Path, n_ctx: int, chunks: int, base: dict, kv: Path, llama_threads: int) -> list[str]:
+    """The two programs' bf16-cache runs scored against each other's baseline, both directions."""
+    lines = ["", "Baseline against baseline, both directions (bf16 cache in both programs; "
+                 "A: kvarn's bf16 cell scored against llama-perplexity's base file; "
+                 "B: llama-perplexity's bf16 cache scored against our baseline written in llama's format):", "",
+             "| kvarn mode | A median | B median | B/A | A mean | B mean | B/A | A same top | B same top |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode in ("exact", "llamacpp-cpu"):
+        a = kvarn_cell(model, n_ctx, chunks, "bf16", True, mode, d / "base.kld", kv / mode / "bf16-vs-llama-base")
+        ours = our_llama_kld(model, n_ctx, chunks, base[mode], base[mode].with_suffix(".kld"))
+        b = llama_vs_ours(d, ours, mode, llama_threads) or {}
+        bm, bmean = b.get("kld_median"), b.get("kld_mean")
+        lines.append(
+            f"| {mode} | {fmt(a['kld_median'])} | {fmt(bm)} | {fmt(bm and bm / a['kld_median'], 3)} | "
+            f"{fmt(a['kld_mean'])} | {fmt(bmean)} | {fmt(bmean and bmean / a['kld_mean'], 3)} | "
+            f"{100 * a['same_top']:.2f} % | {fmt(b.get('same_top') and 100 * b['same_top'], 2)} % |")
+    s = kvarn_cell(model, n_ctx, chunks, "bf16", True, "exact", base["llamacpp-cpu"].with_suffix(".kld"),
+                   kv / "exact" / "bf16-vs-cpu-base")
+    lines += ["", f"Within kvarn, exact's bf16 cell scored against the llamacpp-cpu baseline (the attention "
+                  f"kernel and activation rounding alone): median {fmt(s['kld_median'])}, mean {fmt(s['kld_mean'])}."]
+    return lines
 
 
 def fmt(x, nd=6):
     return "—" if x is None else f"{x:.{nd}f}"
 
 
-def model_section(model: str, threads: int, cross: bool, types=None, chunks=None) -> tuple[list[str], list[dict]]:
+def model_section(model: str, llama_threads: int, cross: bool, types=None, chunks=None) -> tuple[list[str], list[dict]]:
     d = run_dir(model, chunks)
     n_ctx, chunks = CTX[model], int(d.name.split("-c")[-1])
     kv = d / "kvarn"
@@ -139,21 +181,7 @@ def model_section(model: str, threads: int, cross: bool, types=None, chunks=None
         lines.append(f"| bf16 cache | {fmt(any_cell['llama'].get('ppl_base') or lbase.get('ppl_base'), 4)} | "
                      f"{fmt(any_cell['exact']['ppl_base'], 4)} | {fmt(any_cell['llamacpp-cpu']['ppl_base'], 4)} |")
     if cross:
-        lines += ["", "Baseline against baseline (the two programs' bf16-cache runs scored against each other):", "",
-                  "| Q (scored) | baseline | median KLD | mean KLD | same top |", "|---|---|---:|---:|---:|"]
-        for mode in ("exact", "llamacpp-cpu"):
-            s = kvarn_cell(model, n_ctx, chunks, "bf16", True, mode, d / "base.kld", kv / mode / "bf16-vs-llama-base")
-            lines.append(f"| kvarn {mode}, bf16 cache | llama-perplexity bf16 | {fmt(s['kld_median'])} | "
-                         f"{fmt(s['kld_mean'])} | {100 * s['same_top']:.2f} % |")
-        s = kvarn_cell(model, n_ctx, chunks, "bf16", True, "exact", base["llamacpp-cpu"].with_suffix(".kld"),
-                       kv / "exact" / "bf16-vs-cpu-base")
-        lines.append(f"| kvarn exact, bf16 cache | kvarn llamacpp-cpu bf16 | {fmt(s['kld_median'])} | "
-                     f"{fmt(s['kld_mean'])} | {100 * s['same_top']:.2f} % |")
-        ll = llama_vs_ours(d, base["llamacpp-cpu"].with_suffix(".kld"), threads)
-        if ll:
-            lines.append(f"| llama-perplexity bf16 cache | kvarn llamacpp-cpu bf16 (our file) | "
-                         f"{fmt(ll.get('kld_median'))} | {fmt(ll.get('kld_mean'))} | "
-                         f"{100 * ll.get('same_top', float('nan')):.2f} % |")
+        lines += cross_lines(model, d, n_ctx, chunks, base, kv, llama_threads)
     return lines + [""], rows
 
 
@@ -161,7 +189,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads for kvarn (default 1)")
-    ap.add_argument("--no-cross", dest="cross", action="store_false", help="skip the baseline cross-scoring")
+    ap.add_argument("--cross", action=argparse.BooleanOptionalAction, default=True,
+                    help="score the two programs' bf16 baselines against each other, both directions "
+                         "(runs llama-perplexity against our baseline file; default on)")
+    ap.add_argument("--llama-threads", type=int, default=2, help="llama-perplexity -t for the cross runs (default 2)")
     ap.add_argument("--types", nargs="+", default=None, help="only these cache types (default: every llama run)")
     ap.add_argument("--chunks", type=int, default=None,
                     help="the runs over this many chunks (runs/{model}/ctx{n_ctx}-c{chunks}; default: the most chunks)")
@@ -178,7 +209,7 @@ def main() -> None:
              "bf16-cache baseline in each program, the same tokens (checked).", ""]
     every = []
     for model in a.models:
-        sec, rows = model_section(model, a.threads, a.cross, a.types, a.chunks)
+        sec, rows = model_section(model, a.llama_threads, a.cross, a.types, a.chunks)
         lines += sec
         every += rows
     write_text(a.out, "\n".join(lines) + "\n")
