@@ -117,6 +117,31 @@ def llama_vs_ours(d: Path, our_kld: Path, mode: str, threads: int) -> dict | Non
     return parse_llama(log)
 
 
+def files_both_ways(d: Path, dump_path: Path) -> dict:
+    """KL both ways per token from the two baseline files alone (llama's base.kld and our dump),
+    with llama's rule (base entries above −16 nats): checks that llama-perplexity reads our
+    file as we do, and shows which tokens part the two directions' means."""
+    import numpy as np
+    import torch
+
+    from kvarn import dump, llamakld
+
+    ll, ours = llamakld.read_llama_kld(d / "base.kld"), dump.open_dump(dump_path)
+    a_tok, b_tok = [], []
+    for c in range(ours.n_chunks):
+        for a in range(0, ours.n_scored, 64):
+            b = min(ours.n_scored, a + 64)
+            p_ll, p_ours = ll.decode(c, a, b).double(), ours.decode(c, a, b).double()
+            for base, q, out in ((p_ll, p_ours, a_tok), (p_ours, p_ll, b_tok)):
+                out.append(torch.where(base > -16, base.exp() * (base - q), 0.0).sum(1))
+    A, B = torch.cat(a_tok).numpy(), torch.cat(b_tok).numpy()
+    keep = np.ones(len(A), bool)
+    keep[np.argsort(-(A + B))[:5]] = False
+    return {"A_median": float(np.median(A)), "A_mean": float(A.mean()), "B_median": float(np.median(B)),
+            "B_mean": float(B.mean()), "A_mean_top5_out": float(A[keep].mean()), "B_mean_top5_out": float(B[keep].mean()),
+            "top": [(float(A[i]), float(B[i])) for i in np.argsort(-(A + B))[:3]]}
+
+
 def cross_lines(model: str, d: Path, n_ctx: int, chunks: int, base: dict, kv: Path, llama_threads: int) -> list[str]:
     """The two programs' bf16-cache runs scored against each other's baseline, both directions."""
     lines = ["", "Baseline against baseline, both directions (bf16 cache in both programs; "
@@ -133,6 +158,16 @@ def cross_lines(model: str, d: Path, n_ctx: int, chunks: int, base: dict, kv: Pa
             f"| {mode} | {fmt(a['kld_median'])} | {fmt(bm)} | {fmt(bm and bm / a['kld_median'], 3)} | "
             f"{fmt(a['kld_mean'])} | {fmt(bmean)} | {fmt(bmean and bmean / a['kld_mean'], 3)} | "
             f"{100 * a['same_top']:.2f} % | {fmt(b.get('same_top') and 100 * b['same_top'], 2)} % |")
+    lines += ["", "The same two directions computed from the two baseline files alone (`files_both_ways`: "
+                  "llama's base.kld against our dump, llama's −16-nat rule), and without the 5 tokens where "
+                  "the programs disagree most:", "",
+              "| kvarn mode | A median | B median | A mean | B mean | A mean, top 5 out | B mean, top 5 out | "
+              "largest tokens (A, B) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for mode in ("exact", "llamacpp-cpu"):
+        f = files_both_ways(d, base[mode])
+        lines.append(f"| {mode} | {fmt(f['A_median'])} | {fmt(f['B_median'])} | {fmt(f['A_mean'])} | "
+                     f"{fmt(f['B_mean'])} | {fmt(f['A_mean_top5_out'])} | {fmt(f['B_mean_top5_out'])} | "
+                     + ", ".join(f"({x:.3f}, {y:.3f})" for x, y in f["top"]) + " |")
     s = kvarn_cell(model, n_ctx, chunks, "bf16", True, "exact", base["llamacpp-cpu"].with_suffix(".kld"),
                    kv / "exact" / "bf16-vs-cpu-base")
     lines += ["", f"Within kvarn, exact's bf16 cell scored against the llamacpp-cpu baseline (the attention "
