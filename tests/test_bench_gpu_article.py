@@ -90,3 +90,27 @@ def test_the_linear_attention_kernel_is_read_from_transformers():
     else:
         assert name.startswith("fla."), name
     assert m.torch_chunk_gated_delta_rule.__code__.co_freevars  # the wrapper whose closure is read
+
+
+def test_the_kernel_named_is_the_one_transformers_bound(tmp_path):
+    """With an `fla` package importable (a stand-in here: flash-linear-attention's layout, no
+    kernels), transformers binds Qwen 3.5's chunked gated delta rule to it, and the report names
+    that function, not transformers' torch reference. Fresh interpreter: the binding is made at
+    import time."""
+    import os
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    pkg.mkdir(parents=True)
+    (tmp_path / "fla" / "__init__.py").write_text('__version__ = "0.6.0"\n')
+    (tmp_path / "fla" / "ops" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("def chunk_gated_delta_rule(q, k, v, g=None, beta=None, **kw):\n"
+                                     "    raise NotImplementedError\n")
+    code = ("import importlib.util\n"
+            f"spec = importlib.util.spec_from_file_location('g', {str(ROOT / 'bench' / 'gpu_article.py')!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "print(m.linear_attention_kernel())\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "fla.ops.gated_delta_rule.chunk_gated_delta_rule", out.stderr
