@@ -256,7 +256,7 @@ class KVarnCache(Cache):
                  attention: str = "ref"):
         from kvarn.compute import LLAMACPP_CPU, check_compute, gguf_qk_permuted
 
-        self.compute = check_compute(compute, k_type, v_type, tail)
+        self.compute = check_compute(compute, k_type, v_type, tail, sink)
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention path {attention!r} not accepted; use one of {', '.join(ATTENTION_PATHS)} "
                              "(kvarn.attention.resolve_attention turns 'auto' into one)")

@@ -48,7 +48,7 @@ itself is written with kvarn.formats.blocks (ggml's reference quantizers; x86's 
 differ on exact ties only).
 
 Supported: the upstream llama.cpp types (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0,
-iq4_nl) for K and V, tail 0 (llama.cpp has no exact tail). Anything else is refused with
+iq4_nl) for K and V, tail 0 and no sink (llama.cpp keeps no token exact). Anything else is refused with
 an error naming it, rather than emulating a kernel we have not read.
 """
 
@@ -110,8 +110,12 @@ def gguf_order(d: int, device=None) -> torch.Tensor:
     return torch.arange(d, device=device).view(2, d // 2).t().reshape(-1)
 
 
-def check_compute(compute: str, k: str | None = None, v: str | None = None, tail: int = 0) -> str:
-    """Validate a compute mode (and, for llamacpp-cpu, the cell it runs); return it."""
+def check_compute(compute: str, k: str | None = None, v: str | None = None, tail: int = 0,
+                  sink: int | None = None) -> str:
+    """Validate a compute mode (and, for llamacpp-cpu, the cell it runs); return it.
+
+    llamacpp-cpu reads every key from the rounded cache, as llama.cpp does: a tail or a
+    sink (exact tokens) is refused, never silently dropped."""
     if compute not in COMPUTES:
         raise ValueError(f"compute {compute!r} not accepted; use one of {', '.join(COMPUTES)}")
     if compute == LLAMACPP_CPU:
@@ -122,6 +126,8 @@ def check_compute(compute: str, k: str | None = None, v: str | None = None, tail
                     f"accepted: {', '.join(VEC_DOT_TYPE)}")
         if tail:
             raise ValueError(f"compute {LLAMACPP_CPU}: tail {tail} not accepted; llama.cpp has no exact tail, use 0")
+        if sink:
+            raise ValueError(f"compute {LLAMACPP_CPU}: sink {sink} not accepted; llama.cpp has no exact sink, use 0")
     return compute
 
 

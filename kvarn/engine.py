@@ -293,7 +293,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     from kvarn import data, dump, identity, llamakld, memory, metrics
     from kvarn.compute import check_compute
 
-    check_compute(compute, k, v, tail)
+    check_compute(compute, k, v, tail, sink)
     kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
     from kvarn import facts
     from kvarn.policy import check_sink

@@ -405,7 +405,7 @@ def expand(config: dict) -> Matrix:
                     raise MatrixError(f"{where}.sink: {e}") from None
             for tail in tails:
                 try:
-                    check_compute(opts["compute"], k, v, tail)
+                    check_compute(opts["compute"], k, v, tail, opts["sink"])
                 except ValueError as e:
                     raise MatrixError(f"{fld}: {e}") from None
             for name in names:

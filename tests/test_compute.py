@@ -49,6 +49,10 @@ def test_check_compute_refuses():
         compute.check_compute("llamacpp-cpu", "q8_0", "q8_0", 128)
     with pytest.raises(ValueError, match="kvarn4"):
         compute.check_compute("llamacpp-cpu", "kvarn4", "kvarn4")
+    with pytest.raises(ValueError, match="sink 1 not accepted"):  # the kernel reads every key rounded
+        compute.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 1)
+    assert compute.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 0) == "llamacpp-cpu"
+    assert compute.check_compute("exact", "q4_1", "q4_1", 0, 1) == "exact"
 
 
 def test_kernel_path():
