@@ -1,0 +1,249 @@
+"""Whose rounding of one token decides a row: kvarn with llama.cpp's K and V at one position (issue 13).
+
+For each row (cache type, rotation) of a llama-perplexity grid made by bench/llamacpp.sh:
+
+1. llama.cpp's own post-RoPE K and V of the first ubatch at every layer, from its eval
+   callback (`bench/llamacpp_dump.c`, chunk 1 of the same base file, the same cache type
+   and rotation: `LLAMA_ATTN_ROT_DISABLE=1` for "norot");
+2. kvarn's `llamacpp-cpu` cell again, with position P's K and V (before rotation and
+   rounding) replaced by llama.cpp's at every layer — nothing else changes;
+3. the KLD of that run beside llama-perplexity's and our unchanged cell, and per layer how
+   far the two programs' position-P rows are apart before the cache rounds them (relative)
+   and after (relative to the rounding error itself: ~0 if both round to the same codes,
+   ~1.4 if the roundings are unrelated).
+
+Position 0 holds BOS, which every later query attends to (the attention sink) and which
+sees only itself, so its K and V are the same in every chunk: its rounding is one draw
+that no number of chunks averages away.
+
+    python bench/llamacpp_sink.py --model gemma3-270m --rows q4_1-rot q5_1-rot [--position 0] [--chunks 1] [--out FILE]
+
+Needs the llama.cpp build and runs of bench/llamacpp.sh ($LLAMACPP_DIR); never run in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import llamacpp as lc  # noqa: E402  (bench/llamacpp.py: the runs layout and the log parser)
+
+SRC = REPO / "bench" / "llamacpp_dump.c"
+UBATCH = 512  # llama-perplexity's n_ubatch: the first ubatch holds the swapped position
+
+
+def build() -> Path:
+    """Compile the dumper against the llama.cpp build (once, outside the repo)."""
+    exe = lc.LLAMACPP_DIR / "dump" / "llamacpp_dump"
+    if exe.is_file() and exe.stat().st_mtime >= SRC.stat().st_mtime:
+        return exe
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    src = next(lc.LLAMACPP_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    lib = lc.LLAMACPP_DIR / "build" / "bin"
+    subprocess.run(["gcc", "-O2", "-o", str(exe), str(SRC), f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}",
+                    f"-L{lib}", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib}"], check=True)
+    return exe
+
+
+def llama_rows(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_layers: int, position: int,
+               threads: int) -> list[tuple]:
+    """[(K [H_kv, D], V [H_kv, D])] of `position` per layer, as llama.cpp stores them (before rotation)."""
+    import numpy as np
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ)
+        env.pop("LLAMA_ATTN_ROT_DISABLE", None)
+        if not rot:
+            env["LLAMA_ATTN_ROT_DISABLE"] = "1"
+        layers = ",".join(str(i) for i in range(n_layers))
+        res = subprocess.run([str(exe), str(gguf), str(base_kld), k_type, k_type, str(threads), str(UBATCH), tmp,
+                              layers, "Kcur,Vcur"], env=env, capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"llamacpp_dump failed ({res.returncode}):\n{res.stderr[-2000:]}")
+        out = []
+        for i in range(n_layers):
+            rows = []
+            for name, op in (("Kcur", "ROPE"), ("Vcur", "RESHAPE")):
+                f = Path(tmp) / f"{name}-{i}.{op}.f32"
+                if not f.is_file():
+                    raise SystemExit(f"llama.cpp named no {op} node {name}-{i}; it dumped {sorted(os.listdir(tmp))[:8]}...")
+                x = torch.from_numpy(np.fromfile(f, dtype=np.float32))
+                rows.append(x.reshape(UBATCH, -1)[position])
+            out.append(tuple(rows))
+        return out
+
+
+def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, baseline: Path, out: Path,
+                 replace, position: int, n_layers: int) -> dict:
+    """kvarn's llamacpp-cpu cell with position `position`'s K and V replaced at every layer.
+
+    replace(layer, ours_k, ours_v, gguf_order) -> (k, v): the new rows [H_kv, D] in
+    transformers' channel order, given ours (fp32) and whether llama.cpp holds this
+    architecture's K in the GGUF's order.
+    """
+    import torch
+
+    from kvarn import compute, engine
+    from kvarn.cli import model_spec
+    from kvarn.formats.registry import get_format
+
+    spec = model_spec(model)
+    layer_index: dict[int, int] = {}
+    stats: list[dict] = []
+    append_kv = compute.append_kv
+    fmt = {r: get_format(k_type, r, rot=rot) for r in ("k", "v")}
+
+    def swap(layer, k, v):  # k, v: [b, H_kv, n, D], post-RoPE, before rotation and rounding
+        if id(layer) not in layer_index:  # the layer's first ubatch (positions 0..511)
+            i = layer_index[id(layer)] = len(layer_index)
+            k, v = k.clone(), v.clone()
+            ours_k, ours_v = k[0, :, position].float(), v[0, :, position].float()
+            lk, lv = replace(i, ours_k, ours_v, layer.qk_gguf_order)
+            rec = {"layer": i}
+            for role, ours, theirs in (("k", ours_k, lk), ("v", ours_v, lv)):
+                r_ours, r_theirs = (fmt[role].roundtrip(x[None]).squeeze(0) for x in (ours, theirs))
+                rec[f"{role}_rel"] = float((theirs - ours).norm() / ours.norm())
+                rec[f"{role}_rounded_rel"] = float((r_theirs - r_ours).norm() / (r_ours - ours).norm())
+            stats.append(rec)
+            k[0, :, position] = lk.to(k.dtype)
+            v[0, :, position] = lv.to(v.dtype)
+        return append_kv(layer, k, v)
+
+    if not (out / "summary.json").is_file():
+        compute.append_kv = swap
+        try:
+            engine.run_cell(spec, n_ctx, chunks, k_type, k_type, 0, baseline, out, rot=rot, text=lc.TEXT,
+                            compute=compute.LLAMACPP_CPU, cache_dir=str(REPO / "resources" / "models"))
+        finally:
+            compute.append_kv = append_kv
+        if len(stats) != n_layers:
+            raise SystemExit(f"swapped {len(stats)} layers, the model has {n_layers}")
+        (out / "swap.json").write_text(json.dumps({"position": position, "layers": stats}, indent=1) + "\n")
+    return {**json.loads((out / "summary.json").read_text()), **json.loads((out / "swap.json").read_text())}
+
+
+def from_llama(rows: list[tuple]):
+    """The replacement by llama.cpp's rows (`llama_rows`)."""
+    from kvarn import compute
+
+    def replace(i, ours_k, ours_v, gguf_order):
+        lk, lv = rows[i][0].reshape(ours_k.shape), rows[i][1].reshape(ours_v.shape)
+        if gguf_order:  # back to transformers' order: llama.cpp's channel j is ours gguf_order[j]
+            hf = lk.clone()
+            hf[..., compute.gguf_order(lk.shape[-1])] = lk
+            lk = hf
+        return lk, lv
+    return replace
+
+
+def rerolled(seed: int, eps: float):
+    """The replacement by our own rows times (1 + eps * N(0, 1)): another draw of their rounding."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def replace(i, ours_k, ours_v, gguf_order):
+        return tuple(x * (1 + eps * torch.randn(x.shape, generator=gen)) for x in (ours_k, ours_v))
+    return replace
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m", choices=sorted(lc.CTX))
+    ap.add_argument("--rows", nargs="+", required=True, help="TYPE-rot or TYPE-norot, rows of the llama-perplexity grid")
+    ap.add_argument("--position", type=int, default=0, help=f"the position to swap, < {UBATCH} (default 0, BOS)")
+    ap.add_argument("--chunks", type=int, default=1, help="the grid over this many chunks (default 1)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for kvarn and -t for the dumper (default 1)")
+    ap.add_argument("--reroll", type=int, default=0, metavar="N",
+                    help="also N runs with position P's K and V of our own, times (1 + EPS * N(0, 1)), seeds 0..N-1: "
+                         "the spread of the KLD over draws of that position's rounding (default 0)")
+    ap.add_argument("--reroll-eps", type=float, default=0.01, metavar="EPS", help="relative size of that noise (default 0.01)")
+    ap.add_argument("--out", default=None, help="also write the table here (and FILE.json)")
+    a = ap.parse_args()
+    if not 0 <= a.position < UBATCH:
+        raise SystemExit(f"--position must be in [0, {UBATCH}), got {a.position}")
+    import torch
+
+    torch.set_num_threads(a.threads)
+    from kvarn import engine
+    from kvarn.cli import model_spec
+
+    d = lc.run_dir(a.model, a.chunks)
+    n_ctx, chunks = lc.CTX[a.model], int(d.name.split("-c")[-1])
+    kv = d / "kvarn" / "llamacpp-cpu"
+    spec = model_spec(a.model)
+    gguf = engine.gguf_path(spec, str(REPO / "resources" / "models"))
+    exe = build()
+    baseline = lc.kvarn_baseline(a.model, n_ctx, chunks, "llamacpp-cpu", kv / "base.kvd", kv / "base.kld")
+    lines = [f"### {a.model}, n_ctx {n_ctx}, {chunks} chunk(s): kvarn llamacpp-cpu with llama.cpp's K and V "
+             f"at position {a.position}", "",
+             "| cache | rot | llama median | kvarn median | swapped median | kvarn/llama | swapped/llama | "
+             "llama mean | kvarn mean | swapped mean | kvarn/llama | swapped/llama |", "|---|---|" + "---:|" * 10]
+    detail, spread, every, n_layers = [], [], [], 0
+    for row in a.rows:
+        t, rot_s = row.rsplit("-", 1)
+        if rot_s not in ("rot", "norot"):
+            raise SystemExit(f"row {row!r}: expected TYPE-rot or TYPE-norot")
+        rot = rot_s == "rot"
+        ll = lc.parse_llama(d / f"{row}.log")
+        if not ll or "kld_median" not in ll:
+            raise SystemExit(f"no llama-perplexity result {d / f'{row}.log'}: run bench/llamacpp.sh first")
+        ours = lc.kvarn_cell(a.model, n_ctx, chunks, t, rot, "llamacpp-cpu", baseline, kv / row)
+        n_layers = len(ours["kv_geometry"])  # one entry per attention layer
+        rows = llama_rows(exe, gguf, d / "base.kld", t, rot, n_layers, a.position, a.threads)
+        sw = swapped_cell(a.model, n_ctx, chunks, t, rot, baseline, kv / f"swap{a.position}-llama" / row,
+                          from_llama(rows), a.position, n_layers)
+        rr = [swapped_cell(a.model, n_ctx, chunks, t, rot, baseline,
+                           kv / f"reroll{a.position}-eps{a.reroll_eps:g}-s{seed}" / row, rerolled(seed, a.reroll_eps),
+                           a.position, n_layers) for seed in range(a.reroll)]
+        if rr:
+            spread.append(f"| {t} | {'on' if rot else 'off'} | " + " | ".join(
+                f"{lc.fmt(ll[key])} | {lc.fmt(ours[key])} | {lc.fmt(min(x[key] for x in rr))} – "
+                f"{lc.fmt(max(x[key] for x in rr))} | "
+                f"{'yes' if min(x[key] for x in rr) <= ll[key] <= max(x[key] for x in rr) else 'no'}"
+                for key in ("kld_median", "kld_mean")) + " |")
+        r = {key: (ll[key], ours[key], sw[key]) for key in ("kld_median", "kld_mean")}
+        lines.append(f"| {t} | {'on' if rot else 'off'} | " + " | ".join(
+            f"{lc.fmt(x[0])} | {lc.fmt(x[1])} | {lc.fmt(x[2])} | {x[1] / x[0]:.3f} | {x[2] / x[0]:.3f}"
+            for x in r.values()) + " |")
+        st = sw["layers"]
+        detail.append(f"| {t} | {'on' if rot else 'off'} | " + " | ".join(
+            f"{min(s[key] for s in st):.1e} – {max(s[key] for s in st):.1e}" for key in ("k_rel", "v_rel")) + " | "
+            + " | ".join(" ".join(f"{s[key]:.2f}" for s in st) for key in ("k_rounded_rel", "v_rounded_rel")) + " |")
+        every.append({"row": row, "llama": ll, "kvarn": {k: ours[k] for k in ("kld_median", "kld_mean")},
+                      "swapped": {k: sw[k] for k in ("kld_median", "kld_mean")}, "layers": st,
+                      "rerolled": [{k: x[k] for k in ("kld_median", "kld_mean")} for x in rr]})
+    lines += ["", f"Position {a.position}, before the swap, over the {n_layers} layers: the two programs' rows apart "
+              "(|llama − kvarn| / |kvarn|, least – most), and per layer (0, 1, ...) their rounded rows apart relative "
+              "to the rounding error, |r(llama) − r(kvarn)| / |r(kvarn) − kvarn|: 0 when both round to the same "
+              "codes, about 1.4 when the two roundings are unrelated.", "",
+              "| cache | rot | K apart | V apart | K rounded apart / rounding error, per layer | "
+              "V rounded apart / rounding error, per layer |",
+              "|---|---|---:|---:|---:|---:|"] + detail
+    if spread:
+        lines += ["", f"Position {a.position}'s rounding drawn again: {a.reroll} runs with our own K and V there times "
+                  f"(1 + {a.reroll_eps:g}·N(0, 1)) at every layer (seeds 0..{a.reroll - 1}); least – most KLD, and "
+                  "whether llama-perplexity's lies inside.", "",
+                  "| cache | rot | llama median | kvarn median | re-drawn median | inside | "
+                  "llama mean | kvarn mean | re-drawn mean | inside |", "|---|---|" + "---:|" * 3 + "---|" + "---:|" * 3 + "---|"]
+        lines += spread
+    print("\n".join(lines))
+    if a.out:
+        from kvarn.atomic import write_text
+
+        write_text(a.out, "\n".join(lines) + "\n")
+        write_text(Path(a.out).with_suffix(".json"), json.dumps(every, indent=1, default=float) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""bench/llamacpp_sink.py's replacements: llama.cpp's rows are put back in transformers' channel
+order for a llama-arch model (whose GGUF permutes K), and a re-drawn row is seeded."""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from kvarn import compute
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sink():
+    spec = importlib.util.spec_from_file_location("llamacpp_sink", ROOT / "bench" / "llamacpp_sink.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_llama_rows_back_in_transformers_order():
+    sink = _sink()
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 64, generator=g), torch.randn(2, 64, generator=g)
+    theirs_k = k[..., compute.gguf_order(64)]  # how llama.cpp holds a llama-arch K (kvarn.compute.k_operand)
+    assert not torch.equal(theirs_k, k)  # the permutation is not the identity, or this tests nothing
+    rows = [(theirs_k.flatten(), v.flatten())]
+    got_k, got_v = sink.from_llama(rows)(0, k, v, True)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    got_k, _ = sink.from_llama([(k.flatten(), v.flatten())])(0, k, v, False)  # no permutation: taken as is
+    assert torch.equal(got_k, k)
+
+
+def test_rerolled_is_seeded_and_small():
+    sink = _sink()
+    k, v = torch.randn(1, 256), torch.randn(1, 256)
+    a = sink.rerolled(3, 0.01)(0, k, v, False)
+    b = sink.rerolled(3, 0.01)(0, k, v, False)
+    c = sink.rerolled(4, 0.01)(0, k, v, False)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    rel = float((a[0] - k).norm() / k.norm())
+    assert 0.005 < rel < 0.02, rel
