@@ -5,18 +5,22 @@ For each row (cache type, rotation) of a llama-perplexity grid made by bench/lla
 1. llama.cpp's own post-RoPE K and V of the first ubatch at every layer, from its eval
    callback (`bench/llamacpp_dump.c`, chunk 1 of the same base file, the same cache type
    and rotation: `LLAMA_ATTN_ROT_DISABLE=1` for "norot");
-2. kvarn's `llamacpp-cpu` cell again, with position P's K and V (before rotation and
-   rounding) replaced by llama.cpp's at every layer — nothing else changes;
+2. kvarn's `llamacpp-cpu` cell again, with position P's (or positions A–B's) K and V
+   (before rotation and rounding) replaced by llama.cpp's at every layer — nothing else
+   changes;
 3. the KLD of that run beside llama-perplexity's and our unchanged cell, and per layer how
-   far the two programs' position-P rows are apart before the cache rounds them (relative)
-   and after (relative to the rounding error itself: ~0 if both round to the same codes,
-   ~1.4 if the roundings are unrelated).
+   far the two programs' rows are apart before the cache rounds them (relative) and after
+   (relative to the rounding error itself: ~0 if both round to the same codes, ~1.4 if the
+   roundings are unrelated);
+4. with `--reroll N`, N more runs with our own rows there times (1 + EPS·N(0, 1)): other
+   draws of their rounding, and whether llama-perplexity's KLD lies within their spread.
 
 Position 0 holds BOS, which every later query attends to (the attention sink) and which
 sees only itself, so its K and V are the same in every chunk: its rounding is one draw
 that no number of chunks averages away.
 
-    python bench/llamacpp_sink.py --model gemma3-270m --rows q4_1-rot q5_1-rot [--position 0] [--chunks 1] [--out FILE]
+    python bench/llamacpp_sink.py --model gemma3-270m --rows q4_1-rot q5_1-rot [--position 0 | --position 0-511]
+                                  [--reroll N] [--chunks 1] [--out FILE]
 
 Needs the llama.cpp build and runs of bench/llamacpp.sh ($LLAMACPP_DIR); never run in CI.
 """
@@ -54,9 +58,9 @@ def build() -> Path:
     return exe
 
 
-def llama_rows(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_layers: int, position: int,
+def llama_rows(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_layers: int, position: slice,
                threads: int) -> list[tuple]:
-    """[(K [H_kv, D], V [H_kv, D])] of `position` per layer, as llama.cpp stores them (before rotation)."""
+    """[(K [n, H_kv·D], V [n, H_kv·D])] of the positions per layer, as llama.cpp stores them (before rotation)."""
     import numpy as np
     import torch
 
@@ -84,10 +88,10 @@ def llama_rows(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_
 
 
 def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, baseline: Path, out: Path,
-                 replace, position: int, n_layers: int) -> dict:
-    """kvarn's llamacpp-cpu cell with position `position`'s K and V replaced at every layer.
+                 replace, position: slice, n_layers: int) -> dict:
+    """kvarn's llamacpp-cpu cell with the K and V of the positions `position` replaced at every layer.
 
-    replace(layer, ours_k, ours_v, gguf_order) -> (k, v): the new rows [H_kv, D] in
+    replace(layer, ours_k, ours_v, gguf_order) -> (k, v): the new rows [H_kv, n, D] in
     transformers' channel order, given ours (fp32) and whether llama.cpp holds this
     architecture's K in the GGUF's order.
     """
@@ -128,7 +132,8 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
             compute.append_kv = append_kv
         if len(stats) != n_layers:
             raise SystemExit(f"swapped {len(stats)} layers, the model has {n_layers}")
-        (out / "swap.json").write_text(json.dumps({"position": position, "layers": stats}, indent=1) + "\n")
+        (out / "swap.json").write_text(json.dumps({"positions": [position.start, position.stop - 1], "layers": stats},
+                                                  indent=1) + "\n")
     return {**json.loads((out / "summary.json").read_text()), **json.loads((out / "swap.json").read_text())}
 
 
@@ -136,8 +141,8 @@ def from_llama(rows: list[tuple]):
     """The replacement by llama.cpp's rows (`llama_rows`)."""
     from kvarn import compute
 
-    def replace(i, ours_k, ours_v, gguf_order):
-        lk, lv = rows[i][0].reshape(ours_k.shape), rows[i][1].reshape(ours_v.shape)
+    def replace(i, ours_k, ours_v, gguf_order):  # ours [H_kv, n, D]; rows [n, H_kv·D]
+        lk, lv = (r.reshape(x.shape[1], x.shape[0], x.shape[2]).transpose(0, 1) for r, x in zip(rows[i], (ours_k, ours_v)))
         if gguf_order:  # back to transformers' order: llama.cpp's channel j is ours gguf_order[j]
             hf = lk.clone()
             hf[..., compute.gguf_order(lk.shape[-1])] = lk
@@ -161,7 +166,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m", choices=sorted(lc.CTX))
     ap.add_argument("--rows", nargs="+", required=True, help="TYPE-rot or TYPE-norot, rows of the llama-perplexity grid")
-    ap.add_argument("--position", type=int, default=0, help=f"the position to swap, < {UBATCH} (default 0, BOS)")
+    ap.add_argument("--position", default="0", metavar="P|A-B",
+                    help=f"the position to swap, or an inclusive range, within [0, {UBATCH}) (default 0, BOS)")
     ap.add_argument("--chunks", type=int, default=1, help="the grid over this many chunks (default 1)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for kvarn and -t for the dumper (default 1)")
     ap.add_argument("--reroll", type=int, default=0, metavar="N",
@@ -170,8 +176,13 @@ def main() -> None:
     ap.add_argument("--reroll-eps", type=float, default=0.01, metavar="EPS", help="relative size of that noise (default 0.01)")
     ap.add_argument("--out", default=None, help="also write the table here (and FILE.json)")
     a = ap.parse_args()
-    if not 0 <= a.position < UBATCH:
-        raise SystemExit(f"--position must be in [0, {UBATCH}), got {a.position}")
+    try:
+        lo, hi = (int(x) for x in (a.position.split("-", 1) if "-" in a.position else (a.position, a.position)))
+    except ValueError:
+        raise SystemExit(f"--position {a.position!r}: expected P or A-B (integers)") from None
+    if not 0 <= lo <= hi < UBATCH:
+        raise SystemExit(f"--position {a.position!r}: expected P or A-B with 0 <= A <= B < {UBATCH}")
+    pos = slice(lo, hi + 1)
     import torch
 
     torch.set_num_threads(a.threads)
@@ -200,12 +211,12 @@ def main() -> None:
             raise SystemExit(f"no llama-perplexity result {d / f'{row}.log'}: run bench/llamacpp.sh first")
         ours = lc.kvarn_cell(a.model, n_ctx, chunks, t, rot, "llamacpp-cpu", baseline, kv / row)
         n_layers = len(ours["kv_geometry"])  # one entry per attention layer
-        rows = llama_rows(exe, gguf, d / "base.kld", t, rot, n_layers, a.position, a.threads)
+        rows = llama_rows(exe, gguf, d / "base.kld", t, rot, n_layers, pos, a.threads)
         sw = swapped_cell(a.model, n_ctx, chunks, t, rot, baseline, kv / f"swap{a.position}-llama" / row,
-                          from_llama(rows), a.position, n_layers)
+                          from_llama(rows), pos, n_layers)
         rr = [swapped_cell(a.model, n_ctx, chunks, t, rot, baseline,
                            kv / f"reroll{a.position}-eps{a.reroll_eps:g}-s{seed}" / row, rerolled(seed, a.reroll_eps),
-                           a.position, n_layers) for seed in range(a.reroll)]
+                           pos, n_layers) for seed in range(a.reroll)]
         if rr:
             spread.append(f"| {t} | {'on' if rot else 'off'} | " + " | ".join(
                 f"{lc.fmt(ll[key])} | {lc.fmt(ours[key])} | {lc.fmt(min(x[key] for x in rr))} – "

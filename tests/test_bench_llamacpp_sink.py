@@ -21,13 +21,16 @@ def _sink():
 def test_llama_rows_back_in_transformers_order():
     sink = _sink()
     g = torch.Generator().manual_seed(0)
-    k, v = torch.randn(2, 64, generator=g), torch.randn(2, 64, generator=g)
+    k, v = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)  # ours: [H_kv, n, D]
     theirs_k = k[..., compute.gguf_order(64)]  # how llama.cpp holds a llama-arch K (kvarn.compute.k_operand)
     assert not torch.equal(theirs_k, k)  # the permutation is not the identity, or this tests nothing
-    rows = [(theirs_k.flatten(), v.flatten())]
-    got_k, got_v = sink.from_llama(rows)(0, k, v, True)
+
+    def dumped(x):  # llama.cpp's dump: one row per position, heads side by side
+        return x.transpose(0, 1).reshape(3, -1)
+
+    got_k, got_v = sink.from_llama([(dumped(theirs_k), dumped(v))])(0, k, v, True)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
-    got_k, _ = sink.from_llama([(k.flatten(), v.flatten())])(0, k, v, False)  # no permutation: taken as is
+    got_k, _ = sink.from_llama([(dumped(k), dumped(v))])(0, k, v, False)  # no permutation: taken as is
     assert torch.equal(got_k, k)
 
 
