@@ -2,10 +2,10 @@
 
 For each row (cache type, rotation) of a llama-perplexity grid made by bench/llamacpp.sh:
 
-1. llama.cpp's own post-RoPE K and V of the first ubatch at every layer, from its eval
-   callback (`bench/llamacpp_dump.c`, chunk 1 of the same base file, the same cache type
+1. llama.cpp's own post-RoPE K and V of chunk 1 up to the last swapped position, every
+   layer, from its eval callback (`bench/llamacpp_dump.c`, chunk 1 of the same base file, the same cache type
    and rotation: `LLAMA_ATTN_ROT_DISABLE=1` for "norot");
-2. kvarn's `llamacpp-cpu` cell again, with position P's (or positions A–B's) K and V
+2. kvarn's `llamacpp-cpu` cell again, with position P's (positions A–B's, or all) K and V
    (before rotation and rounding) replaced by llama.cpp's at every layer — nothing else
    changes;
 3. the KLD of that run beside llama-perplexity's and our unchanged cell, and per layer how
@@ -19,8 +19,8 @@ Position 0 holds BOS, which every later query attends to (the attention sink) an
 sees only itself, so its K and V are the same in every chunk: its rounding is one draw
 that no number of chunks averages away.
 
-    python bench/llamacpp_sink.py --model gemma3-270m --rows q4_1-rot q5_1-rot [--position 0 | --position 0-511]
-                                  [--reroll N] [--chunks 1] [--out FILE]
+    python bench/llamacpp_sink.py --model gemma3-270m --rows q4_1-rot q5_1-rot [--position 0 | 0-511 | all]
+                                  [--reroll N] [--out FILE]
 
 Needs the llama.cpp build and runs of bench/llamacpp.sh ($LLAMACPP_DIR); never run in CI.
 """
@@ -42,7 +42,6 @@ sys.path.insert(0, str(REPO / "bench"))
 import llamacpp as lc  # noqa: E402  (bench/llamacpp.py: the runs layout and the log parser)
 
 SRC = REPO / "bench" / "llamacpp_dump.c"
-UBATCH = 512  # llama-perplexity's n_ubatch: the first ubatch holds the swapped position
 
 
 def build() -> Path:
@@ -58,9 +57,10 @@ def build() -> Path:
     return exe
 
 
-def llama_rows(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_layers: int, position: slice,
+def llama_rows(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_layers: int, n_tokens: int,
                threads: int) -> list[tuple]:
-    """[(K [n, H_kv·D], V [n, H_kv·D])] of the positions per layer, as llama.cpp stores them (before rotation)."""
+    """[(K [n_tokens, H_kv·D], V [n_tokens, H_kv·D])] per layer, positions 0.. of chunk 1, as llama.cpp
+    stores them (before rotation)."""
     import numpy as np
     import torch
 
@@ -70,7 +70,7 @@ def llama_rows(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_
         if not rot:
             env["LLAMA_ATTN_ROT_DISABLE"] = "1"
         layers = ",".join(str(i) for i in range(n_layers))
-        res = subprocess.run([str(exe), str(gguf), str(base_kld), k_type, k_type, str(threads), str(UBATCH), tmp,
+        res = subprocess.run([str(exe), str(gguf), str(base_kld), k_type, k_type, str(threads), str(n_tokens), tmp,
                               layers, "Kcur,Vcur"], env=env, capture_output=True, text=True)
         if res.returncode:
             raise SystemExit(f"llamacpp_dump failed ({res.returncode}):\n{res.stderr[-2000:]}")
@@ -82,18 +82,18 @@ def llama_rows(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_
                 if not f.is_file():
                     raise SystemExit(f"llama.cpp named no {op} node {name}-{i}; it dumped {sorted(os.listdir(tmp))[:8]}...")
                 x = torch.from_numpy(np.fromfile(f, dtype=np.float32))
-                rows.append(x.reshape(UBATCH, -1)[position])
+                rows.append(x.reshape(n_tokens, -1))
             out.append(tuple(rows))
         return out
 
 
 def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, baseline: Path, out: Path,
                  replace, position: slice, n_layers: int) -> dict:
-    """kvarn's llamacpp-cpu cell with the K and V of the positions `position` replaced at every layer.
+    """kvarn's llamacpp-cpu cell (chunk 1) with the K and V of the positions `position` replaced at every layer.
 
-    replace(layer, ours_k, ours_v, gguf_order) -> (k, v): the new rows [H_kv, n, D] in
-    transformers' channel order, given ours (fp32) and whether llama.cpp holds this
-    architecture's K in the GGUF's order.
+    replace(layer, positions, ours_k, ours_v, gguf_order) -> (k, v): the new rows [H_kv, n, D]
+    of those positions (a slice of the chunk) in transformers' channel order, given ours
+    (fp32) and whether llama.cpp holds this architecture's K in the GGUF's order.
     """
     import torch
 
@@ -103,24 +103,30 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
 
     spec = model_spec(model)
     layer_index: dict[int, int] = {}
-    stats: list[dict] = []
+    done: dict[int, int] = {}  # per layer: positions appended so far
+    sums: dict[int, dict] = {}  # per layer: squared norms behind the stats
     append_kv = compute.append_kv
     fmt = {r: get_format(k_type, r, rot=rot) for r in ("k", "v")}
 
     def swap(layer, k, v):  # k, v: [b, H_kv, n, D], post-RoPE, before rotation and rounding
-        if id(layer) not in layer_index:  # the layer's first ubatch (positions 0..511)
-            i = layer_index[id(layer)] = len(layer_index)
-            k, v = k.clone(), v.clone()
-            ours_k, ours_v = k[0, :, position].float(), v[0, :, position].float()
-            lk, lv = replace(i, ours_k, ours_v, layer.qk_gguf_order)
-            rec = {"layer": i}
-            for role, ours, theirs in (("k", ours_k, lk), ("v", ours_v, lv)):
-                r_ours, r_theirs = (fmt[role].roundtrip(x[None]).squeeze(0) for x in (ours, theirs))
-                rec[f"{role}_rel"] = float((theirs - ours).norm() / ours.norm())
-                rec[f"{role}_rounded_rel"] = float((r_theirs - r_ours).norm() / (r_ours - ours).norm())
-            stats.append(rec)
-            k[0, :, position] = lk.to(k.dtype)
-            v[0, :, position] = lv.to(v.dtype)
+        i = layer_index.setdefault(id(layer), len(layer_index))
+        s = done.get(i, 0)
+        done[i] = s + k.shape[2]
+        lo, hi = max(position.start, s), min(position.stop, done[i])
+        if lo >= hi:
+            return append_kv(layer, k, v)
+        here = slice(lo - s, hi - s)
+        k, v = k.clone(), v.clone()
+        ours_k, ours_v = k[0, :, here].float(), v[0, :, here].float()
+        lk, lv = replace(i, slice(lo, hi), ours_k, ours_v, layer.qk_gguf_order)
+        acc = sums.setdefault(i, {})
+        for role, ours, theirs in (("k", ours_k, lk), ("v", ours_v, lv)):
+            r_ours, r_theirs = (fmt[role].roundtrip(x[None]).squeeze(0) for x in (ours, theirs))
+            for key, num, den in (("rel", theirs - ours, ours), ("rounded_rel", r_theirs - r_ours, r_ours - ours)):
+                n0, d0 = acc.get(f"{role}_{key}", (0.0, 0.0))
+                acc[f"{role}_{key}"] = (n0 + float(num.square().sum()), d0 + float(den.square().sum()))
+        k[0, :, here] = lk.to(k.dtype)
+        v[0, :, here] = lv.to(v.dtype)
         return append_kv(layer, k, v)
 
     if not (out / "summary.json").is_file():
@@ -130,8 +136,9 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
                             compute=compute.LLAMACPP_CPU, cache_dir=str(REPO / "resources" / "models"))
         finally:
             compute.append_kv = append_kv
-        if len(stats) != n_layers:
-            raise SystemExit(f"swapped {len(stats)} layers, the model has {n_layers}")
+        if sorted(sums) != list(range(n_layers)) or len(layer_index) != n_layers:
+            raise SystemExit(f"swapped at layers {sorted(sums)} of {len(layer_index)}; the model has {n_layers}")
+        stats = [{"layer": i, **{key: (n / d) ** 0.5 for key, (n, d) in sorted(sums[i].items())}} for i in range(n_layers)]
         (out / "swap.json").write_text(json.dumps({"positions": [position.start, position.stop - 1], "layers": stats},
                                                   indent=1) + "\n")
     return {**json.loads((out / "summary.json").read_text()), **json.loads((out / "swap.json").read_text())}
@@ -141,8 +148,9 @@ def from_llama(rows: list[tuple]):
     """The replacement by llama.cpp's rows (`llama_rows`)."""
     from kvarn import compute
 
-    def replace(i, ours_k, ours_v, gguf_order):  # ours [H_kv, n, D]; rows [n, H_kv·D]
-        lk, lv = (r.reshape(x.shape[1], x.shape[0], x.shape[2]).transpose(0, 1) for r, x in zip(rows[i], (ours_k, ours_v)))
+    def replace(i, positions, ours_k, ours_v, gguf_order):  # ours [H_kv, n, D]; rows [n_dumped, H_kv·D]
+        lk, lv = (r[positions].reshape(x.shape[1], x.shape[0], x.shape[2]).transpose(0, 1)
+                  for r, x in zip(rows[i], (ours_k, ours_v)))
         if gguf_order:  # back to transformers' order: llama.cpp's channel j is ours gguf_order[j]
             hf = lk.clone()
             hf[..., compute.gguf_order(lk.shape[-1])] = lk
@@ -157,7 +165,7 @@ def rerolled(seed: int, eps: float):
 
     gen = torch.Generator().manual_seed(seed)
 
-    def replace(i, ours_k, ours_v, gguf_order):
+    def replace(i, positions, ours_k, ours_v, gguf_order):
         return tuple(x * (1 + eps * torch.randn(x.shape, generator=gen)) for x in (ours_k, ours_v))
     return replace
 
@@ -166,9 +174,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m", choices=sorted(lc.CTX))
     ap.add_argument("--rows", nargs="+", required=True, help="TYPE-rot or TYPE-norot, rows of the llama-perplexity grid")
-    ap.add_argument("--position", default="0", metavar="P|A-B",
-                    help=f"the position to swap, or an inclusive range, within [0, {UBATCH}) (default 0, BOS)")
-    ap.add_argument("--chunks", type=int, default=1, help="the grid over this many chunks (default 1)")
+    ap.add_argument("--position", default="0", metavar="P|A-B|all",
+                    help="the position of chunk 1 to swap, an inclusive range, or all of them (default 0, BOS)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for kvarn and -t for the dumper (default 1)")
     ap.add_argument("--reroll", type=int, default=0, metavar="N",
                     help="also N runs with position P's K and V of our own, times (1 + EPS * N(0, 1)), seeds 0..N-1: "
@@ -176,12 +183,14 @@ def main() -> None:
     ap.add_argument("--reroll-eps", type=float, default=0.01, metavar="EPS", help="relative size of that noise (default 0.01)")
     ap.add_argument("--out", default=None, help="also write the table here (and FILE.json)")
     a = ap.parse_args()
+    n_ctx = lc.CTX[a.model]
     try:
-        lo, hi = (int(x) for x in (a.position.split("-", 1) if "-" in a.position else (a.position, a.position)))
+        lo, hi = (0, n_ctx - 1) if a.position == "all" else \
+            (int(x) for x in (a.position.split("-", 1) if "-" in a.position else (a.position, a.position)))
     except ValueError:
-        raise SystemExit(f"--position {a.position!r}: expected P or A-B (integers)") from None
-    if not 0 <= lo <= hi < UBATCH:
-        raise SystemExit(f"--position {a.position!r}: expected P or A-B with 0 <= A <= B < {UBATCH}")
+        raise SystemExit(f"--position {a.position!r}: expected P, A-B (integers) or all") from None
+    if not 0 <= lo <= hi < n_ctx:
+        raise SystemExit(f"--position {a.position!r}: expected P or A-B with 0 <= A <= B < {n_ctx} (n_ctx)")
     pos = slice(lo, hi + 1)
     import torch
 
@@ -189,8 +198,8 @@ def main() -> None:
     from kvarn import engine
     from kvarn.cli import model_spec
 
-    d = lc.run_dir(a.model, a.chunks)
-    n_ctx, chunks = lc.CTX[a.model], int(d.name.split("-c")[-1])
+    d = lc.run_dir(a.model, 1)  # the chunk-1 grid: the dumper runs chunk 1
+    chunks = 1
     kv = d / "kvarn" / "llamacpp-cpu"
     spec = model_spec(a.model)
     gguf = engine.gguf_path(spec, str(REPO / "resources" / "models"))
@@ -211,7 +220,7 @@ def main() -> None:
             raise SystemExit(f"no llama-perplexity result {d / f'{row}.log'}: run bench/llamacpp.sh first")
         ours = lc.kvarn_cell(a.model, n_ctx, chunks, t, rot, "llamacpp-cpu", baseline, kv / row)
         n_layers = len(ours["kv_geometry"])  # one entry per attention layer
-        rows = llama_rows(exe, gguf, d / "base.kld", t, rot, n_layers, pos, a.threads)
+        rows = llama_rows(exe, gguf, d / "base.kld", t, rot, n_layers, pos.stop, a.threads)
         sw = swapped_cell(a.model, n_ctx, chunks, t, rot, baseline, kv / f"swap{a.position}-llama" / row,
                           from_llama(rows), pos, n_layers)
         rr = [swapped_cell(a.model, n_ctx, chunks, t, rot, baseline,

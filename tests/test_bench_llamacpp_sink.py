@@ -21,25 +21,26 @@ def _sink():
 def test_llama_rows_back_in_transformers_order():
     sink = _sink()
     g = torch.Generator().manual_seed(0)
-    k, v = torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)  # ours: [H_kv, n, D]
-    theirs_k = k[..., compute.gguf_order(64)]  # how llama.cpp holds a llama-arch K (kvarn.compute.k_operand)
-    assert not torch.equal(theirs_k, k)  # the permutation is not the identity, or this tests nothing
+    full_k, full_v = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)  # [H_kv, positions, D]
+    k, v = full_k[:, 2:5], full_v[:, 2:5]  # ours: the swapped positions 2..4
+    theirs_k = full_k[..., compute.gguf_order(64)]  # how llama.cpp holds a llama-arch K (kvarn.compute.k_operand)
+    assert not torch.equal(theirs_k, full_k)  # the permutation is not the identity, or this tests nothing
 
-    def dumped(x):  # llama.cpp's dump: one row per position, heads side by side
-        return x.transpose(0, 1).reshape(3, -1)
+    def dumped(x):  # llama.cpp's dump: one row per position from 0, heads side by side
+        return x.transpose(0, 1).reshape(x.shape[1], -1)
 
-    got_k, got_v = sink.from_llama([(dumped(theirs_k), dumped(v))])(0, k, v, True)
+    got_k, got_v = sink.from_llama([(dumped(theirs_k), dumped(full_v))])(0, slice(2, 5), k, v, True)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
-    got_k, _ = sink.from_llama([(dumped(k), dumped(v))])(0, k, v, False)  # no permutation: taken as is
+    got_k, _ = sink.from_llama([(dumped(full_k), dumped(full_v))])(0, slice(2, 5), k, v, False)  # no permutation
     assert torch.equal(got_k, k)
 
 
 def test_rerolled_is_seeded_and_small():
     sink = _sink()
     k, v = torch.randn(1, 256), torch.randn(1, 256)
-    a = sink.rerolled(3, 0.01)(0, k, v, False)
-    b = sink.rerolled(3, 0.01)(0, k, v, False)
-    c = sink.rerolled(4, 0.01)(0, k, v, False)
+    a = sink.rerolled(3, 0.01)(0, slice(0, 1), k, v, False)
+    b = sink.rerolled(3, 0.01)(0, slice(0, 1), k, v, False)
+    c = sink.rerolled(4, 0.01)(0, slice(0, 1), k, v, False)
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
     rel = float((a[0] - k).norm() / k.norm())
     assert 0.005 < rel < 0.02, rel
