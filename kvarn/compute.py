@@ -328,6 +328,10 @@ def attention(module, query: torch.Tensor, layer, allowed: torch.Tensor, scaling
 # llama-perplexity's 0.0035: a perturbation ε flips q8 codes with probability ~ε/d, so the
 # noise it leaves grows like sqrt(ε·d), not ε. Approximation: the q8_1 `s = d·Σq` term is
 # taken as d16·Σq (exact dot of the dequantized codes) instead of fp16(d·Σq).
+# ggml-cpu's tanh GELU (Gemma's GEGLU) is a table of fp16 values indexed by the fp16-rounded
+# input (`ggml_gelu_f16`): another rounding of the same kind, so `llamacpp-cpu` computes it
+# so too (forward hook on transformers' tanh-GELU modules). Measured on Gemma 3 (n_ctx 4096,
+# bench/results/llamacpp.md §10): it moves q5_1's KLD toward llama-perplexity's.
 
 WEIGHT_ACT_TYPE = {
     "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "IQ4_NL": "q8_0",
@@ -365,12 +369,29 @@ def gguf_weight_types(gguf_path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in r.tensors}
 
 
-def install_activation_rounding(model, gguf_path) -> dict[str, str | None]:
-    """Round every Linear's input as llama.cpp does for that weight's GGUF type.
+def ggml_gelu_f16(x: torch.Tensor) -> torch.Tensor:
+    """ggml-cpu's tanh GELU (`ggml_vec_gelu_f32` / `ggml_vec_geglu_f32` under GGML_GELU_FP16,
+    ggml-cpu/vec.h): x <= -10 gives 0, x >= 10 gives x, otherwise x is rounded to fp16 and
+    the result read from a table of fp16 values, fp16(gelu_tanh(fp16 x)) computed in fp32."""
+    x32 = x.float()
+    h = x32.half().float()
+    t = (0.5 * h * (1.0 + torch.tanh(GELU_SQRT_2_OVER_PI * h * (1.0 + GELU_COEF_A * h * h)))).half().float()
+    return torch.where(x32 <= -10.0, torch.zeros_like(x32), torch.where(x32 >= 10.0, x32, t)).to(x.dtype)
 
-    Returns {module name: activation type} for the modules hooked. A Linear with no GGUF
-    tensor (e.g. a tied lm_head) uses its source tensor (token_embd); an unknown GGUF type
-    is an error naming it.
+
+GELU_COEF_A = 0.044715
+GELU_SQRT_2_OVER_PI = 0.79788456080286535587989211986876
+# transformers' tanh-approximate GELU modules: what ggml's GELU (Gemma's GEGLU) computes
+GELU_TANH_MODULES = ("GELUTanh", "NewGELUActivation")
+
+
+def install_activation_rounding(model, gguf_path) -> dict[str, str | None]:
+    """Round every Linear's input as llama.cpp does for that weight's GGUF type, and compute
+    every tanh GELU as ggml-cpu does (`ggml_gelu_f16`).
+
+    Returns {module name: activation type} for the modules hooked (a GELU as "gelu_f16"). A
+    Linear with no GGUF tensor (e.g. a tied lm_head) uses its source tensor (token_embd); an
+    unknown GGUF type is an error naming it.
     """
     import gguf
 
@@ -383,6 +404,11 @@ def install_activation_rounding(model, gguf_path) -> dict[str, str | None]:
     names = gguf.get_tensor_name_map(arch_id, n_layers)
     hooked = {}
     for mod_name, mod in model.named_modules():
+        if type(mod).__name__ in GELU_TANH_MODULES:
+            mod.register_forward_hook(
+                lambda m, args, out: ggml_gelu_f16(args[0]) if getattr(model, "_kvarn_round_activations", True) else None)
+            hooked[mod_name] = "gelu_f16"
+            continue
         if not isinstance(mod, torch.nn.Linear):
             continue
         g = names.get_name(f"{mod_name}.weight", try_suffixes=(".weight",))

@@ -421,3 +421,48 @@ def test_activation_rounding_follows_the_gguf_types():
     compute.set_activation_rounding(lm.model, next((root / "smollm2-135m").glob("*.gguf")), True)
     lin(x)
     assert torch.equal(seen[2], seen[0])
+
+
+def test_ggml_gelu_f16_hand_worked():
+    # x = 1: fp16(1) = 1, gelu_tanh(1) = 0.8411920..., the fp16 table holds 1723 * 2^-11
+    assert compute.ggml_gelu_f16(torch.tensor([1.0])).item() == 1723 * 2.0**-11
+    # the input is rounded to fp16 first: 0.1 and 0.09999 share the entry of fp16 0.0999755859375 (ulp 2^-14)
+    a, b, c = compute.ggml_gelu_f16(torch.tensor([0.1, 0.09999, 0.10003])).tolist()
+    assert a == b and c != a
+    # the clamps: 0 at or below -10, x itself at or above 10 (not rounded)
+    assert compute.ggml_gelu_f16(torch.tensor([-10.0, -12.0, 10.5, 12.345])).tolist() == \
+        [0.0, 0.0, 10.5, pytest.approx(12.345, abs=0, rel=1e-7)]
+
+
+def test_ggml_gelu_f16_against_float64():
+    # independent: torch's tanh GELU in float64 on the fp16-rounded input, rounded to fp16
+    x = torch.linspace(-9.99, 9.99, 20001)
+    ref = torch.nn.functional.gelu(x.half().double(), approximate="tanh").half().float()
+    got = compute.ggml_gelu_f16(x)
+    normal = ref.abs() >= 2.0**-14  # where fp16 has full precision
+    ulp = (ref.half().view(torch.int16).int() - got.half().view(torch.int16).int()).abs()
+    # one ulp at most, on ~1 % of points: fp32's 1 + tanh cancels on the left tail, float64's does not
+    assert int(ulp[normal].max()) <= 1 and float((got != ref)[normal].float().mean()) < 0.02
+    # far left (x < -5.3) fp32's tanh is exactly -1, float64's is not: both are 0 to 2e-7
+    assert float((got - ref)[~normal].abs().max()) <= 2e-7 and int((~normal).sum()) > 0
+    assert not torch.equal(got, torch.nn.functional.gelu(x, approximate="tanh"))  # it does round
+
+
+@pytest.mark.slow
+def test_gemma_gelu_follows_ggml():
+    from pathlib import Path
+
+    from kvarn import models
+
+    root = Path(__file__).resolve().parents[1] / "resources" / "models"
+    lm = models.load(models.ModelSpec("gemma3-270m", "embedded:gemma3-270m"), cache_dir=root)
+    gguf_path = next((root / "gemma3-270m").glob("*.gguf"))
+    hooked = compute.install_activation_rounding(lm.model, gguf_path)
+    n_layers = lm.model.config.get_text_config().num_hidden_layers
+    gelus = [name for name, kind in hooked.items() if kind == "gelu_f16"]
+    assert len(gelus) == n_layers  # one GEGLU per layer's MLP
+    act = lm.model.model.layers[0].mlp.act_fn
+    x = torch.randn(2, 5, 64) * 3
+    assert torch.equal(act(x), compute.ggml_gelu_f16(x))
+    compute.set_activation_rounding(lm.model, None, False)  # exact: transformers' GELU again
+    assert torch.equal(act(x), torch.nn.functional.gelu(x, approximate="tanh"))
