@@ -379,6 +379,10 @@ def ggml_gelu_f16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x32 <= -10.0, torch.zeros_like(x32), torch.where(x32 >= 10.0, x32, t)).to(x.dtype)
 
 
+# The arithmetic each compute path emulates, versioned: a cell refuses a baseline of another
+# version (kvarn.engine.check_baseline_compute). llamacpp-cpu 2: ggml's fp16-table GELU.
+COMPUTE_VERSION = {"exact": 1, "llamacpp-cpu": 2}
+
 GELU_COEF_A = 0.044715
 GELU_SQRT_2_OVER_PI = 0.79788456080286535587989211986876
 # transformers' tanh-approximate GELU modules: what ggml's GELU (Gemma's GEGLU) computes

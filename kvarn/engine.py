@@ -169,13 +169,20 @@ def attention_path(attention: str, device: str, compute: str) -> str | None:
 
 
 def check_baseline_compute(base, compute: str) -> None:
-    """A cell scores only against a baseline of the same compute path (dumps before the
-    field existed were all `exact`)."""
+    """A cell scores only against a baseline of the same compute path and version
+    (`kvarn.compute.COMPUTE_VERSION`; dumps before those fields existed were `exact`, 1)."""
+    from kvarn.compute import COMPUTE_VERSION
+
     found = base.header.get("compute", "exact")
     if found != compute:
         raise ValueError(
             f"dump {base.path}: baseline computed with compute {found!r}, this cell uses {compute!r}; "
             f"make the baseline with the same --compute")
+    version = base.header.get("compute_version", 1)
+    if version != COMPUTE_VERSION[compute]:
+        raise ValueError(
+            f"dump {base.path}: baseline computed with compute {compute!r} version {version}, this kvarn "
+            f"emulates version {COMPUTE_VERSION[compute]} (kvarn.compute.COMPUTE_VERSION); make the baseline again")
 
 
 def _progress(iterable, desc, total):
@@ -200,7 +207,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     Returns the dump header (identity fields, vocab size, timing).
     """
     from kvarn import data, dump
-    from kvarn.compute import check_compute
+    from kvarn.compute import COMPUTE_VERSION, check_compute
 
     check_compute(compute, BASELINE_K, BASELINE_V, 0)
     kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
@@ -237,6 +244,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         "tail": 0,
         "ubatch": ubatch,
         "compute": compute,
+        "compute_version": COMPUTE_VERSION[compute],
         "attention": path,
         "kvarn_version": kvarn.__version__,
         "device": info.device,
@@ -291,7 +299,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     import polars as pl
 
     from kvarn import data, dump, identity, llamakld, memory, metrics
-    from kvarn.compute import check_compute
+    from kvarn.compute import COMPUTE_VERSION, check_compute
 
     check_compute(compute, k, v, tail, sink)
     kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
@@ -361,6 +369,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         "tail_dtype": probe.tail_dtype_name,
         "iters": iters,
         "compute": compute,
+        "compute_version": COMPUTE_VERSION[compute],
         "attention": path,
         # dumps written before the option existed were all made on the reference path
         "baseline_attention": base.header.get("attention", "ref" if compute == "exact" else None)

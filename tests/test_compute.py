@@ -331,9 +331,14 @@ def test_baseline_compute_must_match(tmp_path):
     check_baseline_compute(old, "exact")
     with pytest.raises(ValueError, match="compute 'exact', this cell uses 'llamacpp-cpu'"):
         check_baseline_compute(old, "llamacpp-cpu")
-    new = SimpleNamespace(header={"compute": "llamacpp-cpu"}, path=tmp_path / "b.kvd")
+    new = SimpleNamespace(header={"compute": "llamacpp-cpu", "compute_version": 2}, path=tmp_path / "b.kvd")
     with pytest.raises(ValueError, match="compute 'llamacpp-cpu', this cell uses 'exact'"):
         check_baseline_compute(new, "exact")
+    check_baseline_compute(new, "llamacpp-cpu")
+    # a llamacpp-cpu baseline from before the GELU table (no version: 1) is not mixed with today's cells
+    stale = SimpleNamespace(header={"compute": "llamacpp-cpu"}, path=tmp_path / "b.kvd")
+    with pytest.raises(ValueError, match="version 1, this kvarn emulates version 2"):
+        check_baseline_compute(stale, "llamacpp-cpu")
 
 
 # --- the real model (slow) ---------------------------------------------------------------
