@@ -19,8 +19,6 @@ Needs the llama.cpp build and runs of bench/llamacpp.sh ($LLAMACPP_DIR); never r
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +47,7 @@ def main() -> None:
     from kvarn import compute, engine
     from kvarn.cli import model_spec
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, rotate_blocks
+    from kvarn.formats.registry import get_format
 
     torch.set_num_threads(a.threads)
     t, rot_s = a.row.rsplit("-", 1)
@@ -70,30 +69,15 @@ def main() -> None:
 
     exe = sink.build()
     with tempfile.TemporaryDirectory() as tmp:
-        env = {k: v for k, v in os.environ.items() if k != "LLAMA_ATTN_ROT_DISABLE"}
-        if not rot:
-            env["LLAMA_ATTN_ROT_DISABLE"] = "1"
-        gguf = engine.gguf_path(spec, cache_dir)
-        res = subprocess.run([str(exe), str(gguf), str(d / "base.kld"), t, t, str(a.threads), str(n_ctx), tmp,
-                              ",".join(map(str, a.layers)), "Qcur,Kcur,Vcur,kqv_out"], env=env, capture_output=True,
-                             text=True)
-        if res.returncode:
-            raise SystemExit(f"llamacpp_dump failed:\n{res.stderr[-2000:]}")
-
-        def load(name, L, shape):
-            files = sorted(Path(tmp).glob(f"{name}-{L}.*.f32"))
-            pick = {"Qcur": "ROPE", "Kcur": "ROPE", "Vcur": "RESHAPE", "kqv_out": None}[name]
-            f = [p for p in files if pick is None or p.name.endswith(f".{pick}.f32")]
-            if len(f) != 1:
-                raise SystemExit(f"llama.cpp dumped {[p.name for p in files]} for {name}-{L}")
-            return torch.from_numpy(np.fromfile(f[0], dtype=np.float32).reshape(shape))
-
-        ll = {L: {"q": load("Qcur", L, (n_ctx, H, D)), "k": load("Kcur", L, (n_ctx, Hkv, D)),
-                  "v": load("Vcur", L, (n_ctx, Hkv, D)), "o": load("kqv_out", L, (n_ctx, H, D))} for L in a.layers}
+        sink.dump_tensors(exe, engine.gguf_path(spec, cache_dir), d / "base.kld", t, rot, n_ctx, a.layers,
+                          ("Qcur", "Kcur", "Vcur", "kqv_out"), a.threads, tmp)
+        ll = {L: {x: sink.load_node(tmp, name, L).reshape(n_ctx, heads, D)
+                  for x, name, heads in (("q", "Qcur", H), ("k", "Kcur", Hkv), ("v", "Vcur", Hkv), ("o", "kqv_out", H))}
+              for L in a.layers}
     if compute.gguf_qk_permuted(model.config.model_type):
         raise SystemExit(f"{a.model}: llama.cpp holds its Q/K in the GGUF's permuted order; not handled here")
-    for L in a.layers:
-        if t not in ("f16", "bf16", "f32") and rot:  # kqv_out is in V's rotated frame
+    if get_format(t, "v", rot=rot).family != "float" and rot:  # kqv_out is in V's rotated frame
+        for L in a.layers:
             ll[L]["o"] = rotate_blocks(ll[L]["o"], V_ROTATION_BLOCK)
 
     engine._set_compute(model, spec, cache_dir, compute.LLAMACPP_CPU)

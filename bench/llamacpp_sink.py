@@ -57,34 +57,47 @@ def build() -> Path:
     return exe
 
 
+# The node each name ends on in llama.cpp's graph (it gives one name to several: Kcur is the
+# MUL_MAT, its RESHAPE and the ROPE); a name not listed has one node.
+FINAL_OP = {"Qcur": "ROPE", "Kcur": "ROPE", "Vcur": "RESHAPE"}
+
+
+def dump_tensors(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_tokens: int, layers, names,
+                 threads: int, out_dir) -> None:
+    """llama.cpp's named nodes NAME-LAYER over positions 0..n_tokens-1 of chunk 1, with the cache
+    type and rotation of the row (`LLAMA_ATTN_ROT_DISABLE=1` for no rotation), into out_dir."""
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_ATTN_ROT_DISABLE"}
+    if not rot:
+        env["LLAMA_ATTN_ROT_DISABLE"] = "1"
+    res = subprocess.run([str(exe), str(gguf), str(base_kld), k_type, k_type, str(threads), str(n_tokens),
+                          str(out_dir), ",".join(map(str, layers)), ",".join(names)], env=env, capture_output=True,
+                         text=True)
+    if res.returncode:
+        raise SystemExit(f"llamacpp_dump failed ({res.returncode}):\n{res.stderr[-2000:]}")
+
+
+def load_node(out_dir, name: str, layer: int):
+    """The fp32 values (flat) of node NAME-LAYER as `dump_tensors` left them: its final op."""
+    import numpy as np
+    import torch
+
+    files = sorted(Path(out_dir).glob(f"{name}-{layer}.*.f32"))
+    op = FINAL_OP.get(name)
+    pick = [f for f in files if op is None or f.name.endswith(f".{op}.f32")]
+    if len(pick) != 1:
+        raise SystemExit(f"llama.cpp dumped {[f.name for f in files]} for {name}-{layer}; expected one "
+                         f"{op or 'node'}")
+    return torch.from_numpy(np.fromfile(pick[0], dtype=np.float32))
+
+
 def llama_rows(exe: Path, gguf: Path, base_kld: Path, k_type: str, rot: bool, n_layers: int, n_tokens: int,
                threads: int) -> list[tuple]:
     """[(K [n_tokens, H_kv·D], V [n_tokens, H_kv·D])] per layer, positions 0.. of chunk 1, as llama.cpp
     stores them (before rotation)."""
-    import numpy as np
-    import torch
-
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ)
-        env.pop("LLAMA_ATTN_ROT_DISABLE", None)
-        if not rot:
-            env["LLAMA_ATTN_ROT_DISABLE"] = "1"
-        layers = ",".join(str(i) for i in range(n_layers))
-        res = subprocess.run([str(exe), str(gguf), str(base_kld), k_type, k_type, str(threads), str(n_tokens), tmp,
-                              layers, "Kcur,Vcur"], env=env, capture_output=True, text=True)
-        if res.returncode:
-            raise SystemExit(f"llamacpp_dump failed ({res.returncode}):\n{res.stderr[-2000:]}")
-        out = []
-        for i in range(n_layers):
-            rows = []
-            for name, op in (("Kcur", "ROPE"), ("Vcur", "RESHAPE")):
-                f = Path(tmp) / f"{name}-{i}.{op}.f32"
-                if not f.is_file():
-                    raise SystemExit(f"llama.cpp named no {op} node {name}-{i}; it dumped {sorted(os.listdir(tmp))[:8]}...")
-                x = torch.from_numpy(np.fromfile(f, dtype=np.float32))
-                rows.append(x.reshape(n_tokens, -1))
-            out.append(tuple(rows))
-        return out
+        dump_tensors(exe, gguf, base_kld, k_type, rot, n_tokens, range(n_layers), ("Kcur", "Vcur"), threads, tmp)
+        return [tuple(load_node(tmp, name, i).reshape(n_tokens, -1) for name in ("Kcur", "Vcur"))
+                for i in range(n_layers)]
 
 
 def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, baseline: Path, out: Path,
