@@ -330,7 +330,7 @@ def attention(module, query: torch.Tensor, layer, allowed: torch.Tensor, scaling
 # taken as d16·Σq (exact dot of the dequantized codes) instead of fp16(d·Σq).
 # ggml-cpu's tanh GELU (Gemma's GEGLU) is a table of fp16 values indexed by the fp16-rounded
 # input (`ggml_gelu_f16`): another rounding of the same kind, so `llamacpp-cpu` computes it
-# so too (forward hook on transformers' tanh-GELU modules). Measured on Gemma 3 (n_ctx 4096,
+# so too (in place of the forward of transformers' tanh-GELU modules). Measured on Gemma 3 (n_ctx 4096,
 # bench/results/llamacpp.md §10): base PPL +0.37 % from llama-perplexity's (was +0.67 %).
 
 WEIGHT_ACT_TYPE = {
@@ -369,16 +369,6 @@ def gguf_weight_types(gguf_path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in r.tensors}
 
 
-def ggml_gelu_f16(x: torch.Tensor) -> torch.Tensor:
-    """ggml-cpu's tanh GELU (`ggml_vec_gelu_f32` / `ggml_vec_geglu_f32` under GGML_GELU_FP16,
-    ggml-cpu/vec.h): x <= -10 gives 0, x >= 10 gives x, otherwise x is rounded to fp16 and
-    the result read from a table of fp16 values, fp16(gelu_tanh(fp16 x)) computed in fp32."""
-    x32 = x.float()
-    h = x32.half().float()
-    t = (0.5 * h * (1.0 + torch.tanh(GELU_SQRT_2_OVER_PI * h * (1.0 + GELU_COEF_A * h * h)))).half().float()
-    return torch.where(x32 <= -10.0, torch.zeros_like(x32), torch.where(x32 >= 10.0, x32, t)).to(x.dtype)
-
-
 # The arithmetic each compute path emulates, versioned: a cell refuses a baseline of another
 # version (kvarn.engine.check_baseline_compute). llamacpp-cpu 2: ggml's fp16-table GELU.
 COMPUTE_VERSION = {"exact": 1, "llamacpp-cpu": 2}
@@ -387,6 +377,16 @@ GELU_COEF_A = 0.044715
 GELU_SQRT_2_OVER_PI = 0.79788456080286535587989211986876
 # transformers' tanh-approximate GELU modules: what ggml's GELU (Gemma's GEGLU) computes
 GELU_TANH_MODULES = ("GELUTanh", "NewGELUActivation")
+
+
+def ggml_gelu_f16(x: torch.Tensor) -> torch.Tensor:
+    """ggml-cpu's tanh GELU (`ggml_vec_gelu_f32` / `ggml_vec_geglu_f32` under GGML_GELU_FP16,
+    ggml-cpu/vec.h): x <= -10 gives 0, x >= 10 gives x, otherwise x is rounded to fp16 and
+    the result read from a table of fp16 values, fp16(gelu_tanh(fp16 x)) computed in fp32."""
+    x32 = x.float()
+    h = x32.half().float()
+    t = (0.5 * h * (1.0 + torch.tanh(GELU_SQRT_2_OVER_PI * h * (1.0 + GELU_COEF_A * h * h)))).half().float()
+    return torch.where(x32 <= -10.0, torch.zeros_like(x32), torch.where(x32 >= 10.0, x32, t)).to(x.dtype)
 
 
 def install_activation_rounding(model, gguf_path) -> dict[str, str | None]:
@@ -408,9 +408,9 @@ def install_activation_rounding(model, gguf_path) -> dict[str, str | None]:
     names = gguf.get_tensor_name_map(arch_id, n_layers)
     hooked = {}
     for mod_name, mod in model.named_modules():
-        if type(mod).__name__ in GELU_TANH_MODULES:
-            mod.register_forward_hook(
-                lambda m, args, out: ggml_gelu_f16(args[0]) if getattr(model, "_kvarn_round_activations", True) else None)
+        if type(mod).__name__ in GELU_TANH_MODULES:  # its forward replaced: transformers' GELU not computed too
+            mod.forward = lambda x, _own=mod.forward: (
+                ggml_gelu_f16(x) if getattr(model, "_kvarn_round_activations", True) else _own(x))
             hooked[mod_name] = "gelu_f16"
             continue
         if not isinstance(mod, torch.nn.Linear):
