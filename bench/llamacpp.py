@@ -46,6 +46,19 @@ PAT = {
 }
 
 
+def build_c(src: Path, exe: Path, libs: list[str]) -> Path:
+    """Compile a bench C tool against the llama.cpp build's headers and `libs` (e.g. ["llama",
+    "ggml"]), once: again only when `src` is newer than `exe` (outside the repo)."""
+    if exe.is_file() and exe.stat().st_mtime >= src.stat().st_mtime:
+        return exe
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    root = next(LLAMACPP_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    lib = LLAMACPP_DIR / "build" / "bin"
+    subprocess.run(["gcc", "-O2", "-o", str(exe), str(src), f"-I{root / 'include'}", f"-I{root / 'ggml' / 'include'}",
+                    f"-L{lib}", *(f"-l{x}" for x in libs), "-lm", f"-Wl,-rpath,{lib}"], check=True)
+    return exe
+
+
 def parse_llama(log: Path) -> dict | None:
     if not log.is_file():
         return None

@@ -17,7 +17,6 @@ Needs the llama.cpp build of bench/llamacpp.sh ($LLAMACPP_DIR); never run in CI.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,23 +24,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
-LLAMACPP_DIR = Path(os.environ.get("LLAMACPP_DIR", "/work/llamacpp"))
-TEXT = os.environ.get("TEXT", "/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+import llamacpp as lc  # noqa: E402  (bench/llamacpp.py: LLAMACPP_DIR, TEXT, the C build)
+
 SRC = REPO / "bench" / "llamacpp_fa_oracle.c"
 
 
 def build() -> Path:
-    """Compile the oracle against the llama.cpp build's ggml (once, outside the repo)."""
-    exe = LLAMACPP_DIR / "fa_oracle" / "fa"
-    if exe.is_file() and exe.stat().st_mtime >= SRC.stat().st_mtime:
-        return exe
-    exe.parent.mkdir(parents=True, exist_ok=True)
-    inc = next(LLAMACPP_DIR.glob("llama_cpp_python-*/vendor/llama.cpp/ggml/include"))
-    lib = LLAMACPP_DIR / "build" / "bin"
-    subprocess.run(["gcc", "-O2", "-o", str(exe), str(SRC), f"-I{inc}", f"-L{lib}", "-lggml", "-lggml-base",
-                    "-lggml-cpu", "-lm", f"-Wl,-rpath,{lib}"], check=True)
-    return exe
+    """The oracle, compiled against the llama.cpp build's ggml (once, outside the repo)."""
+    return lc.build_c(SRC, lc.LLAMACPP_DIR / "fa_oracle" / "fa", ["ggml", "ggml-base", "ggml-cpu"])
 
 
 def main() -> None:
@@ -63,7 +55,7 @@ def main() -> None:
     exe = build()
     spec = model_spec(a.model)
     cache_dir = str(REPO / "resources" / "models")
-    ctx = engine.Context(spec, 1024, 1, text=TEXT, cache_dir=cache_dir, baseline=True)
+    ctx = engine.Context(spec, 1024, 1, text=lc.TEXT, cache_dir=cache_dir, baseline=True)
     model = ctx.loaded.model
     engine._set_compute(model, spec, cache_dir, compute.LLAMACPP_CPU)
     raw, got, n = {}, {}, [0]

@@ -45,16 +45,8 @@ SRC = REPO / "bench" / "llamacpp_dump.c"
 
 
 def build() -> Path:
-    """Compile the dumper against the llama.cpp build (once, outside the repo)."""
-    exe = lc.LLAMACPP_DIR / "dump" / "llamacpp_dump"
-    if exe.is_file() and exe.stat().st_mtime >= SRC.stat().st_mtime:
-        return exe
-    exe.parent.mkdir(parents=True, exist_ok=True)
-    src = next(lc.LLAMACPP_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    lib = lc.LLAMACPP_DIR / "build" / "bin"
-    subprocess.run(["gcc", "-O2", "-o", str(exe), str(SRC), f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}",
-                    f"-L{lib}", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{lib}"], check=True)
-    return exe
+    """The dumper, compiled against the llama.cpp build (once, outside the repo)."""
+    return lc.build_c(SRC, lc.LLAMACPP_DIR / "dump" / "llamacpp_dump", ["llama", "ggml", "ggml-base"])
 
 
 # The node each name ends on in llama.cpp's graph (it gives one name to several: Kcur is the
