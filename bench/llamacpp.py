@@ -71,7 +71,30 @@ def parse_llama(log: Path) -> dict | None:
     m = re.search(r"Final estimate: PPL = ([\d.]+)", text)
     if m:
         out["ppl_base"] = float(m.group(1))
+    running = [float(x) for x in CHUNK_LINE.findall(text)]
+    if running:
+        out["kld_chunk_means"] = chunk_means(running)
     return out or None
+
+
+# a --kl-divergence chunk line: chunk, PPL(Q) ±, ln(PPL(Q)/PPL(base)) ±, KLD ±, Δp RMS ± %, same top ± %;
+# its KLD is the running mean over the chunks so far
+CHUNK_LINE = re.compile(r"^\s*\d+\s+[-\d.]+ ±\s+[-\d.]+\s+[-\d.]+ ±\s+[-\d.]+\s+([-\d.]+) ±", re.M)
+
+
+def chunk_means(running: list[float]) -> list[float]:
+    """Each chunk's own mean from llama-perplexity's running means (every chunk scores the same
+    number of tokens): chunk i's is i·r_i − (i−1)·r_(i−1). The log prints 5 decimals, so a
+    derived mean is good to ~(2i−1)·5e-6."""
+    return [(i + 1) * r - i * (running[i - 1] if i else 0.0) for i, r in enumerate(running)]
+
+
+def our_chunk_means(cell: Path) -> list[float]:
+    """Each chunk's mean KLD of a kvarn cell, from its tokens.parquet."""
+    import polars as pl
+
+    t = pl.read_parquet(cell / "tokens.parquet")
+    return t.group_by("chunk").agg(pl.col("kld").mean()).sort("chunk")["kld"].to_list()
 
 
 def run_dir(model: str, chunks: int | None = None) -> Path:
@@ -206,7 +229,7 @@ def model_section(model: str, llama_threads: int, cross: bool, types=None, chunk
         ll = parse_llama(log)
         if not ll or "kld_median" not in ll or (types is not None and t not in types):
             continue
-        rec = {"model": model, "type": t, "rot": rot == "rot", "llama": ll}
+        rec = {"model": model, "type": t, "rot": rot == "rot", "llama": ll, "cell": log.stem}
         for mode in ("exact", "llamacpp-cpu"):
             rec[mode] = kvarn_cell(model, n_ctx, chunks, t, rot == "rot", mode, base[mode], kv / mode / log.stem)
         rows.append(rec)
@@ -223,6 +246,15 @@ def model_section(model: str, llama_threads: int, cross: bool, types=None, chunk
             f"| {r['type']} | {'on' if r['rot'] else 'off'} | {fmt(ll['kld_median'])} | {fmt(ex['kld_median'])} | "
             f"{fmt(cp['kld_median'])} | {ratios[0]:.3f} | {fmt(ll['kld_mean'])} ± {fmt(ll.get('kld_mean_err'))} | "
             f"{fmt(ex['kld_mean'])} | {fmt(cp['kld_mean'])} ± {fmt(cp.get('kld_mean_err'))} | {ratios[1]:.3f} | {'pass' if r['pass'] else '**fail**'} |")
+    if chunks > 1:
+        lines += ["", "Each chunk's own mean KLD (llama's from its log's running means), llamacpp-cpu / llama:", "",
+                  "| cache | rot | " + " | ".join(f"chunk {i + 1}" for i in range(chunks)) + " |",
+                  "|---|---|" + "---:|" * chunks]
+        for r in rows:
+            ll, ours = r["llama"].get("kld_chunk_means"), our_chunk_means(kv / "llamacpp-cpu" / r["cell"])
+            if ll and len(ll) == len(ours) == chunks:
+                lines.append(f"| {r['type']} | {'on' if r['rot'] else 'off'} | "
+                             + " | ".join(f"{o / x:.3f}" for o, x in zip(ours, ll)) + " |")
     any_cell = rows[0] if rows else None
     lines += ["", "| base PPL | llama-perplexity | kvarn exact | kvarn llamacpp-cpu |", "|---|---:|---:|---:|"]
     if any_cell:
