@@ -363,10 +363,9 @@ def round_activations(x: torch.Tensor, kind: str | None) -> torch.Tensor:
 
 def gguf_weight_types(gguf_path) -> dict[str, str]:
     """GGUF tensor name -> ggml type name (e.g. 'blk.0.attn_q.weight' -> 'Q4_1')."""
-    import gguf
+    from kvarn.gguf_weights import reader
 
-    r = gguf.GGUFReader(str(gguf_path))
-    return {t.name: t.tensor_type.name for t in r.tensors}
+    return {t.name: t.tensor_type.name for t in reader(gguf_path).tensors}
 
 
 # The arithmetic each compute path emulates, versioned: a cell refuses a baseline of another
@@ -399,8 +398,10 @@ def install_activation_rounding(model, gguf_path) -> dict[str, str | None]:
     """
     import gguf
 
+    from kvarn.gguf_weights import reader
+
     types = gguf_weight_types(gguf_path)
-    r = gguf.GGUFReader(str(gguf_path))
+    r = reader(gguf_path)
     arch_field = r.fields["general.architecture"]
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)

@@ -258,17 +258,16 @@ def test_gguf_order_is_the_converters_permutation():
 
 @pytest.mark.parametrize("model,model_type,permuted", [
     ("smollm2-135m", "llama", True),
-    pytest.param("gemma3-270m", "gemma3_text", False, marks=pytest.mark.slow),  # 25 s: a 262k-token vocabulary to parse
+    pytest.param("gemma3-270m", "gemma3_text", False, marks=pytest.mark.slow),  # 25 s: a 262k-token vocabulary to parse (once: gguf_weights.reader)
 ])
 def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted):
     """The embedded GGUFs, written by llama.cpp's converter: attn_k/attn_q rows against the
     HF weights transformers' loader made of them (resources/models/<model>/hf)."""
     import json
 
-    from gguf import GGUFReader
     from safetensors import safe_open
 
-    from kvarn.gguf_weights import _tensor
+    from kvarn.gguf_weights import _tensor, reader
     from paths import CACHE_DIR
 
     d = CACHE_DIR / model
@@ -279,7 +278,7 @@ def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted):
     cfg = json.loads((d / "hf" / "config.json").read_text())
     assert cfg["model_type"] == model_type and compute.gguf_qk_permuted(model_type) is permuted
     hd = cfg["head_dim"]
-    tensors = {t.name: t for t in GGUFReader(str(ggufs[0])).tensors}
+    tensors = {t.name: t for t in reader(ggufs[0]).tensors}
     with safe_open(str(hf), "pt") as f:
         for g, h in (("attn_k", "k_proj"), ("attn_q", "q_proj")):
             file_rows = _tensor(tensors[f"blk.0.{g}.weight"])

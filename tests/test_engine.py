@@ -275,14 +275,14 @@ def test_kvarn_end_to_end_reads_the_body(smol_baseline_512, tmp_path_factory):
 
 @pytest.mark.slow
 def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypatch):
-    # n_ctx 2048 > window 512 + ubatch 512: Gemma 3's sliding layers keep only the 511 + 512
+    # n_ctx 1024 > window 512 + ubatch 256: Gemma 3's sliding layers keep only the 511 + 256
     # rows a ubatch can read (the rest really dropped), yet the f32 cache is the model's own
     # single pass at fp32 noise, and a q4_0 tail-128 cell is bit for bit the same cache
     # keeping every row.
     from kvarn import data, engine
     from kvarn.cache import KVarnLayer
 
-    lm, n, ub = loaded("gemma3-270m"), 2048, 512
+    lm, n, ub = loaded("gemma3-270m"), 1024, 256
     window = lm.model.config.sliding_window
     assert window + ub < n
     ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)), n, 1, lm.info.bos_id)[0]

@@ -142,3 +142,22 @@ def test_gemma4_unsupported_gguf_is_refused(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="experts"):
         gguf_weights.gemma4_config(gguf.GGUFReader(str(path)))
+
+
+def test_reader_parses_a_file_once_and_a_rewritten_file_again(tmp_path):
+    def write(path, n):
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_tensor("token_embd.weight", np.arange(4 * n, dtype=np.float32).reshape(4, n))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    path = tmp_path / "m.gguf"
+    write(path, 8)
+    first = gguf_weights.reader(path)
+    assert gguf_weights.reader(tmp_path / "." / "m.gguf") is first  # the same file: parsed once
+    assert gguf_weights.architecture(path) == "llama" and gguf_weights.reader(path) is first
+    write(path, 16)  # rewritten in place: another size
+    again = gguf_weights.reader(path)
+    assert again is not first and again.tensors[0].shape.tolist() == [16, 4]
