@@ -1,9 +1,9 @@
 """GGUF weights as a transformers model: the study's architectures (qwen35, gemma4) and the rest.
 
 Owns: `reader` (one parsed `gguf.GGUFReader` per file and process), `load` (model + tokenizer
-from one ``.gguf``, tensors dequantized with the `gguf` package and cast to the compute dtype), `config_dict` (the transformers ``config.json`` a
-GGUF's metadata describes) and, for ``gemma4``, the name and layout mapping
-(`gemma4_config`, `hf_to_gguf_names`).
+from one ``.gguf``, tensors dequantized with the `gguf` package and cast to the compute
+dtype), `config_dict` (the transformers ``config.json`` a GGUF's metadata describes) and, for
+``gemma4``, the name and layout mapping (`gemma4_config`, `hf_to_gguf_names`).
 
 * ``qwen35`` (Qwen 3.5 / 3.6): transformers 5.24's own GGUF loader, which maps it (norms
   shifted back by 1, ``ssm_a`` = -exp(A_log) inverted, the V heads of the linear-attention
