@@ -398,12 +398,10 @@ def install_activation_rounding(model, gguf_path) -> dict[str, str | None]:
     """
     import gguf
 
-    from kvarn.gguf_weights import reader
+    from kvarn.gguf_weights import architecture
 
     types = gguf_weight_types(gguf_path)
-    r = reader(gguf_path)
-    arch_field = r.fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    arch = architecture(gguf_path)
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     n_layers = model.config.get_text_config().num_hidden_layers
     names = gguf.get_tensor_name_map(arch_id, n_layers)
