@@ -7,7 +7,7 @@ at 16k, and the encoding's KLD error against the q8_0 median KLD.
 -> bench/results/baseline_size.md. Without --dump, each embedded model's baseline is made at
 --ctx (1 chunk, `engine.run_baseline`); a given dump of either layout is converted to the
 other (`dump.convert_dump`), and the two are checked to decode to the same bits, slice by
-slice, before anything is counted. The KLD error is `dump.measure_q8_error` at --err-ctx.
+slice, before anything is counted. The KLD error is `measure_q8_error` (bench/dump_error.py) at --err-ctx.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from kvarn import dump  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+import dump_error  # noqa: E402  (bench/dump_error.py)
+
 MODELS = ("smollm2-135m", "gemma3-270m")
 BUDGET = 16e9  # bytes per model on disk (issue 9's goal, decimal GB)
 SLICE = 64  # rows a cell decodes at a time (kvarn.engine.LOGIT_ROWS)
@@ -37,7 +40,6 @@ SLICE = 64  # rows a cell decodes at a time (kvarn.engine.LOGIT_ROWS)
 def study_models() -> dict[str, tuple[int, int, int]]:
     """name -> (vocab, n_ctx, chunks): the vocabulary from config/models, n_ctx and the
     chunk count of wiki.test.raw from bench/gpu_article.py (one source for both benches)."""
-    sys.path.insert(0, str(ROOT / "bench"))
     import gpu_article
 
     return {name: (json.loads((ROOT / "config" / "models" / f"{name}.json").read_text())["vocab_size"], n_ctx,
@@ -76,7 +78,7 @@ def measure(name: str, paths: dict[str, Path]) -> dict:
             rows = d.dense_rows(c, a, b)
             nnz.append((rows[:, 4:4 + V] != 0).sum(1))
     nnz = np.concatenate(nnz)
-    lengths = np.diff(s._offsets)
+    lengths = np.diff(s.offsets)
     n_rows = len(nnz)
     return {
         "model": name, "vocab": V, "n_ctx": s.header["n_ctx"], "chunks": s.n_chunks, "rows": n_rows,
@@ -146,7 +148,7 @@ def report(ms: list[dict], study: dict, errs: dict, args, elapsed: float) -> str
                  f"{b / 1e9:.1f} | {worst / 1e9:.1f} | {even:,.0f} ({even / V:.1%} of vocab) |")
     L += ["", "(Break-even assumes every row sparse; mixed rows cost ≤ that.)", "",
           "## The encoding's KLD error vs the q8_0 median KLD", "",
-          f"`dump.measure_q8_error(model, {args.err_ctx}, {args.err_chunks} chunk)`: base = the BF16-cache baseline's "
+          f"`dump_error.measure_q8_error(model, {args.err_ctx}, {args.err_chunks} chunk)`: base = the BF16-cache baseline's "
           "fp32 log-probs, Q = the q8_0 t0 cell's (both from `engine.chunk_logprobs`); per token |KLD against "
           "the decoded sparse dump − KLD against the fp32 base|. Goal: ≤ 1 % of the q8_0 median KLD. Encoding "
           "version 3 (the default) takes up the fp32 rounding of the mass-corrected floor; version 2 (the same "
@@ -188,14 +190,14 @@ def main(argv=None) -> int:
                                                  Path(tmp))))
             print(name, {k: v for k, v in ms[-1].items() if k != "nnz"}, flush=True)
     for name in names:
-        for version, ulps in ((2, (0, 0)), (dump.ENCODING_VERSION, (dump._LO_ULPS, dump._SCALE_ULPS))):
-            saved = dump._LO_ULPS, dump._SCALE_ULPS
-            dump._LO_ULPS, dump._SCALE_ULPS = ulps  # (0, 0): version 2, lo's fp32 rounding left as it is
+        for version, ulps in ((2, (0, 0)), (dump.ENCODING_VERSION, (dump.LO_ULPS, dump.SCALE_ULPS))):
+            saved = dump.LO_ULPS, dump.SCALE_ULPS
+            dump.LO_ULPS, dump.SCALE_ULPS = ulps  # (0, 0): version 2, lo's fp32 rounding left as it is
             try:
-                errs[(name, version)] = dump.measure_q8_error(name, args.err_ctx, args.err_chunks, args.text,
+                errs[(name, version)] = dump_error.measure_q8_error(name, args.err_ctx, args.err_chunks, args.text,
                                                               args.cache_dir)
             finally:
-                dump._LO_ULPS, dump._SCALE_ULPS = saved
+                dump.LO_ULPS, dump.SCALE_ULPS = saved
             print(name, version, errs[(name, version)], flush=True)
     text = report(ms, study_models(), errs, args, time.perf_counter() - t0)
     from kvarn.atomic import write_text

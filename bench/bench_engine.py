@@ -36,7 +36,7 @@ CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0)]
 
 def forward_s(lm, ids, k, v, tail, ubatch=512) -> float:
     lm.model.set_attn_implementation("kvarn")
-    cache = engine._new_cache(lm.model, k, v, tail)
+    cache = engine.new_cache(lm.model, k, v, tail)
     t = time.perf_counter()
     for _ in engine.chunk_logprobs(lm.model, ids, cache, ubatch, data.scored_positions(ids.shape[0])):
         pass

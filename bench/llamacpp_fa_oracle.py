@@ -47,7 +47,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvarn import compute, engine
+    from kvarn import compute, engine, options
     from kvarn.cli import model_spec
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
 
@@ -57,7 +57,7 @@ def main() -> None:
     cache_dir = str(REPO / "resources" / "models")
     ctx = engine.Context(spec, 1024, 1, text=lc.TEXT, cache_dir=cache_dir, baseline=True)
     model = ctx.loaded.model
-    engine._set_compute(model, spec, cache_dir, compute.LLAMACPP_CPU)
+    engine.set_compute(model, spec, cache_dir, options.LLAMACPP_CPU)
     raw, got, n = {}, {}, [0]
     append_kv, attention = compute.append_kv, compute.attention
 
@@ -75,7 +75,7 @@ def main() -> None:
 
     compute.append_kv, compute.attention = append_spy, attention_spy
     try:
-        cache = engine._new_cache(model, a.k, a.k, 0, rot=a.rot, compute=compute.LLAMACPP_CPU)
+        cache = engine.new_cache(model, a.k, a.k, 0, rot=a.rot, compute=options.LLAMACPP_CPU)
         with torch.inference_mode():
             model(input_ids=ctx.chunk_ids[0][None, :512], cache=cache, kvarn_cache=cache, use_cache=True,
                   logits_to_keep=torch.arange(1))

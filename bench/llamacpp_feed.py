@@ -44,7 +44,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvarn import compute, engine
+    from kvarn import compute, engine, options
     from kvarn.cli import model_spec
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, rotate_blocks
     from kvarn.formats.registry import get_format
@@ -80,7 +80,7 @@ def main() -> None:
         for L in a.layers:
             ll[L]["o"] = rotate_blocks(ll[L]["o"], V_ROTATION_BLOCK)
 
-    engine._set_compute(model, spec, cache_dir, compute.LLAMACPP_CPU)
+    engine.set_compute(model, spec, cache_dir, options.LLAMACPP_CPU)
     layer_of: dict[int, int] = {}
     got = {L: {"q": [], "k": [], "v": [], "o": []} for L in a.layers}
     start = [0]
@@ -109,7 +109,7 @@ def main() -> None:
 
     compute.append_kv, compute.attention = append_fed, attention_fed
     try:
-        cache = engine._new_cache(model, t, t, 0, rot=rot, compute=compute.LLAMACPP_CPU)
+        cache = engine.new_cache(model, t, t, 0, rot=rot, compute=options.LLAMACPP_CPU)
         cache.reserve(n_ctx)
         with torch.inference_mode():
             for s in range(0, n_ctx, UBATCH):

@@ -102,7 +102,7 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     """
     import torch
 
-    from kvarn import compute, engine
+    from kvarn import compute, engine, options
     from kvarn.cli import model_spec
     from kvarn.formats.registry import get_format
 
@@ -138,7 +138,7 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
         compute.append_kv = swap
         try:
             engine.run_cell(spec, n_ctx, chunks, k_type, k_type, 0, baseline, out, rot=rot, text=lc.TEXT,
-                            compute=compute.LLAMACPP_CPU, cache_dir=str(REPO / "resources" / "models"))
+                            compute=options.LLAMACPP_CPU, cache_dir=str(REPO / "resources" / "models"))
         finally:
             compute.append_kv = append_kv
         if sorted(sums) != list(range(n_layers)) or len(layer_index) != n_layers:

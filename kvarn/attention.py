@@ -22,7 +22,7 @@ one block of extra keys instead of doubling attention, and causal waste is cut t
 That is the reference path (`attention_ref`, attention "ref"). `kvarn.flex` computes the
 same thing as one flex_attention call per layer call (attention "flex"); the cache's
 `attention` picks the path (`resolve_attention` turns the option "auto" into one), after
-the checks both share (`check_call`, `check_mask_size`, `check_body_rows`).
+the checks both share (`check_call`, `check_mask_size`, `kvarn.cache.check_body_rows`).
 """
 
 from __future__ import annotations
@@ -32,14 +32,18 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvarn.cache import KVarnCache, exact_selection
+from kvarn import compute, flex
+from kvarn.cache import KVarnCache, check_body_rows, exact_selection
+from kvarn.options import ATTENTIONS
 
 ATTN_NAME = "kvarn"
 
 
-def _kvarn_mask(*args, **kwargs):
-    # Always materialize the boolean mask: the attention splits it between the two copies,
-    # so sdpa's is_causal shortcut (mask None) cannot be used.
+def kvarn_mask(*args, **kwargs):
+    """The mask function registered for attn_implementation "kvarn" (and for any probe
+    that wraps this attention, e.g. `kvarn.layer_error`): sdpa's boolean mask, always
+    materialized, because the attention splits it between the two copies, so sdpa's
+    is_causal shortcut (mask None) cannot be used."""
     kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
@@ -106,13 +110,11 @@ def split_mask(allowed: torch.Tensor, q_offset: int, policy, kv_offset: int = 0)
 
 
 def resolve_attention(attention: str, device) -> str:
-    """The attention path a run takes: "ref" or "flex" (`kvarn.matrix.ATTENTIONS`).
+    """The attention path a run takes: "ref" or "flex" (`kvarn.options.ATTENTIONS`).
 
     "auto": flex on CUDA, ref on CPU (compiled flex was not faster there at the embedded
     models' sizes: bench/results/flex.md).
     """
-    from kvarn.matrix import ATTENTIONS
-
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r} not accepted; use one of {', '.join(ATTENTIONS)}")
     if attention != "auto":
@@ -164,16 +166,6 @@ def check_mask_size(module, layer, attention_mask, n_keys: int) -> None:
                            f"returned {n_keys} (from position {layer.kv_offset}); its get_mask_sizes and update disagree")
 
 
-def check_body_rows(module, layer, body_end: int) -> None:
-    """A query may read body rows only below `layer.n_body` (`body_end`: one past the last
-    body position some query of the call reads): KVarN's incomplete group is zeros."""
-    if body_end > layer.n_body:
-        raise AssertionError(
-            f"layer {module.layer_idx}: a query reads body rows {layer.n_body}..{body_end - 1} of an incomplete "
-            f"{layer.group}-token group; the tail ({layer.policy.tail}) must cover them"
-        )
-
-
 def kvarn_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -194,15 +186,11 @@ def kvarn_attention_forward(
     """
     layer, policy = check_call(module, attention_mask, dropout, softcap, sliding_window, kvarn_cache)
     if layer.compute != "exact":
-        from kvarn import compute
-
         return compute.attention(module, query, layer, attention_mask, scaling or query.shape[-1] ** -0.5), None
     check_mask_size(module, layer, attention_mask, key.shape[-2])
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if kvarn_cache.attention == "flex":
-        from kvarn import flex
-
         return flex.attention(module, query, key, value, attention_mask, scaling, layer, policy), None
     return attention_ref(module, query, key, value, attention_mask, scaling, layer, policy), None
 
@@ -238,4 +226,4 @@ def attention_ref(module, query, key, value, attention_mask, scaling, layer, pol
 
 
 AttentionInterface.register(ATTN_NAME, kvarn_attention_forward)
-AttentionMaskInterface.register(ATTN_NAME, _kvarn_mask)
+AttentionMaskInterface.register(ATTN_NAME, kvarn_mask)

@@ -33,15 +33,15 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+import kvarn.compute as kcompute
+from kvarn.facts import KVARN_ITERS, TAIL_DTYPES
 from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
+from kvarn.formats.floats import FLOAT_DTYPES
 from kvarn.geometry import Geometry, geometry_from_config, text_config
+from kvarn.options import ATTENTION_PATHS, EXACT, LLAMACPP_CPU, check_compute
 from kvarn.policy import LayerPolicy, default_tail_dtype, layer_policy
 from kvarn.rows import Rows
-
-TAIL_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-ATTENTION_PATHS = ("ref", "flex")  # the attention computations of the exact compute path
-
 
 def layer_windows(config) -> list[int | None]:
     """Per decoder layer: its sliding window W, or None for full attention.
@@ -70,12 +70,22 @@ def exact_selection(q_pos: torch.Tensor, kv_len: int, policy: LayerPolicy, kv_of
     return reads_exact(q_pos[:, None], j[None, :], policy.sink, policy.tail)
 
 
-def make_format(name: str, role: str, rot: bool = True, iters: int = 16):
+def make_format(name: str, role: str, rot: bool = True, iters: int = KVARN_ITERS):
     """get_format, passing `iters` only to the formats that take it (KVarN)."""
     fmt = get_format(name, role=role, rot=rot)
     if fmt.family == "kvarn":
         fmt = get_format(name, role=role, rot=rot, iters=iters)
     return fmt
+
+
+def check_body_rows(module, layer, body_end: int) -> None:
+    """A query may read body rows only below `layer.n_body` (`body_end`: one past the last
+    body position some query of the call reads): KVarN's incomplete group is zeros."""
+    if body_end > layer.n_body:
+        raise AssertionError(
+            f"layer {module.layer_idx}: a query reads body rows {layer.n_body}..{body_end - 1} of an incomplete "
+            f"{layer.group}-token group; the tail ({layer.policy.tail}) must cover them"
+        )
 
 
 class KVarnLayer(CacheLayerMixin):
@@ -120,7 +130,7 @@ class KVarnLayer(CacheLayerMixin):
         self.rows: dict[str, Rows] = {}
 
     def _body_dtype(self, fmt) -> torch.dtype:
-        return TAIL_DTYPES[fmt.name] if fmt.family == "float" else torch.float32
+        return FLOAT_DTYPES[fmt.name] if fmt.family == "float" else torch.float32
 
     def lazy_initialization(self, key_states, value_states) -> None:
         b, h, _, d = key_states.shape
@@ -172,9 +182,7 @@ class KVarnLayer(CacheLayerMixin):
         self._checked("K (from the model)", off, lambda t: t, k)
         self._checked("V (from the model)", off, lambda t: t, v)
         if self.compute != "exact":
-            from kvarn import compute
-
-            compute.append_kv(self, k, v)
+            kcompute.append_kv(self, k, v)
             self.n_body = self.n_tokens
             return self.keys, self.values  # unused: kvarn.compute.attention reads k_op / v_op
         # Forget what no query of this ubatch or later reads (kept from n_body on: KVarN's
@@ -252,23 +260,21 @@ class KVarnCache(Cache):
     """
 
     def __init__(self, config, k_type: str, v_type: str, tail: int = 0, tail_dtype: str | None = None,
-                 rot: bool = True, iters: int = 16, compute: str = "exact", sink: int | None = None,
+                 rot: bool = True, iters: int = KVARN_ITERS, compute: str = EXACT, sink: int | None = None,
                  attention: str = "ref"):
-        from kvarn.compute import LLAMACPP_CPU, check_compute, gguf_qk_permuted
-
         self.compute = check_compute(compute, k_type, v_type, tail, sink)
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention path {attention!r} not accepted; use one of {', '.join(ATTENTION_PATHS)} "
                              "(kvarn.attention.resolve_attention turns 'auto' into one)")
         self.attention = attention  # how `kvarn.attention` computes the exact compute path
         # `exact` keeps transformers' order (SPEC's format damage); llamacpp-cpu llama.cpp's
-        self.qk_gguf_order = compute == LLAMACPP_CPU and gguf_qk_permuted(text_config(config).model_type)
+        self.qk_gguf_order = compute == LLAMACPP_CPU and kcompute.gguf_qk_permuted(text_config(config).model_type)
         self.k_fmt = make_format(k_type, "k", rot, iters)
         self.v_fmt = make_format(v_type, "v", rot, iters)
         self.tail_dtype_name = tail_dtype or default_tail_dtype(self.k_fmt, self.v_fmt)
         if self.tail_dtype_name not in TAIL_DTYPES:
             raise ValueError(f"tail dtype {self.tail_dtype_name!r} not accepted; use one of {', '.join(TAIL_DTYPES)}")
-        td = TAIL_DTYPES[self.tail_dtype_name]
+        td = FLOAT_DTYPES[self.tail_dtype_name]
         self.geometry: Geometry = geometry_from_config(config)
         self.windows = list(self.geometry.windows)
         for i in self.geometry.kv_layers:

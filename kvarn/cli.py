@@ -13,7 +13,16 @@ import re
 import sys
 from pathlib import Path
 
-from kvarn.matrix import ATTENTIONS, DTYPES  # one list each for the CLI and the matrix
+from kvarn import paired
+from kvarn.atomic import atomic_path
+from kvarn.facts import KVARN_ITERS, TAIL_DTYPES, names, tail_label
+from kvarn.geometry import geometry_from_config
+from kvarn.matrix import DTYPES  # one list each for the CLI and the matrix
+from kvarn.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, kv_bytes
+from kvarn.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE
+from kvarn.policy import check_sink, pair_family
+from kvarn.preflight import PreflightError, capacity, preflight
+from kvarn.sources import DEFAULT_CACHE_DIR, EMBEDDED, ModelSpec, config_json, fetch
 
 EPILOG = """\
 examples (llama.cpp equivalents in brackets):
@@ -78,7 +87,6 @@ def _device(s):
 
 def _cache_type(flag):
     def parse(s):
-        from kvarn.facts import names
 
         if s not in names():
             raise argparse.ArgumentTypeError(f"{flag}: unknown KV cache type {s!r}; accepted: {', '.join(names())}")
@@ -88,7 +96,6 @@ def _cache_type(flag):
 
 def model_spec(arg: str):
     """--model NAME | hf:org/repo[@rev] | hf:org/repo/file.gguf[@rev] | random:CONFIG | PATH -> ModelSpec."""
-    from kvarn.sources import EMBEDDED, ModelSpec
 
     if arg in EMBEDDED:
         return ModelSpec(arg, f"embedded:{arg}")
@@ -140,9 +147,9 @@ def _common(p, out_help):
     p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda[:i] (default auto)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="compute dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16")
-    p.add_argument("--cache-dir", default="resources/models", metavar="DIR",
-                   help="where models are fetched and converted (default resources/models)")
-    p.add_argument("--compute", choices=["exact", "llamacpp-cpu"], default="exact",
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, metavar="DIR",
+                   help=f"where models are fetched and converted (default {DEFAULT_CACHE_DIR})")
+    p.add_argument("--compute", choices=COMPUTES, default=DEFAULT_COMPUTE,
                    help="attention arithmetic: exact (fp32, the format alone; default) or llamacpp-cpu "
                         "(llama.cpp's CPU flash attention: Q rounded to K's dot type, f16 V accumulation...); "
                         "a cell needs a baseline made with the same")
@@ -163,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fetch", help="download / convert a model into the cache directory")
     f.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
-    f.add_argument("--cache-dir", default="resources/models", metavar="DIR")
+    f.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, metavar="DIR")
 
     b = sub.add_parser("baseline", help="BF16-cache run: write the full-vocabulary log-prob dump "
                                         "(as --kl-divergence-base)")
@@ -185,11 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact leading tokens on full-attention layers (default: the pair's own, 0 for standard "
                         "types, 128 for KVarN, which accepts only 128); e.g. --sink 128 --tail 128 --tail-dtype f16 "
                         "gives a standard type KVarN's exact tokens, so only the quantizer differs")
-    r.add_argument("--tail-dtype", choices=["bf16", "f16", "f32"], default=None,
+    r.add_argument("--tail-dtype", choices=TAIL_DTYPES, default=None,
                    help="dtype of the exact copy (default bf16 for standard types, f16 for KVarN)")
     r.add_argument("--no-rot", dest="rot", action="store_false",
                    help="disable the Hadamard pre-rotation of quantized K/V (as LLAMA_ATTN_ROT_DISABLE=1)")
-    r.add_argument("--iters", type=_positive_int("--iters"), default=16, metavar="N",
+    r.add_argument("--iters", type=_positive_int("--iters"), default=KVARN_ITERS, metavar="N",
                    help="KVarN variance-normalization passes (default 16)")
     r.add_argument("--baseline", required=True, metavar="FILE",
                    help="dump written by `kvarn baseline`, or llama-perplexity's --kl-divergence-base file")
@@ -208,48 +215,27 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N", help="requested exact tail (default 0)")
     m.add_argument("-ub", "--ubatch", type=_positive_int("--ubatch"), default=512, metavar="N",
                    help="micro-batch: sliding layers hold W + ubatch rows (default 512)")
-    m.add_argument("--tail-dtype", choices=["bf16", "f16", "f32"], default=None,
+    m.add_argument("--tail-dtype", choices=TAIL_DTYPES, default=None,
                    help="dtype of the exact copy (default bf16 for standard types, f16 for KVarN)")
     m.add_argument("--no-rot", dest="rot", action="store_false",
                    help="standard types without the Hadamard pre-rotation (accepts head dims that are multiples of 32)")
-    m.add_argument("--cache-dir", default="resources/models", metavar="DIR")
+    m.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, metavar="DIR")
     m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _accounting_arg(m)
 
     d = sub.add_parser("decode", help="free-running greedy decode of a cell against the BF16 baseline: tokens "
                                       "to the first divergence, KLD along the cell's own text (steps.parquet + "
                                       "summary.json)")
-    d.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
-    d.add_argument("-c", "--ctx", type=_ctx, required=True, metavar="N",
-                   help="context: each prompt is the first N - tokens tokens of an N-token Wikitext chunk")
+    _cell_probe_args(d)
     d.add_argument("--prompts", type=_positive_int("--prompts"), default=8, metavar="P",
                    help="prompts (consecutive chunks), decoded as one batch (default 8)")
     d.add_argument("--tokens", type=_positive_int("--tokens"), default=128, metavar="G",
                    help="tokens generated per prompt (default 128)")
-    d.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE")
-    d.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE")
-    d.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N", help="requested exact tail (default 0)")
-    d.add_argument("--sink", type=_nonneg_int("--sink"), default=None, metavar="N",
-                   help="exact leading tokens (default: the pair's own)")
-    d.add_argument("--tail-dtype", choices=["bf16", "f16", "f32"], default=None)
-    d.add_argument("--no-rot", dest="rot", action="store_false")
-    d.add_argument("--iters", type=_positive_int("--iters"), default=16, metavar="N")
-    d.add_argument("-ub", "--ubatch", type=_positive_int("--ubatch"), default=512, metavar="N",
-                   help="micro-batch of the prompt (generation is one token at a time)")
-    d.add_argument("-f", "--text", metavar="PATH", default=None)
-    d.add_argument("-t", "--threads", type=_positive_int("--threads"), default=None, metavar="N")
-    d.add_argument("--device", default="auto")
-    d.add_argument("--dtype", default="auto")
-    d.add_argument("--cache-dir", default="resources/models", metavar="DIR")
-    _attention_arg(d)
     d.add_argument("-o", "--out", required=True, metavar="DIR", help="directory to write (steps.parquet, summary.json)")
 
     le = sub.add_parser("layers", help="per-layer attention error of a cell: relative L2 error of each attention "
                                        "layer's output vs an fp32 cache on the same inputs (K and V, K only, V only)")
-    for a in d._actions:  # the model/ctx/cache options of `decode`, less its decode-only ones
-        if a.dest in ("help", "prompts", "tokens", "out"):
-            continue
-        le._add_action(a)
+    _cell_probe_args(le)  # the model/ctx/cache options of `decode`, less its decode-only ones
     le.add_argument("--chunks", type=_positive_int("--chunks"), default=1, metavar="N", help="chunks (default 1)")
     le.add_argument("-o", "--out", required=True, metavar="STEM",
                     help="writes STEM.parquet and the figure STEM.png / .svg / .vl.json")
@@ -269,8 +255,30 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _cell_probe_args(p):
+    """The model, context and cache options `decode` and `layers` share."""
+    p.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
+    p.add_argument("-c", "--ctx", type=_ctx, required=True, metavar="N",
+                   help="context: each prompt is the first N - tokens tokens of an N-token Wikitext chunk")
+    p.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE")
+    p.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE")
+    p.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N", help="requested exact tail (default 0)")
+    p.add_argument("--sink", type=_nonneg_int("--sink"), default=None, metavar="N",
+                   help="exact leading tokens (default: the pair's own)")
+    p.add_argument("--tail-dtype", choices=TAIL_DTYPES, default=None)
+    p.add_argument("--no-rot", dest="rot", action="store_false")
+    p.add_argument("--iters", type=_positive_int("--iters"), default=KVARN_ITERS, metavar="N")
+    p.add_argument("-ub", "--ubatch", type=_positive_int("--ubatch"), default=512, metavar="N",
+                   help="micro-batch of the prompt (generation is one token at a time)")
+    p.add_argument("-f", "--text", metavar="PATH", default=None)
+    p.add_argument("-t", "--threads", type=_positive_int("--threads"), default=None, metavar="N")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, metavar="DIR")
+    _attention_arg(p)
+
+
 def _accounting_arg(p):
-    from kvarn.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING
 
     p.add_argument("--accounting", choices=list(ACCOUNTINGS), default=DEFAULT_ACCOUNTING,
                    help="memory accounting of the KV cache MiB (kvarn.memory): "
@@ -281,10 +289,8 @@ def memory_config(arg: str, cache_dir: str) -> tuple[dict, str]:
     """--model of `kvarn memory` -> (config.json dict, where it was read)."""
     import json
 
-    from kvarn.sources import EMBEDDED
 
     if arg.startswith(("hf:", "random:")) or arg.endswith(".gguf"):  # the config alone, no weights where possible
-        from kvarn.sources import config_json
 
         return config_json(model_spec(arg), cache_dir), arg
     p = Path(arg)
@@ -314,8 +320,6 @@ def memory_config(arg: str, cache_dir: str) -> tuple[dict, str]:
 def _memory(args) -> str:
     import json
 
-    from kvarn.geometry import geometry_from_config
-    from kvarn.memory import MIB, kv_bytes
 
     config, where = memory_config(args.model, args.cache_dir)
     try:
@@ -326,7 +330,6 @@ def _memory(args) -> str:
                  ubatch=args.ubatch, accounting=args.accounting)
     b0 = kv_bytes(geom, args.ctx, args.k, args.v, 0, tail_dtype=args.tail_dtype, rot=args.rot,
                   ubatch=args.ubatch, accounting=args.accounting)
-    from kvarn.facts import tail_label
 
     out = {
         "config": where, "geometry": geom.describe(), "n_ctx": args.ctx, "ubatch": args.ubatch,
@@ -366,7 +369,6 @@ def _formats() -> str:
 
 def _decode(spec, args) -> int:
     from kvarn.formats import get_format
-    from kvarn.policy import check_sink, pair_family
 
     pair_family(get_format(args.k), get_format(args.v))
     check_sink(get_format(args.k), get_format(args.v), args.sink)
@@ -392,7 +394,6 @@ def _decode(spec, args) -> int:
 
 def _layers(spec, args) -> int:
     from kvarn.formats import get_format
-    from kvarn.policy import check_sink, pair_family
 
     pair_family(get_format(args.k), get_format(args.v))
     check_sink(get_format(args.k), get_format(args.v), args.sink)
@@ -400,12 +401,11 @@ def _layers(spec, args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from kvarn.atomic import atomic_path
-    from kvarn.engine import _setup
+    from kvarn.engine import setup
     from kvarn.layer_error import layer_errors
     from kvarn.report.figures import layer_error, save_chart
 
-    loaded, chunk_ids, _ = _setup(spec, args.ctx, args.chunks, args.text, args.device, args.dtype, args.cache_dir)
+    loaded, chunk_ids, _ = setup(spec, args.ctx, args.chunks, args.text, args.device, args.dtype, args.cache_dir)
     table = layer_errors(loaded.model, chunk_ids, args.k, args.v, args.tail, tail_dtype=args.tail_dtype, rot=args.rot,
                          iters=args.iters, sink=args.sink, ubatch=args.ubatch)
     out = Path(args.out)
@@ -418,7 +418,6 @@ def _layers(spec, args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvarn.preflight import PreflightError
 
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -432,7 +431,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "compare":
             import json
 
-            from kvarn import paired
 
             res = paired.compare(paired.load_cell(args.a), paired.load_cell(args.b), n_boot=args.boot,
                                  seed=args.seed, block=args.block)
@@ -444,7 +442,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "layers":
             return _layers(spec, args)
         if args.cmd == "fetch":
-            from kvarn.sources import fetch
 
             print(fetch(spec, cache_dir=args.cache_dir))
             return 0
@@ -458,7 +455,6 @@ def main(argv: list[str] | None = None) -> int:
         from kvarn import engine
 
         if args.dry_run:
-            from kvarn.preflight import capacity, preflight
 
             est = preflight(spec, args.ctx, args.ubatch, args.device, args.dtype, args.cache_dir,
                             baseline=args.cmd == "baseline", dry_run=True)
@@ -480,10 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             from kvarn.metrics import format_llama
             from kvarn.formats import get_format
-            from kvarn.policy import pair_family
 
             pair_family(get_format(args.k), get_format(args.v))  # refuse KVarN mixed with standard early
-            from kvarn.policy import check_sink
 
             try:
                 check_sink(get_format(args.k), get_format(args.v), args.sink)

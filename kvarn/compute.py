@@ -57,22 +57,13 @@ from __future__ import annotations
 import torch
 
 from kvarn.formats.blocks import IQ4NL_VALUES, QK, dequantize_blocks, quantize_blocks
+from kvarn.formats.floats import FLOAT_DTYPES
 from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
-
-EXACT = "exact"
-LLAMACPP_CPU = "llamacpp-cpu"
-COMPUTES = (EXACT, LLAMACPP_CPU)
-DEFAULT_COMPUTE = EXACT
+from kvarn.gguf_file import architecture, reader
+from kvarn.options import LLAMACPP_CPU, VEC_DOT_TYPE
 
 FA_TILE_Q = 64  # ggml-cpu common.h GGML_FA_TILE_Q: the tiled path needs at least this many query rows
 
-# ggml-cpu type_traits_cpu[type].vec_dot_type: what Q is converted to for K of that type.
-VEC_DOT_TYPE = {
-    "f32": "f32", "f16": "f16", "bf16": "bf16",
-    "q8_0": "q8_0", "q5_0": "q8_0", "q4_0": "q8_0", "iq4_nl": "q8_0",
-    "q5_1": "q8_1", "q4_1": "q8_1",
-}
-_FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 # --- llama.cpp's channel order of Q and K ---------------------------------------------------
@@ -108,27 +99,6 @@ def gguf_order(d: int, device=None) -> torch.Tensor:
     if d % 2:
         raise ValueError(f"head dim {d} is odd; the GGUF Q/K order pairs channels i and i + d/2")
     return torch.arange(d, device=device).view(2, d // 2).t().reshape(-1)
-
-
-def check_compute(compute: str, k: str | None = None, v: str | None = None, tail: int = 0,
-                  sink: int | None = None) -> str:
-    """Validate a compute mode (and, for llamacpp-cpu, the cell it runs); return it.
-
-    llamacpp-cpu reads every key from the rounded cache, as llama.cpp does: a tail or a
-    sink (exact tokens) is refused, never silently dropped."""
-    if compute not in COMPUTES:
-        raise ValueError(f"compute {compute!r} not accepted; use one of {', '.join(COMPUTES)}")
-    if compute == LLAMACPP_CPU:
-        for role, t in (("K", k), ("V", v)):
-            if t is not None and t not in VEC_DOT_TYPE:
-                raise ValueError(
-                    f"compute {LLAMACPP_CPU}: {role} type {t!r} has no llama.cpp CPU kernel to emulate; "
-                    f"accepted: {', '.join(VEC_DOT_TYPE)}")
-        if tail:
-            raise ValueError(f"compute {LLAMACPP_CPU}: tail {tail} not accepted; llama.cpp has no exact tail, use 0")
-        if sink:
-            raise ValueError(f"compute {LLAMACPP_CPU}: sink {sink} not accepted; llama.cpp has no exact sink, use 0")
-    return compute
 
 
 def kernel_path(k: str, v: str, n_q: int) -> str:
@@ -175,7 +145,7 @@ def k_operand(fmt, x: torch.Tensor, gguf: bool = False) -> dict:
     if gguf:
         x = x[..., gguf_order(x.shape[-1], x.device)]
     if fmt.family == "float":
-        return {"val": x.to(_FLOAT_DTYPES[fmt.name]).float()}
+        return {"val": x.to(FLOAT_DTYPES[fmt.name]).float()}
     spec = fmt.spec
     if fmt.rot:
         x = rotate_blocks(x, k_rotation_block(x.shape[-1]))
@@ -200,7 +170,7 @@ def k_operand(fmt, x: torch.Tensor, gguf: bool = False) -> dict:
 def v_operand(fmt, x: torch.Tensor) -> torch.Tensor:
     """V rows as ggml's v_to_float gives them (rotated frame when V is quantized and rot)."""
     if fmt.family == "float":
-        return x.to(_FLOAT_DTYPES[fmt.name]).float()
+        return x.to(FLOAT_DTYPES[fmt.name]).float()
     if fmt.rot:
         x = rotate_blocks(x, V_ROTATION_BLOCK)
     q, d, m = quantize_blocks(fmt.spec, x.reshape(-1, QK))
@@ -233,8 +203,8 @@ def scores(q: torch.Tensor, k_op: dict, k_type: str, path: str) -> torch.Tensor:
         qq, kk = q.double(), k_op["val"].double()
         return (qq @ kk.transpose(-1, -2)).float()
     vdt = VEC_DOT_TYPE[k_type]
-    if vdt in _FLOAT_DTYPES:
-        qq = q.to(_FLOAT_DTYPES[vdt]).double()
+    if vdt in FLOAT_DTYPES:
+        qq = q.to(FLOAT_DTYPES[vdt]).double()
         return (qq @ k_op["val"].double().transpose(-1, -2)).float()
     qi, dq, sq = quantize_q8(q, vdt)
     D = q.shape[-1]
@@ -345,8 +315,8 @@ def round_activations(x: torch.Tensor, kind: str | None) -> torch.Tensor:
     """x [..., n] rounded as ggml converts activations to `kind` (values, same dtype as x)."""
     if kind is None:
         return x
-    if kind in _FLOAT_DTYPES:
-        return x.to(_FLOAT_DTYPES[kind]).to(x.dtype)
+    if kind in FLOAT_DTYPES:
+        return x.to(FLOAT_DTYPES[kind]).to(x.dtype)
     if kind in ("q8_0", "q8_1"):
         q, d, _ = quantize_q8(x.float(), kind)
         nb = x.shape[-1] // QK
@@ -363,14 +333,8 @@ def round_activations(x: torch.Tensor, kind: str | None) -> torch.Tensor:
 
 def gguf_weight_types(gguf_path) -> dict[str, str]:
     """GGUF tensor name -> ggml type name (e.g. 'blk.0.attn_q.weight' -> 'Q4_1')."""
-    from kvarn.gguf_weights import reader
-
     return {t.name: t.tensor_type.name for t in reader(gguf_path).tensors}
 
-
-# The arithmetic each compute path emulates, versioned: a cell refuses a baseline of another
-# version (kvarn.engine.check_baseline_compute). llamacpp-cpu 2: ggml's fp16-table GELU.
-COMPUTE_VERSION = {"exact": 1, "llamacpp-cpu": 2}
 
 GELU_COEF_A = 0.044715
 GELU_SQRT_2_OVER_PI = 0.79788456080286535587989211986876
@@ -397,8 +361,6 @@ def install_activation_rounding(model, gguf_path) -> dict[str, str | None]:
     unknown GGUF type is an error naming it.
     """
     import gguf
-
-    from kvarn.gguf_weights import architecture
 
     types = gguf_weight_types(gguf_path)
     arch = architecture(gguf_path)

@@ -31,7 +31,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import torch
+
+import kvarn
+from kvarn import metrics
+from kvarn.atomic import atomic_path, write_text
+from kvarn.engine import BASELINE_K, BASELINE_V, attention_path, new_cache, setup
+from kvarn.facts import KVARN_ITERS
+from kvarn.sources import DEFAULT_CACHE_DIR
 
 STEP_KEYS = ("prompt", "step", "token", "base_token", "kld", "same_top", "nll_base")
 
@@ -57,19 +65,16 @@ def _feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode(model, prompts: torch.Tensor, k: str, v: str, tail: int, n_tokens: int, tail_dtype=None, rot=True,
-           iters=16, ubatch=512, sink=None, compute="exact", attention="ref") -> dict[str, np.ndarray]:
+           iters=KVARN_ITERS, ubatch=512, sink=None, compute="exact", attention="ref") -> dict[str, np.ndarray]:
     """Greedy-generate `n_tokens` per prompt with the (k, v, tail) cache, the BF16 baseline
     re-scoring the cell's text in lock step. Returns the STEP_KEYS columns, [P · n_tokens] rows
     ordered by (prompt, step). `model` must use attn_implementation "kvarn"; `attention`: the
     attention path of both caches ("ref" or "flex", `kvarn.engine.attention_path`)."""
-    from kvarn import metrics
-    from kvarn.engine import BASELINE_K, BASELINE_V, _new_cache
-
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     n_p = prompts.shape[0]
-    cell = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, attention)
-    base = _new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=attention)
+    cell = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, attention)
+    base = new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=attention)
     lc, lb = _feed(model, prompts, cell, ubatch), _feed(model, prompts, base, ubatch)
     cols = {key: [] for key in STEP_KEYS}
     for s in range(n_tokens):
@@ -119,22 +124,16 @@ def summarize_decode(steps: dict[str, np.ndarray], n_prompts: int, n_tokens: int
     }
 
 
-def run_decode(spec, n_ctx, prompts, tokens, k, v, tail, out_dir, ubatch=512, rot=True, tail_dtype=None, iters=16,
-               sink=None, text=None, device="auto", dtype="auto", cache_dir="resources/models",
+def run_decode(spec, n_ctx, prompts, tokens, k, v, tail, out_dir, ubatch=512, rot=True, tail_dtype=None, iters=KVARN_ITERS,
+               sink=None, text=None, device="auto", dtype="auto", cache_dir=DEFAULT_CACHE_DIR,
                attention="auto") -> dict:
     """One (cell, decode) result: out_dir/steps.parquet (STEP_KEYS) and out_dir/summary.json.
 
     `attention`: ref | flex | auto (`kvarn.attention.resolve_attention`), recorded in the summary."""
-    import polars as pl
-
-    import kvarn
-    from kvarn.atomic import atomic_path, write_text
-    from kvarn.engine import _setup, attention_path
-
     out_dir = Path(out_dir)
     attention_path(attention, "cpu", "exact")  # a bad option is refused before any work
     t0 = time.perf_counter()
-    loaded, chunk_ids, ident = _setup(spec, n_ctx, prompts, text, device, dtype, cache_dir)
+    loaded, chunk_ids, ident = setup(spec, n_ctx, prompts, text, device, dtype, cache_dir)
     if chunk_ids.shape[0] < prompts:
         raise ValueError(f"decode prompts {prompts}: the text holds only {chunk_ids.shape[0]} chunks of {n_ctx} tokens")
     p_ids = decode_prompts(chunk_ids, tokens)

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from kvarn.atomic import atomic_path
+from kvarn.metrics import KLD_BASE_FLOOR
 
 MAGIC = b"KVARNKVD"
 LAYOUTS = {"dense": 1, "sparse": 2}  # layout -> the preamble's file version; "sparse" is written by default
@@ -75,7 +76,7 @@ def bitmap_bytes(vocab_size: int) -> int:
     return 8 * ((vocab_size + 63) // 64)
 
 
-_LO_ULPS, _SCALE_ULPS = 4, 16  # the lattice `_mass_corrected_floor` searches (encoding version 3)
+LO_ULPS, SCALE_ULPS = 4, 16  # the lattice `_mass_corrected_floor` searches (encoding version 3)
 
 
 def _mass_corrected_floor(x, codes, scale, lo, hi):
@@ -89,16 +90,14 @@ def _mass_corrected_floor(x, codes, scale, lo, hi):
     common shift δ, |δ| ≤ scale/2) cancels it to first order (encoding version 2). Storing
     lo in fp32 then leaves up to half its ulp (~1e-6 nats at 16-32 nats) of δ undone, a
     per-row KLD bias of the same size, ~1 % of a q8_0 cell's median KLD on SmolLM2. Version
-    3 takes that residual up on a lattice: lo moved by k of its ulps (|k| ≤ _LO_ULPS) moves
-    every entry by k·ulp_lo; scale moved by j of its ulps (|j| ≤ _SCALE_ULPS) moves entry v
+    3 takes that residual up on a lattice: lo moved by k of its ulps (|k| ≤ LO_ULPS) moves
+    every entry by k·ulp_lo; scale moved by j of its ulps (|j| ≤ SCALE_ULPS) moves entry v
     by j·ulp_s·code_v, i.e. the mass by j·ulp_s·c̄ (c̄ the mass-weighted mean code): the
     pair that leaves the least of δ undone is stored (measured: a perfect Q's mean |KLD|
     drops ~5x, tests/test_dump.py; SmolLM2's q8_0 median KLD moves 0.04 % instead of
     0.96 %, bench/results/baseline_size.md). The row layout and decode rule are llama.cpp's.
     x, codes: fp32 [r, V]; scale, lo, hi: fp32 [r, 1].
     """
-    from kvarn.metrics import KLD_BASE_FLOOR
-
     keep = x > KLD_BASE_FLOOR
     p = torch.where(keep, x.exp(), 0.0)
     mass = p.sum(1, keepdim=True).double()
@@ -115,8 +114,8 @@ def _mass_corrected_floor(x, codes, scale, lo, hi):
     inf = torch.tensor(float("inf"))
     ulp_lo = (torch.nextafter(lo32, inf) - lo32).double().view(-1, 1, 1)
     ulp_s = (torch.nextafter(scale, inf) - scale).double().view(-1, 1, 1)
-    k = torch.arange(-_LO_ULPS, _LO_ULPS + 1, dtype=torch.float64).view(1, -1, 1)
-    j = torch.arange(-_SCALE_ULPS, _SCALE_ULPS + 1, dtype=torch.float64).view(1, 1, -1)
+    k = torch.arange(-LO_ULPS, LO_ULPS + 1, dtype=torch.float64).view(1, -1, 1)
+    j = torch.arange(-SCALE_ULPS, SCALE_ULPS + 1, dtype=torch.float64).view(1, 1, -1)
     undone = ((shifted - lo32.double()).view(-1, 1, 1) - k * ulp_lo - j * ulp_s * cbar.view(-1, 1, 1)).abs()
     undone = undone + 1e-30 * (k.abs() + j.abs())  # ties: the smallest move
     too_high = clipped.view(-1, 1, 1) & (lo32.double().view(-1, 1, 1) + k * ulp_lo > KLD_BASE_FLOOR)
@@ -289,7 +288,8 @@ def decode_packed(blob: np.ndarray, starts: np.ndarray, lengths: np.ndarray, voc
     return sparse[:, :vocab_size]
 
 
-def _sha256(a: np.ndarray) -> str:
+def array_sha256(a: np.ndarray) -> str:
+    """sha256 of an array's bytes (what a header's `chunk_sha256` and `offsets_sha256` hold)."""
     return hashlib.sha256(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest()
 
 
@@ -403,14 +403,16 @@ class Dump:
     """A baseline dump opened read-only. `decode(c, a, b, device)` gives rows a..b of
     chunk c as fp32 log-probs (the cells' 64-row slices), `chunk(i)` a whole chunk,
     `dense_rows(c, a, b)` llama.cpp's uint16 rows; each chunk's sha256 is verified the
-    first time it is read."""
+    first time it is read. `payload` (the memory-mapped codes: [chunk, row, uint16] dense,
+    flat uint8 sparse) and `offsets` (sparse: row offsets into it; dense: None) are the
+    file's own arrays, read-only."""
 
     kind = "kvarn"  # vs "llama" (kvarn.llamakld.LlamaKld)
 
     def __init__(self, path: Path, header: dict, payload: np.memmap, verify: bool,
                  offsets: np.ndarray | None = None):
-        self.path, self.header, self._payload = path, header, payload
-        self._offsets = offsets  # sparse layout: row offsets into the uint8 payload; dense: None
+        self.path, self.header, self.payload = path, header, payload
+        self.offsets = offsets  # sparse layout: row offsets into the uint8 payload; dense: None
         self._verify = verify
         self._verified: set[int] = set()
 
@@ -437,11 +439,11 @@ class Dump:
         if not 0 <= a <= b:
             raise IndexError(f"rows {a}..{b} out of range: dump {self.path} has {self.n_scored} rows per chunk")
         if self._verify and i not in self._verified:
-            if self._offsets is None:
-                got = _sha256(self._payload[i])
+            if self.offsets is None:
+                got = array_sha256(self.payload[i])
             else:
-                r = self._offsets[i * self.n_scored:(i + 1) * self.n_scored + 1:self.n_scored]
-                got = _sha256(self._payload[r[0]:r[1]])
+                r = self.offsets[i * self.n_scored:(i + 1) * self.n_scored + 1:self.n_scored]
+                got = array_sha256(self.payload[r[0]:r[1]])
             want = self.header["chunk_sha256"][i]
             if got != want:
                 raise ValueError(f"dump {self.path}: chunk {i} sha256 {got} does not match the header's {want}")
@@ -451,10 +453,10 @@ class Dump:
     def decode(self, i: int, a: int = 0, b: int | None = None, device=None) -> torch.Tensor:
         """Rows a..b of chunk i, float32 [b − a, vocab] log-probs on `device` (default CPU)."""
         a, b = self._rows_span(i, a, b)
-        if self._offsets is None:
-            return decode_rows(self._payload[i, a:b], self.vocab_size, device)
-        o = self._offsets[i * self.n_scored + a:i * self.n_scored + b + 1]
-        return decode_packed(np.asarray(self._payload[o[0]:o[-1]]), o[:-1] - o[0], np.diff(o), self.vocab_size,
+        if self.offsets is None:
+            return decode_rows(self.payload[i, a:b], self.vocab_size, device)
+        o = self.offsets[i * self.n_scored + a:i * self.n_scored + b + 1]
+        return decode_packed(np.asarray(self.payload[o[0]:o[-1]]), o[:-1] - o[0], np.diff(o), self.vocab_size,
                              device, where=f"dump {self.path}, chunk {i} from row {a}")
 
     def chunk(self, i: int) -> torch.Tensor:
@@ -464,10 +466,10 @@ class Dump:
     def dense_rows(self, i: int, a: int = 0, b: int | None = None) -> np.ndarray:
         """Rows a..b of chunk i in llama.cpp's layout, uint16 [b − a, nv] (what the dense layout stores)."""
         a, b = self._rows_span(i, a, b)
-        if self._offsets is None:
-            return np.asarray(self._payload[i, a:b])
-        o = self._offsets[i * self.n_scored + a:i * self.n_scored + b + 1]
-        return unpack_rows(np.asarray(self._payload[o[0]:o[-1]]), o[:-1] - o[0], np.diff(o), self.vocab_size,
+        if self.offsets is None:
+            return np.asarray(self.payload[i, a:b])
+        o = self.offsets[i * self.n_scored + a:i * self.n_scored + b + 1]
+        return unpack_rows(np.asarray(self.payload[o[0]:o[-1]]), o[:-1] - o[0], np.diff(o), self.vocab_size,
                            where=f"dump {self.path}, chunk {i} from row {a}")
 
 
@@ -568,133 +570,3 @@ def convert_dump(src: str | os.PathLike, out: str | os.PathLike, layout: str = "
     chunks = (((d.dense_rows(i, a, a + _WRITE_ROWS), V) for a in range(0, ns, _WRITE_ROWS))
               for i in range(d.n_chunks))
     return _write(out, layout, chunks, lambda sums: d.header)
-
-
-def measure_encoding_error(name: str = "smollm2-135m", n_ctx: int = 512, chunks: int = 1,
-                           text_path: str | None = None, cache_dir: str = "resources/models") -> dict:
-    """What the encoding costs, on real log-probs: the model's fp32 run is the exact base;
-    Q is (a) the same fp32 run (a perfect Q) and (b) the model run in bfloat16 (a realistic
-    small perturbation). Reports the per-token KLD error |KLD(dump) − KLD(fp32)| and bytes.
-    (c) `q8_0`: the engine's own pair, the BF16-cache baseline's fp32 log-probs as the base
-    and the q8_0 t0 cell as Q, with the error relative to that cell's median KLD (the
-    study's smallest effect; the goal is ≤ 1 %). Both layouts are written and must decode
-    to the same bits (the sparse one only drops zero codes)."""
-    import tempfile
-    import time
-
-    from kvarn import data, metrics, models, sources
-
-    lm = models.load(sources.ModelSpec(name, f"embedded:{name}"), cache_dir, device="cpu")
-    text = data.load_text(text_path)
-    chunk_ids = data.make_chunks(data.tokenize(lm.tokenizer, text), n_ctx, chunks, lm.info.bos_id)
-    pos = data.scored_positions(n_ctx)
-    sl = slice(pos.start, pos.stop)
-    exact, q_bf16, targets = [], [], []
-    with torch.inference_mode():
-        for ids in chunk_ids:
-            logits = lm.model(ids[None]).logits[0, sl].float()
-            exact.append(torch.log_softmax(logits, -1))
-            targets.append(ids[pos.start + 1:pos.stop + 1])
-        lm.model.to(torch.bfloat16)
-        for ids in chunk_ids:
-            q_bf16.append(torch.log_softmax(lm.model(ids[None]).logits[0, sl].float(), -1))
-    h = {"model": name, "revision": lm.info.revision, "tokenizer_hash": lm.info.tokenizer_hash,
-         "text_sha256": data.text_sha256(text), "n_ctx": n_ctx}
-    sizes = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for layout in ("dense", "sparse"):
-            p = Path(tmp) / f"{layout}.kvd"
-            t = time.perf_counter()
-            write_dump(p, h, exact, layout=layout)
-            t_write = time.perf_counter() - t
-            sizes[layout] = p.stat().st_size
-            dd = open_dump(p)
-            t = time.perf_counter()
-            dec = [dd.chunk(i) for i in range(dd.n_chunks)]
-            t_read = time.perf_counter() - t
-            if layout == "dense":
-                decoded_dense = dec
-            elif not all(torch.equal(x, y) for x, y in zip(dec, decoded_dense)):
-                raise AssertionError("the sparse layout decoded differently from the dense one")
-        decoded = dec
-    res: dict = {"model": name, "n_ctx": n_ctx, "chunks": len(chunk_ids), "vocab": lm.info.vocab_size}
-    n_tok = sum(len(t) for t in targets)
-    res["bytes_per_scored_token"] = 2 * row_uint16(lm.info.vocab_size)
-    res["file_bytes_per_scored_token"] = {k: v / n_tok for k, v in sizes.items()}
-    res["fp32_bytes_per_scored_token"] = 4 * lm.info.vocab_size
-    res["write_s"], res["read_decode_s"] = t_write, t_read  # the sparse layout's
-    llama_lo = [decode_rows(encode_rows(e, mass_correct=False), lm.info.vocab_size) for e in exact]
-    for label, qs in (("perfect_q", exact), ("bf16_q", q_bf16)):
-        ref = np.concatenate([metrics.token_metrics(q, e, t)["kld"] for q, e, t in zip(qs, exact, targets)])
-        res[label] = {"kld_mean_fp32_base": float(ref.mean()), "kld_median_fp32_base": float(np.median(ref))}
-        for enc, dec in (("dump", decoded), ("llama_lo", llama_lo)):
-            got = np.concatenate([metrics.token_metrics(q, c, t)["kld"] for q, c, t in zip(qs, dec, targets)])
-            err = np.abs(got - ref)
-            res[label][enc] = {
-                "kld_mean": float(got.mean()), "abs_err_mean": float(err.mean()),
-                "abs_err_max": float(err.max()), "abs_err_p99": float(np.quantile(err, 0.99)),
-                "rel_err_of_mean": float(abs(got.mean() - ref.mean()) / ref.mean()) if ref.mean() else None}
-        # how much the −16-nat floor rule itself leaves out, with the exact base
-        full = np.concatenate([(e.double().exp() * (e.double() - q.double())).sum(-1).numpy()
-                               for q, e in zip(qs, exact)])
-        res[label]["kld_mean_no_floor_rule"] = float(full.mean())
-        res[label]["floor_rule_abs_diff_max"] = float(np.abs(full - ref).max())
-    res["q8_0_q"] = measure_q8_error(name, n_ctx, chunks, text_path, cache_dir)
-    nllb_err = np.concatenate([
-        np.abs(metrics.token_metrics(e, c, t)["nll_base"] - metrics.token_metrics(e, e, t)["nll_base"])
-        for e, c, t in zip(exact, decoded, targets)])
-    res["nll_base_abs_err_max"] = float(nllb_err.max())
-    return res
-
-
-def measure_q8_error(name: str, n_ctx: int, chunks: int, text_path: str | None, cache_dir: str) -> dict:
-    """The encoding's KLD error against the study's smallest effect, through the engine:
-    base = the BF16-cache baseline's fp32 log-probs, Q = the q8_0 t0 cell's (both from
-    `engine.chunk_logprobs`, as `run_baseline` / `run_cell` compute them). Per token,
-    |KLD(Q ‖ decoded sparse dump) − KLD(Q ‖ fp32 base)|, and the shift of the median KLD,
-    relative to the q8_0 median KLD (goal ≤ 1 %)."""
-    import tempfile
-
-    from kvarn import data, engine, metrics, sources
-
-    ctx = engine.Context(sources.ModelSpec(name, f"embedded:{name}"), n_ctx, chunks, text_path, device="cpu",
-                         cache_dir=cache_dir)
-    model, pos = ctx.loaded.model, data.scored_positions(n_ctx)
-
-    def run(ids, k):  # one chunk with a k/k cache at tail 0, as the engine runs a cell
-        with torch.inference_mode():
-            cache = engine._new_cache(model, k, k, 0)
-            return torch.cat([lp for _, lp in engine.chunk_logprobs(model, ids, cache, 512, pos)])
-
-    ref, got = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for ids in ctx.chunk_ids:
-            base, q = run(ids, engine.BASELINE_K), run(ids, "q8_0")
-            t = ids[pos.start + 1:pos.stop + 1]
-            p = Path(tmp) / "base.kvd"
-            write_dump(p, {**ctx.ident, "n_chunks": 1}, [base])
-            ref.append(metrics.token_metrics(q, base, t)["kld"])
-            got.append(metrics.token_metrics(q, open_dump(p).chunk(0), t)["kld"])
-    ref, got = np.concatenate(ref), np.concatenate(got)
-    err, med = np.abs(got - ref), float(np.median(ref))
-    return {
-        "n_tokens": int(len(ref)), "kld_median_fp32_base": med, "kld_mean_fp32_base": float(ref.mean()),
-        "kld_median_dump": float(np.median(got)), "abs_err_mean": float(err.mean()),
-        "abs_err_p99": float(np.quantile(err, 0.99)), "abs_err_max": float(err.max()),
-        "median_shift_over_median": abs(float(np.median(got)) - med) / med,
-        "abs_err_mean_over_median": float(err.mean()) / med,
-        "abs_err_p99_over_median": float(np.quantile(err, 0.99)) / med,
-    }
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="measure the KLD error of the dump encoding on real log-probs")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--n-ctx", type=int, default=512)
-    ap.add_argument("--chunks", type=int, default=1)
-    ap.add_argument("--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw-v1/wiki.test.raw"))
-    ap.add_argument("--cache-dir", default="resources/models")
-    a = ap.parse_args()
-    print(json.dumps(measure_encoding_error(a.model, a.n_ctx, a.chunks, a.text, a.cache_dir), indent=1))

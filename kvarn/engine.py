@@ -14,15 +14,22 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+import polars as pl
 import torch
 
 import kvarn
 import kvarn.attention as kattn
+from kvarn import data, dump, facts, identity, llamakld, memory, metrics, models
 from kvarn.atomic import atomic_path, write_text
 from kvarn.cache import KVarnCache
-from kvarn.policy import exact_share
+from kvarn.compute import set_activation_rounding
+from kvarn.facts import KVARN_ITERS
+from kvarn.identity import job_key
+from kvarn.options import COMPUTE_VERSION, check_compute
+from kvarn.policy import check_sink, exact_share
 from kvarn.preflight import preflight
-from kvarn.worker import job_key
+from kvarn.sources import DEFAULT_CACHE_DIR
 
 BASELINE_K = BASELINE_V = "bf16"
 LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gemma's vocabulary
@@ -41,23 +48,23 @@ def gguf_path(spec, cache_dir) -> Path | None:
     return None
 
 
-def _set_compute(model, spec, cache_dir, compute: str) -> None:
+def set_compute(model, spec, cache_dir, compute: str) -> None:
     """Switch the model's weight-matmul activation rounding for this run's compute path.
 
     With llamacpp-cpu and GGUF weights every Linear's input is rounded as llama.cpp rounds
     activations for that weight's type (`kvarn.compute.set_activation_rounding`); exact
     switches it off. Set at the start of every run, because a `Context` model serves many.
     """
-    from kvarn.compute import set_activation_rounding
-
     set_activation_rounding(model, gguf_path(spec, cache_dir) if compute != "exact" else None,
                             compute != "exact")
 
 
-def _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
-    """Model, chunk tensor and the identity fields every dump and cell carries (`kvarn.identity`)."""
-    from kvarn import data, identity, models
+def setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
+    """(loaded model, chunk tensor, identity fields): what every dump and cell starts from.
 
+    The model in eval mode with the cache model's attention (`kvarn.attention`), the text
+    tokenized and cut into chunks (`kvarn.data`), and the identity fields every dump and
+    cell carries (`kvarn.identity`). No preflight: `Context` and the run functions make it."""
     loaded = models.load(spec, cache_dir=cache_dir, device=device, dtype=dtype)
     loaded.model.eval()
     loaded.model.set_attn_implementation(kattn.ATTN_NAME)
@@ -80,11 +87,11 @@ class Context:
     made from the same arguments (a different model, text, ... is refused, never served).
     """
 
-    def __init__(self, spec, n_ctx, chunks, text=None, device="auto", dtype="auto", cache_dir="resources/models",
+    def __init__(self, spec, n_ctx, chunks, text=None, device="auto", dtype="auto", cache_dir=DEFAULT_CACHE_DIR,
                  ubatch=512, baseline=False):
         self.key = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
         preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline)  # before any weights load
-        self.loaded, self.chunk_ids, self.ident = _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+        self.loaded, self.chunk_ids, self.ident = setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
         self._dumps: dict = {}
 
     def check(self, spec, n_ctx, chunks, text, device, dtype, cache_dir) -> None:
@@ -95,8 +102,6 @@ class Context:
 
     def open_dump(self, path):
         """dump.open_dump, once per (file, size, mtime): a rewritten file is opened (and verified) anew."""
-        from kvarn import dump
-
         if not Path(path).is_file():
             return dump.open_dump(path)  # raises its own named error
         st = Path(path).stat()
@@ -110,7 +115,7 @@ def _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch
     """(loaded model, chunk ids, identity): from `context` if given (checked), else loaded now."""
     if context is None:
         preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline)  # before any weights load
-        return _setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+        return setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     context.check(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     return context.loaded, context.chunk_ids, context.ident
 
@@ -156,7 +161,10 @@ def timed(gen, timing: dict, key: str = "forward_s"):
         yield item
 
 
-def _new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=16, compute="exact", sink=None, attention="ref"):
+def new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=KVARN_ITERS, compute="exact", sink=None,
+              attention="ref") -> KVarnCache:
+    """A fresh `KVarnCache` for `model` with one cell's options: what the engine makes per
+    chunk, and what the decode, layer-error and bench paths feed a model with."""
     return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters, compute=compute,
                       sink=sink, attention=attention)
 
@@ -170,9 +178,7 @@ def attention_path(attention: str, device: str, compute: str) -> str | None:
 
 def check_baseline_compute(base, compute: str) -> None:
     """A cell scores only against a baseline of the same compute path and version
-    (`kvarn.compute.COMPUTE_VERSION`; dumps before those fields existed were `exact`, 1)."""
-    from kvarn.compute import COMPUTE_VERSION
-
+    (`kvarn.options.COMPUTE_VERSION`; dumps before those fields existed were `exact`, 1)."""
     found = base.header.get("compute", "exact")
     if found != compute:
         raise ValueError(
@@ -182,7 +188,7 @@ def check_baseline_compute(base, compute: str) -> None:
     if version != COMPUTE_VERSION[compute]:
         raise ValueError(
             f"dump {base.path}: baseline computed with compute {compute!r} version {version}, this kvarn "
-            f"emulates version {COMPUTE_VERSION[compute]} (kvarn.compute.COMPUTE_VERSION); make the baseline again")
+            f"emulates version {COMPUTE_VERSION[compute]} (kvarn.options.COMPUTE_VERSION); make the baseline again")
 
 
 def _progress(iterable, desc, total):
@@ -194,7 +200,7 @@ def _progress(iterable, desc, total):
 # --- baseline -------------------------------------------------------------------------
 
 def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto", dtype="auto",
-                 cache_dir="resources/models", compute="exact", llama_kld_out=None, context=None,
+                 cache_dir=DEFAULT_CACHE_DIR, compute="exact", llama_kld_out=None, context=None,
                  attention="auto") -> dict:
     """BF16-cache run (bf16 K and V, tail 0, same cache model); writes the log-prob dump to `out`.
 
@@ -206,9 +212,6 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     file (kvarn.llamakld), so llama-perplexity can score against our baseline.
     Returns the dump header (identity fields, vocab size, timing).
     """
-    from kvarn import data, dump
-    from kvarn.compute import COMPUTE_VERSION, check_compute
-
     check_compute(compute, BASELINE_K, BASELINE_V, 0)
     kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
 
@@ -216,7 +219,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, True)
-    _set_compute(loaded.model, spec, cache_dir, compute)
+    set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
     path = attention_path(attention, info.device, compute)
     scored = data.scored_positions(n_ctx)
@@ -226,7 +229,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         # The chunk's log-probs a LOGIT_ROWS slice at a time, straight to the writer: the host
         # never holds a whole chunk (32 GB at Qwen 3.6's 64k). Only the forward (and the copy
         # to the host, which waits for it) is timed, not the writer.
-        cache = _new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=path or "ref")
+        cache = new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=path or "ref")
         return timed((lp.cpu() for _, lp in chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)), timing)
 
     def blocks():
@@ -251,8 +254,6 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     })
     dump.write_dump(out, header, blocks())
     if llama_kld_out is not None:
-        from kvarn import llamakld
-
         llamakld.write_from_dump(out, chunk_ids, llama_kld_out)
     n_tok = int(chunk_ids.numel())
     header["tokens_per_s"] = n_tok / timing["forward_s"] if timing["forward_s"] else float("nan")
@@ -262,8 +263,10 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
 
 # --- one cell -------------------------------------------------------------------------
 
-def _policy_fields(cache: KVarnCache) -> dict:
-    # Attention layers only: linear-attention layers have no KV cache and no policy.
+def policy_fields(cache: KVarnCache) -> dict:
+    """The summary's policy fields of a cell's cache: the effective tail of its full and
+    sliding layers and its sink. Attention layers only: linear-attention layers have no
+    KV cache and no policy."""
     full = [p for p in cache.kv_policies if p.window is None]
     sliding = [p for p in cache.kv_policies if p.window is not None]
     return {
@@ -274,7 +277,7 @@ def _policy_fields(cache: KVarnCache) -> dict:
 
 
 def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot=True, tail_dtype=None,
-             iters=16, text=None, device="auto", dtype="auto", cache_dir="resources/models",
+             iters=KVARN_ITERS, text=None, device="auto", dtype="auto", cache_dir=DEFAULT_CACHE_DIR,
              compute="exact", accounting="packed", sink=None, context=None, attention="auto") -> dict:
     """One cache config against the baseline dump; writes out_dir/tokens.parquet and summary.json.
 
@@ -295,17 +298,8 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     the KV bytes under the memory `accounting` of kvarn.memory, with the geometry they
     came from, so another accounting can be computed later without a rerun).
     """
-    import numpy as np
-    import polars as pl
-
-    from kvarn import data, dump, identity, llamakld, memory, metrics
-    from kvarn.compute import COMPUTE_VERSION, check_compute
-
     check_compute(compute, k, v, tail, sink)
     kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
-    from kvarn import facts
-    from kvarn.policy import check_sink
-
     check_sink(facts.get(k), facts.get(v), sink)  # a bad sink is refused before any work
     out_dir = Path(out_dir)
     memory.check_accounting(accounting)
@@ -313,11 +307,11 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     # A missing, foreign or truncated dump is refused before the model is even looked at.
     base = None if llamakld.is_llama_kld(baseline) else (context.open_dump if context else dump.open_dump)(baseline)
     loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False)
-    _set_compute(loaded.model, spec, cache_dir, compute)
+    set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
     path = attention_path(attention, info.device, compute)
     # Validates the types, the tail and the pair before any work is done.
-    probe = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
+    probe = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
     if base is None:
         base = llamakld.open_llama_kld(baseline, chunk_ids, n_ctx, info.vocab_size)
     else:
@@ -332,7 +326,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     chunk_col, pos_col = [], []
     timing = {"forward_s": 0.0}
     for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
-        cache = _new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, path or "ref")
+        cache = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, path or "ref")
         targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
         for a, lp in timed(chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored), timing):
             b = a + lp.shape[0]
@@ -364,7 +358,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         "rot": bool(rot),
         "tail": tail,
         "sink_requested": sink,
-        **_policy_fields(probe),
+        **policy_fields(probe),
         "exact_share": exact_share(probe.kv_policies, n_ctx),
         "tail_dtype": probe.tail_dtype_name,
         "iters": iters,

@@ -9,7 +9,8 @@ The memory accounting (`kvarn.memory`), the matrix (`kvarn.matrix`), the report 
 test fixtures read these facts here instead of re-deriving KVarN's rules. The format
 classes (`kvarn.formats`) implement the numerics; `tests/test_facts.py` checks that every
 registered format agrees with this table (attributes, head-dim checks, byte counts on
-real encoded buffers). A new type is added in both places.
+real encoded buffers). The KVarN format reads its constants (group, slice, sink, widths,
+iters, tail dtype, version) from this module.
 
 Byte formulas (per head, K or V, `n` tokens, head dim D):
 
@@ -24,13 +25,41 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvarn import policy
+
 QK = 32  # values per block of the llama.cpp block types
 KVARN_GROUP = 128  # tokens per KVarN tile (G)
 KVARN_SLICE = 128  # most channels in one KVarN tile; wider heads are cut into slices
 KVARN_SINK = 128  # exact leading tokens on full-attention layers (SPEC §2)
 KVARN_WIDTHS = tuple(range(2, 9))  # BeeLlama ships 2..6 and 8; 7 costs nothing
+KVARN_ITERS = 16  # variance-normalization passes (SPEC §4): BeeLlama and the paper-era reference (vLLM now uses 8)
+KVARN_DEFAULT_TAIL_DTYPE = "f16"  # KVarN's exact copy (SPEC §2); the standard types' is bf16
+KVARN_VERSION = 1  # KVarN's numerics version
 
 FAMILIES = ("float", "block", "kvarn")
+
+
+def kvarn_head_dim_ok(head_dim) -> bool:
+    """KVarN tiles need a power-of-two head dim in [64, 512]."""
+    return (isinstance(head_dim, int) and not isinstance(head_dim, bool) and 64 <= head_dim <= 512
+            and not head_dim & (head_dim - 1))
+
+
+def kvarn_tile_shape(role: str, head_dim: int) -> tuple[int, int, int]:
+    """(rows, cols, tiles per group) of one head's KVarN tiles for K (role 'k') or V ('v')."""
+    ch = min(head_dim, KVARN_SLICE)
+    rows, cols = (ch, KVARN_GROUP) if role == "k" else (KVARN_GROUP, ch)
+    return rows, cols, head_dim // ch
+
+
+def kvarn_payload_nbytes(rows: int, cols: int, bits: int) -> int:
+    """Bytes of one KVarN tile's codes as a dense bitstream."""
+    return math.ceil(rows * cols * bits / 8)
+
+
+def kvarn_tile_nbytes(rows: int, cols: int, bits: int) -> int:
+    """Codes (dense bitstream) + fp16 scale[rows] + fp16 zero[rows] + fp16 other[cols]."""
+    return kvarn_payload_nbytes(rows, cols, bits) + 2 * (2 * rows + cols)
 
 
 @dataclass(frozen=True)
@@ -67,7 +96,7 @@ class TypeFacts:
         if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
             return False
         if self.family == "kvarn":
-            return 64 <= head_dim <= 512 and not head_dim & (head_dim - 1)
+            return kvarn_head_dim_ok(head_dim)
         if self.family == "block":
             # the K rotation block is a power of two >= 64 dividing D, the V one is 64
             return head_dim % (64 if rot else QK) == 0
@@ -82,9 +111,7 @@ class TypeFacts:
     # --- bytes -------------------------------------------------------------------
     def tile_shape(self, role: str, head_dim: int) -> tuple[int, int, int]:
         """KVarN: (rows, cols, tiles per group) of one head's K (role 'k') or V ('v') tiles."""
-        ch = min(head_dim, KVARN_SLICE)
-        rows, cols = (ch, KVARN_GROUP) if role == "k" else (KVARN_GROUP, ch)
-        return rows, cols, head_dim // ch
+        return kvarn_tile_shape(role, head_dim)
 
     def nbytes(self, n_tokens: int, head_dim: int, role: str = "k", rot: bool = True) -> int:
         """Bytes of the packed buffer of n_tokens of one head (K or V); KVarN: whole groups only."""
@@ -100,7 +127,7 @@ class TypeFacts:
         if n_tokens % self.group:
             raise ValueError(f"{self.name}: n_tokens {n_tokens} is not a multiple of the group size {self.group}")
         rows, cols, tiles = self.tile_shape(role, head_dim)
-        return n_tokens // self.group * tiles * (math.ceil(rows * cols * self.bits / 8) + 2 * (2 * rows + cols))
+        return n_tokens // self.group * tiles * kvarn_tile_nbytes(rows, cols, self.bits)
 
     def bits_per_value(self, head_dim: int, role: str = "k", rot: bool = True) -> float:
         """Stored bits per K or V value, metadata included, over one whole group."""
@@ -123,7 +150,7 @@ def _table() -> dict[str, TypeFacts]:
     rows += [TypeFacts(n, "float", 8 * size, itemsize=size) for n, size in (("f32", 4), ("f16", 2), ("bf16", 2))]
     rows += [
         TypeFacts(f"kvarn{b}", "kvarn", b, group=KVARN_GROUP, sink=KVARN_SINK, tail_quantum=KVARN_GROUP,
-                  min_tail=KVARN_GROUP, default_tail_dtype="f16")
+                  min_tail=KVARN_GROUP, default_tail_dtype=KVARN_DEFAULT_TAIL_DTYPE, version=KVARN_VERSION)
         for b in KVARN_WIDTHS
     ]
     return {r.name: r for r in rows}
@@ -146,15 +173,11 @@ def get(name: str) -> TypeFacts:
 
 def pair_family(k: str, v: str) -> str:
     """'kvarn' or 'standard'; KVarN cannot be mixed with other types in one cache."""
-    from kvarn.policy import pair_family as rule
-
-    return rule(get(k), get(v))
+    return policy.pair_family(get(k), get(v))
 
 
 def pair_default_tail_dtype(k: str, v: str) -> str:
-    from kvarn.policy import default_tail_dtype
-
-    return default_tail_dtype(get(k), get(v))
+    return policy.default_tail_dtype(get(k), get(v))
 
 
 def pair_effective_tail(k: str, v: str, tail: int) -> int:

@@ -18,7 +18,7 @@ so the compiled kernel (`torch.compile(flex_attention, dynamic=True)`, once per 
 not recompiled per ubatch or layer. The model's boolean mask is still checked against the
 rule on every call (a mask the rule does not reproduce, e.g. padding, is refused), and a
 KVarN body row of an incomplete group is refused as on the reference path (shared checks:
-`kvarn.attention.check_body_rows`).
+`kvarn.cache.check_body_rows`).
 
 `COMPILE = False` runs flex_attention eagerly (an unfused dense path; the tests use it on
 tiny shapes to stay fast). `calls` counts the layer calls served here (tests and benches
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from kvarn.cache import exact_selection, reads_exact
+from kvarn.cache import check_body_rows, exact_selection, reads_exact
 
 COMPILE = True
 calls = 0
@@ -73,11 +73,10 @@ def block_mask(q_offset: int, n_q: int, kv_offset: int, n_body: int, n_exact: in
     return create_block_mask(mask_mod, None, None, n_q, n_body + n_exact, device=device)
 
 
-def _check_mask(module, layer, policy, attention_mask, n_q: int, L: int) -> None:
-    """The model's mask must be the rule the mask_mod applies; and no query may read a body
-    row KVarN has not written yet (one host sync for both)."""
-    from kvarn.attention import check_body_rows
-
+def check_mask(module, layer, policy, attention_mask, n_q: int, L: int) -> None:
+    """What `attention` checks before each flex call: the model's mask must be the rule the
+    mask_mod applies; and no query may read a body row KVarN has not written yet (one host
+    sync for both)."""
     dev = attention_mask.device
     p = torch.arange(layer.q_offset, layer.q_offset + n_q, device=dev)
     j = torch.arange(layer.kv_offset, layer.kv_offset + L, device=dev)
@@ -101,7 +100,7 @@ def attention(module, query, key, value, attention_mask, scaling, layer, policy)
     global calls
     n_heads, n_q = query.shape[1], query.shape[-2]
     n_kv, L = key.shape[1], key.shape[-2]
-    _check_mask(module, layer, policy, attention_mask, n_q, L)
+    check_mask(module, layer, policy, attention_mask, n_q, L)
     ek, ev = layer.exact_keys, layer.exact_values
     n_exact = 0 if ek is None else ek.shape[-2]
     if n_exact not in (0, L) or (n_exact == 0 and (policy.sink or policy.tail)):

@@ -2,7 +2,8 @@
 
 Owns the list of identity fields (`FIELDS`), how each is read (`run_identity`), the
 weights fingerprint of local model directories and GGUF files (`weights_id`, cached), and
-the check a cell makes against its baseline dump (`check_baseline`).
+the check a cell makes against its baseline dump (`check_baseline`), and the arguments that
+decide what a job loads (`job_key`).
 
 A cell is scored against a baseline only if everything that changes the logits, apart
 from the KV cache under test, is the same: the model and its weights, the tokenizer, the
@@ -26,25 +27,31 @@ import json
 import os
 from pathlib import Path
 
+from kvarn.atomic import write_text
+
 # The dump-header keys a cell must match, in the order a mismatch is reported.
 FIELDS = ("model", "revision", "weights", "tokenizer_hash", "text_sha256", "n_ctx", "n_chunks",
           "dtype", "device_class", "attn_implementation", "torch_version", "transformers_version")
 SIDECAR_SUFFIX = ".kvarn-sha256.json"
-_BLOCK = 1 << 22
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir) -> dict:
+    """The arguments that decide what a job loads: `kvarn.engine.Context`'s key, and the
+    worker identity's (`kvarn.worker.identity`)."""
+    return {"name": spec.name, "source": spec.source, "revision": spec.revision, "n_ctx": int(n_ctx),
+            "chunks": None if chunks is None else int(chunks),  # None: every chunk of the text
+            "text": None if text is None else str(Path(text).resolve()),
+            "device": str(device), "dtype": str(dtype), "cache_dir": str(Path(cache_dir).resolve())}
+
+
+def uncached_sha256(path: Path) -> str:
+    """sha256 of one file, read now (what `file_sha256` caches)."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_BLOCK), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_sha256(path: str | os.PathLike) -> str:
     """sha256 of one file, cached beside it keyed by (size, mtime_ns)."""
-    from kvarn.atomic import write_text
-
     path = Path(path)
     st = path.stat()
     key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -55,7 +62,7 @@ def file_sha256(path: str | os.PathLike) -> str:
             return cached["sha256"]
     except (OSError, ValueError):
         pass
-    digest = _sha256(path)
+    digest = uncached_sha256(path)
     try:
         write_text(side, json.dumps({**key, "sha256": digest}) + "\n")
     except OSError:

@@ -15,9 +15,13 @@ the variants. The fp32 copy is a second `KVarnCache` (`f32`/`f32`, tail 0) fed t
 
 from __future__ import annotations
 
+import polars as pl
 import torch
 
 import kvarn.attention as kattn
+from kvarn import data
+from kvarn.engine import new_cache
+from kvarn.facts import KVARN_ITERS
 
 VARIANTS = ("kv", "k", "v")  # both quantized (the cell), K only, V only
 
@@ -64,7 +68,7 @@ def _register():
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(PROBE_NAME, _probe_forward)
-    AttentionMaskInterface.register(PROBE_NAME, kattn._kvarn_mask)
+    AttentionMaskInterface.register(PROBE_NAME, kattn.kvarn_mask)
 
 
 def _tee(cell, ref):
@@ -79,15 +83,10 @@ def _tee(cell, ref):
 
 
 @torch.inference_mode()
-def layer_errors(model, chunk_ids: torch.Tensor, k: str, v: str, tail: int, tail_dtype=None, rot=True, iters=16,
+def layer_errors(model, chunk_ids: torch.Tensor, k: str, v: str, tail: int, tail_dtype=None, rot=True, iters=KVARN_ITERS,
                  sink=None, ubatch=512):
     """polars DataFrame, one row per attention layer: layer, kind ("sliding"/"full"), window,
     rel_err_kv, rel_err_k, rel_err_v (relative L2 error of the attention output), n_rows."""
-    import polars as pl
-
-    from kvarn import data
-    from kvarn.engine import _new_cache
-
     _register()
     model.set_attn_implementation(PROBE_NAME)
     try:
@@ -96,8 +95,8 @@ def layer_errors(model, chunk_ids: torch.Tensor, k: str, v: str, tail: int, tail
         device = next(model.parameters()).device
         probe = None
         for c in range(chunk_ids.shape[0]):
-            cell = _new_cache(model, k, v, tail, tail_dtype, rot, iters, sink=sink)
-            ref = _new_cache(model, "f32", "f32", 0)
+            cell = new_cache(model, k, v, tail, tail_dtype, rot, iters, sink=sink)
+            ref = new_cache(model, "f32", "f32", 0)
             _tee(cell, ref)
             if probe is None:
                 probe = _Probe(ref, len(cell.layers), scored)

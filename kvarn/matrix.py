@@ -33,16 +33,15 @@ each summary.json recorded.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvarn import facts
-from kvarn.memory import ACCOUNTINGS
+from kvarn.memory import ACCOUNTINGS, resummarize
+from kvarn.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, check_compute
+from kvarn.policy import check_sink
 
-DEFAULT_ITERS = 16  # KVarN variance-normalization passes (SPEC §4)
+DEFAULT_ITERS = facts.KVARN_ITERS  # KVarN variance-normalization passes (SPEC §4)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The attention path option (kvarn.attention.resolve_attention); one list for the CLI,
-# the matrix and the engine. Not part of any cell path: the paths agree at fp32 noise.
-ATTENTIONS = ("ref", "flex", "auto")
 TAIL_DTYPES = facts.TAIL_DTYPES
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
 SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
@@ -50,7 +49,7 @@ ALL_CHUNKS = "all"
 CHUNKS_PATTERN = r"\d+|all"
 MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
                   "memory_accounting": "packed"}
-CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS, "sink": None, "compute": "exact"}
+CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS, "sink": None, "compute": DEFAULT_COMPUTE}
 
 # Wildcard patterns: a type name has no "-", so "{k}-{v}-t{tail}{opts}" parses one way.
 TYPE_PATTERN = r"[a-z0-9_]+"
@@ -383,8 +382,6 @@ def expand(config: dict) -> Matrix:
         _int(f"{where}.iters", opts["iters"], 1)
         if opts["sink"] is not None:
             _int(f"{where}.sink", opts["sink"], 0)
-        from kvarn.compute import COMPUTES, check_compute
-
         if opts["compute"] not in COMPUTES:
             raise MatrixError(f"{where}.compute: {opts['compute']!r}; accepted: {', '.join(COMPUTES)}")
         names = _as_list(entry.get("models", list(models)))
@@ -397,8 +394,6 @@ def expand(config: dict) -> Matrix:
             except ValueError as e:
                 raise MatrixError(f"{fld}: {e}") from None
             if opts["sink"] is not None:
-                from kvarn.policy import check_sink
-
                 try:
                     check_sink(facts.get(k), facts.get(v), opts["sink"])
                 except ValueError as e:
@@ -431,8 +426,6 @@ def _normalize(cell: Cell, fam: str) -> Cell:
     KVarN always rotates and iters only matter to KVarN; a tail dtype or sink equal to
     the pair's default is the default (so existing cell paths stay as they were).
     """
-    from dataclasses import replace
-
     default_td = facts.pair_default_tail_dtype(cell.k, cell.v)
     own_sink = max(facts.get(cell.k).sink, facts.get(cell.v).sink)
     return replace(cell,
@@ -466,8 +459,6 @@ def summary_row(summary: dict, columns: dict, where: str = "summary.json") -> di
 
     The memory keys are those of `columns["memory_accounting"]` (default: as recorded),
     recomputed from the geometry the cell recorded (`kvarn.memory.resummarize`)."""
-    from kvarn.memory import resummarize
-
     accounting = columns.get("memory_accounting") or summary.get("memory_accounting", "packed")
     row = {**summary, **columns, **resummarize(summary, accounting, where)}
     row.pop("kv_geometry", None)  # per-layer lists stay in summary.json, not in the table

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvarn import gguf_weights, random_model
 from kvarn.geometry import Geometry, geometry_from_config
-from kvarn.sources import DEFAULT_CACHE_DIR, ModelSpec, resolve
+from kvarn.modelbuild import build_model, fill_weights, pick_device_dtype
+from kvarn.sources import DEFAULT_CACHE_DIR, ModelSpec, is_text_weight, resolve
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -64,66 +66,6 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
 
 
-def _pick_device_dtype(device: str, dtype):
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    elif isinstance(dtype, str):
-        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if dtype not in names:
-            raise ValueError(f"dtype {dtype!r}: expected 'auto' or one of {sorted(names)}")
-        dtype = names[dtype]
-    return str(device), dtype
-
-
-def _build(config, device: str, dtype, attn_implementation: str, init: bool):
-    """The causal LM for a text config, built directly on `device` in `dtype` (no fp32 host
-    copy). `init`: draw random weights (seeded by the caller); else leave them empty for
-    the caller to fill, as transformers' own loader does."""
-    import contextlib
-
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    ctx = contextlib.nullcontext() if init else no_init_weights()
-    with ctx, torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    return model
-
-
-def fill_weights(model, tensors, where: str) -> None:
-    """Copy (name, tensor) pairs into `model`'s parameters and persistent buffers (cast to
-    their dtype, on their device); every one must be given once, except an output head
-    tied to the embeddings. Names not in the model are an error, naming them."""
-    import torch
-
-    own = model.state_dict(keep_vars=True)
-    seen, unknown = set(), []
-    with torch.no_grad():
-        for name, t in tensors:
-            if name not in own:
-                unknown.append(name)
-                continue
-            dst = own[name]
-            if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(f"{where}: tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}")
-            dst.copy_(t)
-            seen.add(name)
-    if unknown:
-        raise ValueError(f"{where}: {len(unknown)} tensors the model does not have, e.g. {sorted(unknown)[:5]}")
-    tied = set()
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-        tied = {"lm_head.weight"}
-    missing = sorted(set(own) - seen - tied)
-    if missing:
-        raise ValueError(f"{where}: {len(missing)} model tensors missing from the checkpoint, e.g. {missing[:5]}")
-
-
 def _text_only(path: Path, device: str, dtype, attn_implementation: str):
     """The language model of an image-text checkpoint (Qwen3_5ForConditionalGeneration,
     Gemma4ForConditionalGeneration): its text config's causal-LM class, filled from the
@@ -133,10 +75,8 @@ def _text_only(path: Path, device: str, dtype, attn_implementation: str):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from kvarn.sources import is_text_weight
-
     config = AutoConfig.from_pretrained(path).get_text_config(decoder=True)
-    model = _build(config, device, dtype, attn_implementation, init=False)
+    model = build_model(config, device, dtype, attn_implementation, init=False)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -174,14 +114,10 @@ def load(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, revision = resolve(spec, cache_dir)
-    device, torch_dtype = _pick_device_dtype(device, dtype)
+    device, torch_dtype = pick_device_dtype(device, dtype)
     if spec.source.startswith("random:"):
-        from kvarn import random_model
-
         model, tokenizer = random_model.build(path, device, torch_dtype, attn_implementation)
     elif path.is_file():  # a .gguf
-        from kvarn import gguf_weights
-
         model, tokenizer = gguf_weights.load(path, device, torch_dtype, attn_implementation)
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)

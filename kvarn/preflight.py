@@ -34,7 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvarn.geometry import Geometry, geometry_from_config, text_config
+from kvarn.geometry import Geometry, config_object, geometry_from_config, text_config
+from kvarn.modelbuild import pick_device_dtype
+from kvarn.sources import config_json
 
 HEADROOM = 1.10  # 10 % on top of the estimate for what is not modelled
 # Bytes per cached row and channel (K and V together), kvarn.cache.KVarnLayer's storage:
@@ -189,9 +191,6 @@ def check(est: Estimate, device_free: int | None, host_free: int) -> None:
 
 def config_for(spec, cache_dir) -> Any:
     """The transformers config object of a spec without loading (or downloading) weights."""
-    from kvarn.geometry import config_object
-    from kvarn.sources import config_json
-
     return config_object(config_json(spec, cache_dir))
 
 
@@ -199,9 +198,7 @@ def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, base
               dry_run: bool = False) -> Estimate:
     """Estimate a job from its config; stop (PreflightError) if it cannot fit; return the estimate.
     `dry_run`: only estimate (no capacity check), for `kvarn run/baseline --dry-run`."""
-    from kvarn.models import _pick_device_dtype
-
-    device, torch_dtype = _pick_device_dtype(device, dtype)
+    device, torch_dtype = pick_device_dtype(device, dtype)
     est = estimate(config_for(spec, cache_dir), n_ctx, ubatch, str(torch_dtype).removeprefix("torch."),
                    device, baseline)
     if not dry_run:

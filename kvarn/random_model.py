@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvarn.modelbuild import build_model
 from kvarn.sources import RANDOM_SEED
 
 
@@ -51,8 +52,6 @@ def build(config_path: Path, device: str, dtype, attn_implementation: str = "sdp
     import torch
     from transformers import AutoConfig
 
-    from kvarn.models import _build
-
     raw = json.loads(Path(config_path).read_text())
     model_type = raw.get("model_type")
     if not model_type:
@@ -64,5 +63,5 @@ def build(config_path: Path, device: str, dtype, attn_implementation: str = "sdp
     torch.manual_seed(RANDOM_SEED)
     if str(device).startswith("cuda"):
         torch.cuda.manual_seed_all(RANDOM_SEED)
-    model = _build(config, device, dtype, attn_implementation, init=True)
+    model = build_model(config, device, dtype, attn_implementation, init=True)
     return model, byte_tokenizer()

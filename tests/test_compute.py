@@ -11,7 +11,7 @@ import torch
 from gguf.quants import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
-from kvarn import compute
+from kvarn import compute, options
 from kvarn.cache import KVarnLayer, make_format
 from kvarn.formats.hadamard import rotate_blocks
 from kvarn.policy import LayerPolicy
@@ -42,17 +42,17 @@ def test_quantize_q8_hand_worked(one_thread):
 
 def test_check_compute_refuses():
     with pytest.raises(ValueError, match="'fast'.*exact, llamacpp-cpu"):
-        compute.check_compute("fast")
+        options.check_compute("fast")
     with pytest.raises(ValueError, match="K type 'q3_0'"):
-        compute.check_compute("llamacpp-cpu", "q3_0", "q4_0")
+        options.check_compute("llamacpp-cpu", "q3_0", "q4_0")
     with pytest.raises(ValueError, match="tail 128"):
-        compute.check_compute("llamacpp-cpu", "q8_0", "q8_0", 128)
+        options.check_compute("llamacpp-cpu", "q8_0", "q8_0", 128)
     with pytest.raises(ValueError, match="kvarn4"):
-        compute.check_compute("llamacpp-cpu", "kvarn4", "kvarn4")
+        options.check_compute("llamacpp-cpu", "kvarn4", "kvarn4")
     with pytest.raises(ValueError, match="sink 1 not accepted"):  # the kernel reads every key rounded
-        compute.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 1)
-    assert compute.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 0) == "llamacpp-cpu"
-    assert compute.check_compute("exact", "q4_1", "q4_1", 0, 1) == "exact"
+        options.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 1)
+    assert options.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 0) == "llamacpp-cpu"
+    assert options.check_compute("exact", "q4_1", "q4_1", 0, 1) == "exact"
 
 
 def test_kernel_path():
@@ -142,7 +142,7 @@ def _ref_attention(q, k, v, kt, vt, rot, scale, mask):
         for h in range(hk * (H // Hkv), (hk + 1) * (H // Hkv)):
             for i in range(n_q):
                 if kt in GGUF:
-                    qb = _q8_row(q[h, i], compute.VEC_DOT_TYPE[kt])
+                    qb = _q8_row(q[h, i], options.VEC_DOT_TYPE[kt])
                 elif kt == "bf16":
                     qv = torch.from_numpy(q[h, i]).bfloat16().float().numpy()
                 else:
@@ -268,7 +268,7 @@ def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted):
 
     from safetensors import safe_open
 
-    from kvarn.gguf_weights import _tensor, reader
+    from kvarn.gguf_file import reader, tensor
     from paths import CACHE_DIR
 
     d = CACHE_DIR / model
@@ -282,7 +282,7 @@ def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted):
     tensors = {t.name: t for t in reader(ggufs[0]).tensors}
     with safe_open(str(hf), "pt") as f:
         for g, h in (("attn_k", "k_proj"), ("attn_q", "q_proj")):
-            file_rows = _tensor(tensors[f"blk.0.{g}.weight"])
+            file_rows = tensor(tensors[f"blk.0.{g}.weight"])
             ours = f.get_tensor(f"model.layers.0.self_attn.{h}.weight").float()
             heads = ours.reshape(-1, hd, ours.shape[-1])
             gathered = heads[:, compute.gguf_order(hd)].reshape(ours.shape)
@@ -358,7 +358,7 @@ def test_smollm2_paths():
                            ctx, 1, lm.info.bos_id)[0]
 
     def run(k, v, mode, ubatch=512):
-        cache = engine._new_cache(lm.model, k, v, 0, compute=mode)
+        cache = engine.new_cache(lm.model, k, v, 0, compute=mode)
         lp = torch.cat([x for _, x in engine.chunk_logprobs(lm.model, ids, cache, ubatch, data.scored_positions(ctx))])
         return lp, {getattr(layer, "last_path", None) for layer in cache.layers}
 

@@ -34,13 +34,13 @@ def test_error_bound_from_step(mass_correct):
     hi = x.max(1, keepdims=True)
     # range: 16 nats below the top (or the row minimum if closer), 65535 steps
     floor = np.maximum(x.min(1, keepdims=True), hi - 16)
-    # the mass correction may move scale by up to _SCALE_ULPS ulps (2**-23 relative each)
-    np.testing.assert_allclose(scale, (hi - floor) / 65535, rtol=1e-6 + dump._SCALE_ULPS * 2.0**-23)
-    assert scale[1:].max() <= 16 / 65535 * (1 + 1e-6 + dump._SCALE_ULPS * 2.0**-23)
+    # the mass correction may move scale by up to SCALE_ULPS ulps (2**-23 relative each)
+    np.testing.assert_allclose(scale, (hi - floor) / 65535, rtol=1e-6 + dump.SCALE_ULPS * 2.0**-23)
+    assert scale[1:].max() <= 16 / 65535 * (1 + 1e-6 + dump.SCALE_ULPS * 2.0**-23)
     fp32 = 4 * EPS32 * (np.abs(floor) + np.abs(x))
     # llama.cpp stores the floor itself; the mass correction moves it by at most half a step,
     # plus the few ulps of lo and scale that take up lo's fp32 rounding
-    ulps = dump._LO_ULPS * np.spacing(np.float32(32)) + dump._SCALE_ULPS * np.spacing(scale.astype(np.float32)) * 65535
+    ulps = dump.LO_ULPS * np.spacing(np.float32(32)) + dump.SCALE_ULPS * np.spacing(scale.astype(np.float32)) * 65535
     shift = 0.5 * scale + ulps if mass_correct else 0.0
     assert np.all(np.abs(lo - floor) <= shift + 4 * EPS32 * np.abs(floor))
     # so every entry in range decodes within half a step (+ the shift, + fp32 rounding)
@@ -82,8 +82,8 @@ def test_lo_rounding_taken_up(monkeypatch):
         return np.abs(metrics.token_metrics(lp, dump.decode_rows(rows, 20000), t)["kld"]).mean(), rows
 
     v3, rows3 = bias()
-    monkeypatch.setattr(dump, "_LO_ULPS", 0)
-    monkeypatch.setattr(dump, "_SCALE_ULPS", 0)
+    monkeypatch.setattr(dump, "LO_ULPS", 0)
+    monkeypatch.setattr(dump, "SCALE_ULPS", 0)
     v2, rows2 = bias()
     print(f"mean |KLD| of a perfect Q: v2 {v2:.2e}, v3 {v3:.2e}")
     assert v3 < v2 / 3 and v2 > 2e-7  # v2's residual is the size the docstring says
@@ -132,7 +132,7 @@ def test_truncated_and_corrupt_refused(tmp_path, layout):
     p = tmp_path / "base.kvd"
     dump.write_dump(p, header(), [logprobs(7, 50, seed=s) for s in range(2)], layout=layout)
     data = p.read_bytes()
-    chunk1 = 2 * 7 * 54 if layout == "dense" else int(dump.open_dump(p)._offsets[7])  # where chunk 1 starts
+    chunk1 = 2 * 7 * 54 if layout == "dense" else int(dump.open_dump(p).offsets[7])  # where chunk 1 starts
     (tmp_path / "cut.kvd").write_bytes(data[: len(data) - 100])
     with pytest.raises(ValueError, match="truncated"):
         dump.open_dump(tmp_path / "cut.kvd")
@@ -229,7 +229,7 @@ def test_sparse_layout_decodes_and_scores_bit_identically_to_dense(tmp_path):
     s, d = dump.open_dump(sp), dump.open_dump(de)
     assert (s.layout, d.layout) == ("sparse", "dense") and sp.stat().st_size < de.stat().st_size
     # both row kinds were written: sparse (shorter) rows and dense fallbacks
-    lengths = np.diff(s._offsets)
+    lengths = np.diff(s.offsets)
     dense_len = 2 * dump.row_uint16(V)
     assert (lengths == dense_len).sum() >= 50 and (lengths < dense_len).sum() >= 50
     assert lengths.min() == 8 + dump.bitmap_bytes(V)  # the constant row: no code stored at all
@@ -240,8 +240,8 @@ def test_sparse_layout_decodes_and_scores_bit_identically_to_dense(tmp_path):
         assert torch.equal(slices, whole)
         assert np.array_equal(s.dense_rows(c), d.dense_rows(c))  # code for code, llama.cpp's rows
         # both expansions: numpy's (the CPU default) and torch's (what an accelerator runs)
-        o = s._offsets[c * 149:(c + 1) * 149 + 1]
-        blob = np.asarray(s._payload[o[0]:o[-1]])
+        o = s.offsets[c * 149:(c + 1) * 149 + 1]
+        blob = np.asarray(s.payload[o[0]:o[-1]])
         for host in (True, False):
             assert torch.equal(dump.decode_packed(blob, o[:-1] - o[0], np.diff(o), V, host=host), whole)
         floor = (whole == whole.min(1, keepdim=True).values) & (whole <= -16)  # entries read as a clipped floor
@@ -281,7 +281,7 @@ def test_sparse_layout_corruption_named(tmp_path):
     def set_offset(b, i, v):
         b[table + 8 * i:table + 8 * i + 8] = int(v).to_bytes(8, "little")
 
-    off = dump.open_dump(p)._offsets
+    off = dump.open_dump(p).offsets
     # the offset table is checksummed
     bad = variant("t.kvd", lambda b: set_offset(b, 3, off[3] + 2))
     with pytest.raises(ValueError, match="row offset table sha256"):
@@ -334,7 +334,7 @@ def test_write_streams_slices_without_a_whole_chunk_encoding(tmp_path, monkeypat
     b = _mixed_rows(7, 300)
     h = dump.write_dump(tmp_path / "d.kvd", header(), [b], layout="dense")
     assert seen == [3, 3, 1]
-    assert h["chunk_sha256"] == [dump._sha256(real(b))]
+    assert h["chunk_sha256"] == [dump.array_sha256(real(b))]
     s = dump.write_dump(tmp_path / "s.kvd", header(), [b])
     assert torch.equal(dump.open_dump(tmp_path / "s.kvd").chunk(0), dump.decode_rows(real(b), 300))
     assert s["payload_bytes"] == len(dump.pack_rows(real(b), 300)[0])

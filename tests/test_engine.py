@@ -94,7 +94,7 @@ def _engine_logprobs(lm, ids, k, v, tail=0, ubatch=512):
     from kvarn import data, engine
 
     lm.model.set_attn_implementation("kvarn")
-    cache = engine._new_cache(lm.model, k, v, tail)
+    cache = engine.new_cache(lm.model, k, v, tail)
     return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, data.scored_positions(CTX))])
 
 
@@ -290,7 +290,7 @@ def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypa
 
     def run(k, v, tail):
         lm.model.set_attn_implementation("kvarn")
-        cache = engine._new_cache(lm.model, k, v, tail)
+        cache = engine.new_cache(lm.model, k, v, tail)
         return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ub, sc)]), cache
 
     with torch.inference_mode():

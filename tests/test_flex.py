@@ -163,7 +163,7 @@ def test_flex_refuses_an_incomplete_kvarn_group():
     layer = SimpleNamespace(q_offset=256, kv_offset=0, n_body=128, group=128, policy=pol)
     mask = torch.ones(1, 1, 44, 300, dtype=torch.bool).tril(256)
     with pytest.raises(AssertionError, match="incomplete 128-token group"):
-        kflex._check_mask(SimpleNamespace(layer_idx=0), layer, pol, mask, 44, 300)
+        kflex.check_mask(SimpleNamespace(layer_idx=0), layer, pol, mask, 44, 300)
 
 
 def test_block_mask_skips_blocks():
@@ -218,7 +218,7 @@ def _logprobs(lm, ids, k, v, tail, attention, ubatch=512):
     from kvarn import data, engine
 
     lm.model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = engine._new_cache(lm.model, k, v, tail, attention=attention)
+    cache = engine.new_cache(lm.model, k, v, tail, attention=attention)
     sc = data.scored_positions(ids.shape[0])
     return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, sc)])
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 
-from kvarn import gguf_weights
+from kvarn import gguf_file, gguf_weights
 
 from test_models import GEMMA_TEXT, QWEN_TEXT
 
@@ -112,11 +112,11 @@ def test_gemma4_gguf_written_in_test_reloads_exactly(tmp_path):
 
     reader = gguf.GGUFReader(str(path))
     assert {t.tensor_type.name for t in reader.tensors} == {"Q8_0", "F32"}  # the dequantizing path is taken
-    cfg = gguf_weights.gemma4_config(reader)
+    cfg = gguf_file.gemma4_config(reader)
     assert (cfg["num_key_value_heads"], cfg["num_global_key_value_heads"], cfg["head_dim"], cfg["global_head_dim"],
             cfg["attention_k_eq_v"], cfg["tie_word_embeddings"]) == (2, 1, 16, 32, True, True)
     assert cfg["rope_parameters"]["full_attention"]["partial_rotary_factor"] == 0.25
-    loaded = gguf_weights._gemma4_model(path, reader, "cpu", torch.float32, "sdpa").eval()
+    loaded = gguf_weights.gemma4_model(path, reader, "cpu", torch.float32, "sdpa").eval()
     with torch.no_grad():
         model.load_state_dict(expected, strict=False)  # the reference holds the same Q8_0 values
         ids = torch.randint(0, 384, (1, 24), generator=torch.Generator().manual_seed(2))
@@ -141,7 +141,7 @@ def test_gemma4_unsupported_gguf_is_refused(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError, match="experts"):
-        gguf_weights.gemma4_config(gguf.GGUFReader(str(path)))
+        gguf_file.gemma4_config(gguf.GGUFReader(str(path)))
 
 
 def test_reader_parses_a_file_once_and_a_rewritten_file_again(tmp_path):
@@ -155,9 +155,9 @@ def test_reader_parses_a_file_once_and_a_rewritten_file_again(tmp_path):
 
     path = tmp_path / "m.gguf"
     write(path, 8)
-    first = gguf_weights.reader(path)
-    assert gguf_weights.reader(tmp_path / "." / "m.gguf") is first  # the same file: parsed once
-    assert gguf_weights.architecture(path) == "llama" and gguf_weights.reader(path) is first
+    first = gguf_file.reader(path)
+    assert gguf_file.reader(tmp_path / "." / "m.gguf") is first  # the same file: parsed once
+    assert gguf_file.architecture(path) == "llama" and gguf_file.reader(path) is first
     write(path, 16)  # rewritten in place: another size
-    again = gguf_weights.reader(path)
+    again = gguf_file.reader(path)
     assert again is not first and again.tensors[0].shape.tolist() == [16, 4]

@@ -31,8 +31,8 @@ def test_weights_id_of_a_directory_tracks_content(tmp_path, monkeypatch):
     (d / "config.json").write_text("{}")
     (d / "model.safetensors").write_bytes(b"\x01" * 1000)
     calls = []
-    real = identity._sha256
-    monkeypatch.setattr(identity, "_sha256", lambda p: calls.append(p.name) or real(p))
+    real = identity.uncached_sha256
+    monkeypatch.setattr(identity, "uncached_sha256", lambda p: calls.append(p.name) or real(p))
     a = identity.weights_id(str(d), None)
     assert sorted(calls) == ["config.json", "model.safetensors"]
     # cached beside each file: a second look hashes nothing and gives the same id

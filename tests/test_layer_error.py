@@ -26,7 +26,7 @@ def _o_proj_input(lm, ids, k, v, layer=0):
     got = []
     h = lm.model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(lambda m, a: got.append(a[0][0]))
     try:
-        cache = engine._new_cache(lm.model, k, v, 0)
+        cache = engine.new_cache(lm.model, k, v, 0)
         list(engine.chunk_logprobs(lm.model, ids[0], cache, 512, data.scored_positions(CTX)))
     finally:
         h.remove()

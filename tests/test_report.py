@@ -235,7 +235,7 @@ def test_save_chart_writes_spec_svg_png(prep, tmp_path):
 
 @pytest.fixture(scope="module")
 def paired(results, prep):
-    from kvarn.paired import run_table
+    from kvarn.report.paired_table import run_table
 
     paths = synthetic.token_paths(results[0], "smollm2-135m")
     return run_table(prep["smollm2-135m"], paths, n_boot=300)

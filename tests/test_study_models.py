@@ -33,7 +33,7 @@ from transformers.cache_utils import LinearAttentionLayer
 
 import kvarn.attention as kattn
 from kvarn.cache import KVarnCache, KVarnLayer
-from kvarn.engine import _policy_fields
+from kvarn.engine import policy_fields
 from kvarn.geometry import geometry_from_config
 from paths import WIKI_TEXT
 
@@ -173,11 +173,11 @@ def test_cache_layers_follow_the_layer_types(pair):
 def test_summary_policy_fields():
     # No policy on linear layers; sliding layers cap the KVarN tail at their window.
     q = KVarnCache(qwen35_config(), "kvarn4", "kvarn4", 0)
-    assert _policy_fields(q) == {"tail_eff_full": 128, "tail_eff_sliding": None, "sink": 128}
-    assert _policy_fields(KVarnCache(qwen35_config(), "q4_0", "q4_0", 128)) == {
+    assert policy_fields(q) == {"tail_eff_full": 128, "tail_eff_sliding": None, "sink": 128}
+    assert policy_fields(KVarnCache(qwen35_config(), "q4_0", "q4_0", 128)) == {
         "tail_eff_full": 128, "tail_eff_sliding": None, "sink": 0}
     g = KVarnCache(gemma4_config(), "kvarn4", "kvarn4", 0)
-    assert _policy_fields(g) == {"tail_eff_full": 128, "tail_eff_sliding": 32, "sink": 128}
+    assert policy_fields(g) == {"tail_eff_full": 128, "tail_eff_sliding": 32, "sink": 128}
 
 
 @pytest.mark.parametrize("name,want", [
@@ -196,7 +196,7 @@ def test_study_scale_configs_build_the_cache(name, want):
     for k, tail in (("kvarn4", 0), ("q4_0", 128)):
         cache = KVarnCache(cfg, k, k, tail)
         assert dict(Counter(type(x).__name__ for x in cache.layers)) == layers
-        assert _policy_fields(cache)["tail_eff_sliding"] == tail_sliding
+        assert policy_fields(cache)["tail_eff_sliding"] == tail_sliding
         assert {(g.n_kv_heads, g.head_dim) for g in cache.geometry.layers if g.has_kv} == shapes
 
 
@@ -445,8 +445,8 @@ def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread):
     def logprobs(cache, c):
         return torch.cat([lp for _, lp in engine.chunk_logprobs(model, ids[c], cache, 512, scored)])
 
-    fresh = logprobs(engine._new_cache(model, "bf16", "bf16", 0), 1)
-    stale_cache = engine._new_cache(model, "bf16", "bf16", 0)
+    fresh = logprobs(engine.new_cache(model, "bf16", "bf16", 0), 1)
+    stale_cache = engine.new_cache(model, "bf16", "bf16", 0)
     logprobs(stale_cache, 0)
     for layer in stale_cache.layers:  # carry only the state layers over: the KV layers restart
         if isinstance(layer, KVarnLayer):

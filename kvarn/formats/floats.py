@@ -7,7 +7,9 @@ import torch
 from .base import KVFormat, Packed
 from .registry import register
 
-_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# The float type names and their torch dtypes: the one map of kvarn (the cache's exact
+# copy, the llamacpp-cpu emulation and these formats read it).
+FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 class FloatFormat(KVFormat):
@@ -16,7 +18,7 @@ class FloatFormat(KVFormat):
     def __init__(self, name: str, role: str = "k"):
         super().__init__(role)
         self.name = name
-        self.dtype = _DTYPES[name]
+        self.dtype = FLOAT_DTYPES[name]
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
 
     def encode(self, x: torch.Tensor) -> Packed:
@@ -38,5 +40,5 @@ class FloatFormat(KVFormat):
         return n_tokens * head_dim * self.itemsize
 
 
-for _name in _DTYPES:
+for _name in FLOAT_DTYPES:
     register(_name, lambda role="k", rot=True, _n=_name: FloatFormat(_n, role))

@@ -35,48 +35,33 @@ import math
 
 import torch
 
+# The type facts (group, slice, sink, widths, iters, tile bytes) are kvarn.facts', read here;
+# the numerics constants are shared with the Triton kernels (kvarn_numerics).
+from kvarn.facts import KVARN_DEFAULT_TAIL_DTYPE, KVARN_VERSION, kvarn_head_dim_ok
+from kvarn.facts import KVARN_GROUP as GROUP  # tokens per tile (G)
+from kvarn.facts import KVARN_ITERS as ITERS  # normalization passes
+from kvarn.facts import KVARN_SINK as SINK  # exact leading tokens on full-attention layers (SPEC §2)
+from kvarn.facts import KVARN_SLICE as SLICE  # most channels in one tile
+from kvarn.facts import KVARN_WIDTHS as WIDTHS
+from kvarn.facts import kvarn_payload_nbytes as payload_nbytes
+from kvarn.facts import kvarn_tile_nbytes as tile_nbytes
+from kvarn.facts import kvarn_tile_shape as tile_shape
+
 from .base import KVFormat, Packed, ValueRangeError, first_bad
 from .hadamard import hadamard
+from .kvarn_numerics import LOG_MAX, LOG_MIN, RATIO_FLOOR, STD_MAX, STD_MIN, STEP_MIN
 from .registry import register
-
-GROUP = 128  # tokens per tile (G)
-SLICE = 128  # most channels in one tile; wider heads are cut into 128-channel slices
-SINK = 128  # exact leading tokens on full-attention layers (SPEC §2)
-WIDTHS = tuple(range(2, 9))  # BeeLlama ships 2..6 and 8; 7 costs nothing
-ITERS = 16  # normalization passes: BeeLlama and the paper-era reference (vLLM now uses 8)
-
-STD_MIN, STD_MAX = 1e-3, 1e3  # clamp on a measured std before taking its log
-LOG_MIN, LOG_MAX = -0.3, 10.0  # clamp on the accumulated log-scales a, b
-RATIO_FLOOR = 1e-8  # denominator floor of the imbalance ratios
-STEP_MIN = 1e-10  # floor of the RTN step (a constant row quantizes to code 0)
 
 
 # --- geometry -------------------------------------------------------------------
 def check_head_dim(head_dim: int, name: str = "kvarn") -> None:
     """KVarN tiles need a power-of-two head dim in [64, 512]."""
-    ok = isinstance(head_dim, int) and 64 <= head_dim <= 512 and not head_dim & (head_dim - 1)
-    if not ok:
+    if not kvarn_head_dim_ok(head_dim):
         raise ValueError(
             f"{name}: head dim {head_dim!r} is not supported; KVarN accepts a power of two "
             "in [64, 512] (64, 128, 256, 512: one tile of D channels for D <= 128, "
             "128-channel tiles otherwise)"
         )
-
-
-def tile_shape(role: str, head_dim: int) -> tuple[int, int, int]:
-    """(rows, cols, slices per group) of one head's tiles for K (role 'k') or V ('v')."""
-    ch = min(head_dim, SLICE)
-    rows, cols = (ch, GROUP) if role == "k" else (GROUP, ch)
-    return rows, cols, head_dim // ch
-
-
-def payload_nbytes(rows: int, cols: int, bits: int) -> int:
-    return math.ceil(rows * cols * bits / 8)
-
-
-def tile_nbytes(rows: int, cols: int, bits: int) -> int:
-    """Codes (dense bitstream) + fp16 scale[rows] + fp16 zero[rows] + fp16 other[cols]."""
-    return payload_nbytes(rows, cols, bits) + 2 * (2 * rows + cols)
 
 
 def to_tiles(xr: torch.Tensor, role: str) -> torch.Tensor:
@@ -246,8 +231,8 @@ class KVarNFormat(KVFormat):
     sink = SINK
     tail_quantum = GROUP
     min_tail = GROUP
-    default_tail_dtype = "f16"
-    version = 1
+    default_tail_dtype = KVARN_DEFAULT_TAIL_DTYPE
+    version = KVARN_VERSION
 
     def __init__(self, bits: int, role: str = "k", iters: int = ITERS, impl: str = "auto"):
         super().__init__(role)

@@ -52,16 +52,17 @@ except ImportError:  # pragma: no cover - older layouts
         libdevice = None
 LIBDEVICE = tl.constexpr(libdevice is not None and not _INTERPRET)
 
-from . import kvarn as _ref
-from .kvarn import ITERS, payload_nbytes
+from kvarn.facts import KVARN_ITERS, kvarn_payload_nbytes
+
+from . import kvarn_numerics as num
 
 # the reference's constants, as compile-time constants of the kernels
-STD_MIN = tl.constexpr(_ref.STD_MIN)
-STD_MAX = tl.constexpr(_ref.STD_MAX)
-LOG_MIN = tl.constexpr(_ref.LOG_MIN)
-LOG_MAX = tl.constexpr(_ref.LOG_MAX)
-RATIO_FLOOR = tl.constexpr(_ref.RATIO_FLOOR)
-STEP_MIN = tl.constexpr(_ref.STEP_MIN)
+STD_MIN = tl.constexpr(num.STD_MIN)
+STD_MAX = tl.constexpr(num.STD_MAX)
+LOG_MIN = tl.constexpr(num.LOG_MIN)
+LOG_MAX = tl.constexpr(num.LOG_MAX)
+RATIO_FLOOR = tl.constexpr(num.RATIO_FLOOR)
+STEP_MIN = tl.constexpr(num.STEP_MIN)
 
 
 @triton.jit
@@ -233,7 +234,7 @@ def quantize_warps(rows: int, cols: int) -> int:
     return 16 if rows * cols >= 128 * 128 else 8
 
 
-def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = ITERS, *, num_warps: int | None = None,
+def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = KVARN_ITERS, *, num_warps: int | None = None,
                   precise: bool = True):
     """Tiles fp32 [N, R, C] -> (payload uint8 [N, R*C*bits/8], scale f16 [N, R],
     zero f16 [N, R], other f16 [N, C]); same contract as kvarn.quantize_pack_ref.
@@ -253,7 +254,7 @@ def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = ITERS, *, num_war
                                     PRECISE=precise, num_warps=num_warps or quantize_warps(r, c),
                                     enable_fp_fusion=False)
     payload = words.view(torch.uint8)  # little-endian words = the LSB-first byte stream
-    assert payload.shape[-1] == payload_nbytes(r, c, bits)
+    assert payload.shape[-1] == kvarn_payload_nbytes(r, c, bits)
     return payload, scale, zero, other
 
 

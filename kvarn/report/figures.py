@@ -315,7 +315,7 @@ def heatmap(prep: pl.DataFrame, standard_tail: int | None = None) -> alt.HConcat
 
 
 def ranked(prep: pl.DataFrame, paired: pl.DataFrame) -> alt.LayerChart:
-    """Cells ranked by median KLD with 95 % block-bootstrap intervals (kvarn.paired.run_table).
+    """Cells ranked by median KLD with 95 % block-bootstrap intervals (kvarn.report.paired_table.run_table).
 
     Filled points: cells whose median is statistically indistinguishable from the standard
     floor (paired interval of Δ median vs the floor holds 0); the dashed rule is the floor.

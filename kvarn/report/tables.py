@@ -25,7 +25,7 @@ TABLE_COLUMNS = [
     "kld_mean_err", "kld_median", "kld_p99", "kld_p99_9", "same_top", "same_top_err", "tokens_per_s",
     "is_floor", "below_floor",
 ]
-#: Columns joined from kvarn.paired.run_table when the paired statistics are given.
+#: Columns joined from kvarn.report.paired_table.run_table when the paired statistics are given.
 PAIRED_COLUMNS = ["kld_median_lo", "kld_median_hi", "band", "floor_delta", "floor_lo", "floor_hi", "sw_cell",
                   "sw_delta", "sw_lo", "sw_hi", "sw_significant"]
 

@@ -11,7 +11,7 @@ from kvarn.report.data import parse_cell_path, select_token_paths
 
 SUMMARY_FIGURES = ["pareto", "same_width", "tail_effect", "tail_sweep", "heatmap"]
 TOKEN_FIGURES = ["position", "distribution"]
-PAIRED_FIGURES = ["ranked"]  # from results/paired/{model}.parquet (kvarn.paired.run_table)
+PAIRED_FIGURES = ["ranked"]  # from results/paired/{model}.parquet (kvarn.report.paired_table.run_table)
 # from the summary's rows of both compute paths (kvarn.report.data.compute_split), not `prepare`'s
 SPLIT_FIGURES = ["kernel_share"]
 FIGURE_FORMATS = ["svg", "png", "vl.json"]

@@ -1,4 +1,4 @@
-# Paired statistics of the run each model's table shows (kvarn.paired.run_table): every
+# Paired statistics of the run each model's table shows (kvarn.report.paired_table.run_table): every
 # cell's median KLD interval, Δ median vs the standard floor, KVarN vs the same-width
 # standard type, all from a seeded circular block bootstrap over the cells' tokens.parquet.
 # They feed the table's `band` column and the ranked figure.

@@ -1,10 +1,10 @@
-"""Rule paired: one model's paired statistics (kvarn.paired.run_table) -> results/paired/{model}.parquet."""
+"""Rule paired: one model's paired statistics (kvarn.report.paired_table.run_table) -> results/paired/{model}.parquet."""
 
 import polars as pl
 from _wf import atomic, start
 
 start(snakemake)  # noqa: F821
-from kvarn.paired import run_table  # noqa: E402
+from kvarn.report.paired_table import run_table  # noqa: E402
 from kvarn.report import prepare  # noqa: E402
 
 sm = snakemake  # noqa: F821
