@@ -123,7 +123,7 @@ def _table() -> dict[str, TypeFacts]:
     rows += [TypeFacts(n, "float", 8 * size, itemsize=size) for n, size in (("f32", 4), ("f16", 2), ("bf16", 2))]
     rows += [
         TypeFacts(f"kvarn{b}", "kvarn", b, group=KVARN_GROUP, sink=KVARN_SINK, tail_quantum=KVARN_GROUP,
-                  min_tail=KVARN_GROUP, default_tail_dtype="f16")
+                  min_tail=KVARN_GROUP, default_tail_dtype="f16", version=2)
         for b in KVARN_WIDTHS
     ]
     return {r.name: r for r in rows}
