@@ -203,3 +203,15 @@ def test_sample_std_is_the_one_pass_float64_loop():
         want = np.float32(math.sqrt(max(0.0, (ss - 128 * mean * mean) / 127)))
         assert got[r].item() == want
     assert K.sample_std(torch.full((1, 128), 0.3), -1).item() == 0.0  # clamped at 0, not NaN
+
+
+def test_exp32_log32_are_float64_rounded():
+    """KVarN's exp/log: the float64 result rounded to fp32 (nearest to glibc's expf/logf,
+    which BeeLlama calls); torch's fp32 exp/log differ from it in the last bit on ~1-10 % of
+    arguments, enough to move a tie between passes."""
+    x = torch.from_numpy(QO.fixture_input(1, 1, 4096, 13).reshape(-1))
+    want_exp = np.array([np.float32(math.exp(v)) for v in x.tolist()])
+    pos = x.abs() + 1e-3
+    want_log = np.array([np.float32(math.log(v)) for v in pos.tolist()])
+    assert np.array_equal(K.exp32(x).numpy(), want_exp)
+    assert np.array_equal(K.log32(pos).numpy(), want_log)
