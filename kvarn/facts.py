@@ -34,7 +34,7 @@ KVARN_SINK = 128  # exact leading tokens on full-attention layers (SPEC §2)
 KVARN_WIDTHS = tuple(range(2, 9))  # BeeLlama ships 2..6 and 8; 7 costs nothing
 KVARN_ITERS = 16  # variance-normalization passes (SPEC §4): BeeLlama and the paper-era reference (vLLM now uses 8)
 KVARN_DEFAULT_TAIL_DTYPE = "f16"  # KVarN's exact copy (SPEC §2); the standard types' is bf16
-KVARN_VERSION = 1  # KVarN's numerics version
+KVARN_VERSION = 2  # KVarN's numerics version (2: BeeLlama's CPU arithmetic: butterfly rotation, F16 stage, float64 stds)
 
 FAMILIES = ("float", "block", "kvarn")
 

@@ -1,14 +1,23 @@
 """KVarN (SPEC §4): variance-normalized KV-cache quantization, the pure-torch reference.
 
-For every (head, group of G = 128 tokens):
+Arithmetic: BeeLlama's CPU KV-cache store (`ggml_compute_forward_kvarn_store`, the same
+code at v0.4.0 and v0.4.3), reproduced bit for bit (bench/beellama/quant_oracle.py,
+tests/test_beellama_oracle.py). For every (head, group of G = 128 tokens):
 
-1. rotate each token by the normalized Sylvester Hadamard H_D over the whole head;
+1. rotate each token by the normalized Sylvester Hadamard H_D over the whole head, computed
+   as BeeLlama does: an in-place butterfly over each 128-channel slice, times fp32
+   1/sqrt(128), then (D = 256, 512) a butterfly across the slices, times fp32 1/sqrt(D/128)
+   (`rotate`); the rotated token is stored as fp16 (BeeLlama's F16 stage) and the tile is
+   quantized from those fp16 values (`stage`);
 2. cut the rotated group into tiles: K tile [channels x tokens] (rows = channels, so K is
    quantized per channel over the group's tokens), V tile [tokens x channels] (rows =
    tokens, V quantized per token). D <= 128: one tile of D channels; D > 128: 128-channel
    slices, each its own tile (the Hadamard still spans the whole head);
 3. variance-normalize the tile with per-column log-scales `a` and per-row log-scales `b`
-   (`iters` alternating passes, keep the least imbalanced pass);
+   (`iters` alternating passes, keep the least imbalanced pass). Sample stds as BeeLlama:
+   one pass in float64 (sum, sum of squares), variance max(0, (ss - n*mean^2)/(n-1)),
+   sqrt in float64, then rounded to fp32; exp and log are evaluated in float64 and rounded
+   to fp32 (BeeLlama calls glibc's expf/logf: see `exp32`);
 4. round each row of the normalized tile to `bits` bits, asymmetric min/max;
 5. store the codes as one dense LSB-first bitstream + fp16 scale[row], zero[row],
    other[col]; decode (q * scale + zero) * other in the rotated frame, rotate back.
@@ -48,7 +57,6 @@ from kvarn.facts import kvarn_tile_nbytes as tile_nbytes
 from kvarn.facts import kvarn_tile_shape as tile_shape
 
 from .base import KVFormat, Packed, ValueRangeError, first_bad
-from .hadamard import hadamard
 from .kvarn_numerics import LOG_MAX, LOG_MIN, RATIO_FLOOR, STD_MAX, STD_MIN, STEP_MIN
 from .registry import register
 
@@ -79,23 +87,68 @@ def from_tiles(tiles: torch.Tensor, role: str) -> torch.Tensor:
     return y.transpose(-3, -2).reshape(*lead, g * gs, s * ch)
 
 
+def _butterfly(y: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform of the last dim (a power of two), BeeLlama's
+    in-place loop: for stride 1, 2, 4, ...: (a, b) -> (a + b, a - b) at (i, i + stride)."""
+    n, stride = y.shape[-1], 1
+    while stride < n:
+        v = y.reshape(*y.shape[:-1], n // (2 * stride), 2, stride)
+        y = torch.stack((v[..., 0, :] + v[..., 1, :], v[..., 0, :] - v[..., 1, :]), -2).reshape(y.shape)
+        stride *= 2
+    return y
+
+
+def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x @ H_D over the last dim (H symmetric and orthonormal, so this also rotates back)."""
-    return x @ hadamard(x.shape[-1], dtype=x.dtype, device=x.device)
+    """x @ H_D over the last dim in BeeLlama's arithmetic (H symmetric and orthonormal, so
+    this also rotates back): each min(D, 128)-channel slice by the butterfly times fp32
+    1/sqrt(slice), then, for D > 128, across the D/128 slices times fp32 1/sqrt(D/128).
+    Equal to `x @ hadamard(D)` up to fp32 rounding (tested); x is float32."""
+    d = x.shape[-1]
+    ch = min(d, SLICE)
+    y = _butterfly(x.reshape(*x.shape[:-1], d // ch, ch)) * _f32(1 / math.sqrt(ch), x)
+    if d > ch:
+        y = (_butterfly(y.transpose(-1, -2)) * _f32(1 / math.sqrt(d // ch), x)).transpose(-1, -2)
+    return y.reshape(x.shape)
+
+
+def stage(xr: torch.Tensor) -> torch.Tensor:
+    """The rotated values as BeeLlama's F16 stage holds them (fp32 -> fp16, round to nearest
+    even, -> fp32): the tiles are quantized from these."""
+    return xr.half().float()
 
 
 # --- variance normalization (SPEC §4.3) ----------------------------------------------
 def sample_std(y: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sample standard deviation (n - 1), two-pass, as the kernels compute it."""
+    """Sample standard deviation (n - 1) as BeeLlama computes it: one pass in float64 (sum
+    and sum of squares), var = max(0, (ss - n*mean^2)/(n - 1)), sqrt in float64, rounded to
+    fp32. Only the float64 sums' order differs from its sequential loop (an error of ~1e-16
+    relative before the fp32 rounding)."""
     n = y.shape[dim]
-    mean = y.sum(dim, keepdim=True) / n
-    dev = y - mean
-    return torch.sqrt((dev * dev).sum(dim) / (n - 1))
+    y64 = y.double()
+    mean = y64.sum(dim) / n
+    var = ((y64 * y64).sum(dim) - n * mean * mean) / (n - 1)
+    return torch.sqrt(var.clamp_min(0.0)).float()
+
+
+def exp32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 exp, computed in float64 and rounded: the correctly rounded result but for the
+    rare argument whose exp lies within ~1e-16 of an fp32 rounding boundary. BeeLlama calls
+    glibc's expf, which is not correctly rounded everywhere (rarely an ulp away)."""
+    return torch.exp(x.double()).float()
+
+
+def log32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log, computed in float64 and rounded (BeeLlama: glibc's logf; see exp32)."""
+    return torch.log(x.double()).float()
 
 
 def scaled(tiles: torch.Tensor, log_col: torch.Tensor, log_row: torch.Tensor) -> torch.Tensor:
     """Y = X / (e^b_row * e^a_col)."""
-    return tiles / (torch.exp(log_row)[..., :, None] * torch.exp(log_col)[..., None, :])
+    return tiles / (exp32(log_row)[..., :, None] * exp32(log_col)[..., None, :])
 
 
 def imbalance(std_col: torch.Tensor, std_row: torch.Tensor) -> torch.Tensor:
@@ -106,7 +159,7 @@ def imbalance(std_col: torch.Tensor, std_row: torch.Tensor) -> torch.Tensor:
 
 
 def _log_update(log_scale: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    return (log_scale + torch.log(std.clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
+    return (log_scale + log32(std.clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
 
 
 def normalize_ref(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +206,8 @@ def quantize_rows(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
 def _quantize_tiles(tiles: torch.Tensor, bits: int, iters: int):
     a, b = normalize_ref(tiles, iters)
     q, lo, step = quantize_rows(scaled(tiles, a, b), bits)
-    s_row = torch.exp(b)
-    return q, (s_row * step).half(), (s_row * lo).half(), torch.exp(a).half()
+    s_row = exp32(b)
+    return q, (s_row * step).half(), (s_row * lo).half(), exp32(a).half()
 
 
 CPU_CHUNK_VALUES = 2**18  # ~1 MiB of fp32 tiles per batch: the 16 passes then run in cache
@@ -295,7 +348,7 @@ class KVarNFormat(KVFormat):
     def encode(self, x: torch.Tensor) -> Packed:
         self.check_input(x)
         quantize_pack, _ = self._kernels(x)
-        tiles = to_tiles(rotate(x), self.role)  # [..., g, s, R, C]
+        tiles = to_tiles(stage(rotate(x)), self.role)  # [..., g, s, R, C]
         lead = tiles.shape[:-2]
         payload, scale, zero, other = quantize_pack(tiles.reshape(-1, *tiles.shape[-2:]), self.bits, self.iters)
         self._check_meta(x, scale, zero, other, lead)
@@ -326,7 +379,7 @@ class KVarNFormat(KVFormat):
         if self._kernels(x)[0] is not quantize_pack_ref:
             return self.decode(self.encode(x))
         self.check_input(x)
-        tiles = to_tiles(rotate(x), self.role)  # [..., g, s, R, C], flattened as encode does
+        tiles = to_tiles(stage(rotate(x)), self.role)  # [..., g, s, R, C], flattened as encode does
         q, scale, zero, other = quantize_tiles_ref(tiles.reshape(-1, *tiles.shape[-2:]), self.bits, self.iters)
         self._check_meta(x, scale, zero, other, tiles.shape[:-2])
         y = dequantize_tiles_ref(q, scale, zero, other).reshape(tiles.shape)

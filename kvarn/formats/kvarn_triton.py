@@ -19,8 +19,9 @@ and on a GPU every one of them is the correctly rounded (or libdevice, <= 1-2 ul
 division `div_rn` and `sqrt_rn` (Triton's `/` and `tl.sqrt` lower to approximate PTX on
 NVIDIA), exp/log from libdevice (`tl.exp`/`tl.log` lower to the approximate ex2/lg2
 units), no FMA contraction (`enable_fp_fusion=False`). What still differs: the order of
-the std sums (a tree here, torch's order in the reference) and exp/log's last bit, so a
-few values can differ in the last fp32 bit. Then an fp16 metadata value can land one
+the float64 std sums (a tree here, torch's order in the reference: ~1e-16 relative before
+the fp32 rounding) and, on a GPU, libdevice's float64 exp/log's last bit, so a value can
+rarely differ in the last fp32 bit. Then an fp16 metadata value can land one
 fp16 ulp apart, a code can move by one where (y - lo)/step is within rounding of a half
 step, and -- where two passes' imbalances are equal up to rounding -- the kernel may keep
 another of the tied passes than the reference (a balanced tile: once every std is equal,
@@ -29,7 +30,7 @@ imbalance unchanged up to the last bit, but moves scale/other by e^c).
 tests/test_kvarn_triton.py checks exactly that.
 
 Under TRITON_INTERPRET=1 libdevice cannot run (no extern calls in the interpreter), so
-exp/log there are tl.exp/tl.log (numpy, correctly rounded to ~1 ulp).
+exp/log there are tl.exp/tl.log on float64 (numpy), then rounded to fp32.
 """
 
 from __future__ import annotations
@@ -76,33 +77,38 @@ def _div(x, y, PRECISE: tl.constexpr):
 
 @triton.jit
 def _exp(x, PRECISE: tl.constexpr):
-    if PRECISE and LIBDEVICE:
-        return libdevice.exp(x)
+    """fp32 exp; PRECISE: in float64, rounded to fp32, as the reference (`kvarn.exp32`)."""
+    if PRECISE:
+        if LIBDEVICE:
+            return libdevice.exp(x.to(tl.float64)).to(tl.float32)
+        else:
+            return tl.exp(x.to(tl.float64)).to(tl.float32)
     else:
         return tl.exp(x)
 
 
 @triton.jit
 def _log(x, PRECISE: tl.constexpr):
-    if PRECISE and LIBDEVICE:
-        return libdevice.log(x)
+    """fp32 log; PRECISE: in float64, rounded to fp32, as the reference (`kvarn.log32`)."""
+    if PRECISE:
+        if LIBDEVICE:
+            return libdevice.log(x.to(tl.float64)).to(tl.float32)
+        else:
+            return tl.log(x.to(tl.float64)).to(tl.float32)
     else:
         return tl.log(x)
 
 
 @triton.jit
-def _std(y, axis: tl.constexpr, n: tl.constexpr, PRECISE: tl.constexpr):
-    """Sample std (n - 1), two-pass, along `axis` of a 2-D block."""
-    mean = _div(tl.sum(y, axis=axis), n, PRECISE)
-    if axis == 0:
-        dev = y - mean[None, :]
-    else:
-        dev = y - mean[:, None]
-    var = _div(tl.sum(dev * dev, axis=axis), n - 1, PRECISE)
-    if PRECISE:
-        return tl.sqrt_rn(var)
-    else:
-        return tl.sqrt(var)
+def _std(y, axis: tl.constexpr, n: tl.constexpr):
+    """Sample std (n - 1) along `axis` of a 2-D block, as the reference (`kvarn.sample_std`,
+    BeeLlama's loop): one pass in float64, var = max(0, (ss - n*mean^2)/(n - 1)), sqrt in
+    float64, rounded to fp32 (NVPTX's float64 div and sqrt are the correctly rounded .rn
+    instructions; the approximate ones exist for fp32 only)."""
+    y64 = y.to(tl.float64)
+    mean = tl.sum(y64, axis=axis) / n
+    var = tl.maximum((tl.sum(y64 * y64, axis=axis) - n * mean * mean) / (n - 1), 0.0)
+    return tl.sqrt(var).to(tl.float32)
 
 
 @triton.jit
@@ -135,18 +141,18 @@ def _quantize_pack_kernel(x_ptr, words_ptr, scale_ptr, zero_ptr, other_ptr, iter
     # variance normalization (SPEC §4.3): candidate 0 is the unscaled tile, ties -> later
     a = tl.zeros([C], dtype=tl.float32)
     b = tl.zeros([R], dtype=tl.float32)
-    std_col = _std(x, 0, R, PRECISE)
-    std_row = _std(x, 1, C, PRECISE)
+    std_col = _std(x, 0, R)
+    std_row = _std(x, 1, C)
     best = _imbalance(std_col, std_row, PRECISE)
     best_a = a
     best_b = b
     for _ in range(iters):
         a = _log_update(a, std_col, PRECISE)
-        std_row = _std(_scaled(x, a, b, PRECISE), 1, C, PRECISE)
+        std_row = _std(_scaled(x, a, b, PRECISE), 1, C)
         b = _log_update(b, std_row, PRECISE)
         y = _scaled(x, a, b, PRECISE)
-        std_col = _std(y, 0, R, PRECISE)
-        std_row = _std(y, 1, C, PRECISE)
+        std_col = _std(y, 0, R)
+        std_row = _std(y, 1, C)
         cur = _imbalance(std_col, std_row, PRECISE)
         better = cur <= best
         best = tl.where(better, cur, best)
