@@ -251,3 +251,47 @@ def test_ledger_intervals_are_kvarn_paired(tmp_path):
     md = C.ledger_markdown(led)
     assert "## smollm2-135m (read against the study's qwen3.6-27b)" in md
     assert md.count("\n| ") == led.height + 1  # a header and one line per row
+
+
+def test_claims_rule_writes_the_ledger_and_decision_tables(tmp_path):
+    """Rule claims, run by snakemake on the synthetic result set (tokens included): claims.md,
+    .parquet, .html and each model's decision tables; the parquet is the ledger of run_claims."""
+    import shutil
+    import subprocess
+    import textwrap
+
+    snakemake = shutil.which("snakemake", path=str(Path(sys.executable).parent)) or "snakemake"
+    summary_df = synthetic.make_results(tmp_path, chunks=1)
+    (tmp_path / "config").mkdir()
+    shutil.copy(ROOT / "config" / "study.yaml", tmp_path / "config" / "study.yaml")
+    (tmp_path / "Snakefile").write_text(textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+        config["report"] = {{"boot": 200}}
+
+
+        def model_names():
+            return ["smollm2-135m", "gemma3-270m"]
+
+
+        def token_parquets(model):
+            return sorted(str(p) for p in Path("results", model).glob("ctx*-c*/cells/*/tokens.parquet"))
+
+
+        include: {str(ROOT / "workflow/rules/report.smk")!r}
+    """))
+    done = subprocess.run([snakemake, "-c1", "-q", "--allowed-rules", "claims", "--", "results/claims.md"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    led = pl.read_parquet(tmp_path / "results" / "claims.parquet")
+    ref, decisions = C.run_claims(summary_df, [*synthetic.token_paths(tmp_path, "smollm2-135m"),
+                                               *synthetic.token_paths(tmp_path, "gemma3-270m")], STUDY, n_boot=200)
+    assert led.equals(ref)
+    assert led.filter(pl.col("delta").is_not_null()).height >= 5  # paired intervals from the tokens
+    md = (tmp_path / "results" / "claims.md").read_text()
+    assert md.startswith("# The study's claims, computed") and "## Decision tables" in md
+    for model in ("smollm2-135m", "gemma3-270m"):
+        text = (tmp_path / "results" / "tables" / "decisions" / f"{model}.md").read_text()
+        assert text == decisions[model] and "Format-only floor (ours" in text
+    assert "read against the study's gemma4-31b" in (tmp_path / "results" / "claims.html").read_text()

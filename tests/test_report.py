@@ -291,6 +291,8 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     """The rule file under a minimal Snakefile providing common.smk's two functions."""
     snakemake = shutil.which("snakemake", path=str(Path(sys.executable).parent)) or "snakemake"
     shutil.copytree(results[0] / "results", tmp_path / "results")
+    (tmp_path / "config").mkdir()
+    shutil.copy(ROOT / "config" / "study.yaml", tmp_path / "config" / "study.yaml")  # rule claims reads it
     (tmp_path / "Snakefile").write_text(textwrap.dedent(f"""
         import sys
         from pathlib import Path
@@ -319,7 +321,7 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     assert dry.returncode == 0, dry.stderr
     for rule in ("report_table", "report_pareto", "report_same_width", "report_tail_effect", "report_tail_sweep",
                  "report_heatmap", "report_position", "report_distribution", "paired", "report_ranked",
-                 "report_kernel_share"):
+                 "report_kernel_share", "claims"):
         assert f"{rule}" in dry.stdout + dry.stderr
     lint = subprocess.run([snakemake, "--lint"], cwd=tmp_path, capture_output=True, text=True)
     for f in ("report.smk", "paired.smk"):
@@ -327,7 +329,8 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     from kvarn.report import workflow as W
 
     targets = W.targets(MODELS)
-    assert len(targets) == 2 * (3 + 9 * 3) and "results/figures/gemma3-270m/pareto.vl.json" in targets
+    assert len(targets) == 2 * (3 + 9 * 3) + 3 + 2 and "results/figures/gemma3-270m/pareto.vl.json" in targets
+    assert {"results/claims.md", "results/tables/decisions/smollm2-135m.md"} <= set(targets)
     assert "results/figures/gemma3-270m/kernel_share.vl.json" in targets
 
 

@@ -672,3 +672,72 @@ def decisions_markdown(prep: pl.DataFrame, model: str, delta: Delta = _no_delta)
                        "no reference row measured"),
     ]
     return "\n".join(head) + "\n".join(parts)
+
+
+# ---------------------------------------------------------------- a whole run (the `claims` rule)
+
+
+def run_claims(summary: pl.DataFrame, token_paths=(), study: dict | None = None,
+               study_models: Mapping[str, str] | None = None, n_boot: int = 2000, seed: int = 0):
+    """The ledger of every model of a run and each model's decision tables (Markdown).
+
+    `token_paths`: the tokens.parquet of the cells each model's tables show (the paired
+    intervals are computed for the cells found among them). Returns (ledger, {model: md})."""
+    from kvarn.paired import load_cell
+    from kvarn.report.data import prepare
+
+    study = study if study is not None else load_study()
+    by_name: dict[tuple[str, str], Path] = {}
+    for p in token_paths:
+        d = Path(p).parent
+        by_name[(d.parent.parent.parent.name, d.name)] = d  # results/{model}/ctx.../cells/{cell}
+    ledgers, decisions = [], {}
+    for model in summary["model"].unique(maintain_order=True).to_list():
+        prep = prepare(summary, model)
+        cells = {r["cell"]: load_cell(by_name[(model, r["cell"])], summary=r)
+                 for r in prep.iter_rows(named=True) if (model, r["cell"]) in by_name}
+        sm = study_model_of(model, study, study_models)
+        ledgers.append(ledger(prep, model, study, cells, sm, n_boot, seed))
+        decisions[model] = decisions_markdown(prep, model, paired_delta(cells, n_boot, seed) if cells else _no_delta)
+    return pl.concat(ledgers), decisions
+
+
+def claims_markdown(table: pl.DataFrame, decisions: Mapping[str, str]) -> str:
+    """results/claims.md: the ledger, then every model's decision tables."""
+    return ledger_markdown(table) + "\n## Decision tables\n\n" + "\n".join(decisions.values())
+
+
+def _html_table(df: pl.DataFrame) -> str:
+    import html
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in df.columns)
+    body = "\n".join("<tr>" + "".join(f"<td>{html.escape('–' if v is None else str(v))}</td>" for v in row) + "</tr>"
+                     for row in df.iter_rows())
+    return f'<table class="kvarn">\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>\n'
+
+
+def claims_html(table: pl.DataFrame, decisions: Mapping[str, str]) -> str:
+    """results/claims.html (the report's first page): the ledger per model, the decision tables
+    as preformatted Markdown."""
+    import html
+
+    parts = ["<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>kvarn: the study's claims</title>"
+             "<style>table.kvarn{border-collapse:collapse;font:13px system-ui,sans-serif}"
+             "table.kvarn td,table.kvarn th{padding:3px 8px;border-bottom:1px solid #ddd;vertical-align:top}"
+             "</style></head><body>", "<h2>The study's claims, computed</h2>",
+             "<p>Study figures: config/study.yaml; definitions: kvarn/report/claims.py; verdicts: holds / does "
+             "not hold / not measurable. Δ median: paired 95 % block-bootstrap interval (kvarn.paired).</p>"]
+    for model in table["model"].unique(maintain_order=True).to_list():
+        t = table.filter(pl.col("model") == model)
+        shown = t.select(
+            "claim", pl.col("study_text").alias("study"), pl.col("section").alias("where"),
+            pl.col("ours_text").alias("ours"),
+            pl.when(pl.col("delta").is_not_null()).then(pl.format(
+                "{} [{}, {}] ({})", pl.col("delta").round_sig_figs(2), pl.col("delta_lo").round_sig_figs(2),
+                pl.col("delta_hi").round_sig_figs(2), pl.col("delta_of"))).alias("Δ median [95 % CI]"),
+            pl.concat_str([pl.col(c).replace("", None) for c in ("verdict", "missing", "note")], separator=" — ",
+                          ignore_nulls=True).alias("verdict"))
+        parts += [f"<h3>{html.escape(model)} (read against the study's {html.escape(t['study_model'][0])})</h3>",
+                  _html_table(shown)]
+    parts += ["<h2>Decision tables</h2>"] + [f"<pre>{html.escape(md)}</pre>" for md in decisions.values()]
+    return "\n".join(parts + ["</body></html>\n"])
