@@ -3,6 +3,7 @@
 * `kvarn.report.data`    — shaping `results/summary.parquet` and per-token parquets
 * `kvarn.report.tables`  — the per-model benchmark table (DataFrame, Markdown, HTML)
 * `kvarn.report.figures` — Altair charts and their offline rendering (Vega-Lite JSON, SVG, PNG)
+* `kvarn.report.claims`  — the study's claims as a computed ledger, and its decision tables
 
 How to read each table and figure: docs/notes/report.md.
 """

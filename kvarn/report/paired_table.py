@@ -21,8 +21,8 @@ def run_table(prep, token_paths, n_boot: int = N_BOOT, seed: int = SEED, level: 
     floor_hi, band ("floor", "≈ floor" when the interval of Δ vs the floor holds 0, else
     ""), sw_cell, sw_delta, sw_lo, sw_hi, sw_significant (KVarN rows with a same-width
     partner at `tail`, see kvarn.report.data.same_width; Δ = KVarN − standard).
-    The standard floor is kvarn.report.data.standard_floor: the standard row with the
-    lowest median KLD at any tail (ties: the smaller cache).
+    The standard floor is kvarn.report.data.standard_floor: the study's, the standard pair
+    with the lowest median KLD at tail 128 (ties: the smaller cache).
     """
     by_name = {Path(p).parent.name: Path(p).parent for p in token_paths}
     missing = [c for c in prep["cell"].to_list() if c not in by_name]

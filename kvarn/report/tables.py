@@ -4,8 +4,8 @@ Shaped like the study's table: K/V pair, tail (KVarN request 0 printed `128*`), 
 MiB with the Δ against the same pair at tail 0 in brackets (its header and the caption
 name the memory accounting, kvarn.memory), mean KLD ± standard error,
 median, p99, p99.9, same-top % ±, tokens/s, and the exact share (how much of the row is
-exactness rather than format: `kvarn.policy.exact_share`). The standard floor (the best standard row by
-median KLD) is marked; rows whose median KLD is below the floor are highlighted (bold in
+exactness rather than format: `kvarn.policy.exact_share`). The standard floor (the study's: the standard pair
+with the lowest median KLD at tail 128, kvarn.report.data.standard_floor) is marked; rows whose median KLD is below the floor are highlighted (bold in
 Markdown, class `below-floor` in HTML).
 """
 
@@ -39,7 +39,7 @@ BELOW_NOTE = "below floor"
 def build_table(summary: pl.DataFrame, model: str, paired: pl.DataFrame | None = None) -> pl.DataFrame:
     """The numeric table of one model: one row per cell, standard rows first, widest first.
 
-    `paired`: kvarn.paired.run_table of the same run (results/paired/{model}.parquet); adds
+    `paired`: kvarn.report.paired_table.run_table of the same run (results/paired/{model}.parquet); adds
     PAIRED_COLUMNS, joined by cell.
     """
     prep = prepare(summary, model)
@@ -113,7 +113,8 @@ def _caption(table: pl.DataFrame) -> str:
             "averaged over attention layers; the rest is read from the quantized body. "
             f"KV cache MiB under the `{accounting_of(table)}` memory accounting (body + staging + exact overlay, "
             "kvarn.memory); Δ: MiB against the same pair at tail 0. "
-            f"*{FLOOR_NOTE}*: the best standard row by median KLD; "
+            f"*{FLOOR_NOTE}*: the standard pair with the lowest median KLD at tail 128 (the study's floor; "
+            "format-only rows are not standard pairs); "
             f"**bold** rows ({BELOW_NOTE}): median KLD lower than the standard floor. "
             + ("Band (paired 95 % block-bootstrap intervals, kvarn.paired): *≈ floor* = median not "
                "distinguishable from the floor's; for KVarN, </≈/> its same-width qN_0 at tail 128, with "

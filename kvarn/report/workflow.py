@@ -29,12 +29,22 @@ FIGURE_TITLES = {
     "decode": "free-running decode divergence",
 }
 # `report:` section of the config (optional; every key has a default).
-DEFAULTS = {"cells": None, "widths": [2, 4, 8], "tail": 128, "position_bins": 24, "boot": 2000, "seed": 0}
+DEFAULTS = {"cells": None, "widths": [2, 4, 8], "tail": 128, "position_bins": 24, "boot": 2000, "seed": 0,
+            "study_model": {}}
+
+
+CLAIMS_OUTPUTS = {"md": "results/claims.md", "parquet": "results/claims.parquet", "html": "results/claims.html"}
+CLAIMS_CATEGORY = "1. the study's claims"  # the report sorts categories by name: digits first
+
+
+def decision_tables(models) -> list[str]:
+    """Each model's decision tables (kvarn.report.claims.decisions_markdown), written by rule claims."""
+    return [f"results/tables/decisions/{m}.md" for m in models]
 
 
 def targets(models) -> list[str]:
-    """Every table and figure path of every model."""
-    out = []
+    """Every table and figure path of every model, the claims ledger and the decision tables."""
+    out = [*CLAIMS_OUTPUTS.values(), *decision_tables(models)]
     for m in models:
         out += [f"results/tables/{m}.{ext}" for ext in TABLE_FORMATS]
         out += [f"results/figures/{m}/{f}.{ext}" for f in SUMMARY_FIGURES + TOKEN_FIGURES + PAIRED_FIGURES + SPLIT_FIGURES

@@ -15,6 +15,37 @@ figure_tokens = lambda wildcards: kvr.figure_tokens(token_parquets(wildcards.mod
 figure_outputs = kvr.figure_outputs
 
 
+# The study's claims as a ledger (kvarn.report.claims), with the paired intervals from the
+# tokens of the cells each model's tables show, and each model's decision tables. Optional
+# config: report: {study_model: {MODEL: qwen3.6-27b | gemma4-31b}} (default: config/study.yaml).
+rule claims:
+    input:
+        summary="results/summary.parquet",
+        study="config/study.yaml",
+        tokens=lambda wildcards: [p for m in model_names() for p in kvr.report_run_tokens(token_parquets(m))],
+    output:
+        md=kvr.CLAIMS_OUTPUTS["md"],
+        parquet=kvr.CLAIMS_OUTPUTS["parquet"],
+        html=report(
+            kvr.CLAIMS_OUTPUTS["html"],
+            caption="../report/claims.rst",
+            category=kvr.CLAIMS_CATEGORY,
+            subcategory="ledger and decision tables",
+            labels={"figure": "claims ledger"},
+        ),
+        decisions=kvr.decision_tables(model_names()),
+    params:
+        study_models=kvr.option(config, "study_model"),
+        boot=kvr.option(config, "boot"),
+        seed=kvr.option(config, "seed"),
+    log:
+        "logs/report/claims.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/claims.py"
+
+
 rule report_table:
     input:
         summary="results/summary.parquet",

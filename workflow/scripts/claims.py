@@ -1,0 +1,24 @@
+"""Rule claims: results/summary.parquet (+ the report run's tokens) -> the study's claims ledger
+(results/claims.md, .parquet, .html) and each model's decision tables (results/tables/decisions/)."""
+
+from pathlib import Path
+
+import polars as pl
+from _wf import atomic, start
+
+start(snakemake)  # noqa: F821
+from kvarn.report.claims import claims_html, claims_markdown, load_study, run_claims  # noqa: E402
+
+sm = snakemake  # noqa: F821
+ledger, decisions = run_claims(pl.read_parquet(sm.input.summary), list(sm.input.tokens), load_study(sm.input.study),
+                               sm.params.study_models, n_boot=sm.params.boot, seed=sm.params.seed)
+with atomic(sm.output.parquet) as tmp:
+    ledger.write_parquet(tmp)
+with atomic(sm.output.md) as tmp:
+    tmp.write_text(claims_markdown(ledger, decisions), encoding="utf-8")
+with atomic(sm.output.html) as tmp:
+    tmp.write_text(claims_html(ledger, decisions), encoding="utf-8")
+for path in sm.output.decisions:  # results/tables/decisions/{model}.md
+    with atomic(path) as tmp:
+        tmp.write_text(decisions[Path(path).stem], encoding="utf-8")
+print(ledger.group_by("verdict").len())
