@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -107,11 +108,20 @@ EMBEDDED: dict[str, Embedded] = {
 
 
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+    """hex sha256 of a file, hashed once per file version in this process: keyed on the
+    resolved path, size, mtime and inode (as `kvarn.gguf_weights.reader` keys its parse),
+    so re-verifying a cached model costs a stat per file, and a rewritten or replaced file
+    is hashed again. (A rewrite of the same size within one tick of the file system's
+    clock, in place, would not be seen: the verification guards downloads and
+    conversions, which replace files.)"""
+    st = Path(path).stat()
+    return _sha256_version(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_version(path: str, size: int, mtime_ns: int, ino: int) -> str:
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @contextlib.contextmanager
