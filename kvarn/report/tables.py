@@ -39,7 +39,7 @@ BELOW_NOTE = "below floor"
 def build_table(summary: pl.DataFrame, model: str, paired: pl.DataFrame | None = None) -> pl.DataFrame:
     """The numeric table of one model: one row per cell, standard rows first, widest first.
 
-    `paired`: kvarn.paired.run_table of the same run (results/paired/{model}.parquet); adds
+    `paired`: kvarn.report.paired_table.run_table of the same run (results/paired/{model}.parquet); adds
     PAIRED_COLUMNS, joined by cell.
     """
     prep = prepare(summary, model)
