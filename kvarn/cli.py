@@ -15,11 +15,11 @@ from pathlib import Path
 
 from kvarn import paired
 from kvarn.atomic import atomic_path
-from kvarn.facts import KVARN_ITERS, TAIL_DTYPES, names, tail_label
+from kvarn.facts import KVARN_ITERS, TAIL_DTYPES, check_pair, names, tail_label
+from kvarn.facts import get as type_facts
 from kvarn.geometry import geometry_from_config
-from kvarn.matrix import DTYPES  # one list each for the CLI and the matrix
 from kvarn.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, kv_bytes
-from kvarn.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE
+from kvarn.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES  # one list each for the CLI and the matrix
 from kvarn.policy import check_sink, pair_family
 from kvarn.preflight import PreflightError, capacity, preflight
 from kvarn.sources import DEFAULT_CACHE_DIR, EMBEDDED, ModelSpec, config_json, fetch
@@ -368,10 +368,7 @@ def _formats() -> str:
 
 
 def _decode(spec, args) -> int:
-    from kvarn.formats import get_format
-
-    pair_family(get_format(args.k), get_format(args.v))
-    check_sink(get_format(args.k), get_format(args.v), args.sink)
+    check_pair(args.k, args.v, args.sink)
     if args.tokens > args.ctx - 2:
         raise UsageError(f"--tokens {args.tokens} leaves no prompt in --ctx {args.ctx}; at most {args.ctx - 2}")
     if args.threads:
@@ -393,10 +390,7 @@ def _decode(spec, args) -> int:
 
 
 def _layers(spec, args) -> int:
-    from kvarn.formats import get_format
-
-    pair_family(get_format(args.k), get_format(args.v))
-    check_sink(get_format(args.k), get_format(args.v), args.sink)
+    check_pair(args.k, args.v, args.sink)
     if args.threads:
         import torch
 
@@ -475,12 +469,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "run":
             from kvarn.metrics import format_llama
-            from kvarn.formats import get_format
 
-            pair_family(get_format(args.k), get_format(args.v))  # refuse KVarN mixed with standard early
+            pair_family(type_facts(args.k), type_facts(args.v))  # refuse KVarN mixed with standard early
 
             try:
-                check_sink(get_format(args.k), get_format(args.v), args.sink)
+                check_sink(type_facts(args.k), type_facts(args.v), args.sink)
             except ValueError as e:
                 raise UsageError(f"--sink {args.sink}: {e}") from None
             if args.tail >= args.ctx:

@@ -27,7 +27,7 @@ from kvarn.compute import set_activation_rounding
 from kvarn.facts import KVARN_ITERS
 from kvarn.identity import job_key
 from kvarn.options import COMPUTE_VERSION, check_compute
-from kvarn.policy import check_sink, exact_share
+from kvarn.policy import exact_share
 from kvarn.preflight import preflight
 from kvarn.sources import DEFAULT_CACHE_DIR
 
@@ -300,7 +300,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     """
     check_compute(compute, k, v, tail, sink)
     kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
-    check_sink(facts.get(k), facts.get(v), sink)  # a bad sink is refused before any work
+    facts.check_pair(k, v, sink)  # a mixed pair or a bad sink is refused before any work
     out_dir = Path(out_dir)
     memory.check_accounting(accounting)
     t0 = time.perf_counter()

@@ -36,9 +36,6 @@ KVARN_ITERS = 16  # variance-normalization passes (SPEC §4): BeeLlama and the p
 KVARN_DEFAULT_TAIL_DTYPE = "f16"  # KVarN's exact copy (SPEC §2); the standard types' is bf16
 KVARN_VERSION = 2  # KVarN's numerics version (2: BeeLlama's CPU arithmetic: butterfly rotation, F16 stage, float64 stds)
 
-FAMILIES = ("float", "block", "kvarn")
-
-
 def kvarn_head_dim_ok(head_dim) -> bool:
     """KVarN tiles need a power-of-two head dim in [64, 512]."""
     return (isinstance(head_dim, int) and not isinstance(head_dim, bool) and 64 <= head_dim <= 512
@@ -174,6 +171,15 @@ def get(name: str) -> TypeFacts:
 def pair_family(k: str, v: str) -> str:
     """'kvarn' or 'standard'; KVarN cannot be mixed with other types in one cache."""
     return policy.pair_family(get(k), get(v))
+
+
+def check_pair(k: str, v: str, sink: int | None = None) -> int:
+    """Validate a cell's K/V pair (known types, KVarN not mixed with a standard type) and its
+    sink (`kvarn.policy.check_sink`); return the sink it runs with. The one check the CLI,
+    the matrix and the engine make before any work."""
+    kf, vf = get(k), get(v)
+    policy.pair_family(kf, vf)
+    return policy.check_sink(kf, vf, sink)
 
 
 def pair_default_tail_dtype(k: str, v: str) -> str:

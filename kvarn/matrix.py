@@ -37,11 +37,9 @@ from dataclasses import dataclass, field, replace
 
 from kvarn import facts
 from kvarn.memory import ACCOUNTINGS, resummarize
-from kvarn.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, check_compute
-from kvarn.policy import check_sink
+from kvarn.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_compute
 
 DEFAULT_ITERS = facts.KVARN_ITERS  # KVarN variance-normalization passes (SPEC §4)
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 TAIL_DTYPES = facts.TAIL_DTYPES
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
 SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
@@ -50,6 +48,14 @@ CHUNKS_PATTERN = r"\d+|all"
 MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
                   "memory_accounting": "packed"}
 CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS, "sink": None, "compute": DEFAULT_COMPUTE}
+
+# The results layout, one template per output directory: the cells below and the workflow's
+# rules (workflow/rules/common.smk, decode.smk) take their paths from these.
+RUN_DIR = "results/{model}/ctx{n_ctx}-c{chunks}"
+CELL_NAME = "{k}-{v}-t{tail}{opts}"
+CELL_DIR = RUN_DIR + "/cells/" + CELL_NAME
+DECODE_RUN_DIR = "results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}"
+DECODE_DIR = DECODE_RUN_DIR + "/" + CELL_NAME
 
 # Wildcard patterns: a type name has no "-", so "{k}-{v}-t{tail}{opts}" parses one way.
 TYPE_PATTERN = r"[a-z0-9_]+"
@@ -108,11 +114,11 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return f"{self.k}-{self.v}-t{self.tail}{self.opts}"
+        return CELL_NAME.format(k=self.k, v=self.v, tail=self.tail, opts=self.opts)
 
     @property
     def run_dir(self) -> str:
-        return f"results/{self.model}/ctx{self.n_ctx}-c{self.chunks}"
+        return RUN_DIR.format(model=self.model, n_ctx=self.n_ctx, chunks=self.chunks)
 
     @property
     def dir(self) -> str:
@@ -150,7 +156,7 @@ class Matrix:
 
 def decode_dir(model: str, n_ctx: int, prompts: int, tokens: int, cell: str) -> str:
     """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{cell}: steps.parquet + summary.json."""
-    return f"results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{cell}"
+    return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens)}/{cell}"
 
 
 def compute_suffix(compute: str) -> str:
@@ -240,16 +246,6 @@ def parse_opts(opts: str) -> dict:
         else:
             out["iters"] = int(tok[1:])
     return out
-
-
-def family(k: str, v: str) -> str:
-    """'kvarn' or 'standard' (raises naming both types if they mix)."""
-    return facts.pair_family(k, v)
-
-
-def tail_label(k: str, v: str, tail: int) -> str:
-    """The tail as tables print it (`kvarn.facts.tail_label`): '128*' where KVarN raised it."""
-    return facts.tail_label(k, v, tail)
 
 
 def format_version(name: str, role: str = "k") -> int:
@@ -390,12 +386,12 @@ def expand(config: dict) -> Matrix:
                 raise MatrixError(f"{where}.models: unknown model {n!r}; defined: {', '.join(models)}")
         for k, v, fld in _pairs(where, entry, known):
             try:
-                fam = family(k, v)
+                fam = facts.pair_family(k, v)
             except ValueError as e:
                 raise MatrixError(f"{fld}: {e}") from None
             if opts["sink"] is not None:
                 try:
-                    check_sink(facts.get(k), facts.get(v), opts["sink"])
+                    facts.check_pair(k, v, opts["sink"])
                 except ValueError as e:
                     raise MatrixError(f"{where}.sink: {e}") from None
             for tail in tails:
@@ -444,10 +440,10 @@ def cell_columns(k: str, v: str, tail: int, opts: str = "", memory_accounting: s
     """
     return {
         "memory_accounting": memory_accounting,
-        "family": family(k, v),
+        "family": facts.pair_family(k, v),
         "tail_requested": tail,
-        "tail_label": tail_label(k, v, tail),
-        "cell": f"{k}-{v}-t{tail}{opts}",
+        "tail_label": facts.tail_label(k, v, tail),
+        "cell": CELL_NAME.format(k=k, v=v, tail=tail, opts=opts),
         "k_version": format_version(k, "k"),
         "v_version": format_version(v, "v"),
     }

@@ -77,6 +77,16 @@ def _inputs_and_outputs(logp_q, logp_base, targets):
     return logp_q, logp_base, targets, out
 
 
+def _check_normalised(lse: torch.Tensor, first_row: int) -> None:
+    """Refuse rows of logp_q whose logsumexp `lse` is not 0 within 1e-3 (raw logits, not log-probs)."""
+    if not bool((lse.abs() < 1e-3).all()):
+        bad = int(lse.abs().argmax()) + first_row
+        raise ValueError(
+            f"logp_q row {bad} is not normalised (logsumexp {float(lse.abs().max()):.3g}); "
+            "pass log-probabilities (torch.log_softmax of the logits), not logits"
+        )
+
+
 def token_metrics(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
     """Per scored token: KLD(base ‖ Q), NLL of the true token under Q and under base,
     Δp = p_Q(true) − p_base(true), and whether the two argmaxes agree.
@@ -102,12 +112,7 @@ def token_metrics(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
         b = min(a + _FAST_ROWS, n)
         q = logp_q[a:b]
         lse = torch.logsumexp(q.float() if q.dtype != torch.float64 else q, dim=1)
-        if not bool((lse.abs() < 1e-3).all()):
-            bad = int(lse.abs().argmax()) + a
-            raise ValueError(
-                f"logp_q row {bad} is not normalised (logsumexp {float(lse.abs().max()):.3g}); "
-                "pass log-probabilities (torch.log_softmax of the logits), not logits"
-            )
+        _check_normalised(lse, a)
         base = logp_base[a:b].to(q.device)
         t = targets[a:b].to(q.device).unsqueeze(1)
         rows, cols = (base > KLD_BASE_FLOOR).nonzero(as_tuple=True)
@@ -142,12 +147,7 @@ def token_metrics_ref(logp_q, logp_base, targets) -> dict[str, np.ndarray]:
         b = min(a + _ROWS, n)
         q = logp_q[a:b].to(torch.float64)  # on the input's device: no host copy of the vocabulary
         lse = torch.logsumexp(q, dim=1)
-        if not bool((lse.abs() < 1e-3).all()):
-            bad = int(lse.abs().argmax()) + a
-            raise ValueError(
-                f"logp_q row {bad} is not normalised (logsumexp {float(lse.abs().max()):.3g}); "
-                "pass log-probabilities (torch.log_softmax of the logits), not logits"
-            )
+        _check_normalised(lse, a)
         base = logp_base[a:b].to(q.device, torch.float64)
         t = targets[a:b].to(q.device).unsqueeze(1)
         keep = base > KLD_BASE_FLOOR

@@ -3,16 +3,18 @@ model of a config, and filling its weights from named tensors.
 
 Shared by every way a model is made (`kvarn.models` from a transformers directory,
 `kvarn.gguf_weights` from a GGUF, `kvarn.random_model` from a config file) and by the
-preflight's estimate (`pick_device_dtype`). Imports no kvarn module; torch and transformers
-only inside the functions.
+preflight's estimate (`pick_device_dtype`). Imports only `kvarn.options`; torch and
+transformers only inside the functions.
 """
 
 from __future__ import annotations
 
+from kvarn.options import MODEL_DTYPES
+
 
 def pick_device_dtype(device: str, dtype):
     """(device, torch dtype) a job runs on: "auto" device is CUDA when present, else CPU;
-    "auto" dtype bfloat16 on CUDA, float32 on CPU; a dtype name is one of `DTYPE_NAMES`."""
+    "auto" dtype bfloat16 on CUDA, float32 on CPU; a dtype name is one of `kvarn.options.MODEL_DTYPES`."""
     import torch
 
     if device == "auto":
@@ -20,7 +22,7 @@ def pick_device_dtype(device: str, dtype):
     if dtype == "auto":
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     elif isinstance(dtype, str):
-        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        names = {n: getattr(torch, n) for n in MODEL_DTYPES}
         if dtype not in names:
             raise ValueError(f"dtype {dtype!r}: expected 'auto' or one of {sorted(names)}")
         dtype = names[dtype]

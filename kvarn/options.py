@@ -2,7 +2,8 @@
 
 Owns the compute paths (`COMPUTES`, `check_compute`, `COMPUTE_VERSION`; the arithmetic
 itself is `kvarn.compute`), the attention options (`ATTENTIONS`, the paths they resolve to
-`ATTENTION_PATHS`; the arithmetic is `kvarn.attention` / `kvarn.flex`) and the llama.cpp
+`ATTENTION_PATHS`; the arithmetic is `kvarn.attention` / `kvarn.flex`), the model dtypes
+(`DTYPES`) and the llama.cpp
 CPU kernels' Q types (`VEC_DOT_TYPE`, whose keys are the K/V types llamacpp-cpu accepts).
 The CLI, the matrix (`snakemake -n` must not import torch), the cache and the engine all
 read these lists here.
@@ -25,6 +26,10 @@ VEC_DOT_TYPE = {
     "q8_0": "q8_0", "q5_0": "q8_0", "q4_0": "q8_0", "iq4_nl": "q8_0",
     "q5_1": "q8_1", "q4_1": "q8_1",
 }
+
+# The compute dtypes a model runs in ("auto" picks one by device, `kvarn.modelbuild.pick_device_dtype`).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", *MODEL_DTYPES)
 
 # The attention computations of the exact compute path, and the option that picks one
 # (`kvarn.attention.resolve_attention`: "auto" is flex on CUDA, ref on CPU). Not part of

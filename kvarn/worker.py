@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from kvarn.identity import job_key
-from kvarn.sources import DEFAULT_CACHE_DIR
+from kvarn.sources import DEFAULT_CACHE_DIR, ModelSpec
 
 ENV, IDLE_ENV, DIR_ENV = "KVARN_WORKER", "KVARN_WORKER_IDLE", "KVARN_WORKER_DIR"
 IDLE_S = 120.0
@@ -295,7 +295,6 @@ def _handle(conn, f, ident: dict, context):
         if req.get("kind") not in KINDS:
             raise ValueError(f"request kind {req.get('kind')!r}: expected one of {KINDS}")
         from kvarn import engine
-        from kvarn.sources import ModelSpec
 
         k = ident
         spec = ModelSpec(k["name"], k["source"], k["revision"])

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvarn import facts
 from kvarn import matrix as kvm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,10 +57,10 @@ def test_options_roundtrip_through_the_path_and_normalize():
 
 
 def test_tail_label_and_family():
-    assert kvm.tail_label("kvarn4", "kvarn4", 0) == "128*"
-    assert kvm.tail_label("kvarn4", "kvarn4", 128) == "128"
-    assert kvm.tail_label("q4_0", "q4_0", 0) == "0"
-    assert kvm.family("q8_0", "q4_0") == "standard" and kvm.family("kvarn6", "kvarn5") == "kvarn"
+    assert facts.tail_label("kvarn4", "kvarn4", 0) == "128*"
+    assert facts.tail_label("kvarn4", "kvarn4", 128) == "128"
+    assert facts.tail_label("q4_0", "q4_0", 0) == "0"
+    assert facts.pair_family("q8_0", "q4_0") == "standard" and facts.pair_family("kvarn6", "kvarn5") == "kvarn"
 
 
 def test_summary_row_adds_the_table_columns():
@@ -128,7 +129,7 @@ def test_bad_config_is_rejected_naming_the_field(name):
 def test_shipped_configs_expand(name):
     cfg = yaml.safe_load((ROOT / "config" / name).read_text())
     m = kvm.expand(cfg)
-    fams = {kvm.family(c.k, c.v) for c in m.cells}
+    fams = {facts.pair_family(c.k, c.v) for c in m.cells}
     assert fams == {"standard", "kvarn"}
     if name == "article.yaml":  # 48 standard pairs x tails 0, 128 + 15 KVarN pairs, per model
         per_model = [sum(c.model == mm for c in m.cells) for mm in m.models]

@@ -124,7 +124,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
         m = _CELL_RE.match(r.get("cell") or "")
         r["opts"] = m["opts"] if m else ""
         r["pair"] = f"{r['k_type']}-{r['v_type']}{r['opts']}"  # a non-default option stays visible
-        if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.matrix.tail_label)
+        if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.facts.tail_label)
             r["tail_label"] = tail_label(r["family"], r["tail_requested"], r["tail_eff_full"])
         r["series"] = series_of(r["family"], r["tail_requested"], r["tail_eff_full"])
         if r["family"] == "standard" and r["opts"] == FORMAT_ONLY_OPTS:

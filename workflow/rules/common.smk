@@ -39,8 +39,8 @@ def _model_threads() -> int:
 MODEL_THREADS = _model_threads()
 
 
-RUN = "results/{model}/ctx{n_ctx}-c{chunks}"
-CELL = "results/{model}/ctx{n_ctx}-c{chunks}/cells/{k}-{v}-t{tail}{opts}"
+RUN = kvm.RUN_DIR  # the results layout is kvarn.matrix's
+CELL = kvm.CELL_DIR
 LOG = "logs/{model}/ctx{n_ctx}-c{chunks}"
 BENCH = "benchmarks/{model}/ctx{n_ctx}-c{chunks}"
 
