@@ -137,7 +137,7 @@ class TypeFacts:
 def _table() -> dict[str, TypeFacts]:
     """In the format registry's order (error messages list the accepted types in it)."""
     rows = [
-        TypeFacts(n, "block", bits, has_min=has_min)
+        TypeFacts(n, "block", bits, has_min=has_min, version=2 if n == "q6_0" else 1)  # q6_0 2: refit order
         for n, bits, has_min in (
             ("q8_0", 8, False), ("q6_0", 6, False), ("q6_1", 6, True), ("q5_1", 5, True), ("q5_0", 5, False),
             ("q4_1", 4, True), ("q4_0", 4, False), ("iq4_nl", 4, False), ("q3_1", 3, True), ("q3_0", 3, False),

@@ -215,3 +215,23 @@ def test_exp32_log32_are_float64_rounded():
     want_log = np.array([np.float32(math.log(v)) for v in pos.tolist()])
     assert np.array_equal(K.exp32(x).numpy(), want_exp)
     assert np.array_equal(K.log32(pos).numpy(), want_log)
+
+
+def test_q6_0_refit_sums_in_beellamas_order():
+    """q6_0's refit d = Σ w·l·x / Σ w·l² with fp32 sums in quantize_row_q6_0_ref's order
+    (pairs j, j + 16, added one after the other): a numpy float32 loop written from the C."""
+    x = QO.fixture_input(64, 1, 4096, 17).reshape(-1, 32)
+    f = np.float32
+    d0 = np.array([b[np.argmax(np.abs(b))] for b in x], f) / f(-32)
+    idv = np.where(d0 != 0, f(1) / np.where(d0 != 0, d0, f(1)), f(0)).astype(f)
+    q = np.minimum(63, np.trunc(x * idv[:, None] + f(32.5))).astype(f) - f(32)
+    sx = np.zeros(len(x), f)
+    s2 = np.zeros(len(x), f)
+    for j in range(16):
+        x0, x1, v0, v1 = x[:, j], x[:, j + 16], q[:, j], q[:, j + 16]
+        w0, w1 = x0 * x0, x1 * x1
+        sx = sx + (w0 * v0 * x0 + w1 * v1 * x1)
+        s2 = s2 + (w0 * v0 * v0 + w1 * v1 * v1)
+    want = np.where(s2 > 0, sx / np.where(s2 > 0, s2, f(1)), d0).astype(np.float16).view(np.uint16)
+    _, kd, _ = QO.kvarn_block_fields("q6_0", x)
+    assert np.array_equal(kd, want)

@@ -150,6 +150,56 @@ class libm_math:
         kv.exp32, kv.log32 = self.saved
 
 
+def _v1_sample_std(y: torch.Tensor, dim: int) -> torch.Tensor:
+    """kvarn's sample std before format version 2: two-pass fp32 in torch's sum order."""
+    n = y.shape[dim]
+    dev = y - y.sum(dim, keepdim=True) / n
+    return torch.sqrt((dev * dev).sum(dim) / (n - 1))
+
+
+class v1_math:
+    """Within this context KVarN's normalization uses kvarn's version-1 arithmetic (two-pass
+    fp32 stds, torch's fp32 exp/log): for the before/after counts only."""
+
+    def __enter__(self):
+        self.saved = kv.sample_std, kv.exp32, kv.log32
+        kv.sample_std, kv.exp32, kv.log32 = _v1_sample_std, torch.exp, torch.log
+
+    def __exit__(self, *exc):
+        kv.sample_std, kv.exp32, kv.log32 = self.saved
+
+
+def pass_choice(x: np.ndarray, role: str, bits: int = 4) -> dict:
+    """On BeeLlama's own tiles of x [T, H, D] (butterfly rotation, F16 stage): how many tiles
+    keep another normalization pass than BeeLlama's arithmetic (libm_math, byte-exact) under
+    kvarn's version-1 and version-2 arithmetic, and how many dequantized values differ."""
+    xt = torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)))
+    tiles = kv.to_tiles(kv.stage(kv.rotate(xt)), role)
+    tiles = tiles.reshape(-1, *tiles.shape[-2:])
+    out = {}
+    for name, ctx in (("bee", libm_math), ("v1", v1_math), ("v2", None)):
+        with ctx() if ctx else _null():
+            p = kv.normalize_choice(tiles)[2]
+            deq = kv.dequantize_tiles_ref(*kv.quantize_tiles_ref(tiles, bits))
+        out[name] = (p, deq)
+    pb, db = out["bee"]
+    res = {"tiles": len(tiles)}
+    for name in ("v1", "v2"):
+        p, d = out[name]
+        res[f"{name} pass"] = int((p != pb).sum())
+        res[f"{name} values"] = int((d != db).sum())
+    res["values"] = db.numel()
+    return res
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
 # --- the harness ---------------------------------------------------------------------------------
 def _env():
     try:
@@ -275,22 +325,25 @@ def write_fixture(out: Path, src_commit: str) -> None:
     }, indent=1) + "\n")
 
 
-def real_kv(n_tokens: int = 512, layers=(0, 5), cache_dir: str = "resources/models") -> dict[str, np.ndarray]:
-    """Gemma 3 270M's post-RoPE K and V (head dim 256) on Wikitext's first tokens, per layer."""
+TEXT = "../shared/data/wikitext-2-raw-v1/wiki.test.raw"  # relative to the checkout, as the tests have it
+
+
+def real_kv(n_tokens: int = 384, cache_dir: str = "resources/models", text: str = TEXT) -> dict[str, np.ndarray]:
+    """Gemma 3 270M's post-RoPE K and V (head dim 256, 1 KV head) on Wikitext's first
+    tokens (fewer than its 512-token sliding window, so every layer holds all of them), every
+    layer's heads side by side: {"gemma3 K": [T, layers, 256], "gemma3 V": ...}."""
     from kvarn import models
     from kvarn.cli import model_spec
     from kvarn.data import load_text, tokenize
 
     lm = models.load(model_spec("gemma3-270m"), cache_dir=cache_dir, device="cpu", dtype=torch.float32)
-    ids = tokenize(lm.tokenizer, load_text(os.environ.get("KVARN_TEXT")))[:n_tokens][None]
+    ids = tokenize(lm.tokenizer, load_text(text))[:n_tokens][None]
     with torch.no_grad():
-        out = lm.model(ids, use_cache=True)
-    res = {}
-    for li in layers:
-        k, v = out.past_key_values.layers[li].keys, out.past_key_values.layers[li].values  # [1, H, T, D]
-        res[f"gemma3 L{li} K"] = k[0].transpose(0, 1).float().contiguous().numpy()
-        res[f"gemma3 L{li} V"] = v[0].transpose(0, 1).float().contiguous().numpy()
-    return res
+        cache = lm.model(ids, use_cache=True).past_key_values
+    # cache.layers[i].keys: [1, H, T, D] -> [T, H, D]; layers side by side as heads
+    k = torch.cat([lay.keys[0].transpose(0, 1) for lay in cache.layers], 1)
+    v = torch.cat([lay.values[0].transpose(0, 1) for lay in cache.layers], 1)
+    return {"gemma3 K": k.float().contiguous().numpy(), "gemma3 V": v.float().contiguous().numpy()}
 
 
 # --- comparisons ---------------------------------------------------------------------------------
@@ -319,6 +372,7 @@ def _fmt_table(header, rows):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real", action="store_true", help="add Gemma 3 270M's post-RoPE K/V (needs the model)")
+    ap.add_argument("--text", default=TEXT, help=f"wiki.test.raw for --real (default {TEXT})")
     ap.add_argument("--out", help="write the markdown tables here (default: stdout only)")
     ap.add_argument("--libm", action="store_true", help="KVarN exp/log from the C library (slow; see libm_math)")
     ap.add_argument("--fixture", help="write the test fixture (BeeLlama's bytes) into this directory and stop")
@@ -331,7 +385,7 @@ def main(argv=None) -> int:
         return 0
     inputs = {f"{k} D{d}": v for d in (128, 256, 512) for k, v in synthetic_inputs(d).items()}
     if args.real:
-        inputs.update(real_kv())
+        inputs.update(real_kv(text=args.text))
 
     brows = []
     for label, x in inputs.items():
@@ -362,7 +416,19 @@ def main(argv=None) -> int:
                 krows.append([f"kvarn{bits}", role.upper(), label, r["tiles"], r["any"], r["payload"], r["scale"],
                               r["zero"], r["other"]])
     t2 = _fmt_table(["format", "role", "input", "tiles", "differing", "payload", "scale", "zero", "other"], krows)
-    text = f"### Block types (fields compared per 32-value block)\n\n{t1}\n\n### KVarN records (per tile)\n\n{t2}\n"
+    prows = []
+    for label, x in inputs.items():
+        if not (label.startswith(("random", "const", "outlier")) or label.startswith("gemma3")):
+            continue
+        roles = ("v" if label.endswith(" V") else "k",) if label.startswith("gemma3") else ("k", "v")
+        for role in roles:
+            r = pass_choice(x, role)
+            prows.append([label, role.upper(), r["tiles"], r["v1 pass"], r["v1 values"], r["v2 pass"], r["v2 values"],
+                          r["values"]])
+    t3 = _fmt_table(["input", "role", "tiles", "v1: other pass", "v1: values differ", "v2: other pass",
+                     "v2: values differ", "values"], prows)
+    text = (f"### Block types (fields compared per 32-value block)\n\n{t1}\n\n### KVarN records (per tile)\n\n{t2}\n\n"
+            f"### KVarN normalization pass kept, against BeeLlama's arithmetic (kvarn4)\n\n{t3}\n")
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -117,6 +117,21 @@ def _iq4nl_index(al: torch.Tensor) -> torch.Tensor:
     return torch.where(below < above, lo, lo + 1)
 
 
+def _refit_sums_q6_0(xb: torch.Tensor, l: torch.Tensor):
+    """Σ w·l·x and Σ w·l² (w = x²) in fp32 in BeeLlama's quantize_row_q6_0_ref order: for
+    j = 0..15, sum += w_j·l_j·x_j + w_{j+16}·l_{j+16}·x_{j+16} (each product left to
+    right, no FMA), so the refit d matches it bit for bit (bench/beellama/quant_oracle.py)."""
+    w = xb * xb
+    tx, t2 = w * l * xb, w * l * l
+    h = QK // 2
+    pair_x, pair_2 = tx[..., :h] + tx[..., h:], t2[..., :h] + t2[..., h:]
+    sumqx, sumq2 = torch.zeros_like(xb[..., :1]), torch.zeros_like(xb[..., :1])
+    for j in range(h):
+        sumqx = sumqx + pair_x[..., j : j + 1]
+        sumq2 = sumq2 + pair_2[..., j : j + 1]
+    return sumqx, sumq2
+
+
 def quantize_blocks(spec: BlockSpec, xb: torch.Tensor):
     """Codes (int64 [N, 32]), d (fp32 [N, 1], to be stored as fp16) and m (fp32 [N, 1] or None)."""
     nlev = 1 << spec.bits
@@ -134,10 +149,7 @@ def quantize_blocks(spec: BlockSpec, xb: torch.Tensor):
         d = _vmax(xb) / -half
         q = (xb * _inv(d) + (half + 0.5)).floor().clamp(0, nlev - 1)
         if spec.refit:
-            l = q - half
-            w = xb * xb
-            sumqx = (w * l * xb).sum(-1, keepdim=True)
-            sumq2 = (w * l * l).sum(-1, keepdim=True)
+            sumqx, sumq2 = _refit_sums_q6_0(xb, q - half)
             d = torch.where(sumq2 > 0, sumqx / torch.where(sumq2 > 0, sumq2, torch.ones_like(sumq2)), d)
         return q.long(), d, None
     if spec.kind == "iq4nl":
@@ -240,6 +252,7 @@ class BlockFormat(KVFormat):
         self.name = name
         self.spec = SPECS[name]
         self.rot = bool(rot)
+        self.version = 2 if self.spec.refit else 1  # q6_0 2: the refit sums in BeeLlama's order
 
     def __repr__(self) -> str:
         return f"BlockFormat({self.name!r}, role={self.role!r}, rot={self.rot})"

@@ -162,18 +162,14 @@ def _log_update(log_scale: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     return (log_scale + log32(std.clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
 
 
-def normalize_ref(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-scales (a per column [..., C], b per row [..., R]) of the least imbalanced pass.
-
-    tiles: float32 [..., R, C], normalized independently over the leading dims. The
-    unscaled tile (a = b = 0) is the first candidate; a later pass replaces the best
-    one when its imbalance is lower or equal (ties -> later).
-    """
+def normalize_choice(tiles: torch.Tensor, iters: int = ITERS):
+    """`normalize_ref` plus the pass it kept per tile (int64 [...], 0 = the unscaled tile)."""
     a = tiles.new_zeros(tiles.shape[:-2] + tiles.shape[-1:])
     b = tiles.new_zeros(tiles.shape[:-1])
     std_col, std_row = sample_std(tiles, -2), sample_std(tiles, -1)
     best_a, best_b, best = a, b, imbalance(std_col, std_row)
-    for _ in range(iters):
+    best_pass = torch.zeros(tiles.shape[:-2], dtype=torch.int64, device=tiles.device)
+    for i in range(iters):
         a = _log_update(a, std_col)
         std_row = sample_std(scaled(tiles, a, b), -1)
         b = _log_update(b, std_row)
@@ -184,7 +180,18 @@ def normalize_ref(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor
         best = torch.where(better, cur, best)
         best_a = torch.where(better[..., None], a, best_a)
         best_b = torch.where(better[..., None], b, best_b)
-    return best_a, best_b
+        best_pass = torch.where(better, i + 1, best_pass)
+    return best_a, best_b, best_pass
+
+
+def normalize_ref(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-scales (a per column [..., C], b per row [..., R]) of the least imbalanced pass.
+
+    tiles: float32 [..., R, C], normalized independently over the leading dims. The
+    unscaled tile (a = b = 0) is the first candidate; a later pass replaces the best
+    one when its imbalance is lower or equal (ties -> later), as BeeLlama's `<=`.
+    """
+    return normalize_choice(tiles, iters)[:2]
 
 
 # --- per-row asymmetric RTN (SPEC §4.4-4.5) ----------------------------------------
