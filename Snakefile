@@ -12,6 +12,12 @@ sys.path.insert(0, workflow.basedir)  # kvarn/ beside this file, venv or not
 configfile: "config/matrix.yaml"
 
 
+# `--config allow_unpinned=true` reaches here as the string "true" (snakemake reads only True/False
+# as booleans), so the documented spelling is taken as the boolean it means.
+if config.get("allow_unpinned") in ("true", "false"):
+    config["allow_unpinned"] = config["allow_unpinned"] == "true"
+
+
 validate(config, "workflow/schemas/config.schema.yaml")
 
 
