@@ -25,3 +25,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def fetched():
+    """`fetched(name)`: the embedded model `name` fetched (verified, converted once) into the
+    repository's model cache; returns its folder there (the GGUF and hf/). Tests that read
+    those files take it rather than skip when no earlier test happened to fetch them."""
+    from kvarn import sources
+    from paths import CACHE_DIR
+
+    def get(name: str):
+        sources.fetch(sources.ModelSpec(name, f"embedded:{name}"), CACHE_DIR)
+        return CACHE_DIR / name
+
+    return get

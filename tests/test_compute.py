@@ -280,7 +280,7 @@ def test_gguf_order_is_the_converters_permutation():
     # 18 s: a 262k-token vocabulary to parse, once per run (gguf_weights.reader)
     pytest.param("gemma3-270m", "gemma3_text", False, marks=pytest.mark.slow),
 ])
-def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted):
+def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted, fetched):
     """The embedded GGUFs, written by llama.cpp's converter: attn_k/attn_q rows against the
     HF weights transformers' loader made of them (resources/models/<model>/hf)."""
     import json
@@ -288,13 +288,11 @@ def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted):
     from safetensors import safe_open
 
     from kvarn.gguf_file import reader, tensor
-    from paths import CACHE_DIR
 
-    d = CACHE_DIR / model
+    d = fetched(model)
     hf = d / "hf" / "model.safetensors"
     ggufs = sorted(d.glob("*.gguf"))
-    if not (hf.is_file() and ggufs):
-        pytest.skip(f"needs the fetched {model} (GGUF and its hf/ conversion) under {CACHE_DIR}")
+    assert len(ggufs) == 1 and hf.is_file()
     cfg = json.loads((d / "hf" / "config.json").read_text())
     assert cfg["model_type"] == model_type and compute.gguf_qk_permuted(model_type) is permuted
     hd = cfg["head_dim"]

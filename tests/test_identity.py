@@ -98,9 +98,10 @@ def _tiny_dir(path: Path, seed: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    if not (SMOL_HF / "tokenizer.json").is_file() or not TEXT.is_file():
-        pytest.skip("needs the fetched SmolLM2 (its tokenizer serves the tiny model) and wiki.test.raw")
+def tiny_run(tmp_path_factory, fetched):
+    fetched("smollm2-135m")  # its tokenizer serves the tiny model
+    if not TEXT.is_file():
+        pytest.skip("needs wiki.test.raw")
     from kvarn import engine
     from kvarn.sources import ModelSpec
 

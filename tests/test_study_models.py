@@ -401,9 +401,10 @@ def save_tiny(arch: str, path: Path) -> Path:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread):
-    if not (SMOL_HF / "tokenizer.json").is_file() or not TEXT.is_file():
-        pytest.skip("needs the fetched SmolLM2 (its tokenizer serves the tiny model) and wiki.test.raw")
+def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread, fetched):
+    fetched("smollm2-135m")  # its tokenizer serves the tiny model
+    if not TEXT.is_file():
+        pytest.skip("needs wiki.test.raw")
     from kvarn import cli, dump, engine
     from kvarn.models import load
     from kvarn.sources import ModelSpec

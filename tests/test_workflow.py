@@ -29,8 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT = WIKI_TEXT
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 OURS = ("fetch_model", "wikitext", "baseline", "cell", "cell_row", "summary")
+# n_ctx 384: KVarN's sink (128) and tail (128) leave part of its body to the scored queries
+# (p >= 256 read keys 128..p-128), so the KVarN cell's numbers depend on its body; at 256
+# every key a scored query reads would be exact.
+CTX = 384
 TINY = {
-    "models": [{"name": "smollm2-135m", "source": "embedded:smollm2-135m", "n_ctx": [256], "chunks": 1}],
+    "models": [{"name": "smollm2-135m", "source": "embedded:smollm2-135m", "n_ctx": [CTX], "chunks": 1}],
     "cells": [
         {"types": ["q8_0"], "tail": 0},
         {"types": ["q4_0"], "tail": 128},
@@ -68,10 +72,10 @@ def plan(wd: Path, *args) -> dict[str, int]:
     return {r: int(n) for r, n in counts.items() if r in OURS}
 
 
-def expected(config: dict) -> dict[str, int]:
-    m = kvm.expand(config)
-    return {"fetch_model": len(m.models), "wikitext": 1, "baseline": len(m.baselines()),
-            "cell": len(m.cells), "cell_row": len(m.cells), "summary": 1}
+# The jobs of a whole plan, counted by hand from the config (not with kvarn.matrix.expand,
+# which builds the targets under test).
+TINY_CELLS = ["q8_0-q8_0-t0", "q4_0-q4_0-t128", "kvarn4-kvarn4-t0"]
+TINY_JOBS = {"fetch_model": 1, "wikitext": 1, "baseline": 1, "cell": 3, "cell_row": 3, "summary": 1}
 
 
 def fake_done(wd: Path):
@@ -85,11 +89,27 @@ def fake_done(wd: Path):
     assert plan(wd) == {}
 
 
+@pytest.fixture(scope="module")
+def tiny_done(tmp_path_factory) -> Path:
+    """The tiny matrix marked done once (`fake_done`: three snakemake runs); see `done_copy`."""
+    wd = workflow_copy(tmp_path_factory.mktemp("done"), TINY)
+    fake_done(wd)
+    return wd
+
+
+def done_copy(tiny_done: Path, tmp_path: Path) -> Path:
+    """A test's own copy of the finished tiny workflow (mtimes and snakemake's records kept:
+    nothing to do in it, as `fake_done` asserted of the original)."""
+    wd = tmp_path / "wf"
+    shutil.copytree(tiny_done, wd, symlinks=True)
+    return wd
+
+
 # ---- the config is refused before any job runs ------------------------------------------
 
 @pytest.mark.parametrize("bad, field", [
     ({**TINY, "cells": [{"types": ["kvarn9"], "tail": 0}]}, "cells[0].types[0]"),  # kvarn.matrix
-    ({**TINY, "cells": [{"types": ["q8_0"], "tail": 256}]}, "cells[0].tail"),  # kvarn.matrix
+    ({**TINY, "cells": [{"types": ["q8_0"], "tail": CTX}]}, "cells[0].tail"),  # kvarn.matrix: tail < n_ctx
     ({**TINY, "models": [{**TINY["models"][0], "n_ctx": [255]}]}, "['n_ctx']"),  # the schema
     ({**TINY, "models": [{"name": "x"}]}, "'source' is a required property"),  # the schema
     ({**TINY, "attention": "fast"}, "attention: 'fast' is not an attention path; accepted: ref, flex, auto"),
@@ -129,18 +149,20 @@ def test_model_jobs_take_every_core_the_run_is_given(tmp_path):
 def test_default_matrix_plans_one_job_per_cell(tmp_path):
     config = yaml.safe_load((ROOT / "config" / "matrix.yaml").read_text())
     wd = workflow_copy(tmp_path, {k: config[k] for k in ("models", "cells")})
-    assert plan(wd) == expected(config)
+    # per model (one n_ctx, one chunk): 3 types x 2 tails + 3 KVarN + 3 with sink and f16 tail
+    # + 2 types x 3 long tails + the 4 k/v pairs at tail 128 less the 2 already listed = 20
+    assert plan(wd) == {"fetch_model": 2, "wikitext": 1, "baseline": 2, "cell": 40, "cell_row": 40, "summary": 1}
 
 
 def test_article_matrix_plans_offline(tmp_path):
     config = yaml.safe_load((ROOT / "config" / "article.yaml").read_text())
     wd = workflow_copy(tmp_path, {k: config[k] for k in ("models", "cells")})
-    assert plan(wd) == expected(config)
+    # per model: 6 K x 8 V types x 2 tails + 6 KVarN widths + 9 KVarN pairs = 111
+    assert plan(wd) == {"fetch_model": 2, "wikitext": 1, "baseline": 2, "cell": 222, "cell_row": 222, "summary": 1}
 
 
-def test_adding_a_width_or_editing_a_cell_plans_only_those_cells(tmp_path):
-    wd = workflow_copy(tmp_path, TINY)
-    fake_done(wd)
+def test_adding_a_width_or_editing_a_cell_plans_only_those_cells(tmp_path, tiny_done):
+    wd = done_copy(tiny_done, tmp_path)
     # One more width at both tails: two cells (and their rows), the summary; nothing else.
     grown = {**TINY, "cells": [*TINY["cells"], {"types": ["q5_0"], "tail": [0, 128]}]}
     (tmp_path / "grown.yaml").write_text(yaml.safe_dump(grown))
@@ -156,14 +178,13 @@ def test_adding_a_width_or_editing_a_cell_plans_only_those_cells(tmp_path):
     # A new model revision: fetched, and everything of that model rerun, in one invocation.
     new_rev = {**TINY, "models": [{**TINY["models"][0], "revision": "v2"}]}
     (tmp_path / "rev.yaml").write_text(yaml.safe_dump(new_rev))
-    want = expected(TINY)
+    want = dict(TINY_JOBS)
     del want["wikitext"]
     assert plan(wd, "--configfile", str(tmp_path / "rev.yaml")) == want
 
 
-def test_a_llamacpp_cpu_cell_plans_its_own_baseline(tmp_path):
-    wd = workflow_copy(tmp_path, TINY)
-    fake_done(wd)
+def test_a_llamacpp_cpu_cell_plans_its_own_baseline(tmp_path, tiny_done):
+    wd = done_copy(tiny_done, tmp_path)
     # The same cell under llama.cpp's arithmetic: a new path and a baseline of its compute path.
     more = {**TINY, "cells": [*TINY["cells"], {"types": ["q4_0"], "tail": 0, "compute": "llamacpp-cpu"}]}
     (tmp_path / "more.yaml").write_text(yaml.safe_dump(more))
@@ -184,14 +205,13 @@ def test_a_fresh_checkout_over_a_filled_model_cache_plans_everything_at_once(tmp
     later = time.time() + 60
     for f in [wd / "Snakefile", *wd.rglob("workflow/**/*")]:
         os.utime(f, (later, later))
-    want = expected(TINY)
+    want = dict(TINY_JOBS)
     del want["fetch_model"]
     assert plan(wd) == want
 
 
-def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path):
-    wd = workflow_copy(tmp_path, TINY)
-    fake_done(wd)
+def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path, tiny_done):
+    wd = done_copy(tiny_done, tmp_path)
     # Simulate `q4_0.version += 1` as the workflow sees it: through the format_version param.
     common = wd / "workflow" / "rules" / "common.smk"
     common.write_text(common.read_text().replace(
@@ -201,15 +221,13 @@ def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path):
     assert plan(wd) == {"cell": 1, "cell_row": 1, "summary": 1}
 
 
-def test_a_memory_accounting_change_reruns_rows_not_cells(tmp_path):
+def test_a_memory_accounting_change_reruns_rows_not_cells(tmp_path, tiny_done):
     """Memory is computed from the geometry each summary.json records: a new accounting
     re-derives the rows (and the report), it never reruns a cell."""
-    wd = workflow_copy(tmp_path, TINY)
-    fake_done(wd)
+    wd = done_copy(tiny_done, tmp_path)
     acc = {**TINY, "models": [{**TINY["models"][0], "memory_accounting": "beellama-qwen"}]}
     (tmp_path / "acc.yaml").write_text(yaml.safe_dump(acc))
-    n = len(kvm.expand(TINY).cells)
-    assert plan(wd, "--configfile", str(tmp_path / "acc.yaml")) == {"cell_row": n, "summary": 1}
+    assert plan(wd, "--configfile", str(tmp_path / "acc.yaml")) == {"cell_row": 3, "summary": 1}
     # The attention path moves numbers only by fp32 noise: switching it reruns nothing.
     (tmp_path / "flex.yaml").write_text(yaml.safe_dump({**TINY, "attention": "flex"}))
     assert plan(wd, "--configfile", str(tmp_path / "flex.yaml")) == {}
@@ -237,7 +255,7 @@ TIMING = ["tokens_per_s", "wall_s"]
 
 def seed(ref: Path, wd: Path):
     """Give wd the reference run's text and baseline (mtimes kept), so only cells remain to run."""
-    for rel in ("resources/data/wiki.test.raw", "results/smollm2-135m/ctx256-c1/baseline.kvd"):
+    for rel in ("resources/data/wiki.test.raw", f"results/smollm2-135m/ctx{CTX}-c1/baseline.kvd"):
         (wd / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ref / rel, wd / rel)
 
@@ -258,9 +276,7 @@ def tiny_run(tmp_path_factory):
 def test_tiny_matrix_end_to_end(tiny_run):
     wd = tiny_run
     df = pl.read_parquet(wd / "results" / "summary.parquet")
-    cells = kvm.expand(TINY).cells
-    assert df.height == len(cells)
-    assert sorted(df["cell"]) == sorted(c.name for c in cells)
+    assert sorted(df["cell"]) == sorted(TINY_CELLS)
     assert (wd / "results" / "summary.csv").exists()
     for col in ("kld_mean", "kld_median", "ppl_q", "ppl_base", "same_top", "dp_rms", "kv_total_bytes",
                 "kv_delta_bytes_vs_tail0", "tail_label", "family", "tokens_per_s", "kvarn_version"):
@@ -268,7 +284,8 @@ def test_tiny_matrix_end_to_end(tiny_run):
     row = {r["cell"]: r for r in df.iter_rows(named=True)}
     assert row["kvarn4-kvarn4-t0"]["tail_label"] == "128*" and row["kvarn4-kvarn4-t0"]["family"] == "kvarn"
     assert row["q4_0-q4_0-t128"]["tail_label"] == "128" and row["q8_0-q8_0-t0"]["family"] == "standard"
-    assert all(r["kld_mean"] >= 0 and r["n_tokens"] == 256 - 1 - 128 for r in row.values())
+    assert all(r["kld_mean"] >= 0 and r["n_tokens"] == CTX - 1 - CTX // 2 for r in row.values())
+    assert row["kvarn4-kvarn4-t0"]["exact_share"] < 1  # its body is read: the runs below compare KVarN numerics
     assert row["q8_0-q8_0-t0"]["kv_delta_bytes_vs_tail0"] == 0
     # attention auto: ref on CPU, recorded per cell with its baseline's
     assert all((r["attention"], r["baseline_attention"]) == ("ref", "ref") for r in row.values())
@@ -288,7 +305,7 @@ def test_jobscript_submission_gives_the_same_numbers(tiny_run, tmp_path):
     """The local-submit profile: each job a jobscript started by submit.sh, polled by status.sh."""
     wd = workflow_copy(tmp_path, TINY, model_cache=ROOT / "resources" / "models")
     seed(tiny_run, wd)
-    target = "results/smollm2-135m/ctx256-c1/cells/q4_0-q4_0-t128/row.parquet"
+    target = f"results/smollm2-135m/ctx{CTX}-c1/cells/kvarn4-kvarn4-t0/row.parquet"
     # The profile addresses its scripts relative to the working directory: run from wd.
     p = subprocess.run([*SNAKEMAKE, "--workflow-profile", "workflow/profiles/local-submit", target],
                        cwd=wd, capture_output=True, text=True, timeout=600)
@@ -304,7 +321,7 @@ def test_killed_run_resumes_with_identical_numbers(tiny_run, tmp_path):
     args = [*SNAKEMAKE, "--directory", str(wd), "--snakefile", str(wd / "Snakefile"),
             "--workflow-profile", "none", "--cores", "1", "results/summary.parquet"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    cells = wd / "results/smollm2-135m/ctx256-c1/cells"
+    cells = wd / f"results/smollm2-135m/ctx{CTX}-c1/cells"
     deadline = time.time() + 300
     try:
         # Kill the whole process group once the first cell job is running, before it finishes.
