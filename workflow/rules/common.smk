@@ -27,8 +27,12 @@ MODELS = {name: vars(m) for name, m in MATRIX.models.items()}  # for lookup(dpat
 # one at a time anyway (each declares the one `gpu`), and torch sizes its thread pool from
 # OMP_NUM_THREADS, which Snakemake sets to the job's threads (1 unless declared, i.e. one
 # core of a CPU machine left idle). At most this machine's cores (a remote executor may
-# report an unbounded --cores, or none); under Slurm the profile's cpus_per_task decides.
+# report an unbounded --cores, or none). Inside a Slurm allocation, its CPUs per task
+# (SLURM_CPUS_PER_TASK: the profile's cpus_per_task): without CPU binding, the cores
+# Snakemake sees are the whole node's.
 def _model_threads() -> int:
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return int(os.environ["SLURM_CPUS_PER_TASK"])
     try:
         cores = workflow.cores  # raises when a remote executor runs without --cores
     except WorkflowError:
