@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvarn import dump  # noqa: E402
+from kvarn.sources import DEFAULT_CACHE_DIR  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 import dump_error  # noqa: E402  (bench/dump_error.py)
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--err-chunks", type=int, default=1)
     ap.add_argument("--text", default=str((ROOT / ".." / "shared" / "data" / "wikitext-2-raw-v1" /
                                            "wiki.test.raw").resolve()))
-    ap.add_argument("--cache-dir", default=str(ROOT / "resources" / "models"))
+    ap.add_argument("--cache-dir", default=str(ROOT / DEFAULT_CACHE_DIR))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "baseline_size.md"))
     args = ap.parse_args(argv)
     given = dict(x.split("=", 1) for x in args.dump)

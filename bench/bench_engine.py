@@ -52,7 +52,7 @@ def main() -> int:
     ap.add_argument("--dump", nargs="*", default=[], metavar="MODEL=PATH",
                     help="measure an existing baseline dump instead of writing one")
     ap.add_argument("--skip", nargs="*", default=[], metavar="MODEL:CTX", help="throughput points to leave out")
-    ap.add_argument("--cache-dir", default=str(REPO / "resources" / "models"))
+    ap.add_argument("--cache-dir", default=str(REPO / sources.DEFAULT_CACHE_DIR))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "engine.md"))
     ap.add_argument("-t", "--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args()

@@ -20,6 +20,8 @@ import torch
 
 from kvarn import cache, compute, engine
 from kvarn.cli import model_spec
+from kvarn.facts import KVARN_ITERS
+from kvarn.sources import DEFAULT_CACHE_DIR
 
 TEXT = "/work/shared/data/wikitext-2-raw-v1/wiki.test.raw"
 
@@ -42,10 +44,10 @@ def main():
     chunks = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     torch.set_num_threads(1)
     orig = cache.make_format
-    cache.make_format = lambda name, role, rot=True, iters=16: (
+    cache.make_format = lambda name, role, rot=True, iters=KVARN_ITERS: (
         gguf_order(orig(name, role, rot, iters)) if role == "k" else orig(name, role, rot, iters))
     engine.run_cell(model_spec("smollm2-135m"), n_ctx, chunks, k_type, k_type, 0, base, out, rot=rot, text=TEXT,
-                    compute="exact", cache_dir="resources/models")
+                    compute="exact", cache_dir=DEFAULT_CACHE_DIR)
     s = json.load(open(f"{out}/summary.json"))
     print(f"{k_type} rot={rot}: median {s['kld_median']:.6f} mean {s['kld_mean']:.6f}")
 
