@@ -27,7 +27,7 @@ from dataclasses import dataclass
 QK = 32  # values per block of the llama.cpp block types
 KVARN_GROUP = 128  # tokens per KVarN tile (G)
 KVARN_SLICE = 128  # most channels in one KVarN tile; wider heads are cut into slices
-KVARN_SINK = 128  # exact leading tokens on full-attention layers (SPEC §2)
+KVARN_SINK = 128  # exact leading tokens on full-attention layers (DESIGN §2)
 KVARN_WIDTHS = tuple(range(2, 9))  # BeeLlama ships 2..6 and 8; 7 costs nothing
 
 FAMILIES = ("float", "block", "kvarn")

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from kvarn import facts
 from kvarn.memory import ACCOUNTINGS
 
-DEFAULT_ITERS = 16  # KVarN variance-normalization passes (SPEC §4)
+DEFAULT_ITERS = 16  # KVarN variance-normalization passes (DESIGN §4)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The attention path option (kvarn.attention.resolve_attention); one list for the CLI,
 # the matrix and the engine. Not part of any cell path: the paths agree at fp32 noise.
