@@ -4,7 +4,7 @@ The package holds every number the pipeline produces: KV-cache formats
 (`kvarn.formats`), byte accounting (`kvarn.memory`), the cache model inside
 transformers (`kvarn.cache`), the teacher-forced KLD engine (`kvarn.engine`),
 metrics (`kvarn.metrics`) and the tables and figures (`kvarn.report`).
-The numerics contract is SPEC.md (shared/design); docs/CONTRACTS.md lists the
+The numerics contract is docs/DESIGN.md ("DESIGN §N"); docs/CONTRACTS.md lists the
 interfaces between modules.
 """
 

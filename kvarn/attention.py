@@ -12,7 +12,7 @@ has forgotten keys no query can read; the model's mask covers the same L keys):
     values = [V_body ; V_exact]
     mask   = [allowed & ~sel ; allowed & sel]
 
-where `allowed` is the model's own causal / sliding-window mask and `sel` the SPEC §2
+where `allowed` is the model's own causal / sliding-window mask and `sel` the DESIGN §2
 selection (`kvarn.cache.exact_selection`). Every allowed (query, key position) pair is
 therefore counted exactly once, from one of the two copies, in a single softmax. For
 speed the queries go in blocks of QUERY_BLOCK, each with only the key rows its mask can

@@ -1,4 +1,4 @@
-"""The KV cache model of SPEC §2 as a transformers `Cache`: per layer an exact and a body copy.
+"""The KV cache model of DESIGN §2 as a transformers `Cache`: per layer an exact and a body copy.
 
 Each layer keeps, for every token a query can still read (every position on a
 full-attention layer; on a sliding-window layer of window W the W - 1 positions before
@@ -53,7 +53,7 @@ def layer_windows(config) -> list[int | None]:
 
 
 def reads_exact(p, j, sink, tail):
-    """SPEC §2 elementwise: the query at position p reads key position j from the exact copy
+    """DESIGN §2 elementwise: the query at position p reads key position j from the exact copy
     iff j < sink or p - j < tail. p, j (and sink, tail) are ints or broadcastable tensors:
     the one rule behind `exact_selection` and the flex path's mask_mod (`kvarn.flex`)."""
     return (j < sink) | (p - j < tail)
@@ -242,7 +242,7 @@ class KVarnLayer(CacheLayerMixin):
 
 
 class KVarnCache(Cache):
-    """A transformers Cache implementing SPEC §2 for one model and one (K type, V type, tail) cell.
+    """A transformers Cache implementing DESIGN §2 for one model and one (K type, V type, tail) cell.
 
         cache = KVarnCache(model.config, "q4_0", "q4_0", tail=128)
         model(ids, cache=cache, kvarn_cache=cache)   # with attn_implementation "kvarn"
@@ -267,7 +267,7 @@ class KVarnCache(Cache):
             raise ValueError(f"attention path {attention!r} not accepted; use one of {', '.join(ATTENTION_PATHS)} "
                              "(kvarn.attention.resolve_attention turns 'auto' into one)")
         self.attention = attention  # how `kvarn.attention` computes the exact compute path
-        # `exact` keeps transformers' order (SPEC's format damage); llamacpp-cpu llama.cpp's
+        # `exact` keeps transformers' order (DESIGN §6b's format damage); llamacpp-cpu llama.cpp's
         self.qk_gguf_order = compute == LLAMACPP_CPU and kcompute.gguf_qk_permuted(text_config(config).model_type)
         self.k_fmt = make_format(k_type, "k", rot, iters)
         self.v_fmt = make_format(v_type, "v", rot, iters)

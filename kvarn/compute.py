@@ -1,4 +1,4 @@
-"""The compute path (SPEC §6b): `exact` attention, or llama.cpp's CPU flash-attention arithmetic.
+"""The compute path (DESIGN §6b): `exact` attention, or llama.cpp's CPU flash-attention arithmetic.
 
 `exact` (the default, `kvarn.attention`) isolates the format: fp32 attention over the
 rounded K and V, nothing else rounded. `llamacpp-cpu` reproduces what ggml-cpu's

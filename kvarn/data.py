@@ -1,4 +1,4 @@
-"""The evaluation text and how it is cut into chunks (SPEC §6).
+"""The evaluation text and how it is cut into chunks (DESIGN §6).
 
 Owns: reading Wikitext-2 raw `wiki.test.raw` byte for byte (from a file, or rebuilt from
 the Hugging Face `Salesforce/wikitext` rows), tokenizing it once as a whole, cutting the

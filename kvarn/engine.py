@@ -1,4 +1,4 @@
-"""The teacher-forced KLD engine (SPEC §6): the BF16 baseline dump and one cell per cache config.
+"""The teacher-forced KLD engine (DESIGN §6): the BF16 baseline dump and one cell per cache config.
 
 Both runs go through the same cache model (`kvarn.cache`, `kvarn.attention`): the baseline
 is the `bf16`/`bf16` cell with tail 0. Per chunk: a fresh cache, the chunk fed in

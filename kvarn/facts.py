@@ -30,10 +30,10 @@ from kvarn import policy
 QK = 32  # values per block of the llama.cpp block types
 KVARN_GROUP = 128  # tokens per KVarN tile (G)
 KVARN_SLICE = 128  # most channels in one KVarN tile; wider heads are cut into slices
-KVARN_SINK = 128  # exact leading tokens on full-attention layers (SPEC §2)
+KVARN_SINK = 128  # exact leading tokens on full-attention layers (DESIGN §2)
 KVARN_WIDTHS = tuple(range(2, 9))  # BeeLlama ships 2..6 and 8; 7 costs nothing
-KVARN_ITERS = 16  # variance-normalization passes (SPEC §4): BeeLlama and the paper-era reference (vLLM now uses 8)
-KVARN_DEFAULT_TAIL_DTYPE = "f16"  # KVarN's exact copy (SPEC §2); the standard types' is bf16
+KVARN_ITERS = 16  # variance-normalization passes (DESIGN §4): BeeLlama and the paper-era reference (vLLM now uses 8)
+KVARN_DEFAULT_TAIL_DTYPE = "f16"  # KVarN's exact copy (DESIGN §2); the standard types' is bf16
 KVARN_VERSION = 2  # KVarN's numerics version (2: BeeLlama's CPU arithmetic: butterfly rotation, F16 stage, float64 stds)
 
 def kvarn_head_dim_ok(head_dim) -> bool:

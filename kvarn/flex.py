@@ -1,6 +1,6 @@
 """The cache model's attention as one FlexAttention call per layer call (attention path "flex").
 
-The same maths as `kvarn.attention`'s reference path (SPEC §2: one fp32 softmax in which
+The same maths as `kvarn.attention`'s reference path (DESIGN §2: one fp32 softmax in which
 every allowed (query, key position) pair is counted once, from the exact or the body copy),
 computed by torch's `flex_attention` instead of a materialised mask and sdpa per query block:
 
@@ -10,7 +10,7 @@ computed by torch's `flex_attention` instead of a materialised mask and sdpa per
 
 and a `mask_mod` allowing (query q, row r) iff the model's rule allows (p, j) (causal, and
 p - j < W on a sliding layer) AND (source is exact) == `kvarn.cache.reads_exact(p, j, ...)`,
-the one SPEC §2 selection rule. `create_block_mask` turns it into a `BlockMask`, so whole
+the one DESIGN §2 selection rule. `create_block_mask` turns it into a `BlockMask`, so whole
 128 x 128 blocks no query reads (most of the exact half, the causal future) are skipped.
 
 Positions, offsets, sink, tail and window enter the mask_mod as 0-d tensors, not Python ints,

@@ -1,4 +1,4 @@
-"""Per-layer cache geometry of a model, read once from its config (SPEC §2). Torch-free.
+"""Per-layer cache geometry of a model, read once from its config (DESIGN §2). Torch-free.
 
 Owns: the set of decoder layer types kvarn supports (`LAYER_TYPES`, the one place that
 says which), `LayerGeometry` (one decoder layer: its type, KV heads, head dim, sliding
@@ -18,7 +18,7 @@ from numbers import Integral
 from typing import Any
 
 # Decoder layer types (transformers' `layer_types` names) and what kvarn does with them:
-#   "kv"    - an attention layer: its K/V go through the kvarn cache model (SPEC §2);
+#   "kv"    - an attention layer: its K/V go through the kvarn cache model (DESIGN §2);
 #   "state" - a layer with its own recurrent/conv state (Gated DeltaNet): transformers'
 #             own cache layer keeps it, untouched, in the baseline and in every cell.
 LAYER_TYPES: dict[str, str] = {

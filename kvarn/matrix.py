@@ -39,7 +39,7 @@ from kvarn import facts
 from kvarn.memory import ACCOUNTINGS, resummarize
 from kvarn.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_compute
 
-DEFAULT_ITERS = facts.KVARN_ITERS  # KVarN variance-normalization passes (SPEC §4)
+DEFAULT_ITERS = facts.KVARN_ITERS  # KVarN variance-normalization passes (DESIGN §4)
 TAIL_DTYPES = facts.TAIL_DTYPES
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
 SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")

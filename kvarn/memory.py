@@ -1,4 +1,4 @@
-"""Persistent KV-cache bytes of one sequence (SPEC §5): the "KV cache MiB" column. Torch-free.
+"""Persistent KV-cache bytes of one sequence (DESIGN §5): the "KV cache MiB" column. Torch-free.
 
 Owns the named memory accountings and their arithmetic over a model's per-layer
 geometry (`kvarn.geometry`) and the type facts (`kvarn.facts`):
@@ -14,7 +14,7 @@ Both accountings store s_l tokens per layer, as llama.cpp sizes its caches:
 
     s_l = n on a full-attention layer, min(n, W_l + u) on a sliding one
 
-`packed` (the default): what this cache design (SPEC §2) must hold.
+`packed` (the default): what this cache design (DESIGN §2) must hold.
 
     body    per head: fmt_K.nbytes(b_l) + fmt_V.nbytes(b_l), the formats' real packed
             buffers; b_l = s_l for standard types, 128 * floor(s_l / 128) for KVarN

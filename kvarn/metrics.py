@@ -1,4 +1,4 @@
-"""Teacher-forced KL-divergence metrics, llama-perplexity compatible (SPEC §6).
+"""Teacher-forced KL-divergence metrics, llama-perplexity compatible (DESIGN §6).
 
 Owns: the per-token numbers (`token_metrics`, beside its whole-vocabulary reference
 `token_metrics_ref`), the summary with llama.cpp's ± errors and

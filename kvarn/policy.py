@@ -1,4 +1,4 @@
-"""Which key positions a query reads exactly (SPEC §2): the sink and the tail.
+"""Which key positions a query reads exactly (DESIGN §2): the sink and the tail.
 
 For a query at p and a key at j <= p (and p - j < W on a sliding layer of window W),
 attention reads the exact copy if j < sink or p - j < tail, else the body copy.
@@ -70,7 +70,7 @@ def layer_policy(k_fmt, v_fmt, tail: int, window: int | None = None, sink: int |
 
 def default_tail_dtype(k_fmt, v_fmt) -> str:
     """The exact copy's dtype when none is asked: the pair's own default from the facts
-    table (`kvarn.facts`): BF16 for standard types, F16 for KVarN (SPEC §2)."""
+    table (`kvarn.facts`): BF16 for standard types, F16 for KVarN (DESIGN §2)."""
     pair_family(k_fmt, v_fmt)
     return k_fmt.default_tail_dtype
 
@@ -78,9 +78,9 @@ def default_tail_dtype(k_fmt, v_fmt) -> str:
 def exact_pairs(policy: LayerPolicy, n_ctx: int) -> tuple[int, int]:
     """(exact, read) (query, key) pairs of one layer over the scored queries of a chunk.
 
-    Scored queries p = n_ctx/2 … n_ctx−2 (SPEC §6); a query reads the keys
+    Scored queries p = n_ctx/2 … n_ctx−2 (DESIGN §6); a query reads the keys
     lo(p) = max(0, p − W + 1) … p (lo = 0 on full layers), each from the exact copy iff
-    j < sink or p − j < tail (SPEC §2). Counted per query in O(1): the exact keys are the
+    j < sink or p − j < tail (DESIGN §2). Counted per query in O(1): the exact keys are the
     union of [lo, min(sink, p + 1)) and [max(lo, p − tail + 1), p].
     """
     exact = read = 0

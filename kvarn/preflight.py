@@ -25,13 +25,20 @@ What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
   and 16-bit codes); cell: the baseline chunk is memory-mapped and the per-token metrics are
   small. On a CPU device everything is host.
 
+KVARN_DEVICE_MEMORY (bytes; tests, or a device shared with other work): the memory of the job's
+device (the host, for a CPU job) is taken to be this, less what the other live kvarn workers
+of this run record that their loaded model holds (`kvarn.worker.held_path`, written here
+when a worker's load passes), instead of what the device reports free.
+
 It is an estimate of the large terms (allocator slack, CUDA context and the framework's
 own workspace are not modelled; `HEADROOM` covers them), not a measurement.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvarn.geometry import Geometry, config_object, geometry_from_config, text_config
@@ -39,6 +46,7 @@ from kvarn.modelbuild import pick_device_dtype
 from kvarn.sources import config_json
 
 HEADROOM = 1.10  # 10 % on top of the estimate for what is not modelled
+MEMORY_ENV = "KVARN_DEVICE_MEMORY"  # the capacity override (bytes), see the module doc
 # Bytes per cached row and channel (K and V together), kvarn.cache.KVarnLayer's storage:
 CELL_ROW_BYTES = 2 * (4 + 2)  # fp32 body + tail-dtype (16-bit) exact copy, K and V
 BASELINE_ROW_BYTES = 2 * 2  # the bf16/bf16 tail-0 baseline: bf16 bodies only
@@ -165,8 +173,40 @@ def _host_available() -> int:
         return int(info["MemAvailable"]) * 1024
 
 
+def _override() -> int | None:
+    raw = os.environ.get(MEMORY_ENV)
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MEMORY_ENV}={raw!r} (environment): expected the device's memory in bytes, a positive integer")
+    return int(raw)
+
+
+def held_by_other_workers() -> int:
+    """Bytes the other live kvarn workers of this run record as held (their socket still exists)."""
+    from kvarn import worker
+
+    own = os.environ.get(worker.SOCKET_ENV)
+    directory = Path(own).parent if own else Path(os.environ.get(worker.DIR_ENV) or ".snakemake/kvarn-workers")
+    total = 0
+    for held in directory.glob("*.held"):
+        sock = held.with_suffix(".sock")
+        if (own and sock.resolve() == Path(own).resolve()) or not sock.exists():
+            continue
+        try:
+            total += int(held.read_text())
+        except (FileNotFoundError, ValueError):
+            continue  # exiting, or being written
+    return total
+
+
 def capacity(device: str) -> tuple[int | None, int]:
-    """(free bytes on the CUDA device or None for a CPU job, available host bytes)."""
+    """(free bytes on the CUDA device or None for a CPU job, available host bytes); under
+    KVARN_DEVICE_MEMORY the job's device has that many bytes less what other workers hold."""
+    override = _override()
+    if override is not None:
+        free = override - held_by_other_workers()
+        return (free, _host_available()) if str(device).startswith("cuda") else (None, free)
     dev = None
     if str(device).startswith("cuda"):
         import torch
@@ -203,4 +243,15 @@ def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, base
                    device, baseline)
     if not dry_run:
         check(est, *capacity(device))
+        _record_held(est)
     return est
+
+
+def _record_held(est: Estimate) -> None:
+    """In a kvarn worker (its socket in the environment): record what its loaded model holds."""
+    from kvarn import worker
+
+    own = os.environ.get(worker.SOCKET_ENV)
+    if own:
+        held = est.device_bytes if est.device_parts else est.host_bytes
+        worker.held_path(Path(own)).write_text(f"{held}\n")

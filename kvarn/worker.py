@@ -21,6 +21,13 @@ move into the worker, which does them once (`kvarn.engine.Context`) and then run
   socket; the script raises and leaves nothing (snakemake --rerun-incomplete redoes it).
   A connection closed before the worker said `accepted` never started: it is retried.
 * The worker exits after KVARN_WORKER_IDLE seconds (default 120) without a request.
+* One device, several models: a worker whose first load is refused by `kvarn.preflight`
+  (the device is full) asks the other workers of its directory to release it
+  (`release_others`: each exits after its current request, and is waited for), then
+  checks again. So on one GPU the first job of model B starts once model A's idle worker
+  has exited, while consecutive jobs of one model keep their worker. Chosen over releasing
+  on every change of model (which would reload for interleaved jobs that fit together)
+  and over counting an idle worker's memory as free (it is not free until it exits).
 
 KVARN_WORKER: `1` use a worker, `0` run in the job's own process, unset or `auto`: a
 worker unless under Slurm (SLURM_JOB_ID set), where each job may land on another node and
@@ -44,6 +51,8 @@ from kvarn.identity import job_key
 from kvarn.sources import DEFAULT_CACHE_DIR, ModelSpec
 
 ENV, IDLE_ENV, DIR_ENV = "KVARN_WORKER", "KVARN_WORKER_IDLE", "KVARN_WORKER_DIR"
+SOCKET_ENV = "KVARN_WORKER_SOCKET"  # set in a worker's own process: its socket (kvarn.preflight reads it)
+RELEASE_TIMEOUT_S = 120.0  # waiting for a released worker to exit
 IDLE_S = 120.0
 SPAWN_TIMEOUT_S = 600.0  # the worker's own start (imports), not the model load
 PROTOCOL = 1
@@ -208,6 +217,77 @@ def _connect_or_spawn(path: Path, ident: dict) -> socket.socket:
         raise RuntimeError(f"kvarn worker for {path} did not listen within {SPAWN_TIMEOUT_S:.0f}s; log {_log(path)}")
 
 
+def held_path(sock: Path) -> Path:
+    """Where a worker records the memory its loaded model holds (kvarn.preflight writes it)."""
+    return Path(sock).with_suffix(".held")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie holds no memory
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def release_others(own: Path | None, directory=None, timeout_s: float = RELEASE_TIMEOUT_S) -> list[int]:
+    """Ask every other live worker of `own`'s directory (or `directory`) to exit, and wait until
+    each has: a worker answers after its current request, unlinks its socket and exits, which
+    frees its model's memory. Returns the pids that exited."""
+    d = Path(directory) if directory is not None else Path(own).parent
+    released = []
+    for sock in sorted(d.glob("*.sock")):
+        if own is not None and sock.resolve() == Path(own).resolve():
+            continue
+        conn = _try_connect(sock)
+        if conn is None:
+            continue
+        with conn, conn.makefile("rwb") as f:
+            try:
+                f.write(json.dumps({"kind": "release"}).encode() + b"\n")
+                f.flush()
+                line = f.readline()
+            except (ConnectionResetError, BrokenPipeError):
+                line = b""
+        pid = json.loads(line).get("released") if line else None
+        if not pid:
+            continue
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvarn worker pid {pid} ({sock}) did not exit within {timeout_s:.0f}s of its release")
+            time.sleep(0.05)
+        released.append(pid)
+    return released
+
+
+class _Released(Exception):
+    """A release request was answered: the serve loop exits."""
+
+
+def _load_context(engine, args, common, ubatch):
+    """engine.Context, releasing the other workers of this directory once if the preflight
+    refuses the load (the device is held by another model's idle worker)."""
+    from kvarn.preflight import PreflightError
+
+    try:
+        return engine.Context(*args, **common, ubatch=ubatch, baseline=True)
+    except PreflightError as e:
+        own = os.environ.get(SOCKET_ENV)
+        pids = release_others(Path(own)) if own else []
+        if not pids:
+            raise
+        print(f"preflight refused the load ({str(e).splitlines()[0]}); released workers {pids} "
+              f"at {time.time():.3f}; checking again", flush=True)
+        return engine.Context(*args, **common, ubatch=ubatch, baseline=True)
+
+
 # --- the worker's side -------------------------------------------------------------------------
 
 def _json_default(x):
@@ -227,6 +307,7 @@ def serve(path: Path, ident: dict, idle_s: float | None = None) -> None:
     inode = path.stat().st_ino
     srv.listen(64)
     srv.settimeout(idle_s)
+    os.environ[SOCKET_ENV] = os.fspath(path)
     print(f"kvarn worker pid {os.getpid()} on {path}: {json.dumps(ident)}", flush=True)
     context = None
     try:
@@ -242,10 +323,14 @@ def serve(path: Path, ident: dict, idle_s: float | None = None) -> None:
                     context = _handle(conn, f, ident, context)
                 except (BrokenPipeError, ConnectionResetError):
                     print("the job script went away before the reply", flush=True)
+                except _Released:
+                    print(f"released for another worker at {time.time():.3f}: exiting", flush=True)
+                    return
     finally:
         try:
             if path.stat().st_ino == inode:  # still ours: unlink before closing, so new clients spawn anew
                 path.unlink()
+                held_path(path).unlink(missing_ok=True)
         except FileNotFoundError:
             pass
         srv.close()
@@ -281,6 +366,10 @@ def _handle(conn, f, ident: dict, context):
     if not line:
         return context
     req = json.loads(line)
+    if req.get("kind") == "release":  # another worker needs the device: answer, then exit
+        f.write(json.dumps({"released": os.getpid()}).encode() + b"\n")
+        f.flush()
+        raise _Released
     if _peer_gone(conn):  # queued behind another request while its job was killed
         print("the job script went away while queued: skipped", flush=True)
         return context
@@ -303,8 +392,9 @@ def _handle(conn, f, ident: dict, context):
         kwargs = dict(req["kwargs"])
         if context is None:
             t0 = time.perf_counter()
-            context = engine.Context(*args, **common, ubatch=kwargs.get("ubatch", 512), baseline=True)
-            print(f"loaded {spec.name} ({spec.source}@{spec.revision}) in {time.perf_counter() - t0:.1f}s", flush=True)
+            context = _load_context(engine, args, common, kwargs.get("ubatch", 512))
+            print(f"loaded {spec.name} ({spec.source}@{spec.revision}) in {time.perf_counter() - t0:.1f}s "
+                  f"at {time.time():.3f}", flush=True)
         fn = engine.run_cell if req["kind"] == "cell" else engine.run_baseline
         t0 = time.perf_counter()
         result = fn(*args, **common, context=context, **kwargs)

@@ -11,7 +11,7 @@
 Two models with the shipped defaults' geometry (SmolLM2-135M: 30 layers x 3 KV heads x 64;
 Gemma 3 270M: 18 layers x 1 x 256, 5 of 6 layers sliding 512). KLD falls with width, a
 128-token tail helps most at low width, KVarN beats the same-width standard type by a few
-percent except at 2 bits on the Gemma-like model (as in SPEC §7). Some partners are
+percent except at 2 bits on the Gemma-like model (as in DESIGN §7). Some partners are
 missing on purpose (smollm2: no q3_0 at tail 128; gemma3: no kvarn5); smollm2 has a
 KVarN request-128 duplicate of its 128* cell and a `-norot` q4_0 cell.
 Run as a script to write a result set: `python tests/synthetic.py OUT_DIR`.
@@ -73,7 +73,7 @@ def _median(model: str, k: str, v: str, tail: int) -> float:
 
 
 def _stats(x: np.ndarray, prefix: str) -> dict:
-    q = lambda f: float(np.quantile(x, f))  # linear at f*(n-1), as SPEC §6
+    q = lambda f: float(np.quantile(x, f))  # linear at f*(n-1), as DESIGN §6
     return {
         f"{prefix}_max": float(x.max()), f"{prefix}_p99_9": q(0.999), f"{prefix}_p99": q(0.99),
         f"{prefix}_p95": q(0.95), f"{prefix}_p90": q(0.90), f"{prefix}_median": q(0.5),

@@ -5,6 +5,8 @@ is planned for every symmetric width, and its README/config command plans as wri
 import json
 from pathlib import Path
 
+import polars as pl
+import pytest
 import yaml
 
 from kvarn import matrix as kvm
@@ -75,3 +77,111 @@ def test_the_article_command_plans_as_written():
     assert done.returncode == 0, done.stderr[-3000:]
     counts = dict(ln.split() for ln in done.stdout.splitlines() if len(ln.split()) == 2 and ln.split()[1].isdigit())
     assert counts["cell"] == str(len(planned().cells)) and counts["claims"] == "1"
+
+
+# ---------------------------------------------------------------- the article's DAG at toy scale
+
+TOY_CELLS = [{"types": ["q8_0", "q4_0"], "tail": 128}, {"types": ["kvarn4"], "tail": 0}]
+
+
+def toy_model_config(name: str) -> dict:
+    """The study model's config.json shrunk to a tiny model of the same layer pattern (Qwen 3.6:
+    3 Gated DeltaNet + 1 full attention; Gemma 4: 5 sliding + 1 full with its own head dim and
+    K = V), vocabulary 256 for the byte tokenizer of `random:` sources."""
+    c = json.loads((ROOT / "config" / "models" / f"{name}.json").read_text())
+    c.update(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=64, max_position_embeddings=4096, bos_token_id=None, eos_token_id=0, pad_token_id=None)
+    if c["model_type"].startswith("qwen"):
+        c.update(num_hidden_layers=4, layer_types=c["layer_types"][:4], linear_key_head_dim=16, linear_value_head_dim=16,
+                 linear_num_key_heads=1, linear_num_value_heads=2)
+    else:
+        c.update(num_hidden_layers=6, layer_types=c["layer_types"][:6], global_head_dim=128,
+                 num_global_key_value_heads=1, sliding_window=64, vocab_size_per_layer_input=256)
+    return c
+
+
+def _worker_events(directory: Path) -> dict[str, dict]:
+    """Per worker log: the model it served, when it loaded, when it was released (None: not)."""
+    import re
+
+    out = {}
+    for log in directory.glob("*.log"):
+        text = log.read_text()
+        first = re.search(r"^kvarn worker pid \d+ on \S+: (\{.*\})$", text, flags=re.M)
+        loaded = re.findall(r"^loaded (\S+) .* at ([\d.]+)$", text, flags=re.M)
+        released = re.findall(r"^released for another worker at ([\d.]+)", text, flags=re.M)
+        refused = re.findall(r"^preflight refused the load .* released workers \[([\d, ]+)\]", text, flags=re.M)
+        out[log.name] = {"model": json.loads(first[1])["name"] if first else None,
+                         "loaded": float(loaded[0][1]) if loaded else None,
+                         "released": float(released[0]) if released else None, "refused": refused}
+    return out
+
+
+@pytest.mark.slow
+def test_article_dag_at_toy_scale_one_model_on_the_device_at_a_time(tmp_path):
+    """config/article.yaml with both study models replaced by tiny random models of their layer
+    pattern (n_ctx 256, one chunk, a cut-down cell list), through every rule to claims.md and
+    report.html, with the worker on and KVARN_DEVICE_MEMORY fitting one model's load but not
+    two: the other model's first job starts only after the first model's worker released the
+    device (kvarn.worker.release_others)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from kvarn import worker
+    from kvarn.geometry import geometry_from_config as geom_of
+    from kvarn.preflight import estimate
+    from paths import WIKI_TEXT
+
+    wd = tmp_path / "wf"
+    wd.mkdir()
+    shutil.copy(ROOT / "Snakefile", wd)
+    for d in ("workflow", "config", "envs"):
+        shutil.copytree(ROOT / d, wd / d)
+    cfg = {**ARTICLE, "text": str(WIKI_TEXT), "model_cache": str(tmp_path / "models"), "cells": TOY_CELLS}
+    cfg["report"] = {"boot": 200}
+    loads = []
+    for m in cfg["models"]:
+        toy = wd / "config" / "models" / f"toy-{m['name']}.json"
+        toy.write_text(json.dumps(toy_model_config(m["name"]), indent=1))
+        m.update(source=f"random:config/models/toy-{m['name']}.json", revision=None, n_ctx=[256], chunks=1,
+                 dtype="float32")
+        from transformers import AutoConfig
+
+        c = json.loads(toy.read_text())
+        conf = AutoConfig.for_model(c.pop("model_type"), **c)
+        loads.append(estimate(conf, 256, m["ubatch"], "float32", "cpu", baseline=True).host_bytes)
+        assert geom_of(json.loads(toy.read_text())).describe()  # the pattern is read as the study's
+    memory = max(loads) + min(loads) // 2  # one model's load fits, two do not
+    assert max(loads) <= memory < sum(loads)
+    (wd / "config" / "matrix.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    workers = wd / ".snakemake" / "kvarn-workers"
+    env = {**os.environ, "KVARN_WORKER": "1", "KVARN_WORKER_IDLE": "60", "KVARN_DEVICE_MEMORY": str(memory),
+           "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "snakemake", "--directory", str(wd), "--snakefile", str(wd / "Snakefile"),
+            "--workflow-profile", "none"]
+    try:
+        run = subprocess.run([*base, "--cores", "2", "--resources", "gpu=1"], env=env, capture_output=True,
+                             text=True, timeout=1500)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+        rep = subprocess.run([*base, "--report", "report.html"], env=env, capture_output=True, text=True, timeout=600)
+        assert rep.returncode == 0, rep.stderr[-3000:]
+    finally:
+        worker.release_others(None, workers)  # no worker of ours outlives the test
+    summary_df = pl.read_parquet(wd / "results" / "summary.parquet")
+    assert summary_df.height == len(kvm.expand(cfg).cells) == 6
+    assert set(summary_df["memory_accounting"]) == {"beellama-qwen", "beellama-gemma"}
+    claims = (wd / "results" / "claims.md").read_text()
+    assert "## qwen3.6-27b (read against the study's qwen3.6-27b)" in claims
+    assert "## gemma4-31b (read against the study's gemma4-31b)" in claims
+    assert (wd / "report.html").stat().st_size > 0
+    # one model on the device at a time: the second model's worker was refused, released the
+    # first model's idle worker, and loaded after that worker had exited
+    events = [e for e in _worker_events(workers).values() if e["loaded"] is not None]
+    assert {e["model"] for e in events} == {"qwen3.6-27b", "gemma4-31b"}
+    events.sort(key=lambda e: e["loaded"])
+    for first, second in zip(events, events[1:]):
+        if first["model"] != second["model"]:
+            assert first["released"] is not None and first["released"] < second["loaded"], events
+            assert second["refused"], events

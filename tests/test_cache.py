@@ -1,4 +1,4 @@
-"""The cache model (SPEC §2) on tiny random-weight models: no downloads, seconds on a CPU.
+"""The cache model (DESIGN §2) on tiny random-weight models: no downloads, seconds on a CPU.
 
 Oracle: the model's own plain single-pass sdpa forward. Tolerances come from fp32 noise
 measured on the same model (eager vs sdpa plain forwards), not from magic numbers.
@@ -137,7 +137,7 @@ def assert_at_fp32_noise(rec, what):
                                       ("q8_0", "q4_0", 0), ("q2_0", "q2_0", 5)])
 def test_ubatch_independence(model, k, v, tail):
     # Two halves, each exact at its own scale:
-    # 1. at every ubatch, each attention call returns what SPEC §2 prescribes for the
+    # 1. at every ubatch, each attention call returns what DESIGN §2 prescribes for the
     #    stored copies (the float64 reference on the same inputs) at fp32 noise. A tail or
     #    sink off by one reads a body key as exact or back: a quantization error, orders
     #    of magnitude above that noise (test_reference_check_catches_a_tail_off_by_one);
@@ -282,7 +282,7 @@ def test_kvarn_groups_and_ubatch(model):
     # (body rows zero, never read: kvarn.attention asserts it). Queries at p >= 256 read
     # body keys 128..p-128 (sink 128 + tail 128 on full layers): KVarN numerics are used.
     # ubatch 100 completes groups in the middle of a ubatch; every attention call must
-    # still be SPEC §2 at fp32 noise.
+    # still be DESIGN §2 at fp32 noise.
     ids = _ids(model, 300)
     model.set_attn_implementation(kattn.ATTN_NAME)
     cache = KVarnCache(model.config, "kvarn4", "kvarn4", 0)
@@ -313,7 +313,7 @@ def test_attention_softcap_is_refused():
 @pytest.mark.parametrize("k,v,tail", [("f32", "f32", 0), ("q4_0", "q4_0", 8), ("q8_0", "q8_0", 0)])
 def test_query_blocks(model, k, v, tail, monkeypatch):
     # Blocking the queries only changes which masked-out keys are skipped: with blocks of
-    # 5 queries every call is still SPEC §2 at fp32 noise.
+    # 5 queries every call is still DESIGN §2 at fp32 noise.
     ids = _ids(model)
     monkeypatch.setattr(kattn, "QUERY_BLOCK", 5)
     assert_at_fp32_noise(checked_run(model, ids, k, v, tail, 512), f"{k} query blocks of 5")

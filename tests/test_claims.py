@@ -295,3 +295,14 @@ def test_claims_rule_writes_the_ledger_and_decision_tables(tmp_path):
         text = (tmp_path / "results" / "tables" / "decisions" / f"{model}.md").read_text()
         assert text == decisions[model] and "Format-only floor (ours" in text
     assert "read against the study's gemma4-31b" in (tmp_path / "results" / "claims.html").read_text()
+
+
+def test_a_figure_printed_for_the_other_study_model_is_used_and_named():
+    # exactness vs format: printed for Qwen only; a Gemma-like model is read against it, named
+    _, led = ledger_of([("q4_0-q4_0", 0, 0.5, 9), ("q4_0-q4_0", 128, 0.3, 10), ("kvarn4-kvarn4", 0, 0.2, 11)],
+                       model="g", study_model="gemma4-31b")
+    r = row(led, "exactness_vs_format")
+    assert r["ours"] == pytest.approx(2.0) and r["study"] == 6.7
+    assert r["note"] == "the study printed this figure for qwen3.6-27b only"
+    _, led = ledger_of([("q4_0-q4_0", 0, 0.5, 9), ("q4_0-q4_0", 128, 0.3, 10), ("kvarn4-kvarn4", 0, 0.2, 11)])
+    assert row(led, "exactness_vs_format")["note"] == ""

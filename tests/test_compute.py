@@ -333,7 +333,7 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
     order_effect = np.abs(in_gguf - in_hf).max()
     assert order_effect > 1e-3, order_effect  # the order changes the result: the test can fail
     assert np.abs(got - in_gguf).max() < order_effect / 50
-    # exact keeps transformers' order (SPEC's format damage); neox architectures are not permuted
+    # exact keeps transformers' order (DESIGN §6b's format damage); neox architectures are not permuted
     assert not KVarnCache(LlamaConfig(**dims), kt, kt, 0, rot=rot).layers[0].qk_gguf_order
     gemma = KVarnCache(Gemma3TextConfig(**dims, sliding_window=8), kt, kt, 0, rot=rot, compute="llamacpp-cpu")
     assert not any(getattr(la, "qk_gguf_order", True) for la in gemma.layers)

@@ -1,8 +1,8 @@
 """llama.cpp block types (kvarn/formats/blocks.py) against independent oracles.
 
 Oracles: the gguf package's numpy quantizers (upstream types, bytes and values), blocks
-worked out by hand from SPEC §3, and a scalar per-block reference written here from the
-SPEC rules (one value at a time, python-int bit packing) for the types gguf lacks.
+worked out by hand from DESIGN §3, and a scalar per-block reference written here from the
+DESIGN §3 rules (one value at a time, python-int bit packing) for the types gguf lacks.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_iq4_nl_decode_of_own_encoding_matches_gguf():
         assert np.array_equal(fmt.decode(p).numpy(), ref)
 
 
-# --- hand-worked blocks (SPEC §3 rules, worked out on paper) ------------------------------
+# --- hand-worked blocks (DESIGN §3 rules, worked out on paper) ------------------------------
 def test_q8_0_hand_block_rounds_half_away_from_zero():
     # amax 127 -> d = 1, id = 1; roundf: 2.5 -> 3, -2.5 -> -3, 0.49999997 -> 0 (not 1), -0.5 -> -1
     x = one_block([127.0, 2.5, -2.5, 0.49999997, -0.5, 1.5, -126.6])
@@ -258,7 +258,7 @@ def test_constant_block(name):
 
 # --- scalar reference for the types gguf lacks ------------------------------------------
 def ref_block(name: str, x: np.ndarray):
-    """SPEC §3, one value at a time in float32 (refit sums in float64). Returns codes, d, m."""
+    """DESIGN §3, one value at a time in float32 (refit sums in float64). Returns codes, d, m."""
     f = np.float32
     bits = 4 if name == "iq4_nl" else int(name[1])
     nlev = 1 << bits

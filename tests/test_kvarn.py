@@ -1,4 +1,4 @@
-"""KVarN reference (kvarn/formats/kvarn.py) against SPEC §4.
+"""KVarN reference (kvarn/formats/kvarn.py) against DESIGN §4.
 
 Tolerances are derived from fp32/fp16 rounding of the values at hand, not picked.
 """
@@ -53,7 +53,7 @@ def test_normalization_lowers_imbalance_on_outliers():
 
 
 def _normalize_f64(x, iters):
-    """SPEC §4.3 written out with loops in float64 (an independent oracle)."""
+    """DESIGN §4.3 written out with loops in float64 (an independent oracle)."""
     rows, cols = len(x), len(x[0])
 
     def std(v):

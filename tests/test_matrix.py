@@ -131,9 +131,9 @@ def test_shipped_configs_expand(name):
     m = kvm.expand(cfg)
     fams = {facts.pair_family(c.k, c.v) for c in m.cells}
     assert fams == {"standard", "kvarn"}
-    if name == "article.yaml":  # 48 standard pairs x tails 0, 128 + 15 KVarN pairs, per model
-        per_model = [sum(c.model == mm for c in m.cells) for mm in m.models]
-        assert per_model == [48 * 2 + 15] * 2
+    if name == "article.yaml":  # 48 standard pairs x tails 0, 128 + 15 KVarN pairs + the sweep
+        per_model = [sum(c.model == mm for c in m.cells) for mm in m.models]  # (12 types x 512, 1024)
+        assert per_model == [48 * 2 + 15 + 12 * 2] * 2
     if name.startswith("matrix"):  # the default runs: the format-only rows and the tail sweep
         names = {c.name for c in m.cells}
         assert "q4_0-q4_0-t128-tdf16-s128" in names and "kvarn4-kvarn4-t256" in names

@@ -81,3 +81,36 @@ def test_knob_names_the_largest_part():
     with pytest.raises(preflight.PreflightError, match="largest part is logits .* --ubatch"):
         preflight.check(est, 50, 10**9)
     preflight.check(est, 10**6, 10**9)  # fits: no error
+
+
+def test_device_memory_override_counts_other_workers_holdings(tmp_path, monkeypatch):
+    """KVARN_DEVICE_MEMORY: the device has that many bytes, less what the other live workers of
+    the run record as held (a held file whose socket is gone is not counted, nor our own)."""
+    from kvarn import worker
+
+    d = tmp_path / "workers"
+    d.mkdir()
+    for name, held, live in (("a", 300, True), ("b", 50, False), ("own", 1000, True)):
+        if live:
+            (d / f"{name}.sock").touch()
+        worker.held_path(d / f"{name}.sock").write_text(f"{held}\n")
+    monkeypatch.setenv(worker.SOCKET_ENV, str(d / "own.sock"))
+    monkeypatch.setenv(preflight.MEMORY_ENV, "1000")
+    assert preflight.capacity("cpu") == (None, 700)
+    dev, host = preflight.capacity("cuda:0")
+    assert dev == 700 and host > 0
+    monkeypatch.setenv(preflight.MEMORY_ENV, "1e9")
+    with pytest.raises(ValueError, match=r"KVARN_DEVICE_MEMORY='1e9' .* bytes, a positive integer"):
+        preflight.capacity("cpu")
+
+
+def test_a_worker_records_what_it_holds(tmp_path, monkeypatch):
+    from kvarn import worker
+
+    est = preflight.Estimate("cpu", {}, {"weights": 1000})
+    monkeypatch.delenv(worker.SOCKET_ENV, raising=False)
+    preflight._record_held(est)  # not a worker: nothing written
+    assert not list(tmp_path.glob("*"))
+    monkeypatch.setenv(worker.SOCKET_ENV, str(tmp_path / "w.sock"))
+    preflight._record_held(est)
+    assert (tmp_path / "w.held").read_text() == f"{est.host_bytes}\n" and est.host_bytes == 1100

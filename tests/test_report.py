@@ -161,7 +161,7 @@ def test_same_width_pairs_matched_and_missing_skipped(prep):
         mem = [u for u in bars if fields(u)["y"] == "mib"][0]
         assert mem["encoding"]["y"]["title"] == "KV cache MiB, packed accounting"
     gemma = D.same_width(prep["gemma3-270m"]).filter(pl.col("width") == 2)
-    assert gemma["pct_median"][0] > 0  # the width where KVarN loses (SPEC §7) shows as positive
+    assert gemma["pct_median"][0] > 0  # the width where KVarN loses (DESIGN §7) shows as positive
 
 
 def test_same_width_without_partners_is_a_placeholder(prep):

@@ -181,3 +181,30 @@ def test_killed_worker_leaves_nothing_and_the_rerun_succeeds(runs, tmp_path, mon
     again = worker.run("cell", _spec(), CTX, 1, out_dir=tmp_path / "b", use_worker=True, **cell)
     assert _strip(again) == _strip(out["inproc"][2][("kvarn4", "kvarn4", 0)])
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["kld_median"] == again["kld_median"]
+
+
+def test_release_others_makes_each_other_worker_exit(tmp_path):
+    """kvarn.worker.release_others: every other live worker of the directory answers, exits
+    (waited for), and leaves neither socket nor held file; the asking worker's own is spared."""
+    import json as _json
+    import subprocess
+    import sys as _sys
+    import time as _time
+
+    procs = {}
+    for name in ("a", "b", "own"):
+        sock = tmp_path / f"{name}.sock"
+        procs[name] = subprocess.Popen([_sys.executable, "-m", "kvarn.worker", str(sock), _json.dumps({"name": name})],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        worker.held_path(sock).write_text("100\n")
+    try:
+        deadline = _time.monotonic() + 60
+        while not all((tmp_path / f"{n}.sock").exists() for n in procs) and _time.monotonic() < deadline:
+            _time.sleep(0.05)
+        released = worker.release_others(tmp_path / "own.sock")
+        assert sorted(released) == sorted([procs["a"].pid, procs["b"].pid])
+        assert procs["a"].wait(5) == 0 and procs["b"].wait(5) == 0 and procs["own"].poll() is None
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["own.held", "own.sock"]
+    finally:
+        worker.release_others(None, tmp_path)
+        procs["own"].wait(30)

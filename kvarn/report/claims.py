@@ -90,6 +90,18 @@ def figure(study: dict, claim: str, study_model: str):
     return (study["figures"].get(claim) or {}).get(study_model)
 
 
+def figure_or_other(study: dict, claim: str, study_model: str) -> tuple[object, str]:
+    """The study's figure of a claim for `study_model`, else another study model's (the claim's
+    definition does not depend on the model), with a note naming whose figure it is."""
+    fig = figure(study, claim, study_model)
+    if fig is not None:
+        return fig, ""
+    for other in study["models"]:
+        if (fig := figure(study, claim, other)) is not None:
+            return fig, f"the study printed this figure for {other} only"
+    return None, ""
+
+
 def cell_key(pair: str, tail: int) -> str:
     """How config/study.yaml names a cell: `K-V tTAIL` (KVarN at 128*: its request, t0)."""
     return f"{pair} t{tail}"
@@ -220,7 +232,8 @@ def same_width_gain(prep, model, sm, study, delta: Delta = _no_delta) -> list[di
 
 def tail_effect(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
     """Per width the study printed: the % change of qN_0's median from tail 0 to tail 128."""
-    fig = figure(study, "tail_effect", sm) or {}
+    fig, whose = figure_or_other(study, "tail_effect", sm)
+    fig = fig or {}
     rows = []
     for w in sorted(int(k) for k in fig):
         s = float(fig.get(w, fig.get(str(w))))
@@ -237,7 +250,7 @@ def tail_effect(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
         verdict, note = _directional(ours < 0, lo, hi, -1)
         rows.append(_row(model, sm, f"tail_effect_{w}", claim, study, "tail_effect", ours=ours,
                          ours_text=f"{ours:+.1f} %", delta=d, delta_lo=lo, delta_hi=hi, verdict=verdict, **base)
-                    | {"note": note})
+                    | {"note": "; ".join(filter(None, [note, whose]))})
     if len(fig) >= 2:  # the study's ordering: the tail helps the narrowest width more than the widest
         lo_w, hi_w = min(int(k) for k in fig), max(int(k) for k in fig)
         by = {r["claim_id"]: r for r in rows}
@@ -378,7 +391,7 @@ def cheapest_match(prep, model, sm, study, delta: Delta = _no_delta) -> list[dic
 
 def exactness_vs_format(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
     """The study's ratio (q4_0 t0 − q4_0 t128) / (q4_0 t128 − kvarn4 128*), and ours beside it."""
-    fig = figure(study, "exactness_vs_format", sm)
+    fig, whose = figure_or_other(study, "exactness_vs_format", sm)
     rows = []
     t0, t128, kv = std_row(prep, "q4_0-q4_0", 0), std_row(prep, "q4_0-q4_0", 128), kvarn_row(prep, "kvarn4-kvarn4")
     if fig is not None:
@@ -394,7 +407,7 @@ def exactness_vs_format(prep, model, sm, study, delta: Delta = _no_delta) -> lis
             ratio = tail / fmt if fmt else math.inf
             rows.append(_row(model, sm, "exactness_vs_format", claim, study, "exactness_vs_format", ours=ratio,
                              ours_text=f"{tail:.6f} / {fmt:.6f} = {ratio:.1f}",
-                             verdict="holds" if ratio > 1 else "does not hold", **base))
+                             verdict="holds" if ratio > 1 else "does not hold", **base) | {"note": whose})
     sweep = tail_vs_format(tail_sweep(prep), format_only=None)
     claim = "ours: the tail's |Δln| over the sweep against the format's at equal tails (kvarn.report.data.tail_vs_format)"
     if sweep is None:
@@ -421,7 +434,7 @@ def equal_memory_table(prep: pl.DataFrame) -> pl.DataFrame:
 
 def equal_memory(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
     """The study's asymmetric-vs-symmetric pair at equal memory: median ratio asym / sym."""
-    fig = figure(study, "equal_memory", sm)
+    fig, whose = figure_or_other(study, "equal_memory", sm)
     if fig is None:
         return []
     a_pair, s_pair = fig["asymmetric"], fig["symmetric"]
@@ -439,6 +452,7 @@ def equal_memory(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]
     if a["kv_total_bytes"] != s["kv_total_bytes"]:
         note = "; ".join(filter(None, [note, f"not equal memory here: {_mib(a):.2f} vs {_mib(s):.2f} MiB "
                                               f"({a['memory_accounting']})"]))
+    note = "; ".join(filter(None, [note, whose]))
     return [_row(model, sm, "equal_memory", claim, study, "equal_memory", ours=ratio,
                  ours_text=f"{ratio:.2f}x ({a['kld_median']:.6g} vs {s['kld_median']:.6g})", delta=d, delta_lo=lo,
                  delta_hi=hi, verdict=verdict, **base) | {"note": note}]
@@ -519,7 +533,8 @@ def q8_0_same_top(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict
 def tail_sweep_trend(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
     """Per width the study described: does KVarN's same-width gain widen or narrow from tail 128 to
     the longest tail both families measured (SWEEP_TAILS)?"""
-    fig = figure(study, "tail_sweep_trend", sm) or {}
+    fig, whose = figure_or_other(study, "tail_sweep_trend", sm)
+    fig = fig or {}
     rows = []
     for w in sorted(int(k) for k in fig):
         s = fig.get(w, fig.get(str(w)))
@@ -540,7 +555,7 @@ def tail_sweep_trend(prep, model, sm, study, delta: Delta = _no_delta) -> list[d
         rows.append(_row(model, sm, f"tail_sweep_trend_{w}", claim, study, "tail_sweep_trend",
                          ours=gains[longest] - gains[FLOOR_TAIL],
                          ours_text=f"{ours}: " + ", ".join(f"t{t} {g:+.1f} %" for t, g in sorted(gains.items())),
-                         verdict="holds" if ours == s else "does not hold", **base))
+                         verdict="holds" if ours == s else "does not hold", **base) | {"note": whose})
     return rows
 
 

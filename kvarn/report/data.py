@@ -6,7 +6,7 @@ files. Everything here is a pure function of polars DataFrames; nothing draws.
 
 Conventions the report follows (and the README states):
 * A pair is written `K-V` (`q4_0-q4_0`, `kvarn6-kvarn5`).
-* KVarN's tail request 0 means an effective 128-token tail (SPEC §2); it prints `128*`.
+* KVarN's tail request 0 means an effective 128-token tail (DESIGN §2); it prints `128*`.
 * The standard floor is the study's: the standard pair (default options) with the lowest median
   KLD at tail 128; the format-only rows have their own floor (`format_only_floor`).
 * MiB are 2^20 bytes; Δ MiB is against the same pair at tail 0. They are computed under
@@ -378,7 +378,7 @@ def parse_cell_path(path: str | Path) -> dict:
 
 def cell_name(k_type: str, v_type: str, tail_requested: int, tail_eff: int | None = None, opts: str = "") -> str:
     """How a cell is named in legends: `q4_0-q4_0 t128`, `kvarn4-kvarn4 t128*`."""
-    if tail_eff is None:  # SPEC §2 on a full-attention layer
+    if tail_eff is None:  # DESIGN §2 on a full-attention layer
         return f"{k_type}-{v_type}{opts} t{facts.tail_label(k_type, v_type, tail_requested)}"
     return f"{k_type}-{v_type}{opts} t{tail_label(family_of(k_type), tail_requested, tail_eff)}"
 

@@ -108,7 +108,7 @@ def header(h: str, table: pl.DataFrame) -> str:
 def _caption(table: pl.DataFrame) -> str:
     r = table.row(0, named=True)
     return (f"{r['model']}: n_ctx {r['n_ctx']}, {r['chunks']} chunk{'s' if r['chunks'] != 1 else ''}, {r['n_tokens']} scored tokens per cell. "
-            "Tail 128\\*: KVarN's request 0 (an effective 128-token tail, SPEC §2). "
+            "Tail 128\\*: KVarN's request 0 (an effective 128-token tail, DESIGN §2). "
             "Exact %: the share of (scored query, key) pairs read from the exact copy (sink and tail), "
             "averaged over attention layers; the rest is read from the quantized body. "
             f"KV cache MiB under the `{accounting_of(table)}` memory accounting (body + staging + exact overlay, "
