@@ -27,7 +27,7 @@ What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
 
 KVARN_DEVICE_MEMORY (bytes; tests, or a device shared with other work): the memory of the job's
 device (the host, for a CPU job) is taken to be this, less what the other live kvarn workers
-of this run record that their loaded model holds (`kvarn.worker.held_path`, written here
+of this run record that their loaded model holds (`kvarn.workerfiles.held_path`, written here
 when a worker's load passes), instead of what the device reports free.
 
 It is an estimate of the large terms (allocator slack, CUDA context and the framework's
@@ -44,6 +44,7 @@ from typing import Any
 from kvarn.geometry import Geometry, config_object, geometry_from_config, text_config
 from kvarn.modelbuild import pick_device_dtype
 from kvarn.sources import config_json
+from kvarn.workerfiles import SOCKET_ENV, held_path, socket_dir
 
 HEADROOM = 1.10  # 10 % on top of the estimate for what is not modelled
 MEMORY_ENV = "KVARN_DEVICE_MEMORY"  # the capacity override (bytes), see the module doc
@@ -184,10 +185,8 @@ def _override() -> int | None:
 
 def held_by_other_workers() -> int:
     """Bytes the other live kvarn workers of this run record as held (their socket still exists)."""
-    from kvarn import worker
-
-    own = os.environ.get(worker.SOCKET_ENV)
-    directory = Path(own).parent if own else Path(os.environ.get(worker.DIR_ENV) or ".snakemake/kvarn-workers")
+    own = os.environ.get(SOCKET_ENV)
+    directory = Path(own).parent if own else socket_dir()
     total = 0
     for held in directory.glob("*.held"):
         sock = held.with_suffix(".sock")
@@ -249,9 +248,7 @@ def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, base
 
 def _record_held(est: Estimate) -> None:
     """In a kvarn worker (its socket in the environment): record what its loaded model holds."""
-    from kvarn import worker
-
-    own = os.environ.get(worker.SOCKET_ENV)
+    own = os.environ.get(SOCKET_ENV)
     if own:
         held = est.device_bytes if est.device_parts else est.host_bytes
-        worker.held_path(Path(own)).write_text(f"{held}\n")
+        held_path(Path(own)).write_text(f"{held}\n")

@@ -49,9 +49,9 @@ from pathlib import Path
 
 from kvarn.identity import job_key
 from kvarn.sources import DEFAULT_CACHE_DIR, ModelSpec
+from kvarn.workerfiles import DIR_ENV, SOCKET_ENV, held_path, socket_dir
 
-ENV, IDLE_ENV, DIR_ENV = "KVARN_WORKER", "KVARN_WORKER_IDLE", "KVARN_WORKER_DIR"
-SOCKET_ENV = "KVARN_WORKER_SOCKET"  # set in a worker's own process: its socket (kvarn.preflight reads it)
+ENV, IDLE_ENV = "KVARN_WORKER", "KVARN_WORKER_IDLE"
 RELEASE_TIMEOUT_S = 120.0  # waiting for a released worker to exit
 IDLE_S = 120.0
 SPAWN_TIMEOUT_S = 600.0  # the worker's own start (imports), not the model load
@@ -100,7 +100,7 @@ def identity(key: dict, files=()) -> dict:
 
 
 def socket_path(ident: dict, directory=None) -> Path:
-    directory = Path(directory or os.environ.get(DIR_ENV) or ".snakemake/kvarn-workers")
+    directory = socket_dir(directory)
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     path = directory.resolve() / f"{digest}.sock"
     if len(os.fsencode(path)) > 100:  # AF_UNIX paths hold ~107 bytes; a relative one is shorter
@@ -215,11 +215,6 @@ def _connect_or_spawn(path: Path, ident: dict) -> socket.socket:
             time.sleep(0.05)
         proc.kill()
         raise RuntimeError(f"kvarn worker for {path} did not listen within {SPAWN_TIMEOUT_S:.0f}s; log {_log(path)}")
-
-
-def held_path(sock: Path) -> Path:
-    """Where a worker records the memory its loaded model holds (kvarn.preflight writes it)."""
-    return Path(sock).with_suffix(".held")
 
 
 def _alive(pid: int) -> bool:

@@ -86,7 +86,7 @@ def test_knob_names_the_largest_part():
 def test_device_memory_override_counts_other_workers_holdings(tmp_path, monkeypatch):
     """KVARN_DEVICE_MEMORY: the device has that many bytes, less what the other live workers of
     the run record as held (a held file whose socket is gone is not counted, nor our own)."""
-    from kvarn import worker
+    from kvarn import workerfiles as worker
 
     d = tmp_path / "workers"
     d.mkdir()
@@ -105,7 +105,7 @@ def test_device_memory_override_counts_other_workers_holdings(tmp_path, monkeypa
 
 
 def test_a_worker_records_what_it_holds(tmp_path, monkeypatch):
-    from kvarn import worker
+    from kvarn import workerfiles as worker
 
     est = preflight.Estimate("cpu", {}, {"weights": 1000})
     monkeypatch.delenv(worker.SOCKET_ENV, raising=False)
