@@ -235,3 +235,20 @@ def test_q6_0_refit_sums_in_beellamas_order():
     want = np.where(s2 > 0, sx / np.where(s2 > 0, s2, f(1)), d0).astype(np.float16).view(np.uint16)
     _, kd, _ = QO.kvarn_block_fields("q6_0", x)
     assert np.array_equal(kd, want)
+
+
+def test_table_row_reads_beellama_log_and_kvarn_summary(tmp_path):
+    spec = importlib.util.spec_from_file_location("beellama_table", ROOT / "bench" / "beellama" / "table.py")
+    tab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tab)
+    log = tmp_path / "bee.log"
+    log.write_text("====== KL divergence statistics ======\nMean    KLD:   0.010000 ±   0.000200\n"
+                   "Maximum KLD:   0.300000\n99.0%   KLD:   0.050000\nMedian  KLD:   0.004000\n"
+                   "Same top p: 95.500 ± 0.400 %\n")
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / "summary.json").write_text(json.dumps({"kld_median": 0.005, "kld_mean": 0.009, "kld_p99": 0.04,
+                                                   "same_top": 0.96}))
+    r = tab.row("kvarn4", log, cell)
+    assert r == ["kvarn4", "0.004000", "0.005000", "1.25", "0.010000", "0.009000", "0.90", "0.0500", "0.0400",
+                 "95.50", "96.00"]

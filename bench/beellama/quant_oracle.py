@@ -5,7 +5,7 @@ copy through the environment:
 
     BEELLAMA_SRC=<source checkout>  BEELLAMA_BUILD=<its cmake build dir, with bin/libggml*.so>
     [BEELLAMA_RUNS=<scratch dir, default $BEELLAMA_BUILD/kvarn-runs>]
-    PYTHONPATH=. python bench/beellama/quant_oracle.py [--real] [--out bench/results/beellama_quant.md]
+    PYTHONPATH=. python bench/beellama/quant_oracle.py [--real] [--out bench/results/beellama.md]
 
 It compiles our harness `bench/beellama/quant_oracle.c` against that build (cached in
 BEELLAMA_RUNS), feeds it and kvarn the same float32 inputs, and compares:
@@ -363,6 +363,18 @@ def compare_records(bee: np.ndarray, ours: np.ndarray, bits: int) -> dict:
             "any": int(np.logical_or.reduce(diff).sum())}
 
 
+def _summary(rows, key, real, n, diff, head, unit):
+    """Rows summed per rows[key]: compared / differing on the synthetic inputs and on Gemma 3."""
+    acc: dict = {}
+    for r in rows:
+        a = acc.setdefault(r[key], [0, 0, 0, 0])
+        i = 2 if real(r) else 0
+        a[i] += r[n]
+        a[i + 1] += r[diff]
+    return _fmt_table([head, f"synthetic {unit}", "differing", f"Gemma 3 {unit}", "differing"],
+                      [[k, *v] for k, v in acc.items()])
+
+
 def _fmt_table(header, rows):
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join("—" if c is None else str(c) for c in r) + " |" for r in rows]
@@ -397,8 +409,10 @@ def main(argv=None) -> int:
             for name in BLOCK_TYPES:
                 r = compare_blocks(name, data)
                 brows.append([name, label, rot, r["blocks"], r["any"], r["d"], r["m"], r["codes"]])
-    t1 = _fmt_table(["type", "input", "rotation", "blocks", "differing", "d differs", "m differs", "codes differ"],
-                    brows)
+    t1 = _summary(brows, key=0, real=lambda r: r[1].startswith("gemma3"), n=3, diff=4, head="type", unit="blocks")
+    t1 += "\n\nRows with a difference:\n\n" + _fmt_table(
+        ["type", "input", "rotation", "blocks", "differing", "d differs", "m differs", "codes differ"],
+        [r for r in brows if r[4]])
 
     krows = []
     for label, x in inputs.items():
@@ -415,9 +429,12 @@ def main(argv=None) -> int:
                 r = compare_records(bee, ours, bits)
                 krows.append([f"kvarn{bits}", role.upper(), label, r["tiles"], r["any"], r["payload"], r["scale"],
                               r["zero"], r["other"]])
-    t2 = _fmt_table(["format", "role", "input", "tiles", "differing", "payload", "scale", "zero", "other"], krows)
+    t2 = _summary([[f"{r[0]} {r[1]}", *r[1:]] for r in krows], key=0, real=lambda r: r[2].startswith("gemma3"),
+                  n=3, diff=4, head="format", unit="tiles")
+    t2 += "\n\nRows with a difference:\n\n" + _fmt_table(
+        ["format", "role", "input", "tiles", "differing", "payload", "scale", "zero", "other"], [r for r in krows if r[4]])
     prows = []
-    for label, x in inputs.items():
+    for label, x in inputs.items() if not args.libm else ():
         if not (label.startswith(("random", "const", "outlier")) or label.startswith("gemma3")):
             continue
         roles = ("v" if label.endswith(" V") else "k",) if label.startswith("gemma3") else ("k", "v")
@@ -427,8 +444,11 @@ def main(argv=None) -> int:
                           r["values"]])
     t3 = _fmt_table(["input", "role", "tiles", "v1: other pass", "v1: values differ", "v2: other pass",
                      "v2: values differ", "values"], prows)
-    text = (f"### Block types (fields compared per 32-value block)\n\n{t1}\n\n### KVarN records (per tile)\n\n{t2}\n\n"
-            f"### KVarN normalization pass kept, against BeeLlama's arithmetic (kvarn4)\n\n{t3}\n")
+    math_name = "C library expf/logf (--libm)" if args.libm else "float64, rounded to fp32 (default)"
+    text = (f"### Block types (d, m, codes per 32-value block)\n\n{t1}\n\n"
+            f"### KVarN records (payload, scale, zero, other per tile; kvarn exp/log: {math_name})\n\n{t2}\n")
+    if prows:
+        text += f"\n### KVarN normalization pass kept, against BeeLlama's arithmetic (kvarn4)\n\n{t3}\n"
     print(text)
     if args.out:
         Path(args.out).write_text(text)
