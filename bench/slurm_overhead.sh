@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Wall time of the tiny matrix (tests/cluster/matrix.yaml, default target: summary, paired
-# statistics, tables, figures) through Slurm at revision BEFORE and at this checkout, and
-# locally, one after the other -> bench/results/slurm.md's figures.
+# Wall time of the tiny matrix (tests/cluster/matrix.yaml -> results/summary.parquet, the
+# target of tests/cluster/slurm.sh) through Slurm at revision BEFORE and at this checkout,
+# and locally, one after the other -> bench/results/slurm.md's figures.
 #
 #   sudo tests/cluster/slurm.sh --hold &       # a one-node cluster; prints its SLURM_CONF
 #   export SLURM_CONF=...                        # as printed
-#   bench/slurm_overhead.sh 6c5a27e [OUTDIR]     # BEFORE: a revision of this repository
+#   bench/slurm_overhead.sh 6c5a27e [before] [after] [local]   # BEFORE: a revision; default: all three
 #
 # Each run starts from an empty working directory (the model cache and text are shared, as
 # in tests/cluster/slurm.sh); the BEFORE revision is exported with git archive. Prints one
@@ -13,8 +13,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
-BEFORE="${1:?usage: bench/slurm_overhead.sh BEFORE_REVISION [OUTDIR]}"
-OUT="${2:-$(mktemp -d -t kvarn-slurm-bench.XXXXXX)}"
+BEFORE="${1:?usage: bench/slurm_overhead.sh BEFORE_REVISION [before] [after] [local]}"
+shift
+RUNS="${*:-before after local}"
+OUT="${KVARN_BENCH_DIR:-$(mktemp -d -t kvarn-slurm-bench.XXXXXX)}"
 PY="${KVARN_PYTHON:-$REPO/.venv/bin/python}"
 : "${SLURM_CONF:?set SLURM_CONF to the slurm.conf of a running cluster (tests/cluster/slurm.sh --hold)}"
 conf_path() {
@@ -30,7 +32,8 @@ run() {  # run NAME CHECKOUT ARGS...
   mkdir -p "$OUT/$name"; ln -sfn "$src/config" "$OUT/$name/config"
   local t0 t1 n
   t0="$(date +%s.%N)"
-  (cd "$OUT/$name" && PYTHONPATH="$src" "$PY" -m snakemake -s "$src/Snakefile" \
+  case " $RUNS " in *" $name "*) ;; *) return 0 ;; esac
+  (cd "$OUT/$name" && PYTHONPATH="$src" "$PY" -m snakemake results/summary.parquet -s "$src/Snakefile" \
       --configfile "$REPO/tests/cluster/matrix.yaml" "$@" "${CFG[@]}" >"$OUT/$name.log" 2>&1) \
     || { tail -n 30 "$OUT/$name.log"; echo "$name failed" >&2; exit 1; }
   t1="$(date +%s.%N)"

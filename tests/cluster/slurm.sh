@@ -100,7 +100,7 @@ stop_daemons() {
   done
   if [ "$LINKED" = 1 ] && [ "$(readlink "$ETC_CONF")" = "$SLURM_CONF" ]; then rm -f "$ETC_CONF"; fi
   if [ "$rc" != 0 ]; then
-    for f in "$D"/log/*.log; do echo "--- tail of $f"; tail -n 15 "$f"; done >&2 || true
+    for f in "$D"/log/*.log "$D"/log/*.out; do echo "--- tail of $f"; tail -n 15 "$f"; done >&2 || true
   fi
   if [ "${KVARN_SLURM_KEEP:-0}" = 1 ]; then echo "kept $D"; else rm -rf "$D"; fi
   exit "$rc"
@@ -117,18 +117,18 @@ step "MariaDB"
 mariadb-install-db --no-defaults --datadir="$D/mysql" --user=root --skip-test-db >"$D/log/mariadb-install.log" 2>&1 \
   || fail "mariadb-install-db (log: $D/log/mariadb-install.log)"
 mariadbd --no-defaults --datadir="$D/mysql" --socket="$MYSQL_UNIX_PORT" --pid-file="$D/run/mariadb.pid" \
-  --skip-networking --skip-grant-tables --user=root --log-error="$D/log/mariadb.log" &
+  --skip-networking --skip-grant-tables --user=root --log-error="$D/log/mariadb.log" >"$D/log/mariadb.out" 2>&1 &
 PIDS+=($!)
 step "munged"
 dd if=/dev/urandom of="$D/munge/munge.key" bs=1024 count=1 status=none
 chmod 400 "$D/munge/munge.key"
 munged -F --force --socket="$D/munge/munge.socket" --key-file="$D/munge/munge.key" \
-  --log-file="$D/log/munged.log" --pid-file="$D/run/munged.pid" --seed-file="$D/munge/seed" &
+  --log-file="$D/log/munged.log" --pid-file="$D/run/munged.pid" --seed-file="$D/munge/seed" >"$D/log/munged.out" 2>&1 &
 PIDS+=($!)
 wait_for 30 munged munge --socket="$D/munge/munge.socket" -n
 wait_for 60 MariaDB mariadb-admin --no-defaults --socket="$MYSQL_UNIX_PORT" ping
 step "slurmdbd"
-slurmdbd -D &
+slurmdbd -D >"$D/log/slurmdbd.out" 2>&1 &
 PIDS+=($!)
 wait_for 30 slurmdbd sacctmgr -n list cluster
 sacctmgr -i add cluster kvarnci >/dev/null
@@ -137,9 +137,9 @@ sacctmgr -i add user root Account=kvarn Cluster=kvarnci >/dev/null
 mkdir -p "$(dirname "$ETC_CONF")"
 [ -L "$ETC_CONF" ] || { ln -s "$SLURM_CONF" "$ETC_CONF"; LINKED=1; }
 step "slurmctld, slurmd"
-slurmctld -D -i &
+slurmctld -D -i >"$D/log/slurmctld.out" 2>&1 &
 PIDS+=($!)
-slurmd -D &
+slurmd -D >"$D/log/slurmd.out" 2>&1 &
 PIDS+=($!)
 node_idle() { [ "$(sinfo -h -n "$HOST" -p gpu -o %t)" = idle ]; }
 wait_for 60 "node $HOST (idle in sinfo)" node_idle
@@ -166,8 +166,9 @@ jobs_in_sacct() { sacct -X -n -P -a -o JobID | wc -l; }
 
 step "1. an oversized request (cell: 64 CPUs) must stop before any submission"
 before="$(jobs_in_sacct)"; t0=$SECONDS
-if (cd "$D/oversized" && "${SMK[@]}" "${ON_SLURM[@]}" --set-resources cell:slurm_partition=gpu cell:cpus_per_task=64 \
-      "${CFG[@]}" >"$D/log/oversized.log" 2>&1); then
+# Without the check this run would wait for a PENDING job forever: a time limit turns that into a failure.
+if (cd "$D/oversized" && timeout 300 "${SMK[@]}" "${ON_SLURM[@]}" --set-resources cell:slurm_partition=gpu \
+      cell:cpus_per_task=64 "${CFG[@]}" >"$D/log/oversized.log" 2>&1); then
   fail "the oversized request ran (log: $D/log/oversized.log)"
 fi
 grep -F "rule cell (cpus_per_task=64" "$D/log/oversized.log" \
@@ -189,8 +190,9 @@ sacct -X -a -P -o JobID,Comment,Partition,Account,AllocTRES,State --name "$run_i
 import sys, collections
 rows = [dict(zip(("id", "comment", "partition", "account", "tres", "state"), l.rstrip("\n").split("|")))
         for l in open(sys.argv[1]).readlines()[1:]]
-rules = collections.Counter(r["comment"].split("_wildcards_")[0].removeprefix("rule_") for r in rows)
-model = [r for r in rows if r["comment"].startswith(("rule_baseline_", "rule_cell_"))]
+rule = lambda r: r["comment"].split("_wildcards_")[0].removeprefix("rule_")  # rule_<name>_wildcards_...
+rules = collections.Counter(map(rule, rows))
+model = [r for r in rows if rule(r) in ("baseline", "cell")]
 bad = [r for r in model if r["partition"] != "gpu" or r["state"] != "COMPLETED" or "gres/gpu=1" not in r["tres"]]
 print(f"Slurm jobs by rule: {dict(rules)}")
 assert rules["baseline"] == 1 and rules["cell"] == 2, "expected 1 baseline and 2 cell jobs"
