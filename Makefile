@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: setup run test bench report clean-results
+.PHONY: setup run test test-cluster bench report clean-results
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,10 @@ run: setup
 
 test: setup
 	$(BIN)/pytest -q -ra
+
+# The Slurm profile against a one-node Slurm cluster set up on this machine (root; README "On a cluster")
+test-cluster: setup
+	tests/cluster/slurm.sh
 
 bench: setup
 	$(BIN)/python bench/bench_formats.py

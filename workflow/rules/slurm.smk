@@ -15,7 +15,10 @@ onstart:
         import subprocess
         from kvarn import slurm as kvs
 
-        sinfo = subprocess.run(["sinfo", *kvs.SINFO_ARGS], capture_output=True, text=True)
+        try:
+            sinfo = subprocess.run(["sinfo", *kvs.SINFO_ARGS], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise WorkflowError("the Slurm executor needs sinfo (not found on PATH) to check the requests") from None
         if sinfo.returncode != 0:
             raise WorkflowError(f"sinfo {' '.join(kvs.SINFO_ARGS)} failed: {sinfo.stderr.strip()}")
         requests = [kvs.request_of(j.rule.name, j.resources, j.threads)
