@@ -1,4 +1,5 @@
-"""kvarn.slurm: the pre-submission check of Slurm requests against sinfo, on canned sinfo output.
+"""kvarn.slurm: the pre-submission check of Slurm requests against sinfo, on canned sinfo output;
+and the model rules' threads inside a Slurm allocation (workflow/rules/common.smk).
 
 The live cluster run (an oversized request stopped before submission) is tests/cluster/slurm.sh.
 """
