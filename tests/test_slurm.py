@@ -1,7 +1,14 @@
-"""kvarn.slurm: the pre-submission check of Slurm requests against sinfo, on canned sinfo output.
+"""kvarn.slurm: the pre-submission check of Slurm requests against sinfo, on canned sinfo output;
+and the model rules' threads inside a Slurm allocation (workflow/rules/common.smk).
 
 The live cluster run (an oversized request stopped before submission) is tests/cluster/slurm.sh.
 """
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +130,33 @@ def test_request_of_follows_the_plugin():
         slurm.Request("x", None, 4, 4000, 2, None)
     assert slurm.request_of("x", {"cpus_per_gpu": 6, "gpu": 2}, threads=1).cpus == 12
     assert slurm.request_of("x", {"gpu": 0, "cpus_per_task": 2}, threads=1).gpus == 0
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def baseline_threads(tmp_path, env_cpus):
+    """threads of the baseline job as a dry run plans it with --cores 64 (workflow/rules/common.smk's MODEL_THREADS)."""
+    (tmp_path / "config").symlink_to(ROOT / "config")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = str(ROOT)
+    if env_cpus is not None:
+        env["SLURM_CPUS_PER_TASK"] = str(env_cpus)
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "64", "--workflow-profile", "none",
+                        "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path),
+                        "results/smollm2-135m/ctx512-c1/baseline.kvd",
+                        "--configfile", str(ROOT / "tests" / "cluster" / "matrix.yaml"),
+                        "--config", f"model_cache={tmp_path / 'models'}"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    block = p.stdout.split("rule baseline:")[1].split("\n\n")[0]
+    m = re.search(r"threads: (\d+)", block)
+    return int(m.group(1)) if m else 1  # Snakemake prints threads only above 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env_cpus", [None, 3])
+def test_model_threads_are_the_allocation_under_slurm(tmp_path, env_cpus):
+    # outside Slurm: every core of this machine (at most --cores); in an allocation: its CPUs per task
+    want = min(64, os.cpu_count()) if env_cpus is None else env_cpus
+    assert baseline_threads(tmp_path, env_cpus) == want

@@ -41,7 +41,6 @@ step() { printf '== [%3ds] %s\n' "$SECONDS" "$*"; }
 [ "$(id -u)" = 0 ] || cannot_run "needs root (it installs packages and starts slurmctld/slurmd/slurmdbd/munged/mariadbd)"
 PY="${KVARN_PYTHON:-$REPO/.venv/bin/python}"
 [ -x "$PY" ] || cannot_run "no Python at $PY (run make setup, or set KVARN_PYTHON)"
-SNAKEMAKE=("$PY" -m snakemake)
 
 # --- packages ---------------------------------------------------------------------------
 PKGS=(slurm-wlm slurmdbd mariadb-server munge)
