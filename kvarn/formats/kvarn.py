@@ -341,7 +341,8 @@ class KVarNFormat(KVFormat):
             raise ValueRangeError(
                 f"{self.name} ({self.role.upper()})", i[:-2], (g * GROUP, g * GROUP + GROUP - 1),
                 f"a tile's fp16 metadata overflowed (channel slice {i[-1]}; max |x| of the call "
-                f"{x.abs().max().item():.4g}); KVarN stores scale/zero/other as fp16 (|value| <= 65504)")
+                f"{x.abs().max().item():.4g}); KVarN stages the rotated values and stores scale/zero/other "
+                "as fp16 (|value| <= 65504)")
 
     def packed_meta(self) -> dict:
         return {"format": self.name, "role": self.role, "bits": self.bits}
