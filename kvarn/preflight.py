@@ -242,11 +242,11 @@ def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, base
                    device, baseline)
     if not dry_run:
         check(est, *capacity(device))
-        _record_held(est)
+        record_held(est)
     return est
 
 
-def _record_held(est: Estimate) -> None:
+def record_held(est: Estimate) -> None:
     """In a kvarn worker (its socket in the environment): record what its loaded model holds."""
     own = os.environ.get(SOCKET_ENV)
     if own:

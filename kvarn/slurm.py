@@ -13,6 +13,7 @@ Slurm executor would submit (README "On a cluster").
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -158,3 +159,11 @@ def request_of(rule: str, resources, threads: int) -> Request:
     gpus = int(get("gpu") or 0) or (gpu_count(str(get("gres"))) if get("gres") else 0)
     return Request(rule, get("slurm_partition") or None, int(max(1, cpus)), int(mem) if mem else None, gpus,
                    int(get("runtime")) if get("runtime") else None)
+
+
+def cpus_per_task(environ=None) -> int | None:
+    """The CPUs of this process's Slurm allocation per task (SLURM_CPUS_PER_TASK, the profile's
+    cpus_per_task), or None outside a Slurm job. Without CPU binding the cores a job sees are
+    the whole node's, so a model job sizes its threads from this instead."""
+    raw = (os.environ if environ is None else environ).get("SLURM_CPUS_PER_TASK", "")
+    return int(raw) if raw.isdigit() else None

@@ -219,11 +219,11 @@ def test_ladder_sweep_trend_prefill_same_top():
 
 
 def test_directional_verdict_reads_the_interval():
-    assert C._directional(True, None, None, -1) == ("holds", "")
-    assert C._directional(True, -0.3, -0.1, -1) == ("holds", "")
-    assert C._directional(True, -0.3, 0.1, -1)[0] == "does not hold"
-    assert C._directional(True, 0.1, 0.3, +1) == ("holds", "")
-    assert C._directional(False, -0.3, -0.1, -1)[0] == "does not hold"
+    assert C.directional(True, None, None, -1) == ("holds", "")
+    assert C.directional(True, -0.3, -0.1, -1) == ("holds", "")
+    assert C.directional(True, -0.3, 0.1, -1)[0] == "does not hold"
+    assert C.directional(True, 0.1, 0.3, +1) == ("holds", "")
+    assert C.directional(False, -0.3, -0.1, -1)[0] == "does not hold"
 
 
 def test_study_model_choice():

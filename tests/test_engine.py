@@ -188,7 +188,7 @@ def smol_bf16_cell(loaded, first_chunk):
     lm, ids = loaded("smollm2-135m"), first_chunk("smollm2-135m")
     lm.model.set_attn_implementation("kvarn")
     path = engine.attention_path("auto", lm.info.device, "exact")
-    cache = engine._new_cache(lm.model, "bf16", "bf16", 0, attention=path)
+    cache = engine.new_cache(lm.model, "bf16", "bf16", 0, attention=path)
     lp = torch.cat([x.cpu() for _, x in engine.chunk_logprobs(lm.model, ids, cache, 512, data.scored_positions(CTX))])
     return lp, ids[CTX // 2 + 1 : CTX]
 

@@ -109,8 +109,8 @@ def test_a_worker_records_what_it_holds(tmp_path, monkeypatch):
 
     est = preflight.Estimate("cpu", {}, {"weights": 1000})
     monkeypatch.delenv(worker.SOCKET_ENV, raising=False)
-    preflight._record_held(est)  # not a worker: nothing written
+    preflight.record_held(est)  # not a worker: nothing written
     assert not list(tmp_path.glob("*"))
     monkeypatch.setenv(worker.SOCKET_ENV, str(tmp_path / "w.sock"))
-    preflight._record_held(est)
+    preflight.record_held(est)
     assert (tmp_path / "w.held").read_text() == f"{est.host_bytes}\n" and est.host_bytes == 1100

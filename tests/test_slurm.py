@@ -160,3 +160,9 @@ def test_model_threads_are_the_allocation_under_slurm(tmp_path, env_cpus):
     # outside Slurm: every core of this machine (at most --cores); in an allocation: its CPUs per task
     want = min(64, os.cpu_count()) if env_cpus is None else env_cpus
     assert baseline_threads(tmp_path, env_cpus) == want
+
+
+def test_cpus_per_task_reads_the_allocation_only_inside_a_job():
+    assert slurm.cpus_per_task({"SLURM_CPUS_PER_TASK": "6"}) == 6
+    assert slurm.cpus_per_task({}) is None
+    assert slurm.cpus_per_task({"SLURM_CPUS_PER_TASK": ""}) is None

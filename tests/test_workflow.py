@@ -157,8 +157,9 @@ def test_default_matrix_plans_one_job_per_cell(tmp_path):
 def test_article_matrix_plans_offline(tmp_path):
     config = yaml.safe_load((ROOT / "config" / "article.yaml").read_text())
     wd = workflow_copy(tmp_path, {k: config[k] for k in ("models", "cells")})
-    # per model: 6 K x 8 V types x 2 tails + 6 KVarN widths + 9 KVarN pairs = 111
-    assert plan(wd) == {"fetch_model": 2, "wikitext": 1, "baseline": 2, "cell": 222, "cell_row": 222, "summary": 1}
+    # per model: 6 K x 8 V types x 2 tails + 6 KVarN widths + 9 KVarN pairs + 12 symmetric
+    # types x the sweep's 2 long tails (512, 1024) = 96 + 6 + 9 + 24 = 135
+    assert plan(wd) == {"fetch_model": 2, "wikitext": 1, "baseline": 2, "cell": 270, "cell_row": 270, "summary": 1}
 
 
 def test_adding_a_width_or_editing_a_cell_plans_only_those_cells(tmp_path, tiny_done):

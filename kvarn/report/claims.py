@@ -168,7 +168,7 @@ def _no_delta(a, b):
     return None, None, None
 
 
-def _directional(sign_ok: bool, lo, hi, want: int) -> tuple[str, str]:
+def directional(sign_ok: bool, lo, hi, want: int) -> tuple[str, str]:
     """Verdict of a difference that should have sign `want` (−1: B below A): its point estimate,
     then its interval when there is one."""
     if not sign_ok:
@@ -221,7 +221,7 @@ def same_width_gain(prep, model, sm, study, delta: Delta = _no_delta) -> list[di
             continue
         ours = (1 - kv["kld_median"] / std["kld_median"]) * 100
         d, lo, hi = delta(std, kv)
-        verdict, note = _directional((ours > 0) == (s > 0), lo, hi, -1 if s > 0 else +1)
+        verdict, note = directional((ours > 0) == (s > 0), lo, hi, -1 if s > 0 else +1)
         r = _row(model, sm, f"same_width_gain_{w}", claim, study, "same_width_gain", ours=ours,
                  ours_text=f"{ours:+.1f} % ({kv['kld_median']:.6g} vs {std['kld_median']:.6g})",
                  delta=d, delta_lo=lo, delta_hi=hi, verdict=verdict, **base)
@@ -247,7 +247,7 @@ def tail_effect(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
             continue
         ours = (t128["kld_median"] / t0["kld_median"] - 1) * 100
         d, lo, hi = delta(t0, t128)
-        verdict, note = _directional(ours < 0, lo, hi, -1)
+        verdict, note = directional(ours < 0, lo, hi, -1)
         rows.append(_row(model, sm, f"tail_effect_{w}", claim, study, "tail_effect", ours=ours,
                          ours_text=f"{ours:+.1f} %", delta=d, delta_lo=lo, delta_hi=hi, verdict=verdict, **base)
                     | {"note": "; ".join(filter(None, [note, whose]))})
@@ -336,7 +336,7 @@ def below_floor(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
         hit = table.filter(pl.col("pair") == pair)
         saved_ours = _mib(floor) - _mib(kv)
         d, lo, hi = (hit["delta"][0], hit["delta_lo"][0], hit["delta_hi"][0]) if hit.height else delta(floor, kv)
-        verdict, note = _directional(hit.height > 0 and saved_ours > 0, lo, hi, -1)
+        verdict, note = directional(hit.height > 0 and saved_ours > 0, lo, hi, -1)
         if not hit.height:
             note = f"median {kv['kld_median']:.6g} is not below the floor's {floor['kld_median']:.6g} ({floor['pair']})"
         elif saved_ours <= 0:
@@ -448,7 +448,7 @@ def equal_memory(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]
                 | {"missing": ", ".join(missing)}]
     ratio = a["kld_median"] / s["kld_median"]
     d, lo, hi = delta(s, a)
-    verdict, note = _directional(ratio > 1, lo, hi, +1)
+    verdict, note = directional(ratio > 1, lo, hi, +1)
     if a["kv_total_bytes"] != s["kv_total_bytes"]:
         note = "; ".join(filter(None, [note, f"not equal memory here: {_mib(a):.2f} vs {_mib(s):.2f} MiB "
                                               f"({a['memory_accounting']})"]))
@@ -593,7 +593,7 @@ def two_bit_reversal(prep, model, sm, study, delta: Delta = _no_delta) -> list[d
                 | {"missing": ", ".join(missing)}]
     ratio = kv["kld_median"] / std["kld_median"]
     d, lo, hi = delta(std, kv)
-    verdict, note = _directional(ratio > 1, lo, hi, +1)
+    verdict, note = directional(ratio > 1, lo, hi, +1)
     losing = [f"{w} bits" for w in range(3, 9)
               if (a := std_row(prep, f"q{w}_0-q{w}_0", 128)) and (b := kvarn_row(prep, f"kvarn{w}-kvarn{w}"))
               and b["kld_median"] > a["kld_median"]]

@@ -16,6 +16,7 @@ import os
 from snakemake.exceptions import WorkflowError
 
 from kvarn import matrix as kvm
+from kvarn.slurm import cpus_per_task
 
 MATRIX = kvm.expand(config)
 for _note in kvm.check_pinned(MATRIX.models, config.get("allow_unpinned", False), plan_only=True):
@@ -31,8 +32,9 @@ MODELS = {name: vars(m) for name, m in MATRIX.models.items()}  # for lookup(dpat
 # (SLURM_CPUS_PER_TASK: the profile's cpus_per_task): without CPU binding, the cores
 # Snakemake sees are the whole node's.
 def _model_threads() -> int:
-    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
-        return int(os.environ["SLURM_CPUS_PER_TASK"])
+    slurm_cpus = cpus_per_task()
+    if slurm_cpus is not None:
+        return slurm_cpus
     try:
         cores = workflow.cores  # raises when a remote executor runs without --cores
     except WorkflowError:
