@@ -115,7 +115,7 @@ def test_q8_0_beellama_cpu_rounds_ties_to_even():
 
 def test_iq4_nl_differs_by_design_but_decodes_alike_here():
     """BeeLlama's CPU iq4_nl is ggml's quantize_row_iq4_nl_ref (scale search); kvarn follows
-    the CUDA set_rows path (SPEC). On the fixture's blocks they agree wherever no tie moved."""
+    the CUDA set_rows path (DESIGN §3). On the fixture's blocks they agree wherever no tie moved."""
     x = QO.fixture_block_input()
     bq, bd, _ = QO.beellama_block_fields("iq4_nl", DATA["block_iq4_nl"])
     kq, kd, _ = QO.kvarn_block_fields("iq4_nl", x)

@@ -75,7 +75,7 @@ class KVFormat:
     name: str = ""
     family: str = ""  # "float" | "block" | "kvarn"
     group: int = 1  # tokens that must arrive before the body can be written
-    sink: int = 0  # exact leading tokens on full-attention layers (SPEC §2)
+    sink: int = 0  # exact leading tokens on full-attention layers (DESIGN §2)
     tail_quantum: int = 1  # effective tail = max(min_tail, roundup(tail, tail_quantum))
     min_tail: int = 0
     default_tail_dtype: str = "bf16"

@@ -1,4 +1,4 @@
-"""llama.cpp / BeeLlama block types (SPEC §3): q8_0 … q2_0, q*_1, iq4_nl.
+"""llama.cpp / BeeLlama block types (DESIGN §3): q8_0 … q2_0, q*_1, iq4_nl.
 
 Each token's head_dim values are cut into blocks of 32; a block stores an fp16 scale `d`
 (and an fp16 min `m` for the `_1` types) and one code per value. Codes are computed with
@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvarn import facts
 
 from .base import KVFormat, Packed, ValueRangeError, first_bad
 from .hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
@@ -252,7 +254,7 @@ class BlockFormat(KVFormat):
         self.name = name
         self.spec = SPECS[name]
         self.rot = bool(rot)
-        self.version = 2 if self.spec.refit else 1  # q6_0 2: the refit sums in BeeLlama's order
+        self.version = facts.get(name).version  # kvarn.facts holds it (q6_0 2: the refit sums in BeeLlama's order)
 
     def __repr__(self) -> str:
         return f"BlockFormat({self.name!r}, role={self.role!r}, rot={self.rot})"

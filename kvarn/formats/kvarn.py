@@ -1,4 +1,4 @@
-"""KVarN (SPEC §4): variance-normalized KV-cache quantization, the pure-torch reference.
+"""KVarN (DESIGN §4): variance-normalized KV-cache quantization, the pure-torch reference.
 
 Arithmetic: BeeLlama's CPU KV-cache store (`ggml_compute_forward_kvarn_store`, the same
 code at v0.4.0 and v0.4.3), reproduced bit for bit (bench/beellama/quant_oracle.py,
@@ -49,7 +49,7 @@ import torch
 from kvarn.facts import KVARN_DEFAULT_TAIL_DTYPE, KVARN_VERSION, kvarn_head_dim_ok
 from kvarn.facts import KVARN_GROUP as GROUP  # tokens per tile (G)
 from kvarn.facts import KVARN_ITERS as ITERS  # normalization passes
-from kvarn.facts import KVARN_SINK as SINK  # exact leading tokens on full-attention layers (SPEC §2)
+from kvarn.facts import KVARN_SINK as SINK  # exact leading tokens on full-attention layers (DESIGN §2)
 from kvarn.facts import KVARN_SLICE as SLICE  # most channels in one tile
 from kvarn.facts import KVARN_WIDTHS as WIDTHS
 from kvarn.facts import kvarn_payload_nbytes as payload_nbytes
@@ -121,7 +121,7 @@ def stage(xr: torch.Tensor) -> torch.Tensor:
     return xr.half().float()
 
 
-# --- variance normalization (SPEC §4.3) ----------------------------------------------
+# --- variance normalization (DESIGN §4.3) ----------------------------------------------
 def sample_std(y: torch.Tensor, dim: int) -> torch.Tensor:
     """Sample standard deviation (n - 1) as BeeLlama computes it: one pass in float64 (sum
     and sum of squares), var = max(0, (ss - n*mean^2)/(n - 1)), sqrt in float64, rounded to
@@ -195,7 +195,7 @@ def normalize_ref(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor
     return normalize_choice(tiles, iters)[:2]
 
 
-# --- per-row asymmetric RTN (SPEC §4.4-4.5) ----------------------------------------
+# --- per-row asymmetric RTN (DESIGN §4.4-4.5) ----------------------------------------
 def round_half_away(v: torch.Tensor) -> torch.Tensor:
     """Round v >= 0 to the nearest integer, halves up (= away from zero for v >= 0)."""
     fl = torch.floor(v)
@@ -245,7 +245,7 @@ def dequantize_tiles_ref(codes, scale, zero, other) -> torch.Tensor:
     return x * other.float()[..., None, :]
 
 
-# --- dense LSB-first bit packing (SPEC §4.6) ---------------------------------------
+# --- dense LSB-first bit packing (DESIGN §4.6) ---------------------------------------
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., n] -> uint8 [..., ceil(n*bits/8)]: code i at bit offset i*bits."""
     n = codes.shape[-1]

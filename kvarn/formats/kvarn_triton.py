@@ -138,7 +138,7 @@ def _quantize_pack_kernel(x_ptr, words_ptr, scale_ptr, zero_ptr, other_ptr, iter
     cols = tl.arange(0, C)
     x = tl.load(x_ptr + pid * R * C + rows[:, None] * C + cols[None, :])
 
-    # variance normalization (SPEC §4.3): candidate 0 is the unscaled tile, ties -> later
+    # variance normalization (DESIGN §4.3): candidate 0 is the unscaled tile, ties -> later
     a = tl.zeros([C], dtype=tl.float32)
     b = tl.zeros([R], dtype=tl.float32)
     std_col = _std(x, 0, R)

@@ -21,7 +21,7 @@ def get_format(name: str, role: str = "k", rot: bool = True, **params):
     """The format called `name` for K (role="k") or V (role="v").
 
     rot: llama.cpp's Hadamard pre-rotation for quantized standard types (default on, as
-    llama.cpp); ignored by float types; KVarN always rotates (SPEC §4).
+    llama.cpp); ignored by float types; KVarN always rotates (DESIGN §4).
     params: format-specific knobs, e.g. iters=16 for KVarN.
     """
     if not isinstance(name, str) or name not in _FACTORIES:
