@@ -2,6 +2,7 @@
 the planned cells (kvarn.memory at config/models/*.json, no weights), the precision-tail sweep
 is planned for every symmetric width, and its README/config command plans as written."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -168,7 +169,11 @@ def test_article_dag_at_toy_scale_one_model_on_the_device_at_a_time(tmp_path):
         rep = subprocess.run([*base, "--report", "report.html"], env=env, capture_output=True, text=True, timeout=600)
         assert rep.returncode == 0, rep.stderr[-3000:]
     finally:
-        worker.release_others(None, workers)  # no worker of ours outlives the test
+        # No worker of ours outlives the test. Its sockets are bound relative to the workflow
+        # directory (kvarn.worker.socket_path): pytest's tmp_path can make the absolute path
+        # longer than an AF_UNIX address holds, so connect from there.
+        with contextlib.chdir(wd):
+            worker.release_others(None, workers.relative_to(wd))
     summary_df = pl.read_parquet(wd / "results" / "summary.parquet")
     assert summary_df.height == len(kvm.expand(cfg).cells) == 6
     assert set(summary_df["memory_accounting"]) == {"beellama-qwen", "beellama-gemma"}
