@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from kvarn import data, engine, models, sources  # noqa: E402
 from kvarn.atomic import write_text  # noqa: E402
 
-TEXT = "/work/shared/data/wikitext-2-raw-v1/wiki.test.raw"
+TEXT = str(REPO.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")  # shared/ beside the checkout
 CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0)]
 
 

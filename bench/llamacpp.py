@@ -33,8 +33,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-LLAMACPP_DIR = Path(os.environ.get("LLAMACPP_DIR", "/work/llamacpp"))
-TEXT = os.environ.get("TEXT", "/work/shared/data/wikitext-2-raw-v1/wiki.test.raw")
+# Outside the repository (bench/llamacpp.sh): the sdist, its build and the runs.
+LLAMACPP_DIR = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "kvarn-llamacpp"))
+# The README's layout: shared/ beside the checkout.
+TEXT = os.environ.get("TEXT", str(REPO.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"))
 BIN = LLAMACPP_DIR / "build" / "bin" / "llama-perplexity"
 CTX = {"smollm2-135m": 2048, "gemma3-270m": 4096}
 TARGET = 0.10  # issue 13: llamacpp-cpu's median and mean KLD each within 10 % of llama-perplexity's

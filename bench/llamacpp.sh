@@ -7,7 +7,7 @@
 #
 #   bench/llamacpp.sh [smollm2-135m|gemma3-270m ...]       (default: both)
 #
-# Environment: LLAMACPP_DIR (default /work/llamacpp: the sdist, its build and the runs,
+# Environment: LLAMACPP_DIR (default ~/.cache/kvarn-llamacpp: the sdist, its build and the runs,
 # all outside the repo; never run in CI), THREADS (2), CHUNKS_smollm2_135m (2),
 # CHUNKS_gemma3_270m (1), TYPES ("f16 q8_0 q5_1 q5_0 q4_1 q4_0"), TEXT (wiki.test.raw).
 # Every run's log is kept and skipped when present, so an interrupted bench resumes.
@@ -18,11 +18,11 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-LLAMACPP_DIR=${LLAMACPP_DIR:-/work/llamacpp}
+LLAMACPP_DIR=${LLAMACPP_DIR:-$HOME/.cache/kvarn-llamacpp}
 VERSION=0.3.36
 THREADS=${THREADS:-2}
 TYPES=${TYPES:-"f16 q8_0 q5_1 q5_0 q4_1 q4_0"}
-TEXT=${TEXT:-/work/shared/data/wikitext-2-raw-v1/wiki.test.raw}
+TEXT=${TEXT:-$REPO/../shared/data/wikitext-2-raw-v1/wiki.test.raw}
 BIN=$LLAMACPP_DIR/build/bin/llama-perplexity
 RUNS=$LLAMACPP_DIR/runs
 MODELS=("$@")

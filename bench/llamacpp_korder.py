@@ -15,6 +15,7 @@ the same `kvarn.compute.gguf_order`).
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,7 +24,7 @@ from kvarn.cli import model_spec
 from kvarn.facts import KVARN_ITERS
 from kvarn.sources import DEFAULT_CACHE_DIR
 
-TEXT = "/work/shared/data/wikitext-2-raw-v1/wiki.test.raw"
+TEXT = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")  # shared/ beside the checkout
 
 
 def gguf_order(fmt):
