@@ -17,8 +17,11 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(BIN)/snakemake --cores $(CORES) --resources gpu=1
 
+# The suite on TEST_WORKERS pytest-xdist workers (tests/conftest.py says how the work is split);
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 # The Slurm profile against a one-node Slurm cluster set up on this machine (root; README "On a cluster")
 test-cluster: setup

@@ -36,15 +36,19 @@ def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float
     exact = (j < pol.sink) | (p - j < pol.tail)  # [n_q, L]
     ek = layer.exact_keys if layer.exact_keys is not None and layer.exact_keys.shape[-2] else body_k
     ev = layer.exact_values if layer.exact_values is not None and layer.exact_values.shape[-2] else body_v
-    sel = exact[None, None, :, :, None]
-    K = torch.where(sel, ek[:, :, None].to(dtype), body_k[:, :, None].to(dtype))  # [b, Hkv, n_q, L, D]
-    V = torch.where(sel, ev[:, :, None].to(dtype), body_v[:, :, None].to(dtype))
+    # Every (p, j) score against both copies, then the one the pair reads: the same sums as
+    # gathering a key per pair, without an [n_q, L, D] tensor per call.
     rep = H // n_kv
     q = query.to(dtype).reshape(b, n_kv, rep, n_q, D)
-    s = torch.einsum("bgrqd,bgqld->bgrql", q, K) * scaling
+    s_exact = torch.einsum("bgrqd,bgld->bgrql", q, ek.to(dtype))
+    s_body = torch.einsum("bgrqd,bgld->bgrql", q, body_k.to(dtype))
+    s = torch.where(exact, s_exact, s_body) * scaling
     s = s.masked_fill(~allowed, float("-inf"))
     a = torch.softmax(s, dim=-1)
-    return torch.einsum("bgrql,bgqld->bgrqd", a, V).reshape(b, H, n_q, D)
+    zero = torch.zeros((), dtype=dtype)
+    out = (torch.einsum("bgrql,bgld->bgrqd", torch.where(exact, a, zero), ev.to(dtype))
+           + torch.einsum("bgrql,bgld->bgrqd", torch.where(exact, zero, a), body_v.to(dtype)))
+    return out.reshape(b, H, n_q, D)
 
 
 class Recorder:

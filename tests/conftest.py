@@ -2,6 +2,12 @@
 
 Triton reads TRITON_INTERPRET when it is first imported: without a GPU its kernels can
 only run under the interpreter, so set it before any test module imports triton.
+
+`make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup`): each worker
+takes its share of the cores for torch's intra-op threads, a module whose tests share an
+expensive module- or session-scoped fixture (a real model loaded, a workflow run) names an
+`xdist_group` so that fixture is built on one worker only, and the modules with tests that load a
+real model (marked `slow`) are handed out first, so that the long ones do not end the run alone.
 """
 
 import os
@@ -16,6 +22,18 @@ if not torch.cuda.is_available():
 # they have been idle this long: short, so a finished test run leaves none behind for
 # long, yet longer than the gap between two jobs of one run.
 os.environ.setdefault("KVARN_WORKER_IDLE", "30")
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # One worker per share of the cores: intra-op threads beyond it only contend.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules holding a test marked `slow` first, each kept whole (a module fixture is
+    built once), the order otherwise unchanged: under `--dist loadgroup` the work is handed
+    out in this order, longest first, which keeps the workers' ends close."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
 
 
 @pytest.fixture(scope="module")

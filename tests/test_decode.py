@@ -14,6 +14,9 @@ import torch
 from kvarn import decode as KD
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
+# One xdist worker: the module fixture loads SmolLM2 once.
+pytestmark = pytest.mark.xdist_group("decode")
+
 CTX, PROMPTS, TOKENS = 160, 2, 32
 
 

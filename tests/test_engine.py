@@ -15,6 +15,9 @@ import torch
 from kvarn import cli
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
+# One xdist worker: the session fixtures load SmolLM2 and run its baselines once.
+pytestmark = pytest.mark.xdist_group("engine")
+
 CTX = 256
 MODELS = ("smollm2-135m", "gemma3-270m")
 

@@ -24,7 +24,9 @@ from kvarn.formats import get_format
 from kvarn.policy import layer_policy
 from test_cache import _gemma, _ids, _llama
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+# One xdist worker: the module fixtures load SmolLM2 once.
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+              pytest.mark.xdist_group("flex")]
 BOTH = "kvarn_both"
 
 

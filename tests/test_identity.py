@@ -18,6 +18,9 @@ import torch
 from kvarn import identity
 from paths import WIKI_TEXT
 
+# One xdist worker: the module fixture runs a tiny workflow once.
+pytestmark = pytest.mark.xdist_group("identity")
+
 REPO = Path(__file__).resolve().parents[1]
 SMOL_HF = REPO / "resources" / "models" / "smollm2-135m" / "hf"
 TEXT = WIKI_TEXT

@@ -6,6 +6,9 @@ import pytest
 import torch
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
+# One xdist worker: the module fixture loads SmolLM2 once.
+pytestmark = pytest.mark.xdist_group("layer_error")
+
 CTX = 256
 
 

@@ -11,6 +11,9 @@ import pytest
 from kvarn import models
 from kvarn.sources import DEFAULT_CACHE_DIR, EMBEDDED, ModelSpec
 
+# One xdist worker: the module fixture loads both embedded models once.
+pytestmark = pytest.mark.xdist_group("models")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

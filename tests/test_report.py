@@ -20,6 +20,9 @@ import synthetic  # noqa: E402
 from kvarn import report as R  # noqa: E402
 from kvarn.report import data as D  # noqa: E402
 
+# One xdist worker: the module fixtures run a tiny matrix once.
+pytestmark = pytest.mark.xdist_group("report")
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["smollm2-135m", "gemma3-270m"]
 

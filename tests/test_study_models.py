@@ -37,6 +37,9 @@ from kvarn.engine import policy_fields
 from kvarn.geometry import geometry_from_config
 from paths import WIKI_TEXT
 
+# One xdist worker: the module fixture builds each study architecture once.
+pytestmark = pytest.mark.xdist_group("study_models")
+
 REPO = Path(__file__).resolve().parents[1]
 N = 512  # tokens: KVarN's 128-token sink + 128-token tail leave body keys for queries >= 256
 VOCAB = 256

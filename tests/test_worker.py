@@ -23,6 +23,9 @@ import pytest
 from kvarn import worker
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT, REPO
 
+# One xdist worker: the module fixture runs a baseline and cells in-process and through a worker.
+pytestmark = pytest.mark.xdist_group("worker")
+
 CTX = 384  # KVarN's body is read from p = 256 on (sink 128 + tail 128); at 256 it never is
 TIMING = ("tokens_per_s", "wall_s")
 CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0), ("bf16", "bf16", 0)]

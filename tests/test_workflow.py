@@ -25,6 +25,9 @@ import yaml
 from kvarn import matrix as kvm
 from paths import WIKI_TEXT
 
+# One xdist worker: the tiny workflow is run once per module (tiny_done, tiny_run).
+pytestmark = pytest.mark.xdist_group("workflow")
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = WIKI_TEXT
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
