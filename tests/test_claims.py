@@ -306,3 +306,36 @@ def test_a_figure_printed_for_the_other_study_model_is_used_and_named():
     assert r["note"] == "the study printed this figure for qwen3.6-27b only"
     _, led = ledger_of([("q4_0-q4_0", 0, 0.5, 9), ("q4_0-q4_0", 128, 0.3, 10), ("kvarn4-kvarn4", 0, 0.2, 11)])
     assert row(led, "exactness_vs_format")["note"] == ""
+
+
+# ---------------------------------------------------------------- the README's findings
+
+
+def test_findings_put_each_models_row_in_its_own_column():
+    cells = [("q4_0-q4_0", 128, 0.01, 10.0), ("kvarn4-kvarn4", 0, 0.004, 11.0)]
+    led = pl.concat([ledger_of(cells, "small")[1],
+                     ledger_of([("q4_0-q4_0", 128, 0.01, 10.0), ("kvarn4-kvarn4", 0, 0.02, 11.0)], "other",
+                               study_model="gemma4-31b")[1]])
+    md = C.findings_markdown(led)
+    lines = md.splitlines()
+    assert lines[0] == "| claim | small (study: qwen3.6-27b) | other (study: gemma4-31b) |"
+    assert len(lines) == 2 + led["claim_id"].n_unique()  # header, rule, one line per claim
+    gain = next(ln for ln in lines if ln.startswith("| 4 bits: kvarn4"))
+    small, other = gain.split(" | ")[1:3]
+    # small: (1 - 0.004/0.01) = +60 %, it holds; other: 0.02 vs 0.01 = -100 %, it does not
+    assert "ours +60.0 % (0.004 vs 0.01)" in small and "**holds**" in small
+    assert "ours -100.0 % (0.02 vs 0.01)" in other and "**does not hold**" in other
+    assert f"study {row(led.filter(pl.col('model') == 'other'), 'same_width_gain_4')['study_text']};" in other
+    floor = next(ln for ln in lines if "format-only floor" in ln)
+    assert floor.startswith("| *ours:* the format-only floor") and "missing: a format-only row" in floor
+
+
+def test_splice_claims_rewrites_only_the_block():
+    sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+    import readme_figures as R
+
+    readme = f"# T\nbefore\n{R.CLAIMS_BEGIN}\n| old |\n{R.CLAIMS_END}\nafter\n"
+    assert R.splice_claims(readme, "| new |\n") == f"# T\nbefore\n{R.CLAIMS_BEGIN}\n| new |\n{R.CLAIMS_END}\nafter\n"
+    for bad in ("no markers\n", readme + R.CLAIMS_BEGIN, f"{R.CLAIMS_END}\n{R.CLAIMS_BEGIN}\n"):
+        with pytest.raises(ValueError, match="must hold the line"):
+            R.splice_claims(bad, "| new |\n")

@@ -652,6 +652,31 @@ def ledger_markdown(table: pl.DataFrame) -> str:
     return "\n".join(out)
 
 
+def findings_markdown(table: pl.DataFrame) -> str:
+    """The ledger side by side for the README: one line per claim, and per run model the
+    study's figure (for the study model that run is read against), ours, the paired interval
+    and the verdict. Every figure comes from `table` (`readme_figures.py --readme` writes it
+    between the README's claims markers)."""
+    models = table["model"].unique(maintain_order=True).to_list()
+    head = ["claim"] + [f"{m} (study: {table.filter(pl.col('model') == m)['study_model'][0]})" for m in models]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cid in table["claim_id"].unique(maintain_order=True).to_list():
+        rows = {r["model"]: r for r in table.filter(pl.col("claim_id") == cid).iter_rows(named=True)}
+        first = next(iter(rows.values()))
+        claim = ("*ours:* " + first["claim"].removeprefix("ours: ")) if first["origin"] == "ours" else first["claim"]
+        cells = [claim]
+        for m in models:
+            r = rows.get(m)
+            if r is None:
+                cells.append("–")
+                continue
+            ci = "" if r["delta"] is None else f"; Δ median {_g(r['delta'])} [{_g(r['delta_lo'])}, {_g(r['delta_hi'])}]"
+            why = f" (missing: {r['missing']})" if r["missing"] else ""
+            cells.append(f"study {r['study_text'] or '–'}; ours {r['ours_text'] or '–'}{ci} — **{r['verdict']}**{why}")
+        out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 def table_markdown(df: pl.DataFrame, title: str, empty: str) -> str:
     """A decision table as Markdown (floats to 6 significant digits, MiB to 2 decimals)."""
     if df.is_empty():
