@@ -421,6 +421,18 @@ def exactness_vs_format(prep, model, sm, study, delta: Delta = _no_delta) -> lis
     return rows
 
 
+def _median_ratio(higher, lower, higher_name: str, lower_name: str, delta: Delta) -> dict:
+    """A claim that `higher`'s median exceeds `lower`'s: {"missing": names} when a row is
+    absent, else the ratio, the paired Δ (higher − lower) with its interval and the verdict."""
+    missing = _missing(**{lower_name: lower, higher_name: higher})
+    if missing:
+        return {"missing": ", ".join(missing)}
+    ratio = higher["kld_median"] / lower["kld_median"]
+    d, lo, hi = delta(lower, higher)
+    verdict, note = directional(ratio > 1, lo, hi, +1)
+    return {"ratio": ratio, "d": d, "lo": lo, "hi": hi, "verdict": verdict, "note": note}
+
+
 def equal_memory_table(prep: pl.DataFrame) -> pl.DataFrame:
     """Decision table: rows at the matched tail (`matched`) of one family that share their KV
     bytes exactly but split them differently between K and V, best median first in each group."""
@@ -442,13 +454,10 @@ def equal_memory(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]
     base = dict(study=float(fig["ratio"]), study_text=f"about {float(fig['ratio']):g}x at {float(fig['mib']):.2f} MiB",
                 delta_of=f"{a_pair} − {s_pair}")
     a, s = kvarn_row(prep, a_pair), kvarn_row(prep, s_pair)
-    missing = _missing(**{f"{a_pair} t128*": a, f"{s_pair} t128*": s})
-    if missing:
-        return [_row(model, sm, "equal_memory", claim, study, "equal_memory", verdict="not measurable", **base)
-                | {"missing": ", ".join(missing)}]
-    ratio = a["kld_median"] / s["kld_median"]
-    d, lo, hi = delta(s, a)
-    verdict, note = directional(ratio > 1, lo, hi, +1)
+    got = _median_ratio(a, s, f"{a_pair} t128*", f"{s_pair} t128*", delta)
+    if "missing" in got:
+        return [_row(model, sm, "equal_memory", claim, study, "equal_memory", verdict="not measurable", **base) | got]
+    ratio, d, lo, hi, verdict, note = (got[c] for c in ("ratio", "d", "lo", "hi", "verdict", "note"))
     if a["kv_total_bytes"] != s["kv_total_bytes"]:
         note = "; ".join(filter(None, [note, f"not equal memory here: {_mib(a):.2f} vs {_mib(s):.2f} MiB "
                                               f"({a['memory_accounting']})"]))
@@ -587,13 +596,10 @@ def two_bit_reversal(prep, model, sm, study, delta: Delta = _no_delta) -> list[d
     claim = "2 bits: kvarn2 at 128* has a higher median than q2_0 at tail 128 (the one width where KVarN loses)"
     base = dict(study=s, study_text=f"{med[kv_key]:.6f} vs {med[std_key]:.6f} ({s:.2f}x)", delta_of="kvarn2 128* − q2_0 t128")
     std, kv = std_row(prep, "q2_0-q2_0", 128), kvarn_row(prep, "kvarn2-kvarn2")
-    missing = _missing(**{"q2_0-q2_0 t128": std, "kvarn2-kvarn2 t128*": kv})
-    if missing:
-        return [_row(model, sm, "two_bit_reversal", claim, study, "median", verdict="not measurable", **base)
-                | {"missing": ", ".join(missing)}]
-    ratio = kv["kld_median"] / std["kld_median"]
-    d, lo, hi = delta(std, kv)
-    verdict, note = directional(ratio > 1, lo, hi, +1)
+    got = _median_ratio(kv, std, "kvarn2-kvarn2 t128*", "q2_0-q2_0 t128", delta)
+    if "missing" in got:
+        return [_row(model, sm, "two_bit_reversal", claim, study, "median", verdict="not measurable", **base) | got]
+    ratio, d, lo, hi, verdict, note = (got[c] for c in ("ratio", "d", "lo", "hi", "verdict", "note"))
     losing = [f"{w} bits" for w in range(3, 9)
               if (a := std_row(prep, f"q{w}_0-q{w}_0", 128)) and (b := kvarn_row(prep, f"kvarn{w}-kvarn{w}"))
               and b["kld_median"] > a["kld_median"]]
