@@ -109,7 +109,9 @@ def test_facts_by_hand():
     assert facts.get("quanto4").bits_per_value(64) == 4.5
     assert facts.get("kivi2").bits_per_value(64, "k") == 3.0 == facts.get("kivi2").bits_per_value(64, "v")
     assert facts.get("hqq2").bits_per_value(256) == 2.5
-    assert facts.tail_label("quanto4", "quanto4", 0) == "128*" and facts.pair_family("hqq4", "hqq4") == "standard"
+    assert facts.tail_label("quanto4", "quanto4", 0) == "128*" and facts.pair_family("hqq4", "kivi2") == "ecosystem"
+    with pytest.raises(ValueError, match="'quanto4' and V type 'q4_0' mix a QuantizedCache backend type"):
+        facts.pair_family("quanto4", "q4_0")
     with pytest.raises(ValueError, match="kivi4: head dim 48 not supported; accepted: multiples of 32"):
         facts.get("kivi4").nbytes(G, 48)
 
@@ -222,3 +224,47 @@ def test_pins_agree_with_pyproject():
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for dist, version in facts.ECOSYSTEM_LIBRARIES.values():
         assert f"{dist}=={version}" in deps
+
+
+# --- the rows in the figures ------------------------------------------------------------
+def test_rows_in_same_width_and_pareto():
+    """On the synthetic result set, quanto4 / kivi2 rows (family 'ecosystem', 128*) become
+    same-width partners of kvarn4 / kvarn2 with KVarN's % change against them, a series of
+    their own in the Pareto figure, and never part of the standard frontier or floor."""
+    import sys
+    from pathlib import Path
+    import tempfile
+
+    import polars as pl
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import synthetic
+
+    from kvarn import report as R
+    from kvarn.report import data as D
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prep = R.prepare(synthetic.make_results(tmp), "smollm2-135m")
+    eco = []
+    for name, like, median in (("quanto4", "q4_0", 0.5), ("kivi2", "q2_0", 0.25)):
+        row = prep.filter((pl.col("pair") == f"{like}-{like}") & (pl.col("tail_requested") == 128))
+        eco.append(row.with_columns(
+            pl.lit(name).alias("k_type"), pl.lit(name).alias("v_type"), pl.lit(f"{name}-{name}").alias("pair"),
+            pl.lit("ecosystem").alias("family"), pl.lit(0, dtype=row["tail_requested"].dtype).alias("tail_requested"),
+            pl.lit("128*").alias("tail_label"), pl.lit(median).alias("kld_median"),
+            pl.lit(D.series_of("ecosystem", 0, 128)).alias("series"), pl.lit(False).alias("is_floor")))
+    both = pl.concat([prep, *eco], how="vertical_relaxed")
+    sw = D.same_width(both)
+    assert D.same_width_backends(sw) == ["kivi", "quanto"]
+    w4, w2 = (sw.filter(pl.col("width") == w).row(0, named=True) for w in (4, 2))
+    assert w4["pct_median_quanto"] == pytest.approx((w4["kld_median_kvarn"] / 0.5 - 1) * 100)
+    assert w2["pct_median_kivi"] == pytest.approx((w2["kld_median_kvarn"] / 0.25 - 1) * 100)
+    assert w4["pct_median_kivi"] is None and w2["pct_median_quanto"] is None
+    spec = R.same_width(both).to_dict()
+    bars = {row["bar"] for rows in spec["datasets"].values() for row in rows if "bar" in row}
+    assert "vs quantoN t128* (QuantizedCache): median" in bars and "vs kiviN t128* (QuantizedCache): mean" in bars
+    pareto = R.pareto(both).to_dict()
+    series = {row["series"] for rows in pareto["datasets"].values() for row in rows if "series" in row}
+    assert f"{D.SERIES_ECOSYSTEM}, tail 128*" in series
+    assert not set(D.pareto_frontier(both)["pair"]) & {"quanto4-quanto4", "kivi2-kivi2"}
+    assert D.standard_floor(both)["pair"] == D.standard_floor(prep)["pair"]
