@@ -36,7 +36,7 @@ SERIES_KVARN = "KVarN, tail 128*"
 # layers, tail 128, F16 exact copy), so against KVarN at 128* only the quantizer differs.
 FORMAT_ONLY_OPTS = f"-td{facts.get('kvarn4').default_tail_dtype}-s{facts.KVARN_SINK}"  # the cell path's opts
 SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
-SERIES_ECOSYSTEM = "transformers QuantizedCache (quanto, HQQ, KIVI)"  # kvarn.formats.ecosystem
+SERIES_ECOSYSTEM = "QuantizedCache backends"  # transformers' quanto, HQQ, KIVI layout (kvarn.formats.ecosystem)
 
 # The cell directory name written by the workflow: {k}-{v}-t{tail}{opts}
 # ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}, -s{sink}, -llamacpp_cpu; kvarn.matrix).
