@@ -9,7 +9,11 @@ cadence and ours quantize the same groups once (see `test_forward_equals_quantiz
 from __future__ import annotations
 
 import importlib.metadata
+import sys
+import tempfile
+from pathlib import Path
 
+import polars as pl
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -17,10 +21,15 @@ from transformers.cache_utils import QuantizedCache
 
 import kvarn.attention as kattn
 from kvarn import facts
+from kvarn import report as R
 from kvarn.cache import KVarnCache, KVarnLayer
 from kvarn.formats import get_format
 from kvarn.geometry import Geometry
 from kvarn.memory import kv_bytes
+from kvarn.report import data as D
+
+sys.path.insert(0, str(Path(__file__).parent))
+import synthetic  # noqa: E402
 
 NAMES = list(facts.ECOSYSTEM_TYPES)
 G = facts.ECOSYSTEM_GROUP
@@ -231,18 +240,6 @@ def test_rows_in_same_width_and_pareto():
     """On the synthetic result set, quanto4 / kivi2 rows (family 'ecosystem', 128*) become
     same-width partners of kvarn4 / kvarn2 with KVarN's % change against them, a series of
     their own in the Pareto figure, and never part of the standard frontier or floor."""
-    import sys
-    from pathlib import Path
-    import tempfile
-
-    import polars as pl
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import synthetic
-
-    from kvarn import report as R
-    from kvarn.report import data as D
-
     with tempfile.TemporaryDirectory() as tmp:
         prep = R.prepare(synthetic.make_results(tmp), "smollm2-135m")
     eco = []
