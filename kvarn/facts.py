@@ -38,13 +38,17 @@ KVARN_ITERS = 16  # variance-normalization passes (DESIGN §4): BeeLlama and the
 KVARN_DEFAULT_TAIL_DTYPE = "f16"  # KVarN's exact copy (DESIGN §2); the standard types' is bf16
 KVARN_VERSION = 2  # KVarN's numerics version (2: BeeLlama's CPU arithmetic: butterfly rotation, F16 stage, float64 stds)
 
-# transformers' QuantizedCache backends as body formats (kvarn.formats.ecosystem): the library
-# each one runs, pinned (pyproject.toml, envs/kvarn.yaml; a format refuses another installed
-# version, and a packed buffer records the version that wrote it), and the variants.
-ECOSYSTEM_LIBRARIES = {"quanto": ("optimum-quanto", "0.2.7"), "hqq": ("hqq", "0.2.8.post1")}
+# transformers' QuantizedCache backends as body formats (kvarn.formats.ecosystem). Their numerics
+# version is the libraries' versions: each entry pins the two libraries (pyproject.toml and
+# envs/kvarn.yaml must agree; a format refuses another installed version and a packed buffer
+# records the one that wrote it), so a new pin is a new version, which reruns the cells.
+ECOSYSTEM_PINS = {
+    1: {"quanto": ("optimum-quanto", "0.2.7"), "hqq": ("hqq", "0.2.8.post1")},
+}
+ECOSYSTEM_VERSION = max(ECOSYSTEM_PINS)
+ECOSYSTEM_LIBRARIES = ECOSYSTEM_PINS[ECOSYSTEM_VERSION]
 ECOSYSTEM_GROUP = 128  # tokens per body write = transformers' residual_length (its full-precision window)
 ECOSYSTEM_META_DTYPE = "bf16"  # the library's scale/zero dtype = the model's dtype (bf16 as transformers loads these)
-ECOSYSTEM_VERSION = 1  # numerics version of the mapping (per sealed group, per head)
 # name: (backend, code bits, K axis, V axis, q_group_size), axes as transformers' QuantizedCache takes them:
 #   quanto axis 0 / hqq axis 1: per token, groups of q_group_size channels;
 #   quanto axis -1: per channel, groups of q_group_size consecutive tokens (KIVI's K)

@@ -233,6 +233,12 @@ def test_pins_agree_with_pyproject():
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for dist, version in facts.ECOSYSTEM_LIBRARIES.values():
         assert f"{dist}=={version}" in deps
+    # the pin is the formats' numerics version: a new pin reruns the cells that use them
+    newest = max(facts.ECOSYSTEM_PINS)
+    for name in NAMES:
+        backend = facts.ECOSYSTEM_TYPES[name][0]
+        assert facts.get(name).version == newest == get_format(name).version
+        assert facts.get(name).library == "==".join(facts.ECOSYSTEM_PINS[newest][backend])
 
 
 # --- the rows in the figures ------------------------------------------------------------
