@@ -18,6 +18,8 @@ Byte formulas (per head, K or V, `n` tokens, head dim D):
     block  n * D/32 * block_bytes,  block_bytes = 2 * (1 + has_min) + 32 * bits / 8
     kvarnb n/128 whole groups x D/c tiles of ceil(R*C*b/8) + 2*(2R + C) bytes,
            c = min(D, 128) channels per tile; K tile R = c, C = 128; V tile R = 128, C = c
+    ecosystem (quantoN, hqqN, kiviN) n/128 whole groups; n * D * bits/8 packed codes
+           + 2 * (n * D / q_group) scale/zero values at the library's dtype (bf16: 2 bytes)
 """
 
 from __future__ import annotations
@@ -35,6 +37,26 @@ KVARN_WIDTHS = tuple(range(2, 9))  # BeeLlama ships 2..6 and 8; 7 costs nothing
 KVARN_ITERS = 16  # variance-normalization passes (DESIGN §4): BeeLlama and the paper-era reference (vLLM now uses 8)
 KVARN_DEFAULT_TAIL_DTYPE = "f16"  # KVarN's exact copy (DESIGN §2); the standard types' is bf16
 KVARN_VERSION = 2  # KVarN's numerics version (2: BeeLlama's CPU arithmetic: butterfly rotation, F16 stage, float64 stds)
+
+# transformers' QuantizedCache backends as body formats (kvarn.formats.ecosystem). Their numerics
+# version is the libraries' versions: each entry pins the two libraries (pyproject.toml and
+# envs/kvarn.yaml must agree; a format refuses another installed version and a packed buffer
+# records the one that wrote it), so a new pin is a new version, which reruns the cells.
+ECOSYSTEM_PINS = {
+    1: {"quanto": ("optimum-quanto", "0.2.7"), "hqq": ("hqq", "0.2.8.post1")},
+}
+ECOSYSTEM_VERSION = max(ECOSYSTEM_PINS)
+ECOSYSTEM_LIBRARIES = ECOSYSTEM_PINS[ECOSYSTEM_VERSION]
+ECOSYSTEM_GROUP = 128  # tokens per body write = transformers' residual_length (its full-precision window)
+ECOSYSTEM_META_DTYPE = "bf16"  # the library's scale/zero dtype = the model's dtype (bf16 as transformers loads these)
+# name: (backend, code bits, K axis, V axis, q_group_size), axes as transformers' QuantizedCache takes them:
+#   quanto axis 0 / hqq axis 1: per token, groups of q_group_size channels;
+#   quanto axis -1: per channel, groups of q_group_size consecutive tokens (KIVI's K)
+ECOSYSTEM_TYPES = {
+    "quanto4": ("quanto", 4, 0, 0, 64), "quanto2": ("quanto", 2, 0, 0, 64),  # QuantizedCache's defaults
+    "hqq4": ("hqq", 4, 1, 1, 64), "hqq2": ("hqq", 2, 1, 1, 64),
+    "kivi4": ("quanto", 4, -1, 0, 32), "kivi2": ("quanto", 2, -1, 0, 32),  # KIVI: K per channel, V per token, G 32
+}
 
 def kvarn_head_dim_ok(head_dim) -> bool:
     """KVarN tiles need a power-of-two head dim in [64, 512]."""
@@ -65,7 +87,7 @@ class TypeFacts:
     rules of `kvarn.policy` accept either."""
 
     name: str
-    family: str  # "float" | "block" | "kvarn"
+    family: str  # "float" | "block" | "kvarn" | "ecosystem"
     bits: int  # nominal bits per value: the code width (16 / 32 for the float types)
     group: int = 1  # tokens that must arrive before the body can be written
     sink: int = 0  # exact leading tokens on full-attention layers
@@ -75,6 +97,9 @@ class TypeFacts:
     version: int = 1  # numerics version: bumping it reruns the cells that use the type
     itemsize: int = 0  # float types: bytes per value
     has_min: bool = False  # block types: an fp16 min per block besides the scale (the _1 types)
+    q_group: int = 0  # ecosystem types: values per scale/zero pair (the library's q_group_size)
+    meta_itemsize: int = 0  # ecosystem types: bytes of one scale or zero (the library's dtype)
+    library: str = ""  # ecosystem types: "dist==version" of the library that quantizes
 
     @property
     def block_bytes(self) -> int:
@@ -87,6 +112,8 @@ class TypeFacts:
             return "powers of two 64..512"
         if self.family == "block":
             return "multiples of 64 (Hadamard pre-rotation)" if rot else f"multiples of {QK}"
+        if self.family == "ecosystem":
+            return f"multiples of {self.q_group}"
         return "any"
 
     def supports(self, head_dim: int, rot: bool = True) -> bool:
@@ -97,6 +124,8 @@ class TypeFacts:
         if self.family == "block":
             # the K rotation block is a power of two >= 64 dividing D, the V one is 64
             return head_dim % (64 if rot else QK) == 0
+        if self.family == "ecosystem":
+            return head_dim % self.q_group == 0
         return True
 
     def check_head_dim(self, head_dim: int, rot: bool = True) -> None:
@@ -123,6 +152,10 @@ class TypeFacts:
             return n_tokens * (head_dim // QK) * self.block_bytes
         if n_tokens % self.group:
             raise ValueError(f"{self.name}: n_tokens {n_tokens} is not a multiple of the group size {self.group}")
+        if self.family == "ecosystem":
+            # packed codes + one scale and one zero per q_group values, at the library's dtype
+            values = n_tokens * head_dim
+            return values * self.bits // 8 + 2 * self.meta_itemsize * (values // self.q_group)
         rows, cols, tiles = self.tile_shape(role, head_dim)
         return n_tokens // self.group * tiles * kvarn_tile_nbytes(rows, cols, self.bits)
 
@@ -149,6 +182,12 @@ def _table() -> dict[str, TypeFacts]:
         TypeFacts(f"kvarn{b}", "kvarn", b, group=KVARN_GROUP, sink=KVARN_SINK, tail_quantum=KVARN_GROUP,
                   min_tail=KVARN_GROUP, default_tail_dtype=KVARN_DEFAULT_TAIL_DTYPE, version=KVARN_VERSION)
         for b in KVARN_WIDTHS
+    ]
+    meta = {"bf16": 2, "f16": 2, "f32": 4}[ECOSYSTEM_META_DTYPE]
+    rows += [
+        TypeFacts(n, "ecosystem", bits, group=ECOSYSTEM_GROUP, min_tail=ECOSYSTEM_GROUP, version=ECOSYSTEM_VERSION,
+                  q_group=qg, meta_itemsize=meta, library="==".join(ECOSYSTEM_LIBRARIES[backend]))
+        for n, (backend, bits, _ak, _av, qg) in ECOSYSTEM_TYPES.items()
     ]
     return {r.name: r for r in rows}
 

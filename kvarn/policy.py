@@ -20,14 +20,21 @@ class LayerPolicy:
 
 
 def pair_family(k_fmt, v_fmt) -> str:
-    """'kvarn' or 'standard'; KVarN cannot be mixed with other types in one cache."""
+    """'kvarn', 'ecosystem' (transformers' QuantizedCache backends) or 'standard'; KVarN and
+    the ecosystem types cannot be mixed with other types in one cache."""
     fams = {k_fmt.family == "kvarn", v_fmt.family == "kvarn"}
     if len(fams) != 1:
         raise ValueError(
             f"K type {k_fmt.name!r} and V type {v_fmt.name!r} mix KVarN with a standard type; "
             "use kvarnN for both K and V, or standard types for both"
         )
-    return "kvarn" if True in fams else "standard"
+    eco = {k_fmt.family == "ecosystem", v_fmt.family == "ecosystem"}
+    if len(eco) != 1:
+        raise ValueError(
+            f"K type {k_fmt.name!r} and V type {v_fmt.name!r} mix a QuantizedCache backend type with another "
+            "family; use quantoN, hqqN or kiviN for both K and V"
+        )
+    return "kvarn" if True in fams else "ecosystem" if True in eco else "standard"
 
 
 def default_sink(k_fmt, v_fmt) -> int:

@@ -1,4 +1,4 @@
-"""KV-cache formats: float casts, llama.cpp block types, KVarN.
+"""KV-cache formats: float casts, llama.cpp block types, KVarN, transformers' QuantizedCache backends.
 
     from kvarn.formats import get_format
     fmt = get_format("q4_0", role="k")      # rot=True by default, as llama.cpp
@@ -7,6 +7,7 @@
 """
 
 from . import blocks, floats, kvarn  # noqa: F401  (each registers its formats)
+from . import ecosystem  # noqa: F401, I001  (last: the registry keeps kvarn.facts' order)
 from .base import KVFormat, Packed
 from .registry import get_format, names
 

@@ -36,6 +36,7 @@ SERIES_KVARN = "KVarN, tail 128*"
 # layers, tail 128, F16 exact copy), so against KVarN at 128* only the quantizer differs.
 FORMAT_ONLY_OPTS = f"-td{facts.get('kvarn4').default_tail_dtype}-s{facts.KVARN_SINK}"  # the cell path's opts
 SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
+SERIES_ECOSYSTEM = "QuantizedCache backends"  # transformers' quanto, HQQ, KIVI layout (kvarn.formats.ecosystem)
 
 # The cell directory name written by the workflow: {k}-{v}-t{tail}{opts}
 # ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}, -s{sink}, -llamacpp_cpu; kvarn.matrix).
@@ -55,8 +56,9 @@ def same_width_partner(kvarn_type: str) -> str | None:
 
 
 def family_of(k_type: str) -> str:
-    """'kvarn' or 'standard' for a pair whose K type is k_type (kvarn.facts)."""
-    return "kvarn" if facts.get(k_type).family == "kvarn" else "standard"
+    """'kvarn', 'ecosystem' or 'standard' for a pair whose K type is k_type (kvarn.facts)."""
+    fam = facts.get(k_type).family
+    return fam if fam in ("kvarn", "ecosystem") else "standard"
 
 
 def accounting_of(prep: pl.DataFrame) -> str:
@@ -67,8 +69,8 @@ def accounting_of(prep: pl.DataFrame) -> str:
 
 
 def tail_label(family: str, tail_requested: int, tail_eff: int | None) -> str:
-    """`128*` for a KVarN request whose effective tail differs from the request."""
-    if family == "kvarn" and tail_eff is not None and tail_eff != tail_requested:
+    """`128*` for a KVarN (or ecosystem) request whose effective tail differs from the request."""
+    if family in ("kvarn", "ecosystem") and tail_eff is not None and tail_eff != tail_requested:
         return f"{tail_eff}*"
     return str(tail_requested)
 
@@ -76,6 +78,8 @@ def tail_label(family: str, tail_requested: int, tail_eff: int | None) -> str:
 def series_of(family: str, tail_requested: int, tail_eff: int | None) -> str:
     if family == "kvarn":
         return f"KVarN, tail {tail_label(family, tail_requested, tail_eff)}"
+    if family == "ecosystem":
+        return f"{SERIES_ECOSYSTEM}, tail {tail_label(family, tail_requested, tail_eff)}"
     return f"standard, tail {tail_requested}"
 
 
@@ -252,6 +256,8 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> pl.DataFrame:
     (qN_0 with KVarN's sink 128, tail 128 and F16 tail: `FORMAT_ONLY_OPTS`) was measured,
     its columns (`*_fmt`) and KVarN's % change against it (`pct_median_fmt`, `pct_mean_fmt`)
     are added (null where it was not): that comparison changes nothing but the quantizer.
+    Likewise for each QuantizedCache backend measured at width N (quantoN, hqqN, kiviN at
+    the same effective tail): `*_quanto`, `pct_median_quanto`, ... (`same_width_backends`).
     """
     kv = figure_rows(prep).filter(
         (pl.col("family") == "kvarn") & pl.col("width").is_not_null() & (pl.col("tail_eff_full") == tail)
@@ -267,12 +273,31 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> pl.DataFrame:
     ).with_columns(pl.col("k_bits").cast(pl.Int64).alias("width"))
     j = kv.select(cols).join(std.select(cols), on="width", suffix="_std")
     j = j.join(fmt.select(cols).rename({c: f"{c}_fmt" for c in cols if c != "width"}), on="width", how="left")
+    # transformers' QuantizedCache backends of the same width at the same effective tail (optional):
+    # one partner per backend (quanto, hqq, kivi), columns `*_{backend}`
+    eco = prep.filter(
+        (pl.col("family") == "ecosystem") & (pl.col("k_type") == pl.col("v_type")) & (pl.col("opts") == "")
+        & (pl.col("tail_eff_full") == tail)
+    ).sort("tail_requested").with_columns(pl.col("k_bits").cast(pl.Int64).alias("width"),
+                                          pl.col("k_type").str.replace(r"\d+$", "").alias("backend"))
+    backends = sorted(set(eco["backend"].to_list())) if eco.height else []
+    for b in backends:
+        part = eco.filter(pl.col("backend") == b).unique("width", keep="first", maintain_order=True).select(cols)
+        j = j.join(part.rename({c: f"{c}_{b}" for c in cols if c != "width"}), on="width", how="left")
     return j.rename({c: f"{c}_kvarn" for c in cols if c != "width"}).with_columns(
         ((pl.col("kld_median_kvarn") / pl.col("kld_median_std") - 1) * 100).alias("pct_median"),
         ((pl.col("kld_mean_kvarn") / pl.col("kld_mean_std") - 1) * 100).alias("pct_mean"),
         ((pl.col("kld_median_kvarn") / pl.col("kld_median_fmt") - 1) * 100).alias("pct_median_fmt"),
         ((pl.col("kld_mean_kvarn") / pl.col("kld_mean_fmt") - 1) * 100).alias("pct_mean_fmt"),
+        *[((pl.col(f"kld_{st}_kvarn") / pl.col(f"kld_{st}_{b}") - 1) * 100).alias(f"pct_{st}_{b}")
+          for b in backends for st in ("median", "mean")],
     ).sort("width")
+
+
+def same_width_backends(sw: pl.DataFrame) -> list[str]:
+    """The QuantizedCache backends (quanto, hqq, kivi) `same_width` found partners for."""
+    return [c.removeprefix("kld_median_") for c in sw.columns
+            if c.startswith("kld_median_") and c.removeprefix("kld_median_") not in ("kvarn", "std", "fmt")]
 
 
 def tail_effect(prep: pl.DataFrame) -> pl.DataFrame:

@@ -22,6 +22,7 @@ SERIES_COLORS = {D.SERIES_STANDARD_T0: "#9a9a9a", D.SERIES_STANDARD_T128: "#4c78
 SPARE_COLORS = ["#72b7b2", "#b279a2", "#f58518", "#54a24b", "#eeca3b"]
 FAMILY_DASH = alt.Scale(domain=["standard", "kvarn"], range=[[5, 3], [1, 0]])
 FLOOR_COLOR = "#2f7d32"
+ECO_SHADES = [("#b279a2", "#d6b3cb"), ("#f58518", "#f9bd84"), ("#72b7b2", "#b3dbd8")]  # QuantizedCache partners
 WIDTH, HEIGHT = 520, 320
 KLD_FMT = ".3~g"
 
@@ -58,7 +59,8 @@ def pareto(prep: pl.DataFrame) -> alt.LayerChart:
     model = prep["model"][0]
     rows = D.figure_rows(prep).with_columns(
         pl.col("same_top").mul(100).alias("same_top_pct"),
-        pl.when(pl.col("family") == "kvarn").then(pl.col("pair")).otherwise(pl.lit("")).alias("point_label"),
+        pl.when(pl.col("family").is_in(["kvarn", "ecosystem"])).then(pl.col("pair")).otherwise(pl.lit(""))
+        .alias("point_label"),
     )
     tooltip = [
         alt.Tooltip("pair:N", title="K-V pair"), alt.Tooltip("tail_label:N", title="tail"),
@@ -119,13 +121,15 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
     sw = D.same_width(prep, tail=tail)
     if sw.is_empty():
         return _placeholder(model, "same-width comparison", f"no width has both kvarnN-kvarnN and qN_0-qN_0 at tail {tail}")
+    backends = D.same_width_backends(sw)
     partners = [("std", "vs standard t%d" % tail), ("fmt", "vs standard + sink, F16 tail (format only)")]
+    partners += [(b, f"vs {b}N t{tail}* (QuantizedCache)") for b in backends]
     parts = []
     for suf, partner in partners:
-        if sw[f"pct_median{'_fmt' if suf == 'fmt' else ''}"].is_null().all():
+        if sw[f"pct_median{'' if suf == 'std' else '_' + suf}"].is_null().all():
             continue
         for stat in ("median", "mean"):
-            pct = f"pct_{stat}" + ("_fmt" if suf == "fmt" else "")
+            pct = f"pct_{stat}" + ("" if suf == "std" else f"_{suf}")
             parts.append(sw.filter(pl.col(pct).is_not_null()).select(
                 "width", pl.lit(partner).alias("partner"), pl.lit(stat).alias("statistic"),
                 pl.lit(f"{partner}: {stat}").alias("bar"),
@@ -137,6 +141,8 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
     bars_domain = [f"{p}: {st}" for _, p in partners for st in ("median", "mean") if f"{p}: {st}" in set(long["bar"])]
     palette = {f"{partners[0][1]}: median": "#e45756", f"{partners[0][1]}: mean": "#f2a5a4",
                f"{partners[1][1]}: median": "#54a24b", f"{partners[1][1]}: mean": "#a8d5a2"}
+    for (_, partner), (dark, light) in zip(partners[2:], ECO_SHADES):
+        palette.update({f"{partner}: median": dark, f"{partner}: mean": light})
     xw = alt.X("width:O", title="width (bits)", axis=alt.Axis(labelAngle=0))
     off = alt.XOffset("bar:N", scale=alt.Scale(domain=bars_domain))
     tt = [alt.Tooltip("comparison:N"), alt.Tooltip("statistic:N"),
@@ -159,6 +165,7 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
     fams = [("std", "standard"), ("kvarn", "KVarN")]
     if not sw["kv_mib_fmt"].is_null().all():
         fams.insert(1, ("fmt", "standard + sink"))
+    fams += [(b, b) for b in backends if not sw[f"kv_mib_{b}"].is_null().all()]
     mem = pl.concat([
         sw.filter(pl.col(f"kv_mib_{fam}").is_not_null()).select(
             "width", pl.col(f"pair_{fam}").alias("pair"), pl.lit(label).alias("family"),
@@ -169,6 +176,7 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
     ])
     shades = {"standard": ["#4c78a8", "#7fa3c8", "#a6c3e0"], "standard + sink": ["#54a24b", "#88c580", "#b9dcb3"],
               "KVarN": ["#e45756", "#ee8a89", "#f5b7b6"]}
+    shades.update({b: [dark, light, light] for b, (dark, light) in zip(backends, ECO_SHADES)})
     comp = alt.Scale(domain=[f"{label} {part}" for _, label in fams for part in ("body", "staging", "overlay")],
                      range=[c for _, label in fams for c in shades[label]])
     right = alt.Chart(mem, name="memory").mark_bar().encode(
@@ -181,8 +189,9 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
                  title=alt.TitleParams("cache size: quantized body + staging + exact overlay", fontSize=11))
     return alt.hconcat(left, right).resolve_scale(color="independent").properties(
         title=_title(model, "KVarN vs the same-width standard type",
-                     f"kvarnN-kvarnN (tail 128*) vs qN_0-qN_0 (tail {tail}; format only: + sink 128, F16 tail); "
-                     f"{_run_desc(prep)}"))
+                     f"kvarnN-kvarnN (tail 128*) vs qN_0-qN_0 (tail {tail}; format only: + sink 128, F16 tail)"
+                     + (f" and vs {', '.join(b + 'N' for b in backends)} (transformers' QuantizedCache, {tail}*)"
+                        if backends else "") + f"; {_run_desc(prep)}"))
 
 
 def tail_effect(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
