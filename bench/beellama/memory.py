@@ -20,6 +20,7 @@ Output folder: --out, else $BEELLAMA_MEMORY_OUT, else bench/out/beellama/memory 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -130,16 +131,30 @@ def run_cell(cmd: list[str], log: Path, timeout: float = 300.0) -> None:
     tmp.replace(log)
 
 
-def kvarn_total(gguf: Path, n_ctx: int, cell: Cell, accounting: str) -> float | str:
-    """`kvarn memory -m GGUF -c N -ub 512 --tail T --accounting A`'s total MiB (or its refusal)."""
+@functools.cache
+def gguf_geometry(gguf: Path, cache: Path | None = None):
+    """The per-layer geometry `kvarn memory -m GGUF` reads from the file's metadata (slow:
+    kept in `cache`, a JSON of `Geometry.to_list()`, once read)."""
+    from kvarn.geometry import Geometry, geometry_from_config
+
+    if cache is not None and cache.is_file():
+        return Geometry.from_list(json.loads(cache.read_text()))
     from kvarn.cli import memory_config
-    from kvarn.geometry import geometry_from_config
-    from kvarn.memory import MIB, kv_bytes
 
     config, _ = memory_config(str(gguf), str(ROOT / "resources" / "models"))
+    geom = geometry_from_config(config)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(geom.to_list()) + "\n")
+    return geom
+
+
+def kvarn_total(geom, n_ctx: int, cell: Cell, accounting: str) -> float | str:
+    """`kvarn memory -m GGUF -c N -ub 512 --tail T --accounting A`'s total MiB (or its refusal)."""
+    from kvarn.memory import MIB, kv_bytes
+
     try:
-        b = kv_bytes(geometry_from_config(config), n_ctx, cell.k, cell.v, cell.tail, ubatch=512,
-                     accounting=accounting)
+        b = kv_bytes(geom, n_ctx, cell.k, cell.v, cell.tail, ubatch=512, accounting=accounting)
     except ValueError as e:
         return f"refused: {e}"
     return b.total / MIB
@@ -151,13 +166,14 @@ def table(model: str, out: Path, accountings: list[str]) -> str:
     head = ["cell", "BeeLlama buffers (MiB)", "BeeLlama total MiB"] + [f"kvarn {a}" for a in accountings] + ["equal (to the printed rounding)"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     summary = {}
+    geom = gguf_geometry(gguf, out / model / "geometry.json")
     for cell in grid(model):
         log = out / model / f"{cell.name}.log"
         if not log.is_file():
             rows.append(f"| {cell.name} | not run | | " + " | " * len(accountings) + " |")
             continue
         bee = parse_log(log.read_text())
-        ours = {a: kvarn_total(gguf, n_ctx, cell, a) for a in accountings}
+        ours = {a: kvarn_total(geom, n_ctx, cell, a) for a in accountings}
         summary[cell.name] = {"beellama": bee, "kvarn": ours}
         if bee["total_mib"] is None:
             bee_cells = [bee.get("error", "?"), "—"]
