@@ -46,7 +46,7 @@ KVARN = ("kvarn2", "kvarn3", "kvarn4", "kvarn5", "kvarn6", "kvarn8")
 KVARN_PAIRS = (("kvarn6", "kvarn5"), ("kvarn5", "kvarn4"), ("kvarn4", "kvarn2"), ("kvarn3", "kvarn2"))
 
 BUFFER_RE = re.compile(r"(\S+):\s+(\S+) (KV|KV tail|KVarN|KVarN tail) buffer size =\s*([0-9.]+) MiB")
-ERROR_RE = re.compile(r"(error|failed|unsupported|refus)", re.IGNORECASE)
+ERROR_RE = re.compile(r"^\S+ E ")  # a line BeeLlama logs at error level
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def parse_log(text: str) -> dict:
         if found:
             out[key] = found
     if not out["reached"]:
-        errors = [ln.strip() for ln in full.splitlines() if ERROR_RE.search(ln) and "print_info" not in ln]
+        errors = [ERROR_RE.sub("", ln).strip() for ln in full.splitlines() if ERROR_RE.search(ln)]
         out["error"] = errors[0] if errors else "ended before allocating its caches"
     return out
 
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=sorted(MODELS), required=True)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--text", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")
-    ap.add_argument("--accounting", nargs="+", default=["beellama-gemma", "beellama-qwen", "packed"])
+    ap.add_argument("--accounting", nargs="+", default=["beellama-v043", "beellama-gemma", "packed"])
     ap.add_argument("--table-only", action="store_true", help="no BeeLlama runs: the table from the kept logs")
     args = ap.parse_args(argv)
     out = args.out or Path(os.environ.get("BEELLAMA_MEMORY_OUT", ROOT / "bench" / "out" / "beellama" / "memory"))
