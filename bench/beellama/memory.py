@@ -1,14 +1,16 @@
 """BeeLlama's own KV buffers beside `kvarn memory` (issue 21, item 4).
 
 For every cell of the grid, start BeeLlama's llama-perplexity with `-v`, read its log
-until the context has allocated its caches (the scheduler's `sched_reserve` line, or
-the process ends: a refusal), then stop it — no tokens are evaluated. The sizes it
+until the real context has allocated its caches (the scheduler's `sched_reserve` line
+after BeeLlama's parameter-fitting probes, which build contexts that allocate nothing),
+or until the process ends (a refusal), then stop it — no tokens are evaluated. The sizes it
 prints (`KV buffer size`, `KV tail buffer size`, `KVarN buffer size`, `KVarN tail
 buffer size`, in MiB to 2 decimals) are summed per cell and put beside `kvarn.memory`'s
 total for the same GGUF (`kvarn memory -m GGUF -c N -ub 512 --accounting A`).
 
 Resumable: a cell whose log is complete (ends with this script's `# done` line) is not
-run again; every log is kept under the output folder.
+run again; every log is kept under the output folder, with the GGUF's geometry
+(`geometry.json`, slow to read) and the table's data (`memory.json`).
 
     BEELLAMA_BUILD=<build dir> PYTHONPATH=. python bench/beellama/memory.py --model gemma3-270m
     BEELLAMA_BUILD=<build dir> PYTHONPATH=. python bench/beellama/memory.py --model smollm2-135m
