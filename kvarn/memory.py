@@ -44,6 +44,16 @@ Gemma 4 31B runs used. They reproduce every figure of the study to 0.01 MiB
               beellama-gemma  N_l + 1 for both (the 1: BeeLlama's rollback reserve);
                               a standard tail of 0 allocates nothing
 
+`beellama-v043`: BeeLlama v0.4.3 as its CPU build allocates one sequence, read from its
+own log at context creation (bench/beellama/memory.py, bench/results/beellama.md):
+
+    body    as beellama-gemma, except on a sliding layer whose effective tail covers its
+            window (N_l >= W_l): no body at all (BeeLlama's bodyless "native exact" group)
+    staging KVarN: F16 stage groups of 128 rows per layer, 3 on a full-attention layer (its
+            permanent sink group + 2 tail groups), 2 on a sliding one; none when bodyless
+    overlay N_l + 1 rows per layer at the tail dtype, for both families (0 for a standard
+            tail of 0); KVarN's sink lives in its stage, not here
+
 Memory is computed, never measured: a cell's summary.json records the geometry it ran
 (`kv_geometry`), so an accounting change recomputes the bytes of finished cells without
 rerunning them (`kvarn.matrix.summary_row`).
@@ -67,11 +77,15 @@ ACCOUNTINGS: dict[str, str] = {
                      "(KVarN staging 256 rows, KVarN overlay roundup256(N + ubatch), standard N)",
     "beellama-gemma": "BeeLlama's allocation as the study's Gemma 4 31B runs printed it "
                       "(KVarN staging 256 rows, overlay N + 1 rows for both families)",
+    "beellama-v043": "BeeLlama v0.4.3's allocation as its CPU build prints it (KVarN staging "
+                     "3 x 128 rows on full layers, 2 x 128 on sliding ones; overlay N + 1 rows; "
+                     "no body on a sliding layer whose tail covers its window)",
 }
 DEFAULT_ACCOUNTING = "packed"
 BEELLAMA_STAGING_ROWS = 256  # KVarN's F16 staging area, rows over all attention layers
 BEELLAMA_TAIL_STRIDE = 256  # the tail arena rounds N + ubatch up to this (flash-attention stride)
 BEELLAMA_ROLLBACK = 1  # rows the compact tail history keeps beyond N
+V043_STAGE_GROUPS = {"full": 3, "sliding": 2}  # v0.4.3's KVarN F16 stage, in 128-row groups per layer
 
 
 def check_accounting(name, where: str = "accounting") -> str:
@@ -127,16 +141,22 @@ def kv_bytes(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
             n_body = stored - stored % group
             rows = min(pol.tail, stored) + min(pol.sink, stored)
         else:
-            if family == "kvarn":
+            bodyless = accounting == "beellama-v043" and w is not None and pol.tail >= w
+            if bodyless:
+                n_body = 0
+            elif family == "kvarn":
                 groups = math.ceil(n_ctx / group)
                 if w is not None:
                     groups = min(groups, math.ceil((w + ubatch) / group))
                 n_body = groups * group
-                staging += BEELLAMA_STAGING_ROWS * 2 * h * f16.nbytes(1, d)
+                stage_rows = BEELLAMA_STAGING_ROWS if accounting != "beellama-v043" else \
+                    group * V043_STAGE_GROUPS["full" if w is None else "sliding"]
+                staging += stage_rows * 2 * h * f16.nbytes(1, d)
             else:
                 n_body = stored
             rows = _beellama_rows(accounting, family, pol.tail, ubatch)
-        body += h * (k.nbytes(n_body, d, "k", rot) + v.nbytes(n_body, d, "v", rot))
+        if n_body:
+            body += h * (k.nbytes(n_body, d, "k", rot) + v.nbytes(n_body, d, "v", rot))
         overlay += rows * row
     return KVBytes(body, staging, overlay, body + staging + overlay, accounting)
 

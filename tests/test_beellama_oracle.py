@@ -252,3 +252,80 @@ def test_table_row_reads_beellama_log_and_kvarn_summary(tmp_path):
     r = tab.row("kvarn4", log, cell)
     assert r == ["kvarn4", "0.004000", "0.005000", "1.25", "0.010000", "0.009000", "0.90", "0.0500", "0.0400",
                  "95.50", "96.00"]
+
+
+def _memory_script():
+    import sys
+
+    spec = importlib.util.spec_from_file_location("beellama_memory", ROOT / "bench" / "beellama" / "memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# A BeeLlama -v start as it prints it (lines from a real q4_0 --kv-tail-tokens 128 log, numbers
+# changed): a fit probe that allocates nothing, then the real context with a full and a SWA cache.
+BEE_START = """\
+0.00.018.792 I cmn  common_init_: fitting params to device memory ...
+0.02.077.274 I llama_context: constructing llama_context
+0.02.094.272 I llama_kv_cache:        CPU KV buffer size =     0.00 MiB
+0.02.094.416 I llama_kv_cache:        CPU KV tail buffer size =     0.00 MiB
+0.02.095.747 I sched_reserve: reserving ...
+0.02.966.000 I common_fit_params: fitting params to free memory took 8.63 seconds
+0.03.077.274 I llama_context: constructing llama_context
+0.03.094.272 I llama_kv_cache:        CPU KV buffer size =     3.38 MiB
+0.03.094.416 I llama_kv_cache:        CPU KV tail buffer size =     0.38 MiB
+0.03.094.448 I llama_kv_cache: standard KV tail plan: storage=compact_overlay requested=128 effective=128
+0.03.094.491 I llama_kv_cache: tail type=bf16 requested=128 effective=128 slots=129 (arena=129 = 129*1, sink=0)
+0.03.095.138 I llama_kv_cache:        CPU KV buffer size =     4.22 MiB
+0.03.095.243 I llama_kv_cache:        CPU KV tail buffer size =     1.89 MiB
+0.03.095.747 I sched_reserve: reserving ...
+"""
+
+
+def test_memory_log_sums_the_last_contexts_buffers():
+    mem = _memory_script()
+    r = mem.parse_log(BEE_START)
+    assert [b[2] for b in r["buffers"]] == [3.38, 0.38, 4.22, 1.89]  # the probe's 0.00 lines are not counted
+    assert r["total_mib"] == 9.87 and r["reached"] and "error" not in r
+    assert r["tail_plan"] == ["storage=compact_overlay requested=128 effective=128"]
+    assert mem.rounding(r) == pytest.approx(0.02)  # four lines printed to 2 decimals
+    assert mem.rounding({"buffers": [("a", "KV", 1.0), ("a", "KV tail", 0.0)]}) == pytest.approx(0.01)
+    kvarn = ("0.01.000.000 I llama_context: constructing llama_context\n"
+             "0.01.000.001 I KVarN cache: stage_groups=2 tail_groups=1 n_batch=2048 n_ubatch=512\n"
+             "0.01.000.002 I llama_kv_cache_kvarn:        CPU KVarN buffer size =     1.25 MiB\n"
+             "0.01.000.003 I llama_kv_cache_kvarn:        CPU KVarN tail buffer size =     0.50 MiB\n"
+             "0.01.000.004 I sched_reserve: reserving ...\n")
+    r = mem.parse_log(kvarn)
+    assert [(b[1], b[2]) for b in r["buffers"]] == [("KVarN", 1.25), ("KVarN tail", 0.50)] and r["total_mib"] == 1.75
+    assert r["kvarn_stage"] == ["stage_groups=2 tail_groups=1 n_batch=2048 n_ubatch=512"]
+
+
+def test_memory_log_stopped_in_the_probes_has_no_sizes():
+    mem = _memory_script()
+    probe = BEE_START.split("0.02.966.000")[0]  # ends with the probe's sched_reserve
+    r = mem.parse_log(probe)
+    assert not r["reached"] and r["buffers"] == [] and r["total_mib"] is None
+
+
+def test_memory_log_names_a_refusal():
+    mem = _memory_script()
+    r = mem.parse_log(  # SmolLM2 (head dim 64) with -ctk kvarn4, as BeeLlama v0.4.3 logs it
+        "0.00.018.792 I cmn  common_init_: fitting params to device memory ...\n"
+        "0.00.700.000 I llama_context: constructing llama_context\n"
+        "0.00.719.310 E llama_init_from_model: cannot enable kvarn_k4v4_g128: KVarN requires 128-, 256-, or "
+        "512-dimensional key/value heads\n"
+        "0.00.838.792 E common_fit_params: encountered an error while trying to fit params to free device memory\n"
+        "# done rc=1\n")
+    assert not r["reached"] and r["total_mib"] is None
+    assert r["error"] == ("llama_init_from_model: cannot enable kvarn_k4v4_g128: KVarN requires 128-, 256-, or "
+                          "512-dimensional key/value heads")
+
+
+def test_memory_grid_is_the_issues():
+    mem = _memory_script()
+    gemma = [c.name for c in mem.grid("gemma3-270m")]
+    assert len(gemma) == 6 * 2 + 6 * 2 + 4 and len(set(gemma)) == len(gemma)
+    assert {"q4_0-t0", "q4_0-t128", "kvarn4-t0", "kvarn4-t512", "kvarn4-kvarn2-t0"} <= set(gemma)
+    assert [c.name for c in mem.grid("smollm2-135m")][-1] == "kvarn4-t0" and len(mem.grid("smollm2-135m")) == 13

@@ -92,6 +92,30 @@ def test_kvarn4_beellama_by_hand():
     assert kv_bytes(TINY, 300, "q4_0", "q4_0", 0, accounting="beellama-gemma").overlay == 0
 
 
+def test_beellama_v043_by_hand():
+    # BeeLlama v0.4.3 (CPU, one sequence): a full layer and a sliding one of W 200, n 300, ubatch 64
+    geom = Geometry.uniform(2, 2, 64, (None, 200))
+    row = 2 * 64 * 2 * 2  # one token's K and V over one layer's 2 heads at f16 / bf16
+    tiles = 2 * (4608 + 4736)  # one 128-token group of kvarn4 records over 2 heads (test_kvarn4_by_hand)
+    # kvarn4, tail 0 (128*): full layer 3 groups + 3 stage groups (sink + 2), sliding a ring of
+    # ceil(264/128) = 3 groups + 2 stage groups; overlay 128 + 1 rows on each
+    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 0, ubatch=64, accounting="beellama-v043")
+    assert got == KVBytes(2 * 3 * tiles, (3 + 2) * 128 * row, 2 * 129 * row,
+                          2 * 3 * tiles + 5 * 128 * row + 2 * 129 * row, "beellama-v043")
+    # tail 256: the sliding layer's tail is its window (200): no body, no stage, 201 rows;
+    # the full layer keeps its records and stage, 257 rows
+    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 256, ubatch=64, accounting="beellama-v043")
+    assert (got.body, got.staging, got.overlay) == (3 * tiles, 3 * 128 * row, (257 + 201) * row)
+    # standard types: no stage; tail 0 nothing exact; a tail covering the window drops that body
+    q4 = 2 * 36  # one token of q4_0 over 2 heads at D 64
+    assert kv_bytes(geom, 300, "q4_0", "q4_0", 0, ubatch=64, accounting="beellama-v043") == \
+        KVBytes(2 * q4 * (300 + 264), 0, 0, 2 * q4 * (300 + 264), "beellama-v043")
+    got = kv_bytes(geom, 300, "q4_0", "q4_0", 128, ubatch=64, accounting="beellama-v043")
+    assert (got.body, got.overlay) == (2 * q4 * (300 + 264), 2 * 129 * row)
+    got = kv_bytes(geom, 300, "q4_0", "q4_0", 200, ubatch=64, accounting="beellama-v043")
+    assert (got.body, got.overlay) == (2 * q4 * 300, 2 * 201 * row)
+
+
 def test_sliding_layers_hold_window_plus_ubatch():
     geom = Geometry.uniform(2, 2, 64, (None, 200))
     # q4_0: layer 0 keeps 300 tokens, the sliding layer W + ubatch = 264
@@ -141,7 +165,7 @@ def test_bad_inputs():
         kv_bytes(TINY, 10, "q4_0", "q4_0", 0, ubatch=0)
     with pytest.raises(ValueError, match="head dim 96"):
         kv_bytes(Geometry.uniform(1, 1, 96, (None,)), 256, "kvarn4", "kvarn4", 0)
-    with pytest.raises(ValueError, match="unknown memory accounting 'beellama'.*packed, beellama-qwen, beellama-gemma"):
+    with pytest.raises(ValueError, match="unknown memory accounting 'beellama'.*packed, beellama-qwen, beellama-gemma, beellama-v043"):
         kv_bytes(TINY, 300, "q4_0", "q4_0", 0, accounting="beellama")
     with pytest.raises(ValueError, match="3 entries for 2 layers"):
         Geometry.uniform(2, 1, 64, (None, None, None))
