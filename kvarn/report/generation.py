@@ -1,0 +1,253 @@
+"""Statistics of long free-running generation (kvarn.decode results): torch-free.
+
+Inputs are what `kvarn decode` writes per (cell, decode): `summary.json` (its
+`first_divergence` per prompt is the one source of the divergence step) and `steps.parquet`
+(per (prompt, step) KLD along the cell's own text), and, for the teacher-forced comparison,
+the same cell's teacher-forced `tokens.parquet` (chunk, pos, kld) with its `summary.json` and
+the identity of its baseline dump.
+
+* **Survival** (`survival`): Kaplan–Meier estimate (lifelines) of S(t) = P(the first t
+  generated tokens equal the baseline's greedy tokens), t = 0..G, with the exponential
+  Greenwood ("log-log") band. A prompt whose first divergence is step k (0-based) has
+  duration k + 1 (event); one that never diverges is censored at G. Without censoring this
+  equals `kvarn.decode.summarize_decode`'s empirical `survival`.
+* **KLD curve** (`kld_curve`): mean per-step KLD over prompts, in bins of `bin_width` steps,
+  with a percentile bootstrap band over prompts (seeded).
+* **Accumulation** (`slope`, `paired_slope`): the OLS slope of KLD against the generated step
+  of the mean curve over prompts. Every prompt has the same steps, so this is exactly the mean
+  of the per-prompt OLS slopes (the slope is linear in y): the two choices coincide. CI: the
+  percentile bootstrap over prompts; the paired difference of two cells resamples the same
+  prompt indices for both.
+* **Teacher-forced vs free-running** (`tf_vs_free`): decode step s of a prompt (chunk c)
+  conditions on n_ctx − G + s tokens, so its distribution sits at absolute position
+  n_ctx − G − 1 + s of chunk c: the teacher-forced cell scored that position with the true
+  text in place of the cell's own. Where the teacher-forced run scored it (n_ctx/2 ..
+  n_ctx − 2), the ratio mean free-running KLD / mean teacher-forced KLD over the same
+  (prompt, position) pairs, with a bootstrap CI over prompts. `check_same_run` refuses a
+  pair of runs that do not share model, n_ctx, text, tokenizer, cache settings and chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+DEFAULT_BOOT = 2000
+DEFAULT_SEED = 0
+DEFAULT_ALPHA = 0.05
+# The cache settings a decode summary and a teacher-forced summary both record, by name:
+# (decode key, teacher-forced key).
+SAME_CELL_KEYS = (("model", "model"), ("source", "source"), ("revision", "revision"), ("n_ctx", "n_ctx"),
+                  ("k_type", "k_type"), ("v_type", "v_type"), ("tail", "tail"), ("rot", "rot"),
+                  ("iters", "iters"), ("sink", "sink_requested"))
+# The run identity a decode summary shares with the teacher-forced run's baseline dump header.
+SAME_TEXT_KEYS = ("text_sha256", "tokenizer_hash")
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def load_decode(directory: str | Path) -> tuple[dict, np.ndarray]:
+    """(summary dict, KLD [P, G] in (prompt, step) order) of one kvarn.decode result directory."""
+    d = Path(directory)
+    summary = json.loads((d / "summary.json").read_text())
+    steps = pl.read_parquet(d / "steps.parquet", columns=["prompt", "step", "kld"]).sort("prompt", "step")
+    return summary, kld_matrix(steps, summary["n_prompts"], summary["n_tokens"])
+
+
+def kld_matrix(steps: pl.DataFrame, n_prompts: int, n_tokens: int) -> np.ndarray:
+    """KLD [P, G] from (prompt, step, kld) rows; refuses a table that is not exactly P × G."""
+    if steps.height != n_prompts * n_tokens:
+        raise ValueError(f"decode steps: {steps.height} rows, expected prompts × tokens = {n_prompts} × {n_tokens}")
+    steps = steps.sort("prompt", "step")
+    want_p = np.repeat(np.arange(n_prompts), n_tokens)
+    want_s = np.tile(np.arange(n_tokens), n_prompts)
+    if not (np.array_equal(steps["prompt"].to_numpy(), want_p) and np.array_equal(steps["step"].to_numpy(), want_s)):
+        raise ValueError(f"decode steps: (prompt, step) is not every pair of 0..{n_prompts - 1} × 0..{n_tokens - 1}")
+    return steps["kld"].to_numpy().astype(np.float64).reshape(n_prompts, n_tokens)
+
+
+def _check_boot(n_boot: int, alpha: float) -> None:
+    if not isinstance(n_boot, int) or n_boot < 1:
+        raise ValueError(f"bootstrap resamples must be a positive integer, got {n_boot!r}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+
+
+def _resamples(n_prompts: int, n_boot: int, seed: int) -> np.ndarray:
+    """int [n_boot, P]: prompt indices drawn with replacement (numpy default_rng(seed))."""
+    return np.random.default_rng(seed).integers(0, n_prompts, size=(n_boot, n_prompts))
+
+
+def _interval(samples: np.ndarray, alpha: float, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    return (np.quantile(samples, alpha / 2, axis=axis), np.quantile(samples, 1 - alpha / 2, axis=axis))
+
+
+# ---------------------------------------------------------------- survival
+
+
+def survival(first_divergence, n_tokens: int, alpha: float = DEFAULT_ALPHA) -> pl.DataFrame:
+    """Kaplan–Meier S(t), t = 0..n_tokens, of the first divergence (lifelines), with its
+    exponential-Greenwood (1 − alpha) band: columns t, survival, lo, hi, at_risk.
+
+    `first_divergence`: per prompt the first differing step (0-based), n_tokens = never."""
+    from lifelines import KaplanMeierFitter
+
+    fd = np.asarray(first_divergence, dtype=np.int64)
+    if fd.ndim != 1 or fd.size == 0:
+        raise ValueError(f"first_divergence must be a non-empty list of steps, got shape {fd.shape}")
+    if fd.min() < 0 or fd.max() > n_tokens:
+        raise ValueError(f"first_divergence must lie in 0..{n_tokens} (n_tokens = never diverged), "
+                         f"got {fd.min()}..{fd.max()}")
+    _check_boot(1, alpha)
+    event = fd < n_tokens
+    duration = np.where(event, fd + 1, n_tokens)
+    t = np.arange(n_tokens + 1)
+    km = KaplanMeierFitter(alpha=alpha).fit(duration, event, timeline=t)
+    ci = km.confidence_interval_survival_function_.to_numpy()
+    return pl.DataFrame({
+        "t": t,
+        "survival": km.survival_function_.to_numpy()[:, 0],
+        "lo": ci[:, 0],
+        "hi": ci[:, 1],
+        "at_risk": (duration[None, :] >= t[:, None]).sum(axis=1),
+    })
+
+
+# ---------------------------------------------------------------- KLD along the cell's own text
+
+
+def kld_curve(kld: np.ndarray, bin_width: int = 1, n_boot: int = DEFAULT_BOOT, seed: int = DEFAULT_SEED,
+              alpha: float = DEFAULT_ALPHA) -> pl.DataFrame:
+    """Mean KLD over prompts per bin of `bin_width` steps (the last bin may be shorter), with a
+    percentile bootstrap band over prompts: columns step_lo, step_hi, step_mid, kld_mean, lo, hi."""
+    kld = np.asarray(kld, dtype=np.float64)
+    if kld.ndim != 2 or 0 in kld.shape:
+        raise ValueError(f"kld must be a [prompts, steps] array, got shape {kld.shape}")
+    if not isinstance(bin_width, int) or bin_width < 1:
+        raise ValueError(f"bin_width must be a positive integer of steps, got {bin_width!r}")
+    _check_boot(n_boot, alpha)
+    g = kld.shape[1]
+    starts = np.arange(0, g, bin_width)
+    per_prompt = np.add.reduceat(kld, starts, axis=1) / np.diff(np.append(starts, g))  # [P, bins]
+    boot = per_prompt[_resamples(kld.shape[0], n_boot, seed)].mean(axis=1)  # [B, bins]
+    lo, hi = _interval(boot, alpha)
+    ends = np.minimum(starts + bin_width, g) - 1
+    return pl.DataFrame({"step_lo": starts, "step_hi": ends, "step_mid": (starts + ends) / 2,
+                         "kld_mean": per_prompt.mean(axis=0), "lo": lo, "hi": hi})
+
+
+# ---------------------------------------------------------------- accumulation
+
+
+def _slopes(kld: np.ndarray) -> np.ndarray:
+    """OLS slope of each row of kld [..., G] against steps 0..G−1."""
+    x = np.arange(kld.shape[-1], dtype=np.float64)
+    xc = x - x.mean()
+    return (kld * xc).sum(axis=-1) / (xc * xc).sum()
+
+
+def _check_slope_input(kld) -> np.ndarray:
+    kld = np.asarray(kld, dtype=np.float64)
+    if kld.ndim != 2 or kld.shape[0] < 1 or kld.shape[1] < 2:
+        raise ValueError(f"kld must be a [prompts, steps ≥ 2] array for a slope, got shape {kld.shape}")
+    return kld
+
+
+def slope(kld, n_boot: int = DEFAULT_BOOT, seed: int = DEFAULT_SEED, alpha: float = DEFAULT_ALPHA) -> dict:
+    """Accumulation of one cell: the OLS slope of the mean KLD curve against the generated step
+    (KLD per generated token), its (1 − alpha) percentile bootstrap CI over prompts."""
+    kld = _check_slope_input(kld)
+    _check_boot(n_boot, alpha)
+    per_prompt = _slopes(kld)
+    boot = per_prompt[_resamples(kld.shape[0], n_boot, seed)].mean(axis=1)
+    lo, hi = _interval(boot, alpha)
+    return {"slope": float(_slopes(kld.mean(axis=0))), "slope_lo": float(lo), "slope_hi": float(hi)}
+
+
+def paired_slope(kld_a, kld_b, n_boot: int = DEFAULT_BOOT, seed: int = DEFAULT_SEED,
+                 alpha: float = DEFAULT_ALPHA) -> dict:
+    """slope(a) − slope(b) of two cells decoded from the same prompts (row i of both is prompt
+    i), with a percentile bootstrap CI resampling the prompts of both jointly."""
+    a, b = _check_slope_input(kld_a), _check_slope_input(kld_b)
+    if a.shape != b.shape:
+        raise ValueError(f"paired slopes need the same prompts and steps in both cells, got shapes {a.shape} and {b.shape}")
+    _check_boot(n_boot, alpha)
+    diff = _slopes(a) - _slopes(b)
+    boot = diff[_resamples(a.shape[0], n_boot, seed)].mean(axis=1)
+    lo, hi = _interval(boot, alpha)
+    return {"diff": float(_slopes(a.mean(axis=0)) - _slopes(b.mean(axis=0))), "diff_lo": float(lo), "diff_hi": float(hi)}
+
+
+# ---------------------------------------------------------------- teacher-forced vs free-running
+
+
+def check_same_run(decode_summary: dict, tf_summary: dict, tf_identity: dict) -> None:
+    """Refuse (ValueError naming every differing field) a decode result and a teacher-forced
+    cell that do not share model, n_ctx, cache settings, text and tokenizer, or whose chunks do
+    not include the decode's prompts. `tf_identity`: the run identity of the teacher-forced
+    cell's baseline dump (its header: text_sha256, tokenizer_hash, n_ctx, n_chunks)."""
+    diff = [f"{dk}: decode {decode_summary.get(dk)!r}, teacher-forced {tf_summary.get(tk)!r}"
+            for dk, tk in SAME_CELL_KEYS if decode_summary.get(dk) != tf_summary.get(tk)]
+    if decode_summary.get("tail_dtype") is not None and decode_summary["tail_dtype"] != tf_summary.get("tail_dtype"):
+        diff.append(f"tail_dtype: decode {decode_summary['tail_dtype']!r}, teacher-forced {tf_summary.get('tail_dtype')!r}")
+    diff += [f"{k}: decode {decode_summary.get(k)!r}, teacher-forced baseline {tf_identity.get(k)!r}"
+             for k in SAME_TEXT_KEYS if decode_summary.get(k) is None or decode_summary.get(k) != tf_identity.get(k)]
+    if tf_identity.get("n_ctx") != tf_summary.get("n_ctx"):
+        diff.append(f"n_ctx: teacher-forced cell {tf_summary.get('n_ctx')!r}, its baseline {tf_identity.get('n_ctx')!r}")
+    if tf_summary.get("compute", "exact") != "exact":
+        diff.append(f"compute: teacher-forced {tf_summary.get('compute')!r}; the decode runs the exact path only")
+    if not isinstance(tf_summary.get("chunks"), int) or tf_summary["chunks"] < decode_summary.get("n_prompts", 0):
+        diff.append(f"chunks: the teacher-forced cell scored {tf_summary.get('chunks')!r} chunks, the decode's "
+                    f"{decode_summary.get('n_prompts')!r} prompts need as many")
+    if diff:
+        raise ValueError("teacher-forced and free-running results are not of the same cell, text and chunks; "
+                         "refusing to compare them: " + "; ".join(diff))
+
+
+def tf_positions(n_ctx: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(decode steps, absolute positions) where a teacher-forced run scored the position a
+    decode step's distribution sits at: position n_ctx − G − 1 + s ∈ [n_ctx/2, n_ctx − 2]."""
+    s = np.arange(n_tokens)
+    pos = n_ctx - n_tokens - 1 + s
+    keep = pos >= n_ctx // 2
+    if not keep.any():
+        raise ValueError(f"no decode step of G = {n_tokens} at n_ctx {n_ctx} lies on a teacher-forced scored position")
+    return s[keep], pos[keep]
+
+
+def tf_matrix(tokens: pl.DataFrame, n_prompts: int, positions: np.ndarray) -> np.ndarray:
+    """Teacher-forced KLD [P, len(positions)] of chunks 0..P−1 at `positions`, from a cell's
+    tokens.parquet rows (chunk, pos, kld); refuses a missing (chunk, pos)."""
+    want = pl.DataFrame({"chunk": np.repeat(np.arange(n_prompts, dtype=np.int32), len(positions)),
+                         "pos": np.tile(np.asarray(positions, dtype=np.int32), n_prompts)})
+    got = want.join(tokens.select("chunk", "pos", "kld").with_columns(pl.col("chunk", "pos").cast(pl.Int32)),
+                    on=["chunk", "pos"], how="left", maintain_order="left")
+    if got["kld"].null_count():
+        miss = got.filter(pl.col("kld").is_null()).row(0, named=True)
+        raise ValueError(f"teacher-forced tokens: no row for chunk {miss['chunk']}, pos {miss['pos']} "
+                         f"({got['kld'].null_count()} of {got.height} missing)")
+    return got["kld"].to_numpy().astype(np.float64).reshape(n_prompts, len(positions))
+
+
+def tf_vs_free(free: np.ndarray, tf: np.ndarray, n_boot: int = DEFAULT_BOOT, seed: int = DEFAULT_SEED,
+               alpha: float = DEFAULT_ALPHA) -> dict:
+    """ratio = mean free-running KLD / mean teacher-forced KLD over the same [P, S] (prompt,
+    position) pairs, with a percentile bootstrap CI over prompts (both means on the same draw)."""
+    free, tf = np.asarray(free, dtype=np.float64), np.asarray(tf, dtype=np.float64)
+    if free.shape != tf.shape or free.ndim != 2 or 0 in free.shape:
+        raise ValueError(f"free-running and teacher-forced KLD must be [prompts, positions] of one shape, "
+                         f"got {free.shape} and {tf.shape}")
+    _check_boot(n_boot, alpha)
+    if tf.mean() <= 0:
+        raise ValueError("the teacher-forced KLD is 0 at every compared position: no ratio")
+    idx = _resamples(free.shape[0], n_boot, seed)
+    fp, tp = free.mean(axis=1), tf.mean(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        boot = fp[idx].mean(axis=1) / tp[idx].mean(axis=1)
+    lo, hi = _interval(boot, alpha)
+    return {"free_kld_mean": float(free.mean()), "tf_kld_mean": float(tf.mean()),
+            "ratio": float(free.mean() / tf.mean()), "ratio_lo": float(lo), "ratio_hi": float(hi)}

@@ -1,0 +1,175 @@
+"""kvarn.report.generation: the statistics of long free-running generation, on hand-made data
+whose answer is known (a cell that never diverges, one that always diverges at step k, a KLD
+ramp of known slope, identical cells, a teacher-forced run of another text), and the
+generation workflow (its DAG counted by hand, its statistics and figures on a tiny run).
+"""
+
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+
+from kvarn import decode as KD
+from kvarn.report import generation as G
+
+
+# ---------------------------------------------------------------- survival
+
+
+def test_never_diverging_cell_survives_everywhere_all_censored():
+    s = G.survival([10, 10, 10, 10], 10)
+    assert s["t"].to_list() == list(range(11))
+    assert s["survival"].to_list() == [1.0] * 11
+    assert s["lo"].to_list() == [1.0] * 11 and s["hi"].to_list() == [1.0] * 11
+    assert s["at_risk"].to_list() == [4] * 11
+
+
+@pytest.mark.parametrize("k", [0, 3, 9])
+def test_always_diverging_at_step_k(k):
+    # first differing step k (0-based): the first k tokens equal the baseline's, the (k+1)-th not.
+    s = G.survival([k] * 5, 10)
+    assert s["survival"].to_list() == [1.0] * (k + 1) + [0.0] * (10 - k)
+
+
+def test_km_without_censoring_equals_the_empirical_survival_of_summarize_decode():
+    fd = [0, 2, 2, 5, 7, 7, 7, 9]
+    tok = np.zeros((8, 10), dtype=int)
+    for p, f in enumerate(fd):
+        tok[p, f] = 1
+    steps = {"token": tok.ravel(), "base_token": np.zeros(80, dtype=int), "kld": np.zeros(80),
+             "same_top": (tok == 0).ravel()}
+    want = KD.summarize_decode(steps, 8, 10)["survival"]
+    assert G.survival(fd, 10)["survival"].to_list() == pytest.approx(want, abs=1e-15)
+
+
+def test_km_band_is_the_exponential_greenwood_interval_by_hand():
+    # durations 3 (event), 6 (event), 10, 10 (censored): S = 3/4 from t = 3, 1/2 from t = 6.
+    s = G.survival([2, 5, 10, 10], 10, alpha=0.05)
+    z = 1.959963984540054
+    row = s.filter(pl.col("t") == 6).row(0, named=True)
+    surv = 0.75 * (2 / 3)
+    var = 1 / (4 * 3) + 1 / (3 * 2)  # Greenwood: sum d / (n (n - d))
+    half = z * math.sqrt(var) / math.log(surv)
+    assert row["survival"] == pytest.approx(surv, abs=1e-12)
+    assert row["lo"] == pytest.approx(surv ** math.exp(-half), rel=1e-9)
+    assert row["hi"] == pytest.approx(surv ** math.exp(half), rel=1e-9)
+    assert s["at_risk"].to_list()[6] == 3
+
+
+def test_survival_refuses_a_step_outside_the_generation():
+    with pytest.raises(ValueError, match=r"first_divergence must lie in 0..10 .* got 0..11"):
+        G.survival([0, 11], 10)
+
+
+# ---------------------------------------------------------------- KLD curve and accumulation
+
+
+def _ramp(slope=0.003, n_prompts=12, n_tokens=64, seed=1):
+    """Prompt p: a_p + (slope + d_p)·s + zero-slope wiggle, the d_p summing to 0: the slope of
+    the mean curve (and the mean per-prompt slope) is exactly `slope`."""
+    rng = np.random.default_rng(seed)
+    s = np.arange(n_tokens)
+    d = rng.normal(0, slope / 2, n_prompts)
+    d -= d.mean()
+    wiggle = np.cos(2 * np.pi * s / n_tokens)
+    wiggle -= (wiggle * (s - s.mean())).sum() / ((s - s.mean()) ** 2).sum() * (s - s.mean())  # projected off the step: slope 0
+    return rng.uniform(0.01, 0.05, (n_prompts, 1)) + (slope + d)[:, None] * s + rng.uniform(0, 0.01, (n_prompts, 1)) * wiggle
+
+
+def test_ramp_of_known_slope_is_recovered_and_covered():
+    kld = _ramp(0.003)
+    r = G.slope(kld, n_boot=500, seed=3)
+    assert r["slope"] == pytest.approx(0.003, rel=1e-12)
+    assert r["slope"] == pytest.approx(np.polyfit(np.arange(64), kld.mean(axis=0), 1)[0], rel=1e-12)
+    assert r["slope_lo"] < 0.003 < r["slope_hi"]
+    # an exact ramp, every prompt alike: every resample has the same slope, a zero-width CI
+    exact = 0.02 + 0.001 * np.tile(np.arange(32), (5, 1))
+    e = G.slope(exact, n_boot=200)
+    assert e["slope"] == pytest.approx(0.001, rel=1e-12)
+    assert e["slope_lo"] == pytest.approx(0.001, rel=1e-12) and e["slope_hi"] == pytest.approx(0.001, rel=1e-12)
+
+
+def test_paired_difference_of_identical_cells_is_zero_and_of_shifted_ramps_is_the_shift():
+    kld = _ramp(0.002)
+    same = G.paired_slope(kld, kld.copy(), n_boot=300)
+    assert same == {"diff": 0.0, "diff_lo": 0.0, "diff_hi": 0.0}
+    # b = a + 0.0005·s: every prompt's slope differs by exactly 0.0005, so does every resample
+    b = kld + 0.0005 * np.arange(64)
+    d = G.paired_slope(b, kld, n_boot=300)
+    assert d["diff"] == pytest.approx(0.0005, rel=1e-9)
+    assert d["diff_lo"] == pytest.approx(0.0005, rel=1e-9) and d["diff_hi"] == pytest.approx(0.0005, rel=1e-9)
+    with pytest.raises(ValueError, match=r"same prompts and steps .* \(12, 64\) and \(11, 64\)"):
+        G.paired_slope(kld, kld[:11])
+
+
+def test_kld_curve_bins_means_and_band():
+    kld = np.array([[1.0, 3.0, 5.0, 7.0, 9.0], [3.0, 5.0, 7.0, 9.0, 11.0]])
+    c = G.kld_curve(kld, bin_width=2, n_boot=400, seed=0)
+    assert c["step_lo"].to_list() == [0, 2, 4] and c["step_hi"].to_list() == [1, 3, 4]
+    assert c["kld_mean"].to_list() == pytest.approx([3.0, 7.0, 10.0])
+    # two prompts: a resample's bin mean is one prompt's, the other's or their average
+    assert c["lo"].to_list() == pytest.approx([2.0, 6.0, 9.0]) and c["hi"].to_list() == pytest.approx([4.0, 8.0, 11.0])
+    one = G.kld_curve(kld, n_boot=50)
+    assert one["kld_mean"].to_list() == pytest.approx(kld.mean(axis=0).tolist())
+
+
+def test_bootstrap_is_seeded():
+    kld = _ramp(0.001)
+    assert G.slope(kld, n_boot=100, seed=7) == G.slope(kld, n_boot=100, seed=7)
+    assert G.slope(kld, n_boot=100, seed=7) != G.slope(kld, n_boot=100, seed=8)
+
+
+# ---------------------------------------------------------------- teacher-forced vs free-running
+
+
+def test_tf_positions_are_the_scored_positions_of_the_decode_steps():
+    # n_ctx 16, G 8: step s sits at position 7 + s; scored positions are 8..14 -> steps 1..7
+    s, pos = G.tf_positions(16, 8)
+    assert s.tolist() == list(range(1, 8)) and pos.tolist() == list(range(8, 15))
+    s, pos = G.tf_positions(16, 4)
+    assert s.tolist() == [0, 1, 2, 3] and pos.tolist() == [11, 12, 13, 14]
+
+
+def test_tf_matrix_reads_chunks_and_positions_and_refuses_a_gap():
+    tok = pl.DataFrame({"chunk": np.repeat([0, 1, 2], 7), "pos": np.tile(np.arange(8, 15), 3),
+                        "kld": np.arange(21, dtype=float)})
+    m = G.tf_matrix(tok, 2, np.array([12, 14]))
+    assert m.tolist() == [[4.0, 6.0], [11.0, 13.0]]
+    with pytest.raises(ValueError, match="no row for chunk 0, pos 15"):
+        G.tf_matrix(tok, 2, np.array([15]))
+
+
+def test_tf_vs_free_ratio():
+    tf = np.full((4, 6), 0.01)
+    r = G.tf_vs_free(3 * tf, tf, n_boot=200)
+    assert r["ratio"] == pytest.approx(3.0) and r["ratio_lo"] == pytest.approx(3.0) and r["ratio_hi"] == pytest.approx(3.0)
+    free = np.array([[1.0] * 3, [3.0] * 3])
+    r = G.tf_vs_free(free, np.ones((2, 3)), n_boot=400)
+    assert r["ratio"] == pytest.approx(2.0) and r["ratio_lo"] == pytest.approx(1.0) and r["ratio_hi"] == pytest.approx(3.0)
+
+
+DEC = {"model": "m", "source": "embedded:m", "revision": "r", "n_ctx": 2048, "k_type": "kvarn4", "v_type": "kvarn4",
+       "tail": 0, "rot": True, "iters": 16, "sink": None, "tail_dtype": None, "n_prompts": 16,
+       "text_sha256": "aa", "tokenizer_hash": "tt"}
+TF = {"model": "m", "source": "embedded:m", "revision": "r", "n_ctx": 2048, "k_type": "kvarn4", "v_type": "kvarn4",
+      "tail": 0, "rot": True, "iters": 16, "sink_requested": None, "tail_dtype": "f16", "chunks": 16, "compute": "exact"}
+IDENT = {"text_sha256": "aa", "tokenizer_hash": "tt", "n_ctx": 2048, "n_chunks": 16}
+
+
+def test_same_run_is_accepted_and_every_mismatch_refused():
+    G.check_same_run(DEC, TF, IDENT)
+    G.check_same_run(DEC, {**TF, "chunks": 32}, {**IDENT, "n_chunks": 32})
+    for dec, tf, ident, what in [
+        (DEC, TF, {**IDENT, "text_sha256": "bb"}, "text_sha256: decode 'aa', teacher-forced baseline 'bb'"),
+        (DEC, {**TF, "n_ctx": 4096}, {**IDENT, "n_ctx": 4096}, "n_ctx: decode 2048, teacher-forced 4096"),
+        (DEC, {**TF, "model": "g"}, IDENT, "model: decode 'm', teacher-forced 'g'"),
+        (DEC, {**TF, "k_type": "q4_0"}, IDENT, "k_type: decode 'kvarn4', teacher-forced 'q4_0'"),
+        (DEC, {**TF, "chunks": 8}, IDENT, "chunks: the teacher-forced cell scored 8 chunks"),
+        (DEC, {**TF, "compute": "llamacpp-cpu"}, IDENT, "compute: teacher-forced 'llamacpp-cpu'"),
+        ({**DEC, "tokenizer_hash": None}, TF, IDENT, "tokenizer_hash: decode None"),
+        ({**DEC, "tail_dtype": "bf16"}, TF, IDENT, "tail_dtype: decode 'bf16', teacher-forced 'f16'"),
+    ]:
+        with pytest.raises(ValueError, match="refusing to compare them") as e:
+            G.check_same_run(dec, tf, ident)
+        assert what in str(e.value)
