@@ -173,3 +173,90 @@ def test_same_run_is_accepted_and_every_mismatch_refused():
         with pytest.raises(ValueError, match="refusing to compare them") as e:
             G.check_same_run(dec, tf, ident)
         assert what in str(e.value)
+
+
+# ---------------------------------------------------------------- one run's tables, on hand-made results
+
+N_CTX, P, GEN = 32, 3, 12  # decode step s sits at position 19 + s; scored positions 16..30: every step compared
+
+
+def _write_run(root, cell, k, kld, fd, tf_kld, text="aa"):
+    """A decode result (steps from `kld` [P, G] and first divergences `fd`) and the same cell's
+    teacher-forced tokens (chunks 0..P, positions 16..30, KLD `tf_kld(chunk, pos)`)."""
+    import json
+
+    tok = np.zeros((P, GEN), dtype=np.int64)
+    for p, f in enumerate(fd):
+        if f < GEN:
+            tok[p, f] = 1
+    steps = {"prompt": np.repeat(np.arange(P), GEN), "step": np.tile(np.arange(GEN), P), "token": tok.ravel(),
+             "base_token": np.zeros(P * GEN, dtype=np.int64), "kld": kld.ravel(), "same_top": (tok == 0).ravel(),
+             "nll_base": np.zeros(P * GEN)}
+    cell_kw = {"model": "m", "source": "embedded:m", "revision": None, "n_ctx": N_CTX, "k_type": k, "v_type": k,
+               "tail": 0 if k.startswith("kvarn") else 128, "rot": True, "iters": 16}
+    dec = {**KD.summarize_decode(steps, P, GEN), **cell_kw, "sink": None, "tail_dtype": None,
+           "prompt_tokens": N_CTX - GEN, "text_sha256": text, "tokenizer_hash": "tt"}
+    d = root / "decode" / cell
+    d.mkdir(parents=True)
+    pl.DataFrame(steps).write_parquet(d / "steps.parquet")
+    (d / "summary.json").write_text(json.dumps(dec))
+    c = root / "cells" / cell
+    c.mkdir(parents=True)
+    chunk, pos = np.repeat(np.arange(P + 1), 15), np.tile(np.arange(16, 31), P + 1)
+    pl.DataFrame({"chunk": chunk, "pos": pos, "kld": tf_kld(chunk, pos)}).write_parquet(c / "tokens.parquet")
+    (c / "summary.json").write_text(json.dumps({**cell_kw, "sink_requested": None, "tail_dtype": "f16",
+                                                "chunks": P + 1, "compute": "exact"}))
+    return str(d), str(c)
+
+
+@pytest.fixture
+def hand_run(tmp_path):
+    s = np.arange(GEN)
+    a = _write_run(tmp_path, "kvarn4-kvarn4-t0", "kvarn4", np.tile(0.01 + 0.002 * s, (P, 1)), [GEN, 5, 0],
+                   lambda c, p: np.full(len(c), 0.01))
+    b = _write_run(tmp_path, "q4_0-q4_0-t128", "q4_0", np.tile(0.02 + 0.005 * s, (P, 1)), [3, 3, 3],
+                   lambda c, p: 0.01 * (1 + c))
+    ident = {"text_sha256": "aa", "tokenizer_hash": "tt", "n_ctx": N_CTX, "n_chunks": P + 1}
+    return tmp_path, [a[0], b[0]], [a[1], b[1]], [ident, ident]
+
+
+def test_compute_run_on_hand_made_results(hand_run):
+    _, dec, cells, idents = hand_run
+    t = G.compute_run(dec, cells, idents, n_boot=200)
+    c = {r["cell"]: r for r in t["cells"].iter_rows(named=True)}
+    kv, q = c["kvarn4-kvarn4-t0"], c["q4_0-q4_0-t128"]
+    assert kv["slope_per_1k"] == pytest.approx(2.0) and q["slope_per_1k"] == pytest.approx(5.0)
+    assert (kv["n_diverged"], q["n_diverged"]) == (2, 3)
+    assert kv["compared_steps"] == GEN and kv["first_compared_pos"] == N_CTX - GEN - 1
+    # free-running mean 0.01 + 0.002 * 5.5 over a teacher-forced 0.01 everywhere
+    assert kv["ratio"] == pytest.approx((0.01 + 0.002 * 5.5) / 0.01)
+    # q4_0: teacher-forced 0.01, 0.02, 0.03 on chunks 0, 1, 2 (chunk 3 is not a prompt)
+    assert q["tf_kld_mean"] == pytest.approx(0.02) and q["ratio"] == pytest.approx((0.02 + 0.005 * 5.5) / 0.02)
+    p = t["paired"].row(0, named=True)
+    assert (p["kvarn_cell"], p["standard_cell"]) == ("kvarn4-kvarn4-t0", "q4_0-q4_0-t128")
+    assert p["diff_per_1k"] == pytest.approx(-3.0) and p["diff_lo_per_1k"] == pytest.approx(-3.0)
+    s = t["survival"].filter(pl.col("cell") == "q4_0-q4_0-t128")["survival"].to_list()
+    assert s == [1.0] * 4 + [0.0] * 9
+    md = G.to_markdown(t)
+    assert "| kvarn4-kvarn4 t128\\* | 2/3 |" in md and "q4_0-q4_0 t128" in md
+
+
+def test_compute_run_refuses_another_text(hand_run):
+    root, dec, cells, idents = hand_run
+    with pytest.raises(ValueError, match="text_sha256: decode 'aa', teacher-forced baseline 'bb'"):
+        G.compute_run(dec, cells, [idents[0], {**idents[1], "text_sha256": "bb"}], n_boot=10)
+    with pytest.raises(ValueError, match="are not the same cell"):
+        G.compute_run(dec, cells[::-1], idents, n_boot=10)
+
+
+def test_generation_figures_draw_every_table(hand_run):
+    from kvarn.report.figures import GENERATION_FIGURES, generation_figure
+
+    _, dec, cells, idents = hand_run
+    t = G.compute_run(dec, cells, idents, n_boot=50)
+    assert list(GENERATION_FIGURES) == list(G.GENERATION_FIGURES)
+    for name in G.GENERATION_FIGURES:
+        spec = generation_figure(name, t).to_dict()
+        assert "m: " in str(spec["title"]), name
+    with pytest.raises(ValueError, match="unknown generation figure 'x'"):
+        generation_figure("x", t)

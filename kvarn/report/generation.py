@@ -251,3 +251,175 @@ def tf_vs_free(free: np.ndarray, tf: np.ndarray, n_boot: int = DEFAULT_BOOT, see
     lo, hi = _interval(boot, alpha)
     return {"free_kld_mean": float(free.mean()), "tf_kld_mean": float(tf.mean()),
             "ratio": float(free.mean() / tf.mean()), "ratio_lo": float(lo), "ratio_hi": float(hi)}
+
+
+# ---------------------------------------------------------------- the workflow's plan
+
+CURVE_BINS = 32  # the KLD curves are drawn in about this many bins of generated steps
+GENERATION_DIR = "generation"  # inside the decode run's directory (kvarn.matrix.DECODE_RUN_DIR)
+GENERATION_TABLES = ("cells.parquet", "paired.parquet", "survival.parquet", "curves.parquet", "generation.md")
+GENERATION_FIGURES = ("survival", "kld_steps", "slopes", "tf_vs_free")
+FIGURE_DIR = "results/figures/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}"
+
+
+def runs(matrix) -> dict[tuple[str, int, int, int], dict]:
+    """Each decode run (model, n_ctx, prompts, tokens) of a `kvarn.matrix.Matrix` -> {"decode":
+    [decode dirs], "cells": [teacher-forced cell dirs], "baselines": [their baseline dumps],
+    "chunks": the cells' chunks}, one entry per decoded cell, in matrix order."""
+    from kvarn.matrix import decode_dir
+
+    out: dict[tuple[str, int, int, int], dict] = {}
+    for c in matrix.cells:
+        d = matrix.models[c.model].decode
+        if d is None or (d.cells is not None and c.name not in d.cells):
+            continue
+        r = out.setdefault((c.model, c.n_ctx, d.prompts, d.tokens),
+                           {"decode": [], "cells": [], "baselines": [], "chunks": c.chunks})
+        r["decode"].append(decode_dir(c.model, c.n_ctx, d.prompts, d.tokens, c.name))
+        r["cells"].append(c.dir)
+        r["baselines"].append(c.baseline)
+    return out
+
+
+def run_dir(model: str, n_ctx, prompts, tokens) -> str:
+    """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/generation: the run's statistics."""
+    from kvarn.matrix import DECODE_RUN_DIR
+
+    return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens)}/{GENERATION_DIR}"
+
+
+def run_inputs(matrix, model: str, n_ctx, prompts, tokens) -> dict[str, list[str]]:
+    """The generation statistics' inputs of one decode run; refuses a run whose teacher-forced
+    cells score fewer chunks than the decode has prompts (their positions would be missing)."""
+    key = (model, int(n_ctx), int(prompts), int(tokens))
+    plan = runs(matrix)
+    if key not in plan:
+        raise ValueError(f"{run_dir(*key)}: not a decode run of this matrix; its runs: "
+                         f"{', '.join(run_dir(*k) for k in plan) or 'none'}")
+    r = plan[key]
+    if r["chunks"] != "all" and r["chunks"] < key[2]:
+        raise ValueError(f"models.{model}: chunks {r['chunks']} < decode prompts {key[2]}: the teacher-forced "
+                         f"cells must score every chunk the decode prompts come from (set chunks >= prompts)")
+    return {"decode": [f"{d}/summary.json" for d in r["decode"]], "steps": [f"{d}/steps.parquet" for d in r["decode"]],
+            "cells": [f"{d}/summary.json" for d in r["cells"]], "tokens": [f"{d}/tokens.parquet" for d in r["cells"]],
+            "baselines": list(r["baselines"])}
+
+
+def targets(matrix, formats=("svg", "png", "vl.json")) -> list[str]:
+    """Every generation table and figure of the matrix's decode runs (rule generation's input)."""
+    out = []
+    for key in runs(matrix):
+        out += [f"{run_dir(*key)}/{t}" for t in GENERATION_TABLES]
+        fig = FIGURE_DIR.format(model=key[0], n_ctx=key[1], prompts=key[2], tokens=key[3])
+        out += [f"{fig}/{f}.{ext}" for f in GENERATION_FIGURES for ext in formats]
+    return out
+
+
+def pairs(cells: dict[str, dict]) -> list[tuple[str, str]]:
+    """(KVarN cell, standard cell) of the same width to compare, from {cell name: decode summary}:
+    every kvarnN-kvarnN cell against every qN_0-qN_0 cell (any tail, sink or tail dtype), the
+    partner of kvarn.report.data.same_width_partner."""
+    from kvarn.report.data import same_width_partner
+
+    return [(a, b) for a, sa in cells.items() if sa["k_type"] == sa["v_type"]
+            for b, sb in cells.items()
+            if sb["k_type"] == sb["v_type"] and sb["k_type"] == same_width_partner(sa["k_type"])]
+
+
+# ---------------------------------------------------------------- one run's tables
+
+PER_1K = 1000.0  # slopes are reported as KLD per 1000 generated tokens
+
+
+def compute_run(decode_dirs, cell_dirs, baseline_identities, n_boot: int = DEFAULT_BOOT, seed: int = DEFAULT_SEED,
+                alpha: float = DEFAULT_ALPHA) -> dict[str, pl.DataFrame]:
+    """The generation statistics of one decode run: {"cells", "paired", "survival", "curves"}.
+
+    decode_dirs[i] is the kvarn.decode result of the cell whose teacher-forced result is
+    cell_dirs[i] (summary.json, tokens.parquet) scored against a baseline of header
+    baseline_identities[i]; every pair is checked (`check_same_run`) before it is read."""
+    from kvarn.report.data import decode_frame
+
+    if not (len(decode_dirs) == len(cell_dirs) == len(baseline_identities)) or not decode_dirs:
+        raise ValueError(f"one teacher-forced cell and baseline per decode result, got {len(decode_dirs)} decode, "
+                         f"{len(cell_dirs)} cells, {len(baseline_identities)} baselines")
+    meta = decode_frame([Path(d) / "summary.json" for d in decode_dirs]).unique("cell", keep="first", maintain_order=True)
+    labels = dict(zip(meta["cell"], meta["label"]))
+    cell_kind = {r["cell"]: {"family": r["family"], "width": r["width"]} for r in meta.iter_rows(named=True)}
+    rows, surv, curves, klds, summaries = [], [], [], {}, {}
+    run = None
+    for ddir, cdir, ident in zip(decode_dirs, cell_dirs, baseline_identities):
+        ds, kld = load_decode(ddir)
+        this = (ds["model"], ds["n_ctx"], ds["n_prompts"], ds["n_tokens"], ds["prompt_tokens"], ds.get("text_sha256"))
+        if run is not None and this != run:
+            raise ValueError(f"{ddir}: decode run {this} differs from the others' {run}; one run's cells only")
+        run = this
+        name = Path(ddir).name
+        if Path(cdir).name != name:
+            raise ValueError(f"decode result {ddir} and teacher-forced cell {cdir} are not the same cell")
+        ts = json.loads((Path(cdir) / "summary.json").read_text())
+        check_same_run(ds, ts, ident)
+        p, g, n_ctx = ds["n_prompts"], ds["n_tokens"], ds["n_ctx"]
+        steps, pos = tf_positions(n_ctx, g)
+        tf = tf_matrix(pl.read_parquet(Path(cdir) / "tokens.parquet", columns=["chunk", "pos", "kld"]), p, pos)
+        free = kld[:, steps]
+        bin_width = max(1, g // CURVE_BINS)
+        klds[name], summaries[name] = kld, ds
+        km = survival(ds["first_divergence"], g, alpha)
+        surv.append(km.select(pl.lit(name).alias("cell"), pl.all()))
+        for kind, m, offset in (("free-running", kld, 0), ("free-running, compared steps", free, int(steps[0])),
+                                ("teacher-forced", tf, int(steps[0]))):
+            c = kld_curve(m, bin_width, n_boot, seed, alpha).with_columns(
+                pl.col("step_lo", "step_hi", "step_mid") + offset)
+            curves.append(c.select(pl.lit(name).alias("cell"), pl.lit(kind).alias("kind"), pl.all()))
+        sl = slope(kld, n_boot, seed, alpha)
+        rt = tf_vs_free(free, tf, n_boot, seed, alpha)
+        rows.append({"cell": name, "label": labels[name], **cell_kind[name], "model": ds["model"], "n_ctx": n_ctx, "prompts": p,
+                     "tokens": g, "n_diverged": ds["n_diverged"],
+                     "first_divergence_median": float(np.median(ds["first_divergence"])),
+                     "survival_end": float(km["survival"][-1]), "survival_end_lo": float(km["lo"][-1]),
+                     "survival_end_hi": float(km["hi"][-1]), "decode_kld_mean": float(kld.mean()),
+                     **{f"{k}_per_1k": v * PER_1K for k, v in sl.items()},
+                     "compared_steps": len(steps), "first_compared_pos": int(pos[0]), **rt})
+    paired = []
+    for a, b in pairs(summaries):
+        d = paired_slope(klds[a], klds[b], n_boot, seed, alpha)
+        paired.append({"kvarn_cell": a, "standard_cell": b, "kvarn_label": labels[a], "standard_label": labels[b],
+                       **{f"{k}_per_1k": v * PER_1K for k, v in d.items()}})
+    paired_schema = {"kvarn_cell": pl.String, "standard_cell": pl.String, "kvarn_label": pl.String,
+                     "standard_label": pl.String, "diff_per_1k": pl.Float64, "diff_lo_per_1k": pl.Float64,
+                     "diff_hi_per_1k": pl.Float64}
+    return {"cells": pl.DataFrame(rows), "paired": pl.DataFrame(paired, schema=paired_schema),
+            "survival": pl.concat(surv), "curves": pl.concat(curves)}
+
+
+def to_markdown(tables: dict[str, pl.DataFrame], alpha: float = DEFAULT_ALPHA) -> str:
+    """The run's tables as GitHub Markdown: per cell, then the paired slope differences."""
+    c = tables["cells"]
+    r = c.row(0, named=True)
+    pct = f"{100 * (1 - alpha):g} %"
+    f = lambda x: f"{x:.3g}"  # noqa: E731
+    ci = lambda v, lo, hi: f"{f(v)} [{f(lo)}, {f(hi)}]"  # noqa: E731
+    lines = [f"### {r['model']}: free-running generation, n_ctx {r['n_ctx']}, {r['prompts']} prompts × {r['tokens']} "
+             "generated tokens", "",
+             f"Brackets: {pct} intervals (survival: Kaplan–Meier, exponential Greenwood; the rest: percentile bootstrap "
+             f"over prompts). Slope: OLS of the mean per-step KLD against the generated step, per 1000 tokens. "
+             f"free / teacher-forced: mean KLD along the cell's own text over mean teacher-forced KLD at the same "
+             f"absolute positions ({r['first_compared_pos']}..{r['n_ctx'] - 2}) of the same chunks.", "",
+             "| cell | diverged | median first divergence | S(G) | mean KLD (free) | slope per 1k tokens | "
+             "mean KLD (teacher-forced) | free / teacher-forced |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in c.iter_rows(named=True):
+        lines.append(f"| {r['label']} | {r['n_diverged']}/{r['prompts']} | {r['first_divergence_median']:g} | "
+                     f"{ci(r['survival_end'], r['survival_end_lo'], r['survival_end_hi'])} | {f(r['decode_kld_mean'])} | "
+                     f"{ci(r['slope_per_1k'], r['slope_lo_per_1k'], r['slope_hi_per_1k'])} | {f(r['tf_kld_mean'])} | "
+                     f"{ci(r['ratio'], r['ratio_lo'], r['ratio_hi'])} |")
+    p = tables["paired"]
+    if p.height:
+        lines += ["", "Paired difference of slopes (KVarN − same-width standard, same prompts resampled jointly), "
+                  "per 1000 generated tokens; below 0: KVarN accumulates more slowly.", "",
+                  "| KVarN | standard | slope difference per 1k tokens |", "|---|---|---:|"]
+        for r in p.iter_rows(named=True):
+            lines.append(f"| {r['kvarn_label']} | {r['standard_label']} | "
+                         f"{ci(r['diff_per_1k'], r['diff_lo_per_1k'], r['diff_hi_per_1k'])} |")
+    return "\n".join(lines).replace("*", "\\*") + "\n"
