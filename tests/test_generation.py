@@ -5,6 +5,7 @@ generation workflow (its DAG counted by hand, its statistics and figures on a ti
 """
 
 import math
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -260,3 +261,86 @@ def test_generation_figures_draw_every_table(hand_run):
         assert "m: " in str(spec["title"]), name
     with pytest.raises(ValueError, match="unknown generation figure 'x'"):
         generation_figure("x", t)
+
+
+# ---------------------------------------------------------------- the workflow
+
+
+def _workflow(tmp_path, config, model_cache=None):
+    import yaml
+    from test_workflow import workflow_copy
+
+    if isinstance(config, Path):
+        config = {k: v for k, v in yaml.safe_load(Path(config).read_text()).items() if k not in ("text", "model_cache")}
+    return workflow_copy(tmp_path, config, model_cache)
+
+
+def _plan(wd, *targets):
+    import re
+
+    from test_workflow import smk
+
+    out = smk(wd, *targets, "-n", "--quiet", "rules")
+    return {r: int(n) for r, n in re.findall(r"^(\w+)\s+(\d+)\s*$", out.stdout + out.stderr, flags=re.M)
+            if r != "total"}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_generation_config_plans_its_jobs_counted_by_hand(tmp_path):
+    # 2 models x 7 cells: a teacher-forced cell and a decode each; per model one baseline, one
+    # statistics job and 4 figures; both models fetched into the empty model cache.
+    wd = _workflow(tmp_path, ROOT / "config" / "generation.yaml")
+    assert _plan(wd, "generation") == {"fetch_model": 2, "wikitext": 1, "baseline": 2, "cell": 14, "decode": 14,
+                                       "generation_stats": 2, "report_generation": 8, "generation": 1}
+
+
+def test_default_run_has_no_decode_or_generation_job(tmp_path):
+    import yaml
+
+    assert all("decode" not in m for m in yaml.safe_load((ROOT / "config" / "matrix.yaml").read_text())["models"])
+    wd = _workflow(tmp_path, ROOT / "config" / "matrix.yaml")
+    jobs = _plan(wd)
+    assert jobs["cell"] > 0 and not {"decode", "generation_stats", "report_generation", "generation"} & set(jobs)
+
+
+def test_generation_refuses_fewer_chunks_than_prompts(tmp_path):
+    from test_workflow import smk
+
+    cfg = {"models": [{"name": "smollm2-135m", "source": "embedded:smollm2-135m", "n_ctx": [96], "chunks": 1,
+                       "decode": {"prompts": 2, "tokens": 40}}], "cells": [{"types": ["q2_0"], "tail": 0}]}
+    p = smk(_workflow(tmp_path, cfg), "-n", "generation", check=False)
+    assert p.returncode and "chunks 1 < decode prompts 2" in p.stdout + p.stderr
+
+
+TINY_GEN = {"models": [{"name": "smollm2-135m", "source": "embedded:smollm2-135m", "n_ctx": [96], "chunks": 2,
+                        "decode": {"prompts": 2, "tokens": 40}}],
+            "cells": [{"types": ["q2_0"], "tail": 0}, {"types": ["kvarn2"], "tail": 0}]}
+
+
+@pytest.mark.slow
+def test_generation_runs_on_a_tiny_matrix(tmp_path):
+    """The whole generation target on SmolLM2 at n_ctx 96 (2 prompts, 40 tokens, q2_0 vs kvarn2):
+    the rules' scripts, the tables and the four figures, numbers checked against the results."""
+    import json
+
+    from paths import CACHE_DIR
+    from test_workflow import smk
+
+    wd = _workflow(tmp_path, TINY_GEN, CACHE_DIR)
+    smk(wd, "generation", "--cores", "1", "--resources", "gpu=1")
+    run = wd / "results/smollm2-135m/decode-ctx96-p2-g40"
+    cells = pl.read_parquet(run / "generation/cells.parquet")
+    assert sorted(cells["cell"]) == ["kvarn2-kvarn2-t0", "q2_0-q2_0-t0"]
+    for r in cells.iter_rows(named=True):
+        dec = json.loads((run / r["cell"] / "summary.json").read_text())
+        assert r["decode_kld_mean"] == pytest.approx(dec["decode_kld_mean"], rel=1e-12)
+        assert r["n_diverged"] == dec["n_diverged"] and r["compared_steps"] == 40
+        tf = pl.read_parquet(wd / f"results/smollm2-135m/ctx96-c2/cells/{r['cell']}/tokens.parquet")
+        assert r["tf_kld_mean"] == pytest.approx(tf.filter(pl.col("pos") >= 55)["kld"].mean(), rel=1e-12)
+    assert pl.read_parquet(run / "generation/paired.parquet").height == 1
+    assert "free / teacher-forced" in (run / "generation/generation.md").read_text()
+    for f in G.GENERATION_FIGURES:
+        for ext in ("svg", "png", "vl.json"):
+            assert (wd / f"results/figures/smollm2-135m/decode-ctx96-p2-g40/{f}.{ext}").stat().st_size > 0
