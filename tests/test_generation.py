@@ -217,8 +217,10 @@ def hand_run(tmp_path):
                    lambda c, p: np.full(len(c), 0.01))
     b = _write_run(tmp_path, "q4_0-q4_0-t128", "q4_0", np.tile(0.02 + 0.005 * s, (P, 1)), [3, 3, 3],
                    lambda c, p: 0.01 * (1 + c))
+    f = _write_run(tmp_path, "q4_0-q4_0-t128-tdf16-s128", "q4_0", np.tile(0.01 + 0.001 * s, (P, 1)), [GEN] * 3,
+                   lambda c, p: np.full(len(c), 0.01))
     ident = {"text_sha256": "aa", "tokenizer_hash": "tt", "n_ctx": N_CTX, "n_chunks": P + 1}
-    return tmp_path, [a[0], b[0]], [a[1], b[1]], [ident, ident]
+    return tmp_path, [a[0], b[0], f[0]], [a[1], b[1], f[1]], [ident] * 3
 
 
 def test_compute_run_on_hand_made_results(hand_run):
@@ -233,9 +235,12 @@ def test_compute_run_on_hand_made_results(hand_run):
     assert kv["ratio"] == pytest.approx((0.01 + 0.002 * 5.5) / 0.01)
     # q4_0: teacher-forced 0.01, 0.02, 0.03 on chunks 0, 1, 2 (chunk 3 is not a prompt)
     assert q["tf_kld_mean"] == pytest.approx(0.02) and q["ratio"] == pytest.approx((0.02 + 0.005 * 5.5) / 0.02)
-    p = t["paired"].row(0, named=True)
+    # kvarn4 against both same-width standard rows, the format-only row labelled apart
+    p, f = t["paired"].rows(named=True)
     assert (p["kvarn_cell"], p["standard_cell"]) == ("kvarn4-kvarn4-t0", "q4_0-q4_0-t128")
     assert p["diff_per_1k"] == pytest.approx(-3.0) and p["diff_lo_per_1k"] == pytest.approx(-3.0)
+    assert f["standard_cell"] == "q4_0-q4_0-t128-tdf16-s128" and f["diff_per_1k"] == pytest.approx(1.0)
+    assert f["standard_label"] == "q4_0-q4_0 t128 + KVarN's sink, F16 tail" and p["standard_label"] == "q4_0-q4_0 t128"
     s = t["survival"].filter(pl.col("cell") == "q4_0-q4_0-t128")["survival"].to_list()
     assert s == [1.0] * 4 + [0.0] * 9
     md = G.to_markdown(t)
@@ -245,7 +250,7 @@ def test_compute_run_on_hand_made_results(hand_run):
 def test_compute_run_refuses_another_text(hand_run):
     root, dec, cells, idents = hand_run
     with pytest.raises(ValueError, match="text_sha256: decode 'aa', teacher-forced baseline 'bb'"):
-        G.compute_run(dec, cells, [idents[0], {**idents[1], "text_sha256": "bb"}], n_boot=10)
+        G.compute_run(dec, cells, [*idents[:2], {**idents[2], "text_sha256": "bb"}], n_boot=10)
     with pytest.raises(ValueError, match="are not the same cell"):
         G.compute_run(dec, cells[::-1], idents, n_boot=10)
 

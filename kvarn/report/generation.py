@@ -30,6 +30,7 @@ the identity of its baseline dump.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -331,6 +332,15 @@ def pairs(cells: dict[str, dict]) -> list[tuple[str, str]]:
 PER_1K = 1000.0  # slopes are reported as KLD per 1000 generated tokens
 
 
+def _label(cell: str, label: str) -> str:
+    """The figure label (kvarn.report.data.decode_frame) told apart by the cell's options: the
+    q4_0 format-only row and q4_0 at tail 128 share "q4_0-q4_0 t128" there."""
+    from kvarn.report.data import FORMAT_ONLY_OPTS
+
+    opts = re.search(r"-t\d+(.*)$", cell).group(1)
+    return label + (" + KVarN's sink, F16 tail" if opts == FORMAT_ONLY_OPTS else f" {opts}" if opts else "")
+
+
 def compute_run(decode_dirs, cell_dirs, baseline_identities, n_boot: int = DEFAULT_BOOT, seed: int = DEFAULT_SEED,
                 alpha: float = DEFAULT_ALPHA) -> dict[str, pl.DataFrame]:
     """The generation statistics of one decode run: {"cells", "paired", "survival", "curves"}.
@@ -344,7 +354,7 @@ def compute_run(decode_dirs, cell_dirs, baseline_identities, n_boot: int = DEFAU
         raise ValueError(f"one teacher-forced cell and baseline per decode result, got {len(decode_dirs)} decode, "
                          f"{len(cell_dirs)} cells, {len(baseline_identities)} baselines")
     meta = decode_frame([Path(d) / "summary.json" for d in decode_dirs]).unique("cell", keep="first", maintain_order=True)
-    labels = dict(zip(meta["cell"], meta["label"]))
+    labels = {c: _label(c, lab) for c, lab in zip(meta["cell"], meta["label"])}
     cell_kind = {r["cell"]: {"family": r["family"], "width": r["width"]} for r in meta.iter_rows(named=True)}
     rows, surv, curves, klds, summaries = [], [], [], {}, {}
     run = None
