@@ -413,11 +413,18 @@ def _with_cells(frame: pl.DataFrame, cells: pl.DataFrame) -> pl.DataFrame:
     return frame.join(cells.select("cell", "label", "family", pl.col("width").fill_null(0)), on="cell", how="left")
 
 
+def _gen_encodings(frame: pl.DataFrame):
+    """Colour per cell (two rows of one width, e.g. q4_0 t128 and its format-only row, apart), dash per family."""
+    _, dash = _cell_encodings(frame)
+    return alt.Color("label:N", title="cell", scale=alt.Scale(scheme="tableau10"),
+                     legend=alt.Legend(orient="bottom", columns=2, labelLimit=400)), dash
+
+
 def generation_survival(tables: dict[str, pl.DataFrame]) -> alt.LayerChart:
     """Kaplan–Meier survival of the first divergence per cell, with its band."""
     cells = tables["cells"]
     s = _with_cells(tables["survival"], cells)
-    color, dash = _cell_encodings(s)
+    color, dash = _gen_encodings(s)
     base = alt.Chart(s).encode(x=alt.X("t:Q", title="tokens generated"), color=color, detail="label:N")
     band = base.mark_area(opacity=0.12, interpolate="step-after").encode(
         y=alt.Y("lo:Q", title="fraction of prompts identical to the baseline", scale=alt.Scale(domain=[0, 1])),
@@ -438,7 +445,7 @@ def generation_kld_steps(tables: dict[str, pl.DataFrame]) -> alt.LayerChart:
     cells = tables["cells"]
     c = _with_cells(tables["curves"].filter(pl.col("kind") == "free-running"), cells).with_columns(
         pl.col("kld_mean", "lo", "hi").clip(lower_bound=1e-8))
-    color, dash = _cell_encodings(c)
+    color, dash = _gen_encodings(c)
     base = alt.Chart(c).encode(x=alt.X("step_mid:Q", title="generated step (bin centre)"), color=color, detail="label:N")
     band = base.mark_area(opacity=0.12).encode(
         y=alt.Y("lo:Q", title="mean KLD vs baseline over prompts (log)", scale=alt.Scale(type="log")), y2="hi:Q")
@@ -455,7 +462,7 @@ def generation_kld_steps(tables: dict[str, pl.DataFrame]) -> alt.LayerChart:
 
 
 def _interval_chart(frame: pl.DataFrame, y: str, x: str, lo: str, hi: str, title: str, name: str) -> alt.LayerChart:
-    base = alt.Chart(frame).encode(y=alt.Y(f"{y}:N", title=None, sort=None))
+    base = alt.Chart(frame).encode(y=alt.Y(f"{y}:N", title=None, sort=None, axis=alt.Axis(labelLimit=420)))
     bars = base.mark_rule(strokeWidth=2, color="#555").encode(x=alt.X(f"{lo}:Q", title=title), x2=f"{hi}:Q")
     pts = base.mark_point(filled=True, size=60, color="#e45756").encode(
         x=f"{x}:Q", tooltip=[alt.Tooltip(f"{y}:N"), alt.Tooltip(f"{x}:Q", format=".3g"),
