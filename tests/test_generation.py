@@ -111,6 +111,14 @@ def test_kld_curve_bins_means_and_band():
     assert c["kld_mean"].to_list() == pytest.approx([3.0, 7.0, 10.0])
     # two prompts: a resample's bin mean is one prompt's, the other's or their average
     assert c["lo"].to_list() == pytest.approx([2.0, 6.0, 9.0]) and c["hi"].to_list() == pytest.approx([4.0, 8.0, 11.0])
+    # the band is the percentile interval of resampled bin means: here the inner quartiles of
+    # 1000 draws of 3 prompts, drawn as kvarn.report.generation draws them (numpy default_rng)
+    k3 = np.array([[1.0, 2.0, 0.0, 0.0], [5.0, 7.0, 1.0, 1.0], [20.0, 30.0, 3.0, 5.0]])
+    q = G.kld_curve(k3, bin_width=2, n_boot=1000, seed=4, alpha=0.5)
+    bins = np.array([[1.5, 0.0], [6.0, 1.0], [25.0, 4.0]])
+    draws = bins[np.random.default_rng(4).integers(0, 3, size=(1000, 3))].mean(axis=1)
+    assert q["lo"].to_list() == pytest.approx(np.quantile(draws, 0.25, axis=0).tolist())
+    assert q["hi"].to_list() == pytest.approx(np.quantile(draws, 0.75, axis=0).tolist())
     one = G.kld_curve(kld, n_boot=50)
     assert one["kld_mean"].to_list() == pytest.approx(kld.mean(axis=0).tolist())
 
