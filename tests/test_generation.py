@@ -224,7 +224,7 @@ def hand_run(tmp_path):
     a = _write_run(tmp_path, "kvarn4-kvarn4-t0", "kvarn4", np.tile(0.01 + 0.002 * s, (P, 1)), [GEN, 5, 0],
                    lambda c, p: np.full(len(c), 0.01))
     b = _write_run(tmp_path, "q4_0-q4_0-t128", "q4_0", np.tile(0.02 + 0.005 * s, (P, 1)), [3, 3, 3],
-                   lambda c, p: 0.01 * (1 + c))
+                   lambda c, p: 0.01 * (1 + c) + 0.0001 * (p - 16))
     f = _write_run(tmp_path, "q4_0-q4_0-t128-tdf16-s128", "q4_0", np.tile(0.01 + 0.001 * s, (P, 1)), [GEN] * 3,
                    lambda c, p: np.full(len(c), 0.01))
     ident = {"text_sha256": "aa", "tokenizer_hash": "tt", "n_ctx": N_CTX, "n_chunks": P + 1}
@@ -241,8 +241,14 @@ def test_compute_run_on_hand_made_results(hand_run):
     assert kv["compared_steps"] == GEN and kv["first_compared_pos"] == N_CTX - GEN - 1
     # free-running mean 0.01 + 0.002 * 5.5 over a teacher-forced 0.01 everywhere
     assert kv["ratio"] == pytest.approx((0.01 + 0.002 * 5.5) / 0.01)
-    # q4_0: teacher-forced 0.01, 0.02, 0.03 on chunks 0, 1, 2 (chunk 3 is not a prompt)
-    assert q["tf_kld_mean"] == pytest.approx(0.02) and q["ratio"] == pytest.approx((0.02 + 0.005 * 5.5) / 0.02)
+    # q4_0: teacher-forced 0.01, 0.02, 0.03 on chunks 0, 1, 2 (chunk 3 is not a prompt) plus
+    # 0.0001 (pos - 16) at positions 19..30
+    tf_q = 0.02 + 0.0001 * (3 + np.arange(GEN))
+    assert q["tf_kld_mean"] == pytest.approx(tf_q.mean()) and q["ratio"] == pytest.approx((0.02 + 0.005 * 5.5) / tf_q.mean())
+    curve = t["curves"].filter(pl.col("cell") == "q4_0-q4_0-t128")  # G = 12: bins of 1 step
+    assert curve.filter(pl.col("kind") == "teacher-forced")["kld_mean"].to_list() == pytest.approx(tf_q.tolist())
+    assert curve.filter(pl.col("kind") == "free-running")["kld_mean"].to_list() == pytest.approx(
+        (0.02 + 0.005 * np.arange(GEN)).tolist())
     # kvarn4 against both same-width standard rows, the format-only row labelled apart
     p, f = t["paired"].rows(named=True)
     assert (p["kvarn_cell"], p["standard_cell"]) == ("kvarn4-kvarn4-t0", "q4_0-q4_0-t128")
