@@ -16,6 +16,7 @@ import polars as pl
 
 from kvarn.atomic import write_bytes
 from kvarn.report import data as D
+from kvarn.report import generation as GEN
 
 # One colour per Pareto series; other tails (if a matrix has them) get the spare colours.
 SERIES_COLORS = {D.SERIES_STANDARD_T0: "#9a9a9a", D.SERIES_STANDARD_T128: "#4c78a8", D.SERIES_KVARN: "#e45756"}
@@ -406,6 +407,129 @@ def decode(frame: pl.DataFrame) -> alt.HConcatChart:
     ).properties(title=_title(model, "free-running greedy decode",
                               f"{p} prompts, {g} generated tokens each, baseline re-scoring the cell's text; "
                               "a drop in survival is the first token where generation leaves the baseline"))
+
+
+# ---------------------------------------------------------------- long generation (kvarn.report.generation)
+
+
+def _gen_title(cells: pl.DataFrame, text: str, subtitle: str) -> alt.TitleParams:
+    r = cells.row(0, named=True)
+    return _title(r["model"], text, f"n_ctx {r['n_ctx']}, {r['prompts']} prompts × {r['tokens']} generated tokens; "
+                  + subtitle)
+
+
+def _with_cells(frame: pl.DataFrame, cells: pl.DataFrame) -> pl.DataFrame:
+    return frame.join(cells.select("cell", "label", "family", pl.col("width").fill_null(0)), on="cell", how="left")
+
+
+def _gen_encodings(frame: pl.DataFrame):
+    """Colour per cell (two rows of one width, e.g. q4_0 t128 and its format-only row, apart), dash per family."""
+    _, dash = _cell_encodings(frame)
+    return alt.Color("label:N", title="cell", scale=alt.Scale(scheme="tableau10"),
+                     legend=alt.Legend(orient="bottom", columns=2, labelLimit=400)), dash
+
+
+def generation_survival(tables: dict[str, pl.DataFrame]) -> alt.LayerChart:
+    """Kaplan–Meier survival of the first divergence per cell, with its band."""
+    cells = tables["cells"]
+    s = _with_cells(tables["survival"], cells)
+    color, dash = _gen_encodings(s)
+    base = alt.Chart(s).encode(x=alt.X("t:Q", title="tokens generated"), color=color, detail="label:N")
+    band = base.mark_area(opacity=0.12, interpolate="step-after").encode(
+        y=alt.Y("lo:Q", title="fraction of prompts identical to the baseline", scale=alt.Scale(domain=[0, 1])),
+        y2="hi:Q")
+    line = base.mark_line(strokeWidth=2, interpolate="step-after").encode(
+        y="survival:Q", strokeDash=dash,
+        tooltip=[alt.Tooltip("label:N", title="cell"), alt.Tooltip("t:Q", title="tokens generated"),
+                 alt.Tooltip("survival:Q", format=".2f"), alt.Tooltip("lo:Q", format=".2f"),
+                 alt.Tooltip("hi:Q", format=".2f"), alt.Tooltip("at_risk:Q", title="at risk")])
+    return alt.layer(band, line).properties(
+        width=WIDTH, height=HEIGHT, name="generation_survival",
+        title=_gen_title(cells, "survival of the baseline's text (Kaplan–Meier)",
+                         "band: 95 % exponential-Greenwood interval; a prompt never diverging is censored at G"))
+
+
+def generation_kld_steps(tables: dict[str, pl.DataFrame]) -> alt.LayerChart:
+    """Mean per-step KLD along each cell's own text in bins of steps, with a bootstrap band over prompts."""
+    cells = tables["cells"]
+    c = _with_cells(tables["curves"].filter(pl.col("kind") == "free-running"), cells).with_columns(
+        pl.col("kld_mean", "lo", "hi").clip(lower_bound=1e-8))
+    color, dash = _gen_encodings(c)
+    base = alt.Chart(c).encode(x=alt.X("step_mid:Q", title="generated step (bin centre)"), color=color, detail="label:N")
+    band = base.mark_area(opacity=0.12).encode(
+        y=alt.Y("lo:Q", title="mean KLD vs baseline over prompts (log)", scale=alt.Scale(type="log")), y2="hi:Q")
+    line = base.mark_line(strokeWidth=2).encode(
+        y="kld_mean:Q", strokeDash=dash,
+        tooltip=[alt.Tooltip("label:N", title="cell"), alt.Tooltip("step_lo:Q", title="from step"),
+                 alt.Tooltip("step_hi:Q", title="to step"), alt.Tooltip("kld_mean:Q", format=KLD_FMT),
+                 alt.Tooltip("lo:Q", format=KLD_FMT), alt.Tooltip("hi:Q", format=KLD_FMT)])
+    width = int(c["step_hi"][0] - c["step_lo"][0] + 1)
+    return alt.layer(band, line).properties(
+        width=WIDTH, height=HEIGHT, name="generation_kld_steps",
+        title=_gen_title(cells, "KLD along the cell's own text",
+                         f"mean over prompts in bins of {width} steps; band: 95 % bootstrap over prompts"))
+
+
+def _interval_chart(frame: pl.DataFrame, y: str, x: str, lo: str, hi: str, title: str, name: str) -> alt.LayerChart:
+    base = alt.Chart(frame).encode(y=alt.Y(f"{y}:N", title=None, sort=None, axis=alt.Axis(labelLimit=420)))
+    bars = base.mark_rule(strokeWidth=2, color="#555").encode(x=alt.X(f"{lo}:Q", title=title), x2=f"{hi}:Q")
+    pts = base.mark_point(filled=True, size=60, color="#e45756").encode(
+        x=f"{x}:Q", tooltip=[alt.Tooltip(f"{y}:N"), alt.Tooltip(f"{x}:Q", format=".3g"),
+                             alt.Tooltip(f"{lo}:Q", format=".3g"), alt.Tooltip(f"{hi}:Q", format=".3g")])
+    return alt.layer(bars, pts).properties(width=WIDTH * 0.5, height=max(80, 22 * frame.height), name=name)
+
+
+def generation_slopes(tables: dict[str, pl.DataFrame]) -> alt.HConcatChart:
+    """Accumulation: the slope of KLD against the generated step per cell, and KVarN − same-width standard."""
+    cells, paired = tables["cells"], tables["paired"]
+    zero = alt.Chart(pl.DataFrame({"x": [0.0]})).mark_rule(color="#999", strokeDash=[2, 2]).encode(x="x:Q")
+    left = alt.layer(zero, _interval_chart(cells, "label", "slope_per_1k", "slope_lo_per_1k", "slope_hi_per_1k",
+                                           "KLD slope per 1000 generated tokens", "slopes"))
+    if paired.height:
+        p = paired.with_columns((pl.col("kvarn_label") + " − " + pl.col("standard_label")).alias("pair"))
+        right = alt.layer(zero, _interval_chart(p, "pair", "diff_per_1k", "diff_lo_per_1k", "diff_hi_per_1k",
+                                                "slope difference per 1000 tokens (< 0: KVarN slower)", "paired"))
+    else:
+        right = _placeholder(cells["model"][0], "paired slopes", "no KVarN cell with a same-width standard cell")
+    return alt.hconcat(left, right).properties(
+        title=_gen_title(cells, "does the error accumulate?",
+                         "OLS slope of the mean per-step KLD; bars: 95 % bootstrap over prompts (paired: joint)"))
+
+
+def generation_tf_vs_free(tables: dict[str, pl.DataFrame]) -> alt.VConcatChart:
+    """Free-running KLD over teacher-forced KLD at the same positions per cell, and both curves."""
+    cells = tables["cells"]
+    one = alt.Chart(pl.DataFrame({"x": [1.0]})).mark_rule(color="#999", strokeDash=[2, 2]).encode(x="x:Q")
+    ratio = alt.layer(one, _interval_chart(cells, "label", "ratio", "ratio_lo", "ratio_hi",
+                                           "mean free-running KLD / mean teacher-forced KLD", "ratio"))
+    c = _with_cells(tables["curves"].filter(pl.col("kind") != "free-running"), cells).with_columns(
+        pl.col("kld_mean").clip(lower_bound=1e-8), (pl.col("step_mid") + cells["n_ctx"][0] - cells["tokens"][0] - 1)
+        .alias("pos_mid"))
+    curves = alt.Chart(c).mark_line(strokeWidth=1.5).encode(
+        x=alt.X("pos_mid:Q", title="absolute position in the chunk", scale=alt.Scale(zero=False)),
+        y=alt.Y("kld_mean:Q", title="mean KLD (log)", scale=alt.Scale(type="log")),
+        color=alt.Color("kind:N", title=None, legend=alt.Legend(orient="bottom"),
+                        scale=alt.Scale(domain=["free-running, compared steps", "teacher-forced"],
+                                        range=["#e45756", "#4c78a8"])),
+        tooltip=[alt.Tooltip("label:N"), alt.Tooltip("kind:N"), alt.Tooltip("pos_mid:Q"),
+                 alt.Tooltip("kld_mean:Q", format=KLD_FMT)]
+    ).properties(width=200, height=130).facet(facet=alt.Facet("label:N", title=None), columns=4)
+    return alt.vconcat(ratio, curves).properties(
+        title=_gen_title(cells, "teacher-forced vs free-running KLD at the same positions",
+                         "same chunks and absolute positions; > 1: the teacher-forced table understates generation "
+                         "damage; bars: 95 % bootstrap over prompts"))
+
+
+# The names are kvarn.report.generation's (its workflow targets), in its order.
+GENERATION_FIGURES = dict(zip(GEN.GENERATION_FIGURES, (generation_survival, generation_kld_steps, generation_slopes,
+                                                       generation_tf_vs_free), strict=True))
+
+
+def generation_figure(name: str, tables: dict[str, pl.DataFrame]) -> alt.TopLevelMixin:
+    """A figure of one decode run's generation statistics (kvarn.report.generation.compute_run)."""
+    if name not in GENERATION_FIGURES:
+        raise ValueError(f"unknown generation figure {name!r}; expected one of {sorted(GENERATION_FIGURES)}")
+    return GENERATION_FIGURES[name](tables)
 
 
 # ---------------------------------------------------------------- per-layer attention error

@@ -4,8 +4,12 @@
 # figure per such model (survival curves and KLD per decode step).
 #
 # Uses from common.smk: MATRIX, decode_targets (rule all), model_marker, model_param, cell_opt, format_version;
-# from report.smk: figure_outputs.
+# from report.smk: figure_outputs, kvr.
+from kvarn.report import generation as kvgen
+
 DECODE = kvm.DECODE_DIR
+GENERATION = f"{kvm.DECODE_RUN_DIR}/{kvgen.GENERATION_DIR}"
+GENERATION_FIGURE = kvgen.FIGURE_DIR
 DECODE_LOG = "logs/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{k}-{v}-t{tail}{opts}"
 DECODE_BENCH = "benchmarks/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{k}-{v}-t{tail}{opts}"
 
@@ -55,3 +59,59 @@ rule report_decode:
         "../../envs/kvarn.yaml"
     script:
         "../scripts/figures.py"
+
+
+# Long generation (config/generation.yaml; docs/notes/decode.md "Long generation"): per decode
+# run, the statistics of kvarn.report.generation from its (cell, decode) results and the same
+# cells' teacher-forced tokens, then four figures. Not part of rule all: run the target
+#   snakemake generation --cores 2 --resources gpu=1 --configfile config/generation.yaml
+rule generation:
+    input:
+        lambda wildcards: kvgen.targets(MATRIX),
+
+
+rule generation_stats:
+    input:
+        unpack(lambda wildcards: kvgen.run_inputs(MATRIX, wildcards.model, wildcards.n_ctx, wildcards.prompts,
+                                                  wildcards.tokens)),
+    output:
+        cells=f"{GENERATION}/cells.parquet",
+        paired=f"{GENERATION}/paired.parquet",
+        survival=f"{GENERATION}/survival.parquet",
+        curves=f"{GENERATION}/curves.parquet",
+        md=f"{GENERATION}/generation.md",
+    params:
+        boot=kvr.option(config, "boot"),
+        seed=kvr.option(config, "seed"),
+    log:
+        "logs/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/generation.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/generation.py"
+
+
+rule report_generation:
+    input:
+        cells=f"{GENERATION}/cells.parquet",
+        paired=f"{GENERATION}/paired.parquet",
+        survival=f"{GENERATION}/survival.parquet",
+        curves=f"{GENERATION}/curves.parquet",
+    output:
+        svg=report(
+            f"{GENERATION_FIGURE}/{{gfig}}.svg",
+            caption="../report/generation.rst",
+            category="{model}",
+            subcategory="long generation",
+            labels={"model": "{model}", "figure": "generation {gfig}, n_ctx {n_ctx}, G {tokens}"},
+        ),
+        png=f"{GENERATION_FIGURE}/{{gfig}}.png",
+        vl=f"{GENERATION_FIGURE}/{{gfig}}.vl.json",
+    wildcard_constraints:
+        gfig="|".join(kvgen.GENERATION_FIGURES),
+    log:
+        "logs/report/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{gfig}.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/generation_figures.py"
