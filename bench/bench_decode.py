@@ -10,7 +10,7 @@ Wikitext chunks, BOS first, as `kvarn decode` builds them), same batch, greedy:
    attn_implementation "sdpa"; per-step time from a streamer's timestamps (the G - 1 steps
    after the one that follows the prefill);
 2. **one cache**: the same greedy loop through one `KVarnCache` (the prompt via
-   `kvarn.decode._feed` in ubatches, then one token per step, argmax of the last logits):
+   `kvarn.decode.feed` in ubatches, then one token per step, argmax of the last logits):
    bf16 tail 0 (the baseline's cache) and kvarn4 tail 0 (KVarN's sink and 128-token tail);
    per-step time = the steps' wall time / (G - 1);
 3. **the job**: `kvarn.decode.decode` (what `kvarn decode` runs: the cell and the BF16
@@ -78,11 +78,11 @@ def run_one_cache(model, prompts, n, k, v, tail, ubatch):
     model.set_attn_implementation(kattn.ATTN_NAME)
     cache = engine.new_cache(model, k, v, tail)
     t0 = time.perf_counter()
-    logits = kdecode._feed(model, prompts, cache, ubatch)
+    logits = kdecode.feed(model, prompts, cache, ubatch)
     t1 = time.perf_counter()
     toks = [logits.argmax(-1)]
     for _ in range(n - 1):
-        logits = kdecode._feed(model, toks[-1][:, None], cache, 1)
+        logits = kdecode.feed(model, toks[-1][:, None], cache, 1)
         toks.append(logits.argmax(-1))
     return t1 - t0, (time.perf_counter() - t1) / (n - 1), torch.stack(toks, 1)
 

@@ -54,7 +54,7 @@ def decode_prompts(chunk_ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
+def feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
     """Feed ids [P, n] through `cache` in ubatches; fp32 logits [P, V] of the last position."""
     out = None
     for start in range(0, ids.shape[1], ubatch):
@@ -78,7 +78,7 @@ def decode(model, prompts: torch.Tensor, k: str, v: str, tail: int, n_tokens: in
     cell = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, attention)
     base = new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=attention)
     t0 = time.perf_counter()
-    lc, lb = _feed(model, prompts, cell, ubatch), _feed(model, prompts, base, ubatch)
+    lc, lb = feed(model, prompts, cell, ubatch), feed(model, prompts, base, ubatch)
     t1 = time.perf_counter()
     cols = {key: [] for key in STEP_KEYS}
     for s in range(n_tokens):
@@ -93,7 +93,7 @@ def decode(model, prompts: torch.Tensor, k: str, v: str, tail: int, n_tokens: in
         cols["same_top"].append(tm["same_top"])
         cols["nll_base"].append(tm["nll_base"])
         if s + 1 < n_tokens:
-            lc, lb = _feed(model, tok[:, None], cell, 1), _feed(model, tok[:, None], base, 1)
+            lc, lb = feed(model, tok[:, None], cell, 1), feed(model, tok[:, None], base, 1)
     out = {key: np.stack(cols[key], axis=1).reshape(-1) for key in STEP_KEYS}  # [P, G] -> (prompt, step)
     if timing is not None:
         timing["prefill_s"] = timing.get("prefill_s", 0.0) + t1 - t0

@@ -1,7 +1,7 @@
 """The decode path's shortcuts give the same numbers as the general path, bit for bit.
 
 `kvarn.attention.single_query_spans` (a decode step's key spans from the cache policy)
-against `_block_spans` (from the masks) on a grid, and a short free-running decode through
+against `block_spans` (from the masks) on a grid, and a short free-running decode through
 KVarN, q4_0 and bf16 caches with the shortcut on and off.
 """
 
@@ -27,7 +27,7 @@ def test_single_query_spans_match_the_masks(sink, tail):
             allowed = torch.ones(2, 1, 1, L, dtype=torch.bool)
             body, exact = KA.split_mask(allowed, q, SimpleNamespace(sink=sink, tail=tail), off)
             sink_c = min(max(sink - off, 0), L)
-            want = KA._block_spans(KA.QUERY_BLOCK, (body, (0, L)), (exact, (0, sink_c)), (exact, (sink_c, L)))
+            want = KA.block_spans(KA.QUERY_BLOCK, (body, (0, L)), (exact, (0, sink_c)), (exact, (sink_c, L)))
             got = KA.single_query_spans(q, off, L, sink, tail)
             assert got == want[0], (L, off, got, want)
             n += sum(s is not None for s in got)
@@ -48,7 +48,8 @@ def smol():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", [("kvarn4", "kvarn4", 0), ("q4_0", "q4_0", 128), ("bf16", "bf16", 0)])
+@pytest.mark.parametrize("cell", [("kvarn4", "kvarn4", 0), ("q4_0", "q4_0", 128), ("bf16", "bf16", 0)],
+                         ids=["kvarn4", "q4_0-t128", "bf16"])
 def test_decode_shortcut_changes_no_bit(smol, cell, monkeypatch):
     """A 300-token context, 60 generated (positions 240..299): KVarN seals its second group
     (positions 128..255) while decoding; every column equal with the shortcut off."""
