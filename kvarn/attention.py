@@ -49,9 +49,10 @@ def kvarn_mask(*args, **kwargs):
 
 
 QUERY_BLOCK = 128  # queries per sdpa call: keys outside a block's reach are not computed
+DECODE_SPANS = True  # one-query calls take their spans from single_query_spans (False: from the masks, the tests' reference)
 
 
-def _block_spans(block: int, *masks_ranges) -> list[list[tuple[int, int] | None]]:
+def block_spans(block: int, *masks_ranges) -> list[list[tuple[int, int] | None]]:
     """Per block of `block` query rows: [lo, hi) of the columns selected in each (mask, (a, z)).
 
     Each mask is [..., n_q, L]. All blocks and ranges are computed on the masks' device and
@@ -75,10 +76,23 @@ def _block_spans(block: int, *masks_ranges) -> list[list[tuple[int, int] | None]
     return [[(lo, hi) if has else None for has, lo, hi in row] for row in table]
 
 
+def single_query_spans(q_pos: int, kv_offset: int, L: int, sink: int, tail: int) -> list[tuple[int, int] | None]:
+    """`block_spans`' row for one query at q_pos whose mask allows all L keys (positions
+    kv_offset .. q_pos): a decode step, where computing the spans from the masks (~40
+    small tensor ops and a host sync per layer) would cost more than the attention itself.
+    Same spans, from `reads_exact`'s intervals: the body reads positions j >= sink with
+    q_pos - j >= tail; the exact copy the sink (j < sink) and the band q_pos - j < tail."""
+    sink_c = min(max(sink - kv_offset, 0), L)
+    body = (max(0, sink - kv_offset), min(L, q_pos - tail - kv_offset + 1))
+    band = (max(sink_c, q_pos - tail - kv_offset + 1), L)
+    return [body if body[0] < body[1] else None, (0, sink_c) if sink_c > 0 else None,
+            band if band[0] < band[1] else None]
+
+
 def _block_keys(key, value, layer, body_mask, exact_mask, spans):
     """Keys, values (fp32) and mask for one block of queries: only the key spans it reads.
 
-    spans: (body span, exact sink span, exact tail-band span) from `_block_spans`. A block
+    spans: (body span, exact sink span, exact tail-band span) from `block_spans`. A block
     of B queries with tail N thus reads about (last position + B) keys instead of 2L, and
     none beyond its last query. The exact copy (stored in the tail dtype) is widened to
     fp32 span by span: exact, its values are that dtype's.
@@ -205,7 +219,10 @@ def attention_ref(module, query, key, value, attention_mask, scaling, layer, pol
     body_mask, exact_mask = split_mask(attention_mask[..., -n_q:, :], layer.q_offset, policy, off)
     sink = min(max(policy.sink - off, 0), L)
     # Per query block: the body span, the exact sink span, the exact tail-band span.
-    spans = _block_spans(QUERY_BLOCK, (body_mask, (0, L)), (exact_mask, (0, sink)), (exact_mask, (sink, L)))
+    if DECODE_SPANS and n_q == 1 and layer.q_offset == off + L - 1 and bool(attention_mask[..., -1:, :].all()):
+        spans = [single_query_spans(layer.q_offset, off, L, policy.sink, policy.tail)]  # a decode step
+    else:
+        spans = block_spans(QUERY_BLOCK, (body_mask, (0, L)), (exact_mask, (0, sink)), (exact_mask, (sink, L)))
     check_body_rows(module, layer, max((off + body[1] for body, *_ in spans if body is not None), default=0))
     # A bf16 / f16 body (float-type cells, the baseline) is widened once per call (exact:
     # its values are that dtype's); the exact copy's few rows per block in _block_keys.

@@ -54,7 +54,7 @@ def decode_prompts(chunk_ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
+def feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
     """Feed ids [P, n] through `cache` in ubatches; fp32 logits [P, V] of the last position."""
     out = None
     for start in range(0, ids.shape[1], ubatch):
@@ -65,17 +65,21 @@ def _feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode(model, prompts: torch.Tensor, k: str, v: str, tail: int, n_tokens: int, tail_dtype=None, rot=True,
-           iters=KVARN_ITERS, ubatch=512, sink=None, compute="exact", attention="ref") -> dict[str, np.ndarray]:
+           iters=KVARN_ITERS, ubatch=512, sink=None, compute="exact", attention="ref",
+           timing: dict | None = None) -> dict[str, np.ndarray]:
     """Greedy-generate `n_tokens` per prompt with the (k, v, tail) cache, the BF16 baseline
     re-scoring the cell's text in lock step. Returns the STEP_KEYS columns, [P · n_tokens] rows
     ordered by (prompt, step). `model` must use attn_implementation "kvarn"; `attention`: the
-    attention path of both caches ("ref" or "flex", `kvarn.engine.attention_path`)."""
+    attention path of both caches ("ref" or "flex", `kvarn.engine.attention_path`).
+    `timing`: if given, gets prefill_s (both prompts) and steps_s (the rest) added."""
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     n_p = prompts.shape[0]
     cell = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, attention)
     base = new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=attention)
-    lc, lb = _feed(model, prompts, cell, ubatch), _feed(model, prompts, base, ubatch)
+    t0 = time.perf_counter()
+    lc, lb = feed(model, prompts, cell, ubatch), feed(model, prompts, base, ubatch)
+    t1 = time.perf_counter()
     cols = {key: [] for key in STEP_KEYS}
     for s in range(n_tokens):
         lq, lp = torch.log_softmax(lc, dim=-1), torch.log_softmax(lb, dim=-1)
@@ -89,8 +93,11 @@ def decode(model, prompts: torch.Tensor, k: str, v: str, tail: int, n_tokens: in
         cols["same_top"].append(tm["same_top"])
         cols["nll_base"].append(tm["nll_base"])
         if s + 1 < n_tokens:
-            lc, lb = _feed(model, tok[:, None], cell, 1), _feed(model, tok[:, None], base, 1)
+            lc, lb = feed(model, tok[:, None], cell, 1), feed(model, tok[:, None], base, 1)
     out = {key: np.stack(cols[key], axis=1).reshape(-1) for key in STEP_KEYS}  # [P, G] -> (prompt, step)
+    if timing is not None:
+        timing["prefill_s"] = timing.get("prefill_s", 0.0) + t1 - t0
+        timing["steps_s"] = timing.get("steps_s", 0.0) + time.perf_counter() - t1
     return out
 
 

@@ -370,3 +370,106 @@ def test_import_kvarn_does_not_import_triton():
 
     code = "import sys, kvarn, kvarn.formats, kvarn.memory; sys.exit('triton' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# --- the fast CPU normalization (normalize_choice_fast) against the reference, bit for bit ---
+def _same_choice(tiles, iters=K.ITERS):
+    ra, rb, rp = K.normalize_choice(tiles, iters)
+    fa, fb, fp = K.normalize_choice_fast(tiles, iters)
+    assert torch.equal(fp, rp), (fp, rp)
+    assert torch.equal(fa, ra) and torch.equal(fb, rb)
+    return rp
+
+
+@pytest.mark.parametrize("rows, cols", [(64, 128), (128, 64), (128, 128)])
+@pytest.mark.parametrize("iters", [0, 1, 5, 16])
+def test_fast_normalization_bitwise_on_random_tiles(rows, cols, iters):
+    g = _gen(rows + cols + iters)
+    n = 40
+    # column and row scales spanning ~7 orders of magnitude, as rotated K/V tiles do not quite
+    t = torch.randn(n, rows, cols, generator=g) * torch.exp(3 * torch.randn(n, 1, cols, generator=g))
+    t = t * torch.exp(2 * torch.randn(n, rows, 1, generator=g))
+    p = _same_choice(t, iters)
+    if iters >= 5:
+        assert len(set(p.tolist())) > 1  # tiles keep different passes: the choice is exercised
+
+
+def test_fast_normalization_bitwise_on_degenerate_tiles():
+    rows, cols = 64, 128
+    t = torch.randn(9, rows, cols, generator=_gen(5))
+    t[0] = 0.0  # zero tile: every std 0, every pass ties
+    t[1] = 2.5  # constant tile: the same, at another value
+    t[2, :, 7] = 1.25  # one constant column (std 0 -> the 1e-3 clamp)
+    t[3, 11, :] = -3.0  # one constant row
+    t[4] = _outlier_tile(rows, cols, seed=6)
+    t[5, 2, 3] = 1e4  # a single outlier value
+    t[6] *= 1e-5  # stds below STD_MIN everywhere
+    t[7] = torch.outer(torch.linspace(0.1, 4.0, rows), torch.linspace(-2.0, 3.0, cols))  # rank one
+    t[8] = torch.randn(rows, 1, generator=_gen(7)) * torch.ones(1, cols)  # constant along every row
+    p = _same_choice(t)
+    # zero and constant tiles: imbalance 0 in every pass, ties -> the last pass is kept
+    assert p[0] == K.ITERS and p[1] == K.ITERS
+    for i in range(len(t)):  # each tile alone: no dependence on its batch neighbours
+        assert torch.equal(K.normalize_choice_fast(t[i : i + 1])[2], p[i : i + 1])
+
+
+def test_fast_normalization_ties_in_the_kept_pass():
+    """A rank-one tile: from pass 2 on every pass has exactly the same (non-zero) imbalance,
+    so `<=` keeps the last pass (with `<` it would keep pass 2)."""
+    t = torch.outer(torch.linspace(0.5, 2.0, 64), torch.linspace(1.0, 3.0, 128))[None]
+
+    def imb(iters):
+        a, b = K.normalize_ref(t, iters)
+        y = K.scaled(t, a, b)
+        return K.imbalance(K.sample_std(y, -2), K.sample_std(y, -1))
+
+    assert torch.equal(imb(2), imb(K.ITERS)) and imb(2) > 1 and imb(1) > imb(2)  # a real tie
+    assert _same_choice(t).item() == K.ITERS
+    assert K.normalize_choice_fast(t, 5)[2].item() == 5
+
+
+def test_fast_normalization_is_what_the_encoder_runs(monkeypatch):
+    """quantize_tiles_ref on CPU normalizes with the fast path; swapping in the reference
+    changes no bit of the codes or metadata."""
+    x = torch.randn(2, 384, 64, generator=_gen(31)) * torch.exp(torch.randn(1, 1, 64, generator=_gen(32)))
+    tiles = K.to_tiles(K.stage(K.rotate(x)), "k").reshape(-1, 64, 128)
+    calls = []
+    fast = K.normalize_fast
+    monkeypatch.setattr(K, "normalize_fast", lambda *a: calls.append(1) or fast(*a))
+    got = K.quantize_tiles_ref(tiles, 4)
+    assert calls
+    monkeypatch.setattr(K, "normalize_fast", K.normalize_ref)
+    want = K.quantize_tiles_ref(tiles, 4)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_fast_normalization_bad_input():
+    with pytest.raises(ValueError, match=r"float32 \[N, R, C\], got torch.float64"):
+        K.normalize_fast(torch.zeros(1, 64, 128, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\(64, 128\)"):
+        K.normalize_fast(torch.zeros(64, 128))
+
+
+def _real_kv(name: str, n_tokens: int = 256):
+    """A model's post-RoPE K and V on Wikitext's first tokens: [layers, kv heads, T, D] each."""
+    from kvarn import data, models
+    from paths import CACHE_DIR, ENGINE_TEXT
+
+    lm = models.load(models.ModelSpec(name, f"embedded:{name}"), cache_dir=CACHE_DIR, device="cpu",
+                     dtype=torch.float32)
+    ids = data.tokenize(lm.tokenizer, data.load_text(ENGINE_TEXT)[:20000])[:n_tokens][None]  # the text's start
+    with torch.inference_mode():
+        cache = lm.model(ids, use_cache=True).past_key_values
+    k = torch.cat([lay.keys for lay in cache.layers]).float()
+    v = torch.cat([lay.values for lay in cache.layers]).float()
+    return k, v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_fast_normalization_bitwise_on_real_tiles(name):
+    k, v = _real_kv(name)
+    for role, x in (("k", k), ("v", v)):
+        tiles = K.to_tiles(K.stage(K.rotate(x)), role)
+        p = _same_choice(tiles.reshape(-1, *tiles.shape[-2:]))
+        assert len(set(p.tolist())) > 1

@@ -195,6 +195,67 @@ def normalize_ref(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor
     return normalize_choice(tiles, iters)[:2]
 
 
+class _RowStats:
+    """`sample_std` over the last dim of fp32 [N, R, C] tiles, into buffers kept across passes.
+
+    The same float64 operations on the same contiguous rows as `sample_std` (so the same
+    reduction order: bit for bit), without its per-call allocations; `fill` writes the
+    rows straight from an fp32 division (computed in fp32, widened exactly)."""
+
+    def __init__(self, shape, device):
+        self.y64 = torch.empty(shape, dtype=torch.float64, device=device)
+        self.sq = torch.empty(shape, dtype=torch.float64, device=device)
+
+    def std(self) -> torch.Tensor:
+        n = self.y64.shape[-1]
+        mean = self.y64.sum(-1) / n
+        torch.mul(self.y64, self.y64, out=self.sq)
+        var = (self.sq.sum(-1) - n * mean * mean) / (n - 1)
+        return torch.sqrt(var.clamp_min(0.0)).float()
+
+
+def normalize_choice_fast(tiles: torch.Tensor, iters: int = ITERS):
+    """`normalize_choice`, bit for bit, about 2-3x faster on CPU: the same fp32 scalings and
+    float64 one-pass stds (each a contiguous last-dim reduction, as the reference makes
+    them), written into buffers allocated once per call; the column stds read a transposed
+    float64 copy of the scaled tile instead of re-transposing fp32 per call.
+
+    tiles: float32 [N, R, C]. Tested against `normalize_choice` on random, real (post-RoPE
+    SmolLM2 / Gemma 3) and degenerate tiles (tests/test_kvarn.py)."""
+    if tiles.dim() != 3 or tiles.dtype != torch.float32:
+        raise ValueError(f"normalize_fast: tiles must be float32 [N, R, C], got {tiles.dtype} {tuple(tiles.shape)}")
+    x = tiles.contiguous()
+    n, r, c = x.shape
+    rows, cols = _RowStats((n, r, c), x.device), _RowStats((n, c, r), x.device)
+    den = torch.empty_like(x)
+    a, b = x.new_zeros(n, c), x.new_zeros(n, r)
+    rows.y64.copy_(x)
+    cols.y64.copy_(rows.y64.transpose(-1, -2))
+    std_col, std_row = cols.std(), rows.std()
+    best_a, best_b, best = a, b, imbalance(std_col, std_row)
+    best_pass = torch.zeros(n, dtype=torch.int64, device=x.device)
+    for i in range(iters):
+        a = _log_update(a, std_col)
+        e_a = exp32(a)[:, None, :]
+        torch.div(x, torch.mul(exp32(b)[:, :, None], e_a, out=den), out=rows.y64)  # scaled(tiles, a, b)
+        b = _log_update(b, rows.std())
+        torch.div(x, torch.mul(exp32(b)[:, :, None], e_a, out=den), out=rows.y64)
+        cols.y64.copy_(rows.y64.transpose(-1, -2))
+        std_col, std_row = cols.std(), rows.std()
+        cur = imbalance(std_col, std_row)
+        better = cur <= best
+        best = torch.where(better, cur, best)
+        best_a = torch.where(better[..., None], a, best_a)
+        best_b = torch.where(better[..., None], b, best_b)
+        best_pass = torch.where(better, i + 1, best_pass)
+    return best_a, best_b, best_pass
+
+
+def normalize_fast(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`normalize_ref` bit for bit (`normalize_choice_fast`): what the CPU encoder runs."""
+    return normalize_choice_fast(tiles, iters)[:2]
+
+
 # --- per-row asymmetric RTN (DESIGN §4.4-4.5) ----------------------------------------
 def round_half_away(v: torch.Tensor) -> torch.Tensor:
     """Round v >= 0 to the nearest integer, halves up (= away from zero for v >= 0)."""
@@ -212,7 +273,8 @@ def quantize_rows(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _quantize_tiles(tiles: torch.Tensor, bits: int, iters: int):
-    a, b = normalize_ref(tiles, iters)
+    # bit for bit the same log-scales; the fast one is tested on CPU only
+    a, b = (normalize_ref if tiles.is_cuda else normalize_fast)(tiles, iters)
     q, lo, step = quantize_rows(scaled(tiles, a, b), bits)
     s_row = exp32(b)
     return q, (s_row * step).half(), (s_row * lo).half(), exp32(a).half()
