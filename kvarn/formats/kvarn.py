@@ -163,6 +163,16 @@ def _log_update(log_scale: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     return (log_scale + log32(std.clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
 
 
+def keep_better(cur, best, candidate, kept):
+    """The pass-selection rule: where the new imbalance `cur` is lower than or equal to `best`
+    (ties -> the later pass, BeeLlama's `<=`), take the candidate (a, b, pass) over the kept
+    one. Returns (best, a, b, pass)."""
+    better = cur <= best
+    (a, b, n), (best_a, best_b, best_pass) = candidate, kept
+    return (torch.where(better, cur, best), torch.where(better[..., None], a, best_a),
+            torch.where(better[..., None], b, best_b), torch.where(better, n, best_pass))
+
+
 def normalize_choice(tiles: torch.Tensor, iters: int = ITERS):
     """`normalize_ref` plus the pass it kept per tile (int64 [...], 0 = the unscaled tile)."""
     a = tiles.new_zeros(tiles.shape[:-2] + tiles.shape[-1:])
@@ -176,12 +186,8 @@ def normalize_choice(tiles: torch.Tensor, iters: int = ITERS):
         b = _log_update(b, std_row)
         y = scaled(tiles, a, b)
         std_col, std_row = sample_std(y, -2), sample_std(y, -1)
-        cur = imbalance(std_col, std_row)
-        better = cur <= best
-        best = torch.where(better, cur, best)
-        best_a = torch.where(better[..., None], a, best_a)
-        best_b = torch.where(better[..., None], b, best_b)
-        best_pass = torch.where(better, i + 1, best_pass)
+        best, best_a, best_b, best_pass = keep_better(imbalance(std_col, std_row), best, (a, b, i + 1),
+                                                      (best_a, best_b, best_pass))
     return best_a, best_b, best_pass
 
 
@@ -242,12 +248,8 @@ def normalize_choice_fast(tiles: torch.Tensor, iters: int = ITERS):
         torch.div(x, torch.mul(exp32(b)[:, :, None], e_a, out=den), out=rows.y64)
         cols.y64.copy_(rows.y64.transpose(-1, -2))
         std_col, std_row = cols.std(), rows.std()
-        cur = imbalance(std_col, std_row)
-        better = cur <= best
-        best = torch.where(better, cur, best)
-        best_a = torch.where(better[..., None], a, best_a)
-        best_b = torch.where(better[..., None], b, best_b)
-        best_pass = torch.where(better, i + 1, best_pass)
+        best, best_a, best_b, best_pass = keep_better(imbalance(std_col, std_row), best, (a, b, i + 1),
+                                                      (best_a, best_b, best_pass))
     return best_a, best_b, best_pass
 
 
