@@ -339,3 +339,15 @@ def test_splice_claims_rewrites_only_the_block():
     for bad in ("no markers\n", readme + R.CLAIMS_BEGIN, f"{R.CLAIMS_END}\n{R.CLAIMS_BEGIN}\n"):
         with pytest.raises(ValueError, match="must hold the line"):
             R.splice_claims(bad, "| new |\n")
+
+
+def test_the_readme_claims_block_is_the_committed_ledger():
+    """The README's findings are docs/figures/claims.parquet rendered, not typed by hand."""
+    sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+    import readme_figures as R
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split(R.CLAIMS_BEGIN)[1].split(R.CLAIMS_END)[0]
+    ledger = pl.read_parquet(ROOT / "docs" / "figures" / "claims.parquet")
+    assert set(ledger["model"]) == {"smollm2-135m", "gemma3-270m"}
+    assert block == "\n" + C.findings_markdown(ledger)
