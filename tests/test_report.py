@@ -487,3 +487,31 @@ def test_prepare_keeps_llamacpp_rows_out_of_the_study_tables(results):
     both = pl.concat([summary.with_columns(pl.lit("exact").alias("compute")), extra], how="diagonal_relaxed")
     model = summary["model"][0]
     assert len(R.prepare(both, model)) == len(R.prepare(summary, model))
+
+
+# ---------------------------------------------------------------- the package's lazy names
+
+
+def test_every_report_name_is_its_defining_modules():
+    """kvarn.report's names resolve on first use (PEP 562) to the object their module defines."""
+    import importlib
+
+    import kvarn.report
+
+    assert kvarn.report.__all__ and set(kvarn.report.__all__) <= set(dir(kvarn.report))
+    for name in kvarn.report.__all__:
+        obj = getattr(kvarn.report, name)
+        homes = [m for m in ("data", "figures", "tables")
+                 if getattr(importlib.import_module(f"kvarn.report.{m}"), name, None) is obj]
+        assert homes, name
+    with pytest.raises(AttributeError, match="kvarn.report' has no attribute 'nope'"):
+        kvarn.report.nope  # noqa: B018
+
+
+def test_the_workflow_side_of_the_report_imports_no_altair():
+    """Every Snakefile parse imports kvarn.report.workflow (workflow/rules/report.smk): it must not
+    pay for Altair and the figures, which only the figure jobs need."""
+    code = ("import sys, kvarn.report.workflow\n"
+            "print(sorted(m for m in ('altair', 'kvarn.report.figures') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -6,17 +6,32 @@
 * `kvarn.report.claims`  — the study's claims as a computed ledger, and its decision tables
 
 How to read each table and figure: docs/notes/report.md.
+
+The names below are imported from their module on first use (PEP 562): every Snakefile parse
+imports `kvarn.report.workflow` (workflow/rules/report.smk), which needs neither Altair nor the
+figures, and importing them took about half a second of each snakemake invocation.
 """
 
-from kvarn.report.data import load_tokens, prepare, select_token_paths, standard_floor
-from kvarn.report.figures import (
-    FIGURES, SUMMARY_FIGURES, TOKEN_FIGURES, distribution, heatmap, pareto, position, same_width, save_chart, summary_figure, tail_effect, tail_sweep,
-    token_figure,
-)
-from kvarn.report.tables import build_table, to_html, to_markdown
+import importlib
 
-__all__ = [
-    "FIGURES", "SUMMARY_FIGURES", "TOKEN_FIGURES", "build_table", "distribution", "heatmap", "load_tokens", "pareto", "position", "prepare",
-    "same_width", "save_chart", "select_token_paths", "standard_floor", "summary_figure", "tail_effect", "tail_sweep",
-    "to_html", "to_markdown", "token_figure",
-]
+# name -> the kvarn.report module that defines it
+_EXPORTS = {
+    **dict.fromkeys(["load_tokens", "prepare", "select_token_paths", "standard_floor"], "data"),
+    **dict.fromkeys(["FIGURES", "SUMMARY_FIGURES", "TOKEN_FIGURES", "distribution", "heatmap", "pareto", "position",
+                     "same_width", "save_chart", "summary_figure", "tail_effect", "tail_sweep", "token_figure"],
+                    "figures"),
+    **dict.fromkeys(["build_table", "to_html", "to_markdown"], "tables"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvarn.report' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvarn.report.{module}"), name)
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})
