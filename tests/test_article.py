@@ -158,7 +158,11 @@ def test_article_dag_at_toy_scale_one_model_on_the_device_at_a_time(tmp_path):
     assert max(loads) <= memory < sum(loads)
     (wd / "config" / "matrix.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     workers = wd / ".snakemake" / "kvarn-workers"
-    env = {**os.environ, "KVARN_WORKER": "1", "KVARN_WORKER_IDLE": "60", "KVARN_DEVICE_MEMORY": str(memory),
+    # A worker idles until released (the finally below releases the last): with the first model's
+    # jobs prioritized, the other model's first job may come long after the first model's last
+    # one (report jobs hold the cores), and a worker that had exited on idle would leave the
+    # release path untaken (asserted below).
+    env = {**os.environ, "KVARN_WORKER": "1", "KVARN_WORKER_IDLE": "3000", "KVARN_DEVICE_MEMORY": str(memory),
            "OMP_NUM_THREADS": "1"}
     base = [sys.executable, "-m", "snakemake", "--directory", str(wd), "--snakefile", str(wd / "Snakefile"),
             "--workflow-profile", "none"]
@@ -196,6 +200,7 @@ def test_article_dag_at_toy_scale_one_model_on_the_device_at_a_time(tmp_path):
     # first model's idle worker, and loaded after that worker had exited
     events = [e for e in _worker_events(workers).values() if e["loaded"] is not None]
     assert {e["model"] for e in events} == {"qwen3.6-27b", "gemma4-31b"}
+    assert any(e["refused"] for e in events)  # the device changed hands through a release
     events.sort(key=lambda e: e["loaded"])
     for first, second in zip(events, events[1:]):
         if first["model"] != second["model"]:
