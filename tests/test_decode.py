@@ -17,7 +17,9 @@ from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 # One xdist worker: the module fixture loads SmolLM2 once.
 pytestmark = pytest.mark.xdist_group("decode")
 
-CTX, PROMPTS, TOKENS = 160, 2, 32
+# A prompt of 80 tokens is prefilled in two ubatches (64 + 16: a ubatch boundary crossed),
+# then 8 single-token steps; q2_0 leaves the baseline's text within them (asserted).
+CTX, PROMPTS, TOKENS, UBATCH = 88, 2, 8, 64
 
 
 def test_summary_on_hand_made_steps():
@@ -47,8 +49,11 @@ def smol():
 
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=CACHE_DIR)
     lm.model.eval()
-    chunks = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)), CTX, PROMPTS, lm.info.bos_id)
-    return lm, KD.decode_prompts(chunks, TOKENS)
+    # 2 chunks of CTX tokens need only the head of the (verified) test split, not all 1.3 MB.
+    chunks = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)[:20000]), CTX, PROMPTS, lm.info.bos_id)
+    prompts = KD.decode_prompts(chunks, TOKENS)
+    assert UBATCH < prompts.shape[1] < 2 * UBATCH  # the prefill crosses one ubatch boundary
+    return lm, prompts
 
 
 @pytest.mark.slow
@@ -61,7 +66,7 @@ def test_f32_cache_reproduces_generate(smol):
         ref = lm.model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                                 max_new_tokens=TOKENS, min_new_tokens=TOKENS, pad_token_id=0)[:, prompts.shape[1]:]
     lm.model.set_attn_implementation("kvarn")
-    steps = KD.decode(lm.model, prompts, "f32", "f32", 0, TOKENS, ubatch=64)
+    steps = KD.decode(lm.model, prompts, "f32", "f32", 0, TOKENS, ubatch=UBATCH)
     got = torch.as_tensor(steps["token"]).reshape(PROMPTS, TOKENS)
     assert ref.shape == got.shape and torch.equal(got, ref), (got, ref)
     # The f32 cell is within numerics noise of the baseline: same tokens, tiny KLD.
@@ -74,10 +79,10 @@ def test_bf16_cell_never_diverges_and_q2_does(smol):
 
     lm, prompts = smol
     lm.model.set_attn_implementation("kvarn")
-    b = KD.decode(lm.model, prompts, "bf16", "bf16", 0, TOKENS, ubatch=64)
+    b = KD.decode(lm.model, prompts, "bf16", "bf16", 0, TOKENS, ubatch=UBATCH)
     s = KD.summarize_decode(b, PROMPTS, TOKENS)
     assert s["n_diverged"] == 0 and s["survival"][-1] == 1.0 and (b["kld"] == 0).all() and b["same_top"].all()
-    q = KD.decode(lm.model, prompts, "q2_0", "q2_0", 0, TOKENS, ubatch=64)
+    q = KD.decode(lm.model, prompts, "q2_0", "q2_0", 0, TOKENS, ubatch=UBATCH)
     sq = KD.summarize_decode(q, PROMPTS, TOKENS)
     assert sq["n_diverged"] >= 1 and sq["decode_kld_mean"] > 0.01
     # before its first divergence a prompt's tokens are the bf16 run's tokens

@@ -94,6 +94,17 @@ def _ids(n=N, seed=1):
     return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
+F32_UBATCHES = (N, 64, 7)
+
+
+@pytest.fixture(scope="module")
+def f32_runs(pair):
+    """{ubatch: (log-probs, cache)} of the f32 cache with no tail on `_ids()`, fed whole, in
+    64s and in 7s: computed once per architecture, read by (a) and (b)."""
+    ids = _ids()
+    return {ub: cache_run(pair[0], ids, ubatch=ub) for ub in F32_UBATCHES}
+
+
 @torch.no_grad()
 def own_logprobs(model, ids, ubatch=None):
     """The model's own forward: one pass (ubatch None), or its own DynamicCache in ubatches."""
@@ -219,7 +230,7 @@ def test_head_dim_the_format_refuses_names_the_layer():
 
 # --- (a) an f32 cache with no tail is the model's own forward -------------------------
 
-def test_f32_cache_reproduces_own_forward(pair):
+def test_f32_cache_reproduces_own_forward(pair, f32_runs):
     model = pair[0]
     ids = _ids()
     ref = own_logprobs(model, ids)
@@ -227,8 +238,8 @@ def test_f32_cache_reproduces_own_forward(pair):
     name = model.config.model_type
     own_ub = maxdiff(own_logprobs(model, ids, ubatch=64), ref)
     assert own_ub <= tol  # the tolerance admits the model's own cached forward
-    for ub in (N, 64, 7):
-        d = maxdiff(cache_run(model, ids, ubatch=ub)[0], ref)
+    for ub in F32_UBATCHES:
+        d = maxdiff(f32_runs[ub][0], ref)
         print(f"{name} f32 cache ubatch {ub}: max |Δ log-prob| vs own single pass {d:.3g} "
               f"(own DynamicCache ubatch 64: {own_ub:.3g}; tol 2 x f32-vs-f64 {tol:.3g})")
         assert d <= tol
@@ -236,13 +247,13 @@ def test_f32_cache_reproduces_own_forward(pair):
 
 # --- (b) ubatch independence of quantized cells --------------------------------------
 
-def input_noise(model, ids, ubatches) -> float:
+def input_noise(f32_runs, ubatches) -> float:
     """What a change of ubatch does to the cache's input: the max relative difference of the
-    K and V an f32 cache stores, fed in `ubatches` vs whole."""
-    whole = cache_run(model, ids)[1]
+    K and V an f32 cache stores (`f32_runs`), fed in `ubatches` vs whole."""
+    whole = f32_runs[N][1]
     out = 0.0
     for ub in ubatches:
-        c = cache_run(model, ids, ubatch=ub)[1]
+        c = f32_runs[ub][1]
         for a, b in zip(whole.layers, c.layers):
             if isinstance(a, KVarnLayer):
                 for x, y in ((a.keys, b.keys), (a.values, b.values)):
@@ -271,7 +282,7 @@ def perturbed_logprobs(model, ids, cell, eps: float, seed: int):
 
 @pytest.mark.parametrize("cell", [("q4_0", "q4_0", 128), ("q4_0", "q4_0", 0), ("kvarn4", "kvarn4", 0)],
                          ids=lambda c: f"{c[0]}-t{c[2]}")
-def test_ubatch_independence(pair, cell):
+def test_ubatch_independence(pair, f32_runs, cell):
     # A ubatch change perturbs the K/V the cache receives by fp32 noise (delta, measured),
     # which a quantizer can turn into a flip of a stored code. The reference: the same cell
     # with its K/V inputs perturbed at random by 4 x delta; a cache that really depended
@@ -280,10 +291,10 @@ def test_ubatch_independence(pair, cell):
     model = pair[0]
     ids = _ids()
     ref = cache_run(model, ids, *cell)[0]
-    delta = input_noise(model, ids, (64, 7))
+    delta = input_noise(f32_runs, (64, 7))
     assert 0 < delta < 1e-5
     tol = 2 * max(maxdiff(ref, perturbed_logprobs(model, ids, cell, 4 * delta, seed)) for seed in (0, 1))
-    effect = maxdiff(ref, cache_run(model, ids)[0])
+    effect = maxdiff(ref, f32_runs[N][0])
     assert tol < 0.5 * effect, (tol, effect)
     for ub in (64, 7):
         d = maxdiff(cache_run(model, ids, *cell, ubatch=ub)[0], ref)

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.xdist_group("worker")
 
 CTX = 384  # KVarN's body is read from p = 256 on (sink 128 + tail 128); at 256 it never is
 TIMING = ("tokens_per_s", "wall_s")
-CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0), ("bf16", "bf16", 0)]
+# a block format with a tail, KVarN (its body read: asserted), and bf16 (the baseline's own cache)
+CELLS = [("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0), ("bf16", "bf16", 0)]
 
 
 def _spec():
@@ -90,6 +91,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("w")
     os.environ[worker.DIR_ENV] = str(root / "sock")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    idle = os.environ.get(worker.IDLE_ENV)
+    os.environ[worker.IDLE_ENV] = "120"  # the fixture's worker outlives the gaps: the kill test stops it
     out = {}
     try:
         for mode, use in (("inproc", False), ("worker", True)):
@@ -105,6 +108,10 @@ def runs(tmp_path_factory):
         yield root, out
     finally:
         os.environ.pop(worker.DIR_ENV, None)
+        if idle is None:
+            os.environ.pop(worker.IDLE_ENV, None)
+        else:
+            os.environ[worker.IDLE_ENV] = idle
 
 
 def _worker_log(root: Path) -> str:
@@ -164,24 +171,29 @@ def test_killed_worker_leaves_nothing_and_the_rerun_succeeds(runs, tmp_path, mon
             result["error"] = e
 
     n0 = log.read_text().count("served cell ")
-    # a fresh worker: stop the fixture's (it is idle) so the next request spawns and loads
-    pid = int(log.read_text().rsplit("kvarn worker pid ", 1)[1].split()[0])
-    os.kill(pid, signal.SIGKILL)
+    started = "smollm2-135m kvarn4/kvarn4 tail 0"  # the cell's chunk loop has begun (its progress bar)
+    s0 = log.read_text().count(started)
     t = threading.Thread(target=job)
     t.start()
-    deadline = time.time() + 300
-    while time.time() < deadline:  # kill once the new worker has loaded and started the cell
+    deadline, killed = time.time() + 300, None
+    while time.time() < deadline:  # kill the worker (the fixture's, loaded) once it is inside the cell
         text = log.read_text()
-        if text.count("loaded smollm2-135m") >= 2:
-            pid = int(text.rsplit("kvarn worker pid ", 1)[1].split()[0])
-            os.kill(pid, signal.SIGKILL)
+        if text.count(started) > s0:
+            killed = int(text.rsplit("kvarn worker pid ", 1)[1].split()[0])
+            os.kill(killed, signal.SIGKILL)
             break
         time.sleep(0.005)
     t.join(300)
+    assert killed is not None, "the cell never started"
+    assert text.count("loaded smollm2-135m") == 1, "the fixture's worker (loaded once) should have taken the cell"
     assert log.read_text().count("served cell ") == n0, "the cell finished before the kill: nothing was tested"
     assert isinstance(result.get("error"), worker.WorkerDied), result
     assert not (tmp_path / "a" / "summary.json").exists() and not (tmp_path / "a" / "tokens.parquet").exists()
+    loads = log.read_text().count("loaded smollm2-135m")
     again = worker.run("cell", _spec(), CTX, 1, out_dir=tmp_path / "b", use_worker=True, **cell)
+    text = log.read_text()  # the rerun was served by a fresh worker, which loaded the model
+    assert text.count("loaded smollm2-135m") == loads + 1 and text.count("served cell ") == n0 + 1
+    assert int(text.rsplit("kvarn worker pid ", 1)[1].split()[0]) != killed
     assert _strip(again) == _strip(out["inproc"][2][("kvarn4", "kvarn4", 0)])
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["kld_median"] == again["kld_median"]
 
