@@ -275,10 +275,14 @@ def test_gguf_order_is_the_converters_permutation():
         compute.gguf_qk_permuted("olmo")
 
 
+GEMMA_GGUF = pytest.mark.xdist_group("compute_gemma_gguf")
+
+
 @pytest.mark.parametrize("model,model_type,permuted", [
     ("smollm2-135m", "llama", True),
-    # 18 s: a 262k-token vocabulary to parse, once per run (gguf_weights.reader)
-    pytest.param("gemma3-270m", "gemma3_text", False, marks=pytest.mark.slow),
+    # 18 s: a 262k-token vocabulary to parse, once per process (gguf_file.reader): one
+    # xdist worker for both Gemma 3 tests, which read the same GGUF
+    pytest.param("gemma3-270m", "gemma3_text", False, marks=[pytest.mark.slow, GEMMA_GGUF]),
 ])
 def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted, fetched):
     """The embedded GGUFs, written by llama.cpp's converter: attn_k/attn_q rows against the
@@ -471,6 +475,7 @@ def test_ggml_gelu_f16_against_float64():
 
 
 @pytest.mark.slow
+@GEMMA_GGUF
 def test_gemma_gelu_follows_ggml():
     from pathlib import Path
 

@@ -15,11 +15,11 @@ import torch
 from kvarn import cli
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
-# One xdist worker: the session fixtures load SmolLM2 and run its baselines once.
+# One xdist worker: the session fixtures load SmolLM2 and run its baselines once (the Gemma 3
+# test, which shares nothing with them, in a group of its own).
 pytestmark = pytest.mark.xdist_group("engine")
 
 CTX = 256
-MODELS = ("smollm2-135m", "gemma3-270m")
 
 
 # --- fast: the command line ---------------------------------------------------------
@@ -103,16 +103,19 @@ def _engine_logprobs(lm, ids, k, v, tail=0, ubatch=512):
 
 @torch.inference_mode()
 def _plain_logprobs(lm, ids, impl):
+    """The model's own single-pass forward over the whole chunk `ids`, its head applied at
+    the scored positions only (`logits_to_keep`, as the engine does)."""
     from kvarn import data
 
     lm.model.set_attn_implementation(impl)
-    sc = data.scored_positions(CTX)
-    logits = lm.model(ids[None]).logits[0, sc.start : sc.stop]
+    sc = data.scored_positions(ids.shape[0])
+    logits = lm.model(ids[None], logits_to_keep=torch.arange(sc.start, sc.stop)).logits[0]
+    assert logits.shape[0] == len(sc)
     return torch.log_softmax(logits.float(), dim=-1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["smollm2-135m"])  # Gemma 3: in its sliding-window test below
 def test_f32_cache_equals_plain_forward(name, loaded, first_chunk):
     lm, ids = loaded(name), first_chunk(name)
     ref = _plain_logprobs(lm, ids, "sdpa")
@@ -123,20 +126,48 @@ def test_f32_cache_equals_plain_forward(name, loaded, first_chunk):
     assert diff <= 2 * max(noise, 1e-6)
 
 
+SMOL = ("smollm2-135m", "embedded:smollm2-135m")
+
+
 @pytest.fixture(scope="session")
-def smol_baseline(tmp_path_factory):
+def smol_context():
+    """`smol_context(n_ctx)`: one engine.Context (SmolLM2 loaded, the text tokenized) per
+    n_ctx, shared by the cells and baselines below, as kvarn.worker shares one per job."""
     from kvarn import engine, sources
 
-    out = tmp_path_factory.mktemp("kvarn") / "base.kvd"
-    engine.run_baseline(sources.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, out, text=TEXT,
-                        cache_dir=CACHE_DIR)
-    return out
+    out = {}
+
+    def get(n_ctx):
+        if n_ctx not in out:
+            out[n_ctx] = engine.Context(sources.ModelSpec(*SMOL), n_ctx, 1, TEXT, cache_dir=CACHE_DIR)
+        return out[n_ctx]
+    return get
 
 
-def test_baseline_streams_its_log_probs_to_the_dump_in_slices(tmp_path, monkeypatch):
-    # The host never holds a whole chunk's log-probs (32 GB at Qwen 3.6's 64k): each chunk
-    # reaches the writer as LOGIT_ROWS slices (test_dump: the file is the same either way).
+@pytest.fixture(scope="session")
+def smol_baseline_run(tmp_path_factory):
+    """The SmolLM2 baseline dump at CTX, made without a Context (the engine loading the
+    model itself), and the row counts of the log-prob slices its writer was handed."""
     from kvarn import dump, engine, sources
+
+    out = tmp_path_factory.mktemp("kvarn") / "base.kvd"
+    real = dump.write_dump
+    with pytest.MonkeyPatch.context() as mp:
+        seen = _spy_on_dump_slices(mp)
+        engine.run_baseline(sources.ModelSpec(*SMOL), CTX, 1, out, text=TEXT, cache_dir=CACHE_DIR)
+    assert dump.write_dump is real
+    return out, seen
+
+
+@pytest.fixture(scope="session")
+def smol_baseline(smol_baseline_run):
+    return smol_baseline_run[0]
+
+
+def _spy_on_dump_slices(mp):
+    """Wrap dump.write_dump (through `mp`): each block must arrive as a generator of row
+    slices, never a whole tensor; returns the list the slices' row counts are added to."""
+    from kvarn import dump
 
     real, seen = dump.write_dump, []
 
@@ -152,20 +183,26 @@ def test_baseline_streams_its_log_probs_to_the_dump_in_slices(tmp_path, monkeypa
                 yield rows()
         return real(path, header, watched(), **kw)
 
-    monkeypatch.setattr(dump, "write_dump", spy)
-    out = tmp_path / "base.kvd"
-    engine.run_baseline(sources.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, out, text=TEXT,
-                        cache_dir=CACHE_DIR)
+    mp.setattr(dump, "write_dump", spy)
+    return seen
+
+
+def test_baseline_streams_its_log_probs_to_the_dump_in_slices(smol_baseline_run):
+    # The host never holds a whole chunk's log-probs (32 GB at Qwen 3.6's 64k): each chunk
+    # reaches the writer as LOGIT_ROWS slices (test_dump: the file is the same either way).
+    from kvarn import dump, engine
+
+    out, seen = smol_baseline_run
     assert len(seen) > 1 and max(seen) <= engine.LOGIT_ROWS and sum(seen) == CTX - 1 - CTX // 2
     assert dump.open_dump(out).n_chunks == 1
 
 
-def _cell(base, k, v, tail, tmp_path_factory):
+def _cell(base, k, v, tail, tmp_path_factory, context):
     from kvarn import engine, sources
 
     out = tmp_path_factory.mktemp(f"{k}-{v}-t{tail}")
-    s = engine.run_cell(sources.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, k, v, tail, base, out,
-                        text=TEXT, cache_dir=CACHE_DIR)
+    s = engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, k, v, tail, base, out, text=TEXT, cache_dir=CACHE_DIR,
+                        context=context)
     assert json.loads((out / "summary.json").read_text())["kld_median"] == s["kld_median"]
     # the memory keys: `packed` by default, with the geometry they came from (kvarn.memory)
     from kvarn.geometry import Geometry
@@ -216,7 +253,7 @@ def test_bf16_cell_is_the_baseline_bit_for_bit(smol_baseline, smol_bf16_cell):
 
 
 @pytest.mark.slow
-def test_bf16_cell_against_baseline_dump(smol_baseline, smol_bf16_cell, tmp_path_factory):
+def test_bf16_cell_against_baseline_dump(smol_baseline, smol_bf16_cell, tmp_path_factory, smol_context):
     # Through the uint16 dump the only difference left is its encoding error: the cell's
     # per-token KLD is, bit for bit, that of its own log-probs against their encoding.
     import numpy as np
@@ -224,7 +261,7 @@ def test_bf16_cell_against_baseline_dump(smol_baseline, smol_bf16_cell, tmp_path
     from kvarn import dump, metrics
 
     lp, targets = smol_bf16_cell
-    s, t = _cell(smol_baseline, "bf16", "bf16", 0, tmp_path_factory)
+    s, t = _cell(smol_baseline, "bf16", "bf16", 0, tmp_path_factory, smol_context(CTX))
     print(f"bf16 vs bf16 baseline through the dump: mean KLD {s['kld_mean']:.3g}, max {s['kld_max']:.3g}")
     want = metrics.token_metrics(lp, dump.open_dump(smol_baseline).decode(0), targets)["kld"]
     assert np.array_equal(t["kld"].to_numpy(), want) and want.max() > 0
@@ -233,7 +270,7 @@ def test_bf16_cell_against_baseline_dump(smol_baseline, smol_bf16_cell, tmp_path
 
 
 @pytest.mark.slow
-def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_factory):
+def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_factory, smol_context):
     # The default (sparse) dump stores only the nonzero codes; a dense copy of it must give
     # the same cell, per-token metrics bit for bit, through the engine's slice decoding.
     import polars as pl
@@ -247,8 +284,8 @@ def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_facto
     got = {}
     for name, base in (("sparse", smol_baseline), ("dense", dense)):
         out = tmp_path_factory.mktemp(f"q8-{name}")
-        s = engine.run_cell(sources.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CTX, 1, "q8_0", "q8_0", 0,
-                            base, out, text=TEXT, cache_dir=CACHE_DIR)
+        s = engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, "q8_0", "q8_0", 0, base, out, text=TEXT,
+                            cache_dir=CACHE_DIR, context=smol_context(CTX))
         got[name] = (pl.read_parquet(out / "tokens.parquet"), s)
     assert got["sparse"][0].equals(got["dense"][0]) and got["sparse"][0]["kld"].max() > 0
     from kvarn import metrics
@@ -258,10 +295,10 @@ def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_facto
 
 
 @pytest.mark.slow
-def test_smollm2_orderings(smol_baseline, tmp_path_factory):
+def test_smollm2_orderings(smol_baseline, tmp_path_factory, smol_context):
     med = {}
     for k, tail in (("q8_0", 0), ("q4_0", 0), ("q4_0", 128), ("q2_0", 0)):
-        med[(k, tail)] = _cell(smol_baseline, k, k, tail, tmp_path_factory)[0]["kld_median"]
+        med[(k, tail)] = _cell(smol_baseline, k, k, tail, tmp_path_factory, smol_context(CTX))[0]["kld_median"]
     print("median KLD:", med)
     assert med[("q8_0", 0)] < med[("q4_0", 0)] < med[("q2_0", 0)]
     assert med[("q4_0", 128)] < med[("q4_0", 0)]
@@ -270,29 +307,28 @@ def test_smollm2_orderings(smol_baseline, tmp_path_factory):
 # --- KVarN end to end where its body is read ---------------------------------------------
 
 @pytest.fixture(scope="session")
-def smol_baseline_512(tmp_path_factory):
+def smol_baseline_512(tmp_path_factory, smol_context):
     from kvarn import engine
     from kvarn.sources import ModelSpec
 
     out = tmp_path_factory.mktemp("kvarn512") / "base.kvd"
-    engine.run_baseline(ModelSpec("smollm2-135m", "embedded:smollm2-135m"), 512, 1, out, text=TEXT,
-                        cache_dir=CACHE_DIR)
+    engine.run_baseline(ModelSpec(*SMOL), 512, 1, out, text=TEXT, cache_dir=CACHE_DIR, context=smol_context(512))
     return out
 
 
 @pytest.mark.slow
-def test_kvarn_end_to_end_reads_the_body(smol_baseline_512, tmp_path_factory):
+def test_kvarn_end_to_end_reads_the_body(smol_baseline_512, tmp_path_factory, smol_context):
     # At n_ctx 256 a scored query (p >= 128) reads nothing from KVarN's body (sink 128 +
     # tail 128 cover p + 1 <= 256 keys): such a test exercises no KVarN numerics. At 512
     # a third of the reads come from the body, so the width must show in the KLD.
     from kvarn import engine
     from kvarn.sources import ModelSpec
 
-    spec = ModelSpec("smollm2-135m", "embedded:smollm2-135m")
+    spec = ModelSpec(*SMOL)
     s = {}
     for k in ("kvarn2", "kvarn8"):
         s[k] = engine.run_cell(spec, 512, 1, k, k, 0, smol_baseline_512, tmp_path_factory.mktemp(k), text=TEXT,
-                               cache_dir=CACHE_DIR)
+                               cache_dir=CACHE_DIR, context=smol_context(512))
     for k, r in s.items():
         assert 0 < 1 - r["exact_share"] and r["exact_share"] == pytest.approx(2 / 3)  # body share 1/3
         print(f"{k}: median KLD {r['kld_median']:.3g}, mean {r['kld_mean']:.3g}, exact share {r['exact_share']:.3f}")
@@ -303,31 +339,35 @@ def test_kvarn_end_to_end_reads_the_body(smol_baseline_512, tmp_path_factory):
 
 # --- sliding layers that forget: n_ctx beyond window + ubatch ------------------------------
 
+SLIDE_CTX, SLIDE_UB = 640, 64  # the smallest multiple of the ubatch past window 512 + ubatch 64
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("gemma")  # group "engine_gemma": the only Gemma 3 test here, on a worker of its own
 def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypatch):
-    # n_ctx 1024 > window 512 + ubatch 256: Gemma 3's sliding layers keep only the 511 + 256
-    # rows a ubatch can read (the rest really dropped), yet the f32 cache is the model's own
-    # single pass at fp32 noise, and a q4_0 tail-128 cell is bit for bit the same cache
-    # keeping every row.
+    # n_ctx 640 > window 512 + ubatch 64: Gemma 3's sliding layers keep only the 511 + 64
+    # rows a ubatch can read (the rest really dropped, before scored queries read the
+    # window), yet the f32 cache is the model's own single pass at fp32 noise (the claim of
+    # test_f32_cache_equals_plain_forward, for Gemma 3 made here), and a q4_0 tail-128 cell
+    # is bit for bit the same cache keeping every row.
     from kvarn import data, engine
     from kvarn.cache import KVarnLayer
 
-    lm, n, ub = loaded("gemma3-270m"), 1024, 256
+    lm, n, ub = loaded("gemma3-270m"), SLIDE_CTX, SLIDE_UB
     window = lm.model.config.sliding_window
-    assert window + ub < n
+    assert window + ub < n and n % ub == 0
     ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)), n, 1, lm.info.bos_id)[0]
     sc = data.scored_positions(n)
+    # the last ubatch (queries n - ub .. n - 1, all scored) reads past the window: its first
+    # key is not position 0
+    assert sc.start < n - ub and n - ub - window + 1 > 0
 
     def run(k, v, tail):
         lm.model.set_attn_implementation("kvarn")
         cache = engine.new_cache(lm.model, k, v, tail)
         return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ub, sc)]), cache
 
-    with torch.inference_mode():
-        plain = {}
-        for impl in ("sdpa", "eager"):
-            lm.model.set_attn_implementation(impl)
-            plain[impl] = torch.log_softmax(lm.model(ids[None]).logits[0, sc.start : sc.stop].float(), dim=-1)
+    plain = {impl: _plain_logprobs(lm, ids, impl) for impl in ("sdpa", "eager")}
     noise = (plain["eager"] - plain["sdpa"]).abs().max().item()
     got, cache = run("f32", "f32", 0)
     diff = (got - plain["sdpa"]).abs().max().item()
@@ -339,6 +379,7 @@ def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypa
         if layer.is_sliding:
             assert layer.stored_rows() == window - 1 + ub and layer.keys.shape[-2] == window - 1 + ub
             assert all(b.n_moves > 0 and b.lo > 0 for b in layer.rows.values())  # rows were dropped
+            assert layer.kv_offset == n - ub - window + 1  # the last ubatch's first readable key
         else:
             assert layer.stored_rows() == n and layer.keys.shape[-2] == n
     q4, _ = run("q4_0", "q4_0", 128)

@@ -201,19 +201,24 @@ def test_attention_option_is_checked():
 
 # --- end to end on the embedded SmolLM2 ------------------------------------------------------
 
-E2E_CTX = 512  # KVarN reads a third of its keys from the body here (none at 256)
+E2E_LEN = 384  # tokens: KVarN seals a 128-group mid-ubatch and queries p >= 256 read its body
+CELL_CTX = 256  # the engine's bf16 cell and baseline
 
 
 @pytest.fixture(scope="module")
 def smol():
+    """SmolLM2 loaded once, as an engine.Context at CELL_CTX (the engine runs below share
+    it), and the first E2E_LEN tokens of the text's first 512-token chunk."""
     from paths import CACHE_DIR, ENGINE_TEXT
 
-    from kvarn import data, models
+    from kvarn import data, engine
     from kvarn.sources import ModelSpec
 
-    lm = models.load(ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=CACHE_DIR)
-    ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(ENGINE_TEXT)), E2E_CTX, 1, lm.info.bos_id)[0]
-    return lm, ids
+    context = engine.Context(ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CELL_CTX, 1, ENGINE_TEXT,
+                             cache_dir=CACHE_DIR)
+    lm = context.loaded
+    ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(ENGINE_TEXT)), 512, 1, lm.info.bos_id)[0]
+    return lm, ids[:E2E_LEN], context
 
 
 def _logprobs(lm, ids, k, v, tail, attention, ubatch=512):
@@ -227,21 +232,24 @@ def _logprobs(lm, ids, k, v, tail, attention, ubatch=512):
 
 @torch.inference_mode()
 def _plain(lm, ids, impl):
+    """The model's own single pass, its head applied at the scored positions only."""
     from kvarn import data
 
     lm.model.set_attn_implementation(impl)
     sc = data.scored_positions(ids.shape[0])
-    return torch.log_softmax(lm.model(ids[None]).logits[0, sc.start : sc.stop].float(), dim=-1)
+    logits = lm.model(ids[None], logits_to_keep=torch.arange(sc.start, sc.stop)).logits[0]
+    assert logits.shape[0] == len(sc)
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 @pytest.mark.slow
 def test_smollm2_flex_matches_ref(smol):
     # f32: the per-token log-probs of the scored half, flex vs ref, within the model's own
     # fp32 noise (eager vs sdpa plain forwards: the tolerance of tests/test_engine.py).
-    lm, ids = smol
+    lm, ids, _ = smol
     noise = max((_plain(lm, ids, "eager") - _plain(lm, ids, "sdpa")).abs().max().item(), 1e-6)
     before = kflex.calls
-    flex = _logprobs(lm, ids, "f32", "f32", 0, "flex", ubatch=200)
+    flex = _logprobs(lm, ids, "f32", "f32", 0, "flex", ubatch=150)
     assert kflex.calls - before == 30 * 3  # 30 layers, 3 ubatches: every call on the flex path
     diff = (flex - _logprobs(lm, ids, "f32", "f32", 0, "ref")).abs().max().item()
     print(f"smollm2 f32: flex vs ref max |dlogp| {diff:.3g} (eager vs sdpa {noise:.3g})")
@@ -254,7 +262,7 @@ def test_smollm2_flex_matches_ref(smol):
     # 384 tokens in ubatches of 192: KVarN seals a group mid-ubatch and queries p >= 256 read
     # its body keys 128 .. p - 128.
     for k, tail in (("q4_0", 128), ("kvarn4", 0)):
-        rec, cache = both_run(lm.model, ids[None, :384], k, k, tail, 192, sample=lambda i: i % 15 == 0)
+        rec, cache = both_run(lm.model, ids[None], k, k, tail, 192, sample=lambda i: i % 15 == 0)
         assert_paths_at_fp32_noise(rec, f"smollm2 {k} t{tail}")
         assert len(rec.noise) == 2 * 2 and rec.calls == 30 * 2
         if k == "kvarn4":
@@ -272,21 +280,22 @@ def test_smollm2_bf16_cell_is_the_baseline_on_flex(smol, tmp_path):
     from kvarn import dump, engine, metrics
     from kvarn.sources import ModelSpec
 
-    lm, ids = smol
-    ids = ids[:256]
+    lm, ids, context = smol
+    ids = ids[:CELL_CTX]
     a = _logprobs(lm, ids, "bf16", "bf16", 0, "flex")
     b = _logprobs(lm, ids, "bf16", "bf16", 0, "flex")
     assert torch.equal(a, b)
     tm = metrics.token_metrics(a, b, ids[129:256])
     assert (tm["kld"] == 0).all() and tm["same_top"].all()
 
-    spec, ctx = ModelSpec("smollm2-135m", "embedded:smollm2-135m"), 256
+    spec, ctx = ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CELL_CTX
+    assert torch.equal(context.chunk_ids[0], ids)  # the engine's chunk is the one scored above
     base = engine.run_baseline(spec, ctx, 1, tmp_path / "base.kvd", text=ENGINE_TEXT, cache_dir=CACHE_DIR,
-                               attention="flex")
+                               attention="flex", context=context)
     assert base["attention"] == "flex" and dump.open_dump(tmp_path / "base.kvd").header["attention"] == "flex"
     before = kflex.calls
     s = engine.run_cell(spec, ctx, 1, "bf16", "bf16", 0, tmp_path / "base.kvd", tmp_path / "cell", text=ENGINE_TEXT,
-                        cache_dir=CACHE_DIR, attention="flex")
+                        cache_dir=CACHE_DIR, attention="flex", context=context)
     assert kflex.calls - before == 30
     assert (s["attention"], s["baseline_attention"]) == ("flex", "flex")
     assert json.loads((tmp_path / "cell" / "summary.json").read_text())["attention"] == "flex"

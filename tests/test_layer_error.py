@@ -23,16 +23,27 @@ def smol():
     return lm, data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)), CTX, 1, lm.info.bos_id)
 
 
+class _Captured(Exception):
+    """Raised once the o_proj input is captured: the layers above it are not needed."""
+
+
 def _o_proj_input(lm, ids, k, v, layer=0):
     from kvarn import data, engine
 
     got = []
-    h = lm.model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(lambda m, a: got.append(a[0][0]))
+
+    def grab(module, args):
+        got.append(args[0][0])
+        raise _Captured
+
+    h = lm.model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(grab)
     try:
         cache = engine.new_cache(lm.model, k, v, 0)
-        list(engine.chunk_logprobs(lm.model, ids[0], cache, 512, data.scored_positions(CTX)))
+        with pytest.raises(_Captured):  # one ubatch (512 >= CTX): the whole chunk's rows
+            list(engine.chunk_logprobs(lm.model, ids[0], cache, 512, data.scored_positions(CTX)))
     finally:
         h.remove()
+    assert len(got) == 1 and got[0].shape[0] == CTX
     sc = data.scored_positions(CTX)
     return got[0][sc.start : sc.stop].double()
 
