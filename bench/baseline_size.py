@@ -27,15 +27,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvarn import dump  # noqa: E402
-from kvarn.sources import DEFAULT_CACHE_DIR  # noqa: E402
+from kvarn.baseline import dump  # noqa: E402
+from kvarn.weights.sources import DEFAULT_CACHE_DIR  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 import dump_error  # noqa: E402  (bench/dump_error.py)
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 BUDGET = 16e9  # bytes per model on disk (issue 9's goal, decimal GB)
-SLICE = 64  # rows a cell decodes at a time (kvarn.engine.LOGIT_ROWS)
+SLICE = 64  # rows a cell decodes at a time (kvarn.run.engine.LOGIT_ROWS)
 
 
 def study_models() -> dict[str, tuple[int, int, int]]:
@@ -49,7 +49,8 @@ def study_models() -> dict[str, tuple[int, int, int]]:
 
 def both_layouts(name: str, given: str | None, ctx: int, text: str, cache_dir: str, tmp: Path) -> dict[str, Path]:
     """{layout: path} of one baseline in both layouts."""
-    from kvarn import engine, sources
+    from kvarn.run import engine
+    from kvarn.weights import sources
 
     if given is None:
         src = tmp / f"{name}.kvd"
@@ -100,7 +101,7 @@ def report(ms: list[dict], study: dict, errs: dict, args, elapsed: float) -> str
          f"`PYTHONPATH=. .venv/bin/python bench/baseline_size.py {' '.join(sys.argv[1:])}`".replace(" `", "`"), "",
          f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}; "
          f"{elapsed / 60:.1f} min. GB = 10^9 bytes.", "",
-         "The sparse layout (kvarn.dump, file version 2, the default) stores per row the scale and floor, a "
+         "The sparse layout (kvarn.baseline.dump, file version 2, the default) stores per row the scale and floor, a "
          "bitmap of the vocabulary and only the nonzero 16-bit codes (the entries more than half a step above "
          "the range floor `max(row min, top − 16 nats)`); a row where that is not shorter is stored dense. "
          "Both layouts decode to the same bits (checked here on every 64-row slice of every dump), so the "
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
                 dump.LO_ULPS, dump.SCALE_ULPS = saved
             print(name, version, errs[(name, version)], flush=True)
     text = report(ms, study_models(), errs, args, time.perf_counter() - t0)
-    from kvarn.atomic import write_text
+    from kvarn.files.atomic import write_text
 
     write_text(args.out, text)
     print(text)

@@ -7,7 +7,7 @@ and whether the log-probs are bit-identical to another checkout's (e.g. main bef
 Every (code, model, n_ctx, cell) runs in its own process, with PYTHONPATH set to that code,
 on the first Wikitext chunk: peak host memory is that process's high-water mark (ru_maxrss)
 and its rise above the RSS after loading the model; seconds per chunk is the engine's
-forward loop (`kvarn.engine.chunk_logprobs`, as run_cell times it); the stored cache bytes
+forward loop (`kvarn.run.engine.chunk_logprobs`, as run_cell times it); the stored cache bytes
 are those of every tensor the cache holds at the end of the chunk; the sha256 of all
 scored fp32 log-probs says whether the two codes agree bit for bit. Also runs
 `kvarn run --dry-run` of both codes for the study's configs (the preflight's device
@@ -60,7 +60,13 @@ def worker(spec: dict) -> dict:
 
     import torch
 
-    from kvarn import data, engine, models, sources
+    from kvarn.spec import scoring
+
+    from kvarn.baseline import data
+
+    from kvarn.run import engine
+
+    from kvarn.weights import models, sources
 
     torch.set_num_threads(spec["threads"])
     lm = models.load(sources.ModelSpec(spec["model"], f"embedded:{spec['model']}"), cache_dir=spec["cache_dir"])
@@ -70,9 +76,9 @@ def worker(spec: dict) -> dict:
                            lm.info.bos_id)[0]
     rss_loaded = _rss()
     cache = engine.new_cache(lm.model, spec["k"], spec["v"], spec["tail"])
-    gen = engine.chunk_logprobs(lm.model, ids, cache, spec["ubatch"], data.scored_positions(spec["n_ctx"]))
+    gen = engine.chunk_logprobs(lm.model, ids, cache, spec["ubatch"], scoring.scored_positions(spec["n_ctx"]))
     h, forward_s = hashlib.sha256(), 0.0
-    # Its own timing loop, not kvarn.engine.timed: it also runs against older kvarn checkouts.
+    # Its own timing loop, not kvarn.run.engine.timed: it also runs against older kvarn checkouts.
     while True:
         t = time.perf_counter()
         item = next(gen, None)
@@ -152,7 +158,7 @@ def main() -> int:
         f"`python bench/bench_cache_memory.py --before <main before the change> --threads {args.threads}` "
         f"on {platform.machine()} CPU, torch threads {args.threads}, ubatch {args.ubatch}, the first Wikitext "
         "chunk, each run in its own process. before = fp32 exact and body copies of every position of every "
-        "layer, grown by torch.cat per ubatch; after = `kvarn.rows.Rows` buffers (exact copy in the tail dtype, "
+        "layer, grown by torch.cat per ubatch; after = `kvarn.kvcache.rows.Rows` buffers (exact copy in the tail dtype, "
         "sliding layers window - 1 + ubatch rows). Seconds per chunk are single runs, before then after, on a "
         "2-core machine shared with other jobs (load 2-4 when measured): differences of 10 % are within its noise; "
         "the stored bytes and the log-prob checksums are exact.",
@@ -181,7 +187,7 @@ def main() -> int:
         b, a = res["before"], res["after"]
         lines.append(f"| {model} | {n_ctx} | {cmd} | {b[0]} ({b[1]}) | {a[0]} ({a[1]}) |")
     sys.path.insert(0, str(REPO))
-    from kvarn.atomic import write_text
+    from kvarn.files.atomic import write_text
 
     if not args.reuse_runs:
         write_text(raw, json.dumps(rows, indent=1) + "\n")

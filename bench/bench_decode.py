@@ -10,10 +10,10 @@ Wikitext chunks, BOS first, as `kvarn decode` builds them), same batch, greedy:
    attn_implementation "sdpa"; per-step time from a streamer's timestamps (the G - 1 steps
    after the one that follows the prefill);
 2. **one cache**: the same greedy loop through one `KVarnCache` (the prompt via
-   `kvarn.decode.feed` in ubatches, then one token per step, argmax of the last logits):
+   `kvarn.run.decode.feed` in ubatches, then one token per step, argmax of the last logits):
    bf16 tail 0 (the baseline's cache) and kvarn4 tail 0 (KVarN's sink and 128-token tail);
    per-step time = the steps' wall time / (G - 1);
-3. **the job**: `kvarn.decode.decode` (what `kvarn decode` runs: the cell and the BF16
+3. **the job**: `kvarn.run.decode.decode` (what `kvarn decode` runs: the cell and the BF16
    baseline in lock step, two caches, plus per-step log-softmax and metrics) for the bf16
    cell and kvarn4; per-step time from its own timing (steps / (G - 1)).
 
@@ -38,10 +38,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import kvarn.attention as kattn  # noqa: E402
-from kvarn import data, engine, models, sources  # noqa: E402
-from kvarn import decode as kdecode  # noqa: E402
-from kvarn.atomic import write_text  # noqa: E402
+import kvarn.kvcache.attention as kattn  # noqa: E402
+from kvarn.baseline import data
+from kvarn.run import engine
+from kvarn.weights import models, sources  # noqa: E402
+from kvarn.run import decode as kdecode  # noqa: E402
+from kvarn.files.atomic import write_text  # noqa: E402
 
 TEXT = str(REPO.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")  # shared/ beside the checkout
 CELLS = [("bf16", "bf16", 0), ("kvarn4", "kvarn4", 0)]
@@ -88,7 +90,7 @@ def run_one_cache(model, prompts, n, k, v, tail, ubatch):
 
 
 def run_job(model, prompts, n, k, v, tail, ubatch):
-    """(prefill s of both caches, per-step s, steps) of kvarn.decode.decode."""
+    """(prefill s of both caches, per-step s, steps) of kvarn.run.decode.decode."""
     model.set_attn_implementation(kattn.ATTN_NAME)
     timing = {}
     steps = kdecode.decode(model, prompts, k, v, tail, n, ubatch=ubatch, timing=timing)

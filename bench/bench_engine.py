@@ -32,8 +32,14 @@ import kvarn.formats.kvarn as kvarn_format
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvarn import data, engine, models, sources  # noqa: E402
-from kvarn.atomic import write_text  # noqa: E402
+from kvarn.spec import scoring
+
+from kvarn.baseline import data
+
+from kvarn.run import engine
+
+from kvarn.weights import models, sources  # noqa: E402
+from kvarn.files.atomic import write_text  # noqa: E402
 
 TEXT = str(REPO.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")  # shared/ beside the checkout
 CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0)]
@@ -57,7 +63,7 @@ def forward_s(lm, ids, k, v, tail, ubatch=512, ref_norm=False) -> float:
         kvarn_format.normalize_fast = kvarn_format.normalize_ref
     try:
         t = time.perf_counter()
-        for _ in engine.chunk_logprobs(lm.model, ids, cache, ubatch, data.scored_positions(ids.shape[0])):
+        for _ in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ids.shape[0])):
             pass
         return time.perf_counter() - t
     finally:
@@ -130,7 +136,7 @@ def main() -> int:
         given = dict(x.split("=", 1) for x in args.dump)
         with tempfile.TemporaryDirectory() as d:
             if name in given and Path(given[name]).is_file():
-                from kvarn import dump
+                from kvarn.baseline import dump
 
                 p = Path(given[name])
                 hdr = dump.open_dump(p, verify=False).header
@@ -138,7 +144,7 @@ def main() -> int:
             else:
                 p, ctx, n_chunks = Path(d) / "base.kvd", args.overhead_ctx, 1
                 engine.run_baseline(spec, ctx, 1, p, text=TEXT, cache_dir=args.cache_dir)
-            n_scored = n_chunks * len(data.scored_positions(ctx))
+            n_scored = n_chunks * len(scoring.scored_positions(ctx))
             size = p.stat().st_size
             dump_rows.append((name, lm.info.vocab_size, ctx, size, size / n_scored,
                               size / n_scored / lm.info.vocab_size))

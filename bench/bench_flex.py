@@ -3,7 +3,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_flex.py [--ctx 2048] [--out bench/results/flex.md]
 
-Per model, one process and one model load (`kvarn.engine.Context`), first chunk of Wikitext:
+Per model, one process and one model load (`kvarn.run.engine.Context`), first chunk of Wikitext:
 
 1. warm-up: one untimed flex baseline run, which compiles `torch.compile(flex_attention,
    dynamic=True)` for this head dim (its wall time, compile included, is reported);
@@ -46,8 +46,8 @@ def _graphs() -> int:
 
 
 def measure(name: str, n_ctx: int, work: Path) -> dict:
-    from kvarn import engine
-    from kvarn.sources import ModelSpec
+    from kvarn.run import engine
+    from kvarn.weights.sources import ModelSpec
 
     spec = ModelSpec(name, f"embedded:{name}")
     common = dict(text=str(TEXT), cache_dir=REPO / "resources" / "models")
@@ -71,7 +71,7 @@ def measure(name: str, n_ctx: int, work: Path) -> dict:
                                           **{k: r[k] for k in STATS if k in r}}
             print(f"{name} {path} {label}: {n_ctx / r['tokens_per_s']:.2f} s/chunk", flush=True)
     out["recompiles"] = _graphs() - graphs
-    import kvarn.attention as kattn
+    import kvarn.kvcache.attention as kattn
 
     for label, cell in RUNS[1:]:
         r = engine.run_cell(spec, n_ctx, 1, *cell, work / f"{name}-ref.kvd", work / f"{name}-ref200-{label}",
@@ -104,7 +104,7 @@ def report(results: dict, args, elapsed: float) -> str:
         for label, _ in RUNS:
             a, b = r["runs"][("ref", label)]["s_per_chunk"], r["runs"][("flex", label)]["s_per_chunk"]
             L.append(f"| {name} | {args.ctx} | {label} | {a:.2f} | {b:.2f} | {b / a:.2f} |")
-    L += ["", "Compile and load (once per process and head dim; a `kvarn.worker` keeps the compiled kernel "
+    L += ["", "Compile and load (once per process and head dim; a `kvarn.run.worker` keeps the compiled kernel "
           "for all the cells it serves):", ""]
     for name, r in results.items():
         L.append(f"* {name}: model load {r['load_s']:.1f} s; first flex baseline run, compile included, "
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         for name in args.models.split(","):
             results[name] = measure(name, args.ctx, Path(tmp))
     md = report(results, args, time.monotonic() - t0)
-    from kvarn.atomic import write_text
+    from kvarn.files.atomic import write_text
 
     write_text(Path(args.out), md)
     raw = {n: {**r, "runs": {f"{p} {lab}": v for (p, lab), v in r["runs"].items()}} for n, r in results.items()}

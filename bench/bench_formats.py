@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvarn.atomic import write_text  # noqa: E402
+from kvarn.files.atomic import write_text  # noqa: E402
 from kvarn.formats import get_format, names  # noqa: E402
 
 # (label, KV heads, tokens, head dim): one layer's K or V for one ubatch

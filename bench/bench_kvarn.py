@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvarn.atomic import write_text  # noqa: E402
+from kvarn.files.atomic import write_text  # noqa: E402
 from kvarn.formats import get_format  # noqa: E402
 from kvarn.formats import kvarn as K  # noqa: E402
 

@@ -2,8 +2,8 @@
 # `make run` of a matrix (default: the unchanged default config/matrix.yaml) from a clean
 # results directory, twice, one after the other from the same checkout:
 #   before: KVARN_WORKER=0, every baseline/cell job loads its model in its own process
-#           (the way every job ran before kvarn.worker);
-#   after:  KVARN_WORKER=1, the jobs of a (model, n_ctx) talk to one worker (kvarn.worker).
+#           (the way every job ran before kvarn.run.worker);
+#   after:  KVARN_WORKER=1, the jobs of a (model, n_ctx) talk to one worker (kvarn.run.worker).
 # Writes bench/results/make_run.md: wall times, ratio, per-rule seconds from Snakemake's
 # benchmark files, the machine's load average before and after each run.
 #
@@ -69,7 +69,7 @@ commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=
                         cwd=Path(out).parents[2]).stdout.strip()
 b, a = runs["0"], runs["1"]
 lines = [
-    "# `make run` before and after kvarn.worker, side by side",
+    "# `make run` before and after kvarn.run.worker, side by side",
     "",
     f"Written by `bench/bench_make_run.sh` at commit {commit}, matrix `{config}`"
     + (f" restricted to {os.environ['ONLY_MODEL']} without its decode jobs (ONLY_MODEL)" if os.environ.get("ONLY_MODEL") else "")

@@ -1,4 +1,4 @@
-"""What the baseline dump's encoding costs in KLD, on real log-probs (moved out of kvarn.dump:
+"""What the baseline dump's encoding costs in KLD, on real log-probs (moved out of kvarn.baseline.dump:
 a measurement, not part of the package).
 
     PYTHONPATH=. python bench/dump_error.py --model smollm2-135m --n-ctx 512 --chunks 1
@@ -18,8 +18,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvarn import data, dump, engine, metrics, models, sources
-from kvarn.sources import DEFAULT_CACHE_DIR
+from kvarn.spec import scoring
+
+from kvarn.baseline import data, dump
+
+from kvarn.run import engine
+
+from kvarn.stats import metrics
+
+from kvarn.weights import models, sources
+from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 
 def measure_encoding_error(name: str = "smollm2-135m", n_ctx: int = 512, chunks: int = 1,
@@ -34,7 +42,7 @@ def measure_encoding_error(name: str = "smollm2-135m", n_ctx: int = 512, chunks:
     lm = models.load(sources.ModelSpec(name, f"embedded:{name}"), cache_dir, device="cpu")
     text = data.load_text(text_path)
     chunk_ids = data.make_chunks(data.tokenize(lm.tokenizer, text), n_ctx, chunks, lm.info.bos_id)
-    pos = data.scored_positions(n_ctx)
+    pos = scoring.scored_positions(n_ctx)
     sl = slice(pos.start, pos.stop)
     exact, q_bf16, targets = [], [], []
     with torch.inference_mode():
@@ -102,7 +110,7 @@ def measure_q8_error(name: str, n_ctx: int, chunks: int, text_path: str | None, 
     relative to the q8_0 median KLD (goal ≤ 1 %)."""
     ctx = engine.Context(sources.ModelSpec(name, f"embedded:{name}"), n_ctx, chunks, text_path, device="cpu",
                          cache_dir=cache_dir)
-    model, pos = ctx.loaded.model, data.scored_positions(n_ctx)
+    model, pos = ctx.loaded.model, scoring.scored_positions(n_ctx)
 
     def run(ids, k):  # one chunk with a k/k cache at tail 0, as the engine runs a cell
         with torch.inference_mode():

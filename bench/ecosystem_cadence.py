@@ -23,9 +23,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, QuantizedCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kvarn.attention as kattn  # noqa: E402
-from kvarn import facts  # noqa: E402
-from kvarn.cache import KVarnCache  # noqa: E402
+import kvarn.kvcache.attention as kattn  # noqa: E402
+from kvarn.spec import facts  # noqa: E402
+from kvarn.kvcache.cache import KVarnCache  # noqa: E402
 from kvarn.formats import get_format  # noqa: E402
 
 G = facts.ECOSYSTEM_GROUP

@@ -12,7 +12,7 @@ linear heads so the V-head reordering is exercised; Gemma4ForConditionalGenerati
 sliding + 1 full layer with its own head dim and KV heads and K = V), norms and A_log
 perturbed so a missing shift or sign shows; saved with a real tokenizer (SmolLM2's BPE for
 qwen3_5, Gemma 3's for gemma4); converted by llama.cpp at --outtype f32 and q8_0; loaded by
-`kvarn.gguf_weights.load`; logits compared with the HF model's own forward (f32) on 64
+`kvarn.weights.gguf_weights.load`; logits compared with the HF model's own forward (f32) on 64
 random tokens. For q8_0 the reference is the HF model with every tensor the converter
 quantizes replaced by gguf's own Q8_0 quantize -> dequantize, so the figure is the loader's
 error, not the quantization's.
@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvarn.atomic import write_text  # noqa: E402
+from kvarn.files.atomic import write_text  # noqa: E402
 
 PROBE = " = Valkyria Chronicles III = \n Senjō no Valkyria 3 : <unk> Chronicles ( Japanese : 戦場のヴァルキュリア3 ) , 1 @,@ 000 \n"
 
@@ -119,7 +119,7 @@ def q8_reference(model, gguf_path: Path, arch: str):
     from gguf import GGMLQuantizationType, GGUFReader
     from transformers import AutoModelForCausalLM
 
-    from kvarn.gguf_weights import hf_to_gguf_names
+    from kvarn.weights.gguf_weights import hf_to_gguf_names
 
     q8 = {t.name for t in GGUFReader(str(gguf_path)).tensors if t.tensor_type == GGMLQuantizationType.Q8_0}
     cfg = model.config.get_text_config()
@@ -148,7 +148,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/gguf_roundtrip.md")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from kvarn import gguf_weights
+    from kvarn.weights import gguf_weights
 
     rows = []
     ids = torch.randint(0, 40000, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -178,7 +178,7 @@ def main() -> int:
         f"`{' '.join(['python', 'bench/gguf_roundtrip.py', '--llama-cpp', str(args.llama_cpp)])}`",
         "",
         f"Converter: `convert_hf_to_gguf.py` of `{args.llama_cpp}` (its gguf-py {version}); loader: "
-        "`kvarn.gguf_weights.load` (qwen35 through transformers' GGUF loader, gemma4 through kvarn's "
+        "`kvarn.weights.gguf_weights.load` (qwen35 through transformers' GGUF loader, gemma4 through kvarn's "
         "own config + the gguf package's tensor-name table). Tiny random image-text checkpoints "
         "(see the script), 64 random tokens, fp32 on CPU. Reference: the HF model's own forward "
         "(q8_0: with gguf's Q8_0 quantize -> dequantize applied to the tensors the GGUF quantizes).",

@@ -5,20 +5,20 @@ models of the study's exact geometry, and the projected GPU-hours of config/arti
     python bench/gpu_article.py --smoke --out /tmp/x.md     # tiny configs on CPU: checks the script
 
 Per model (`random:config/models/<name>.json`, bf16 weights drawn on the device, the byte
-tokenizer; kvarn.random_model): one `kvarn.engine.Context` (the model loaded once, as the
+tokenizer; kvarn.weights.random_model): one `kvarn.run.engine.Context` (the model loaded once, as the
 worker does), then the baseline and the cells q8_0 t0, q4_0 t128, kvarn4, kvarn2 over one
 chunk at the study's n_ctx, each timed end to end (forward, log-softmax, dump encoding or
 metrics against the dump) with the device's peak allocated memory and the process's peak
 resident memory during that run. Random weights: the log-probs mean nothing; only time and
 memory are read.
 
-Attention paths (`--attention`, kvarn.attention.resolve_attention): each run on `flex` (one
+Attention paths (`--attention`, kvarn.kvcache.attention.resolve_attention): each run on `flex` (one
 compiled flex_attention call per layer call; the projection reads these) and then, where the
 budget still allows, on `ref` (sdpa per query block, the reference), each cell against the
 baseline of its own path; the table puts their seconds per chunk side by side. `--smoke`
-runs flex eagerly (kvarn.flex.COMPILE = False): compiling on a CPU takes minutes.
+runs flex eagerly (kvarn.kvcache.flex.COMPILE = False): compiling on a CPU takes minutes.
 
-Projection: each article cell (kvarn.matrix.expand of config/article.yaml) takes the
+Projection: each article cell (kvarn.plan.matrix.expand of config/article.yaml) takes the
 measured time of its nearest type (standard at tail 0: q8_0 t0; standard at tail > 0:
 q4_0 t128; KVarN: the mean of kvarn4 and kvarn2), times the study's chunk count per model
 (`--study-chunks`: the real tokenizers' counts are not computable here; the defaults are
@@ -98,8 +98,8 @@ def measure(name: str, source: str, n_ctx: int, device: str, dtype: str, text, d
     figures, and `<path>_s_per_chunk` of the others where they ran."""
     import torch
 
-    from kvarn import engine
-    from kvarn.sources import ModelSpec
+    from kvarn.run import engine
+    from kvarn.weights.sources import ModelSpec
 
     spec = ModelSpec(name, source)
     cuda = device.startswith("cuda")
@@ -107,7 +107,7 @@ def measure(name: str, source: str, n_ctx: int, device: str, dtype: str, text, d
     t0 = time.perf_counter()
     try:
         ctx = engine.Context(spec, n_ctx, 1, **common, baseline=True)
-    except Exception as e:  # a refusal by kvarn.preflight or an out-of-memory: recorded, the next model runs
+    except Exception as e:  # a refusal by kvarn.budget.preflight or an out-of-memory: recorded, the next model runs
         print(f"{name}: could not load: {type(e).__name__}: {e}", flush=True)
         return float("nan"), [{"run": label, "skipped": f"load failed: {type(e).__name__}: {_short(e)}"}
                               for label, _ in RUNS]
@@ -171,7 +171,7 @@ def projection(results: dict, article: Path, study_chunks: dict) -> tuple[list[s
     """Markdown lines and the total GPU-hours of config/article.yaml from the measured seconds."""
     import yaml
 
-    from kvarn import matrix as kvm
+    from kvarn.plan import matrix as kvm
 
     cells = kvm.expand(yaml.safe_load(article.read_text())).cells
     lines, total = [], 0.0
@@ -258,7 +258,7 @@ def report(results, proj, total, args, device_name, elapsed) -> str:
                      f"{r['tokens_per_s']:.0f} | {_gib(r['peak_device_bytes'])} | {_gib(r['peak_host_bytes'])} |")
         L.append(f"| {name} | | model load (once per model) | {load_s:.1f} | " + "| " * len(args.paths[1:])
                  + "| | | |")
-    L += ["", "Baseline dump on disk at the study's chunk count (kvarn.dump's sparse layout; random weights give "
+    L += ["", "Baseline dump on disk at the study's chunk count (kvarn.baseline.dump's sparse layout; random weights give "
           "near-flat log-probs, so nearly every row is stored dense: the real models' size is projected in "
           "bench/results/baseline_size.md):", ""]
     for name, (_, rows) in results.items():
@@ -310,10 +310,10 @@ def main(argv=None) -> int:
     deadline = t_start + args.budget_s
     import torch
 
-    import kvarn.flex
+    import kvarn.kvcache.flex
 
-    compile_flex = kvarn.flex.COMPILE
-    kvarn.flex.COMPILE = compile_flex and not args.smoke  # restored below (main runs inside the tests too)
+    compile_flex = kvarn.kvcache.flex.COMPILE
+    kvarn.kvcache.flex.COMPILE = compile_flex and not args.smoke  # restored below (main runs inside the tests too)
     device_name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     results = {}
     with tempfile.TemporaryDirectory(prefix="kvarn-gpu-article-") as tmp:
@@ -327,10 +327,10 @@ def main(argv=None) -> int:
                 results[name] = measure(name, f"random:{cfg}", args.n_ctx[name], device, dtype, text, deadline,
                                         work, args.paths)
         finally:
-            kvarn.flex.COMPILE = compile_flex
+            kvarn.kvcache.flex.COMPILE = compile_flex
     proj, total = projection(results, ROOT / "config" / "article.yaml", args.study_chunks)
     md = report(results, proj, total, args, device_name, time.monotonic() - t_start)
-    from kvarn.atomic import write_text
+    from kvarn.files.atomic import write_text
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_text(Path(args.out), md)

@@ -8,7 +8,7 @@ files under $LLAMACPP_DIR/runs/{model}/ctx{n_ctx}-c{chunks}/). This script, per 
 3. `--cross` (the default; `--no-cross` skips it): the two programs' bf16-cache runs scored
    against each other's baseline, in both directions, per kvarn compute mode: kvarn's bf16
    cell against llama's own base file, and llama-perplexity's bf16 cache against our
-   baseline dump written in llama's format (`kvarn.llamakld.write_from_dump`, then
+   baseline dump written in llama's format (`kvarn.llamacpp.llamakld.write_from_dump`, then
    `llama-perplexity --kl-divergence-base ours.kld --kl-divergence`). Both directions
    measure the same two programs' arithmetic difference (KL(P‖Q) and KL(Q‖P) agree to
    second order), so they should be close; a gap would point at the file format;
@@ -108,7 +108,7 @@ def run_dir(model: str, chunks: int | None = None) -> Path:
 
 
 def kvarn_baseline(model, n_ctx, chunks, mode, out: Path, llama_out: Path | None):
-    from kvarn import engine
+    from kvarn.run import engine
     from kvarn.cli import model_spec
 
     if not out.is_file():
@@ -118,7 +118,7 @@ def kvarn_baseline(model, n_ctx, chunks, mode, out: Path, llama_out: Path | None
 
 
 def kvarn_cell(model, n_ctx, chunks, k, rot, mode, baseline: Path, out: Path) -> dict:
-    from kvarn import engine
+    from kvarn.run import engine
     from kvarn.cli import model_spec
 
     if not (out / "summary.json").is_file():
@@ -129,9 +129,10 @@ def kvarn_cell(model, n_ctx, chunks, k, rot, mode, baseline: Path, out: Path) ->
 
 def our_llama_kld(model: str, n_ctx: int, chunks: int, dump: Path, out: Path) -> Path:
     """Our baseline dump `dump` as llama-perplexity's KLD base file `out` (written once), on
-    the tokens kvarn computed it on (`kvarn.engine.Context`: the same tokenization and BOS)."""
+    the tokens kvarn computed it on (`kvarn.run.engine.Context`: the same tokenization and BOS)."""
     if not out.is_file():
-        from kvarn import engine, llamakld
+        from kvarn.llamacpp import llamakld
+        from kvarn.run import engine
         from kvarn.cli import model_spec
 
         ctx = engine.Context(model_spec(model), n_ctx, chunks, text=TEXT,
@@ -162,7 +163,9 @@ def files_both_ways(d: Path, dump_path: Path) -> dict:
     import numpy as np
     import torch
 
-    from kvarn import dump, llamakld
+    from kvarn.baseline import dump
+
+    from kvarn.llamacpp import llamakld
 
     ll, ours = llamakld.read_llama_kld(d / "base.kld"), dump.open_dump(dump_path)
     a_tok, b_tok = [], []
@@ -284,7 +287,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    from kvarn.atomic import write_text
+    from kvarn.files.atomic import write_text
 
     lines = ["# kvarn against llama-perplexity (issue 13)", "",
              "Produced by `bench/llamacpp.sh` then `python bench/llamacpp.py`; llama-perplexity built for CPU "

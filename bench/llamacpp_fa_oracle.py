@@ -47,7 +47,11 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvarn import compute, engine, options
+    from kvarn.llamacpp import compute
+
+    from kvarn.run import engine
+
+    from kvarn.spec import options
     from kvarn.cli import model_spec
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
 

@@ -44,7 +44,11 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvarn import compute, engine, options
+    from kvarn.llamacpp import compute
+
+    from kvarn.run import engine
+
+    from kvarn.spec import options
     from kvarn.cli import model_spec
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, rotate_blocks
     from kvarn.formats.registry import get_format
@@ -140,7 +144,7 @@ def main() -> None:
                  "drift apart through the layers.)")
     print("\n".join(lines))
     if a.out:
-        from kvarn.atomic import write_text
+        from kvarn.files.atomic import write_text
 
         write_text(a.out, "\n".join(lines) + "\n")
 

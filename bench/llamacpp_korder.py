@@ -8,9 +8,9 @@ K's roundtrip done in the GGUF order (then permuted back), against an exact base
 
     PYTHONPATH=. python bench/llamacpp_korder.py q4_0 norot BASELINE.kvd OUT_DIR [n_ctx] [chunks]
 
-A monkeypatch of kvarn.cache.make_format, on purpose: an experiment, not a compute path
+A monkeypatch of kvarn.kvcache.cache.make_format, on purpose: an experiment, not a compute path
 (`exact` keeps transformers' order; `llamacpp-cpu` uses the GGUF order by itself, through
-the same `kvarn.compute.gguf_order`).
+the same `kvarn.llamacpp.compute.gguf_order`).
 """
 
 import json
@@ -19,10 +19,14 @@ from pathlib import Path
 
 import torch
 
-from kvarn import cache, compute, engine
+from kvarn.kvcache import cache
+
+from kvarn.llamacpp import compute
+
+from kvarn.run import engine
 from kvarn.cli import model_spec
-from kvarn.facts import KVARN_ITERS
-from kvarn.sources import DEFAULT_CACHE_DIR
+from kvarn.spec.facts import KVARN_ITERS
+from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 TEXT = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")  # shared/ beside the checkout
 

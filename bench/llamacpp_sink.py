@@ -102,7 +102,11 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     """
     import torch
 
-    from kvarn import compute, engine, options
+    from kvarn.llamacpp import compute
+
+    from kvarn.run import engine
+
+    from kvarn.spec import options
     from kvarn.cli import model_spec
     from kvarn.formats.registry import get_format
 
@@ -151,7 +155,7 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
 
 def from_llama(rows: list[tuple]):
     """The replacement by llama.cpp's rows (`llama_rows`)."""
-    from kvarn import compute
+    from kvarn.llamacpp import compute
 
     def replace(i, positions, ours_k, ours_v, gguf_order):  # ours [H_kv, n, D]; rows [n_dumped, H_kv·D]
         lk, lv = (r[positions].reshape(x.shape[1], x.shape[0], x.shape[2]).transpose(0, 1)
@@ -200,7 +204,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    from kvarn import engine
+    from kvarn.run import engine
     from kvarn.cli import model_spec
 
     d = lc.run_dir(a.model, 1)  # the chunk-1 grid: the dumper runs chunk 1
@@ -264,7 +268,7 @@ def main() -> None:
         lines += spread
     print("\n".join(lines))
     if a.out:
-        from kvarn.atomic import write_text
+        from kvarn.files.atomic import write_text
 
         write_text(a.out, "\n".join(lines) + "\n")
         write_text(Path(a.out).with_suffix(".json"), json.dumps(every, indent=1, default=float) + "\n")

@@ -1,9 +1,9 @@
 """kvarn: how much does a quantized KV cache damage a language model?
 
 The package holds every number the pipeline produces: KV-cache formats
-(`kvarn.formats`), byte accounting (`kvarn.memory`), the cache model inside
-transformers (`kvarn.cache`), the teacher-forced KLD engine (`kvarn.engine`),
-metrics (`kvarn.metrics`) and the tables and figures (`kvarn.report`).
+(`kvarn.formats`), byte accounting (`kvarn.budget.memory`), the cache model inside
+transformers (`kvarn.kvcache.cache`), the teacher-forced KLD engine (`kvarn.run.engine`),
+metrics (`kvarn.stats.metrics`) and the tables and figures (`kvarn.report`).
 The numerics contract is docs/DESIGN.md ("DESIGN §N"); docs/CONTRACTS.md lists the
 interfaces between modules.
 """

@@ -13,16 +13,16 @@ import re
 import sys
 from pathlib import Path
 
-from kvarn import paired
-from kvarn.atomic import atomic_path
-from kvarn.facts import KVARN_ITERS, TAIL_DTYPES, check_pair, names, tail_label
-from kvarn.facts import get as type_facts
-from kvarn.geometry import geometry_from_config
-from kvarn.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, kv_bytes
-from kvarn.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES  # one list each for the CLI and the matrix
-from kvarn.policy import check_sink, pair_family
-from kvarn.preflight import PreflightError, capacity, preflight
-from kvarn.sources import DEFAULT_CACHE_DIR, EMBEDDED, ModelSpec, config_json, fetch
+from kvarn.stats import paired
+from kvarn.files.atomic import atomic_path
+from kvarn.spec.facts import KVARN_ITERS, TAIL_DTYPES, check_pair, names, tail_label
+from kvarn.spec.facts import get as type_facts
+from kvarn.spec.geometry import geometry_from_config
+from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, kv_bytes
+from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES  # one list each for the CLI and the matrix
+from kvarn.spec.policy import check_sink, pair_family
+from kvarn.budget.preflight import PreflightError, capacity, preflight
+from kvarn.weights.sources import DEFAULT_CACHE_DIR, EMBEDDED, ModelSpec, config_json, fetch
 
 EPILOG = """\
 examples (llama.cpp equivalents in brackets):
@@ -156,7 +156,7 @@ def _common(p, out_help):
     _attention_arg(p)
     p.add_argument("-o", "--out", required=True, metavar="PATH", help=out_help)
     p.add_argument("--dry-run", action="store_true",
-                   help="print the job's estimated peak device and host memory (kvarn.preflight, from the "
+                   help="print the job's estimated peak device and host memory (kvarn.budget.preflight, from the "
                         "model's config) and exit without loading weights")
 
 
@@ -281,7 +281,7 @@ def _cell_probe_args(p):
 def _accounting_arg(p):
 
     p.add_argument("--accounting", choices=list(ACCOUNTINGS), default=DEFAULT_ACCOUNTING,
-                   help="memory accounting of the KV cache MiB (kvarn.memory): "
+                   help="memory accounting of the KV cache MiB (kvarn.budget.memory): "
                         + "; ".join(f"{k}: {v}" for k, v in ACCOUNTINGS.items()))
 
 
@@ -375,7 +375,7 @@ def _decode(spec, args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from kvarn.decode import run_decode
+    from kvarn.run.decode import run_decode
 
     s = run_decode(spec, args.ctx, args.prompts, args.tokens, args.k, args.v, args.tail, Path(args.out),
                    ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype, iters=args.iters, sink=args.sink,
@@ -395,8 +395,8 @@ def _layers(spec, args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from kvarn.engine import setup
-    from kvarn.layer_error import layer_errors
+    from kvarn.run.engine import setup
+    from kvarn.run.layer_error import layer_errors
     from kvarn.report.figures import layer_error, save_chart
 
     loaded, chunk_ids, _ = setup(spec, args.ctx, args.chunks, args.text, args.device, args.dtype, args.cache_dir)
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        from kvarn import engine
+        from kvarn.run import engine
 
         if args.dry_run:
 
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baseline: {h['n_chunks']} chunks x {args.ctx} tokens, {h['tokens_per_s']:.1f} tokens/s -> {args.out}")
             return 0
         if args.cmd == "run":
-            from kvarn.metrics import format_llama
+            from kvarn.stats.metrics import format_llama
 
             pair_family(type_facts(args.k), type_facts(args.v))  # refuse KVarN mixed with standard early
 

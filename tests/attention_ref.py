@@ -1,4 +1,4 @@
-"""A reference for the cache model's attention (DESIGN §2), written independently of kvarn.attention.
+"""A reference for the cache model's attention (DESIGN §2), written independently of kvarn.kvcache.attention.
 
 `reference_attention` computes, densely and in float64, what one attention call must
 return: each (query p, key j) pair reads the exact copy iff j < sink or p − j < tail,
@@ -17,7 +17,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-import kvarn.attention as kattn
+import kvarn.kvcache.attention as kattn
 
 CHECK_NAME = "kvarn_check"
 

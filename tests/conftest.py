@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Workers spawned by the workflow tests (kvarn.worker) outlive their snakemake run until
+# Workers spawned by the workflow tests (kvarn.run.worker) outlive their snakemake run until
 # they have been idle this long: short, so a finished test run leaves none behind for
 # long, yet longer than the gap between two jobs of one run.
 os.environ.setdefault("KVARN_WORKER_IDLE", "30")
@@ -50,7 +50,7 @@ def fetched():
     """`fetched(name)`: the embedded model `name` fetched (verified, converted once) into the
     repository's model cache; returns its folder there (the GGUF and hf/). Tests that read
     those files take it rather than skip when no earlier test happened to fetch them."""
-    from kvarn import sources
+    from kvarn.weights import sources
     from paths import CACHE_DIR
 
     def get(name: str):

@@ -4,9 +4,9 @@
 * `{model}/ctx{n_ctx}-c{chunks}/cells/{k}-{v}-t{tail}/tokens.parquet` per cell (chunk, pos,
   kld, nll, nll_base, dp, same_top — docs/CONTRACTS.md), and
 * `summary.parquet`: one row per cell with the summary.json keys, the statistics computed
-  from those tokens, plus what the aggregate rule adds (kvarn.matrix.summary_row):
+  from those tokens, plus what the aggregate rule adds (kvarn.plan.matrix.summary_row):
   `family`, `tail_requested`, `tail_label`, `cell`, `kv_delta_bytes_vs_tail0`. Type facts and
-  KV bytes (the `packed` accounting) come from kvarn.facts and kvarn.memory, as in a real run.
+  KV bytes (the `packed` accounting) come from kvarn.spec.facts and kvarn.budget.memory, as in a real run.
 
 Two models with the shipped defaults' geometry (SmolLM2-135M: 30 layers x 3 KV heads x 64;
 Gemma 3 270M: 18 layers x 1 x 256, 5 of 6 layers sliding 512). KLD falls with width, a
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvarn import facts
-from kvarn.geometry import Geometry
-from kvarn.memory import summary_fields
+from kvarn.spec import facts
+from kvarn.spec.geometry import Geometry
+from kvarn.budget.memory import summary_fields
 
 MODELS = {
     # name: (layers, kv_heads, head_dim, windows per layer, median KLD at 2 / 8 bits, kvarn gain)
@@ -52,8 +52,8 @@ def geometry(model: str) -> Geometry:
 
 
 def exact_share(model: str, n_ctx: int, k: str, v: str, tail: int, sink: int | None = None) -> float:
-    """The product's exact share (kvarn.policy) for a cell of the fixture."""
-    from kvarn.policy import exact_share as share, layer_policy
+    """The product's exact share (kvarn.spec.policy) for a cell of the fixture."""
+    from kvarn.spec.policy import exact_share as share, layer_policy
 
     return share([layer_policy(facts.get(k), facts.get(v), tail, w, sink) for w in MODELS[model][3]], n_ctx)
 

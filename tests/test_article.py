@@ -1,5 +1,5 @@
 """config/article.yaml reproduces the study as it ran: every MiB the study prints comes out of
-the planned cells (kvarn.memory at config/models/*.json, no weights), the precision-tail sweep
+the planned cells (kvarn.budget.memory at config/models/*.json, no weights), the precision-tail sweep
 is planned for every symmetric width, and its README/config command plans as written."""
 
 import contextlib
@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 import yaml
 
-from kvarn import matrix as kvm
-from kvarn.geometry import geometry_from_config
-from kvarn.memory import MIB, kv_bytes
+from kvarn.plan import matrix as kvm
+from kvarn.spec.geometry import geometry_from_config
+from kvarn.budget.memory import MIB, kv_bytes
 from kvarn.report.claims import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,15 +124,15 @@ def test_article_dag_at_toy_scale_one_model_on_the_device_at_a_time(tmp_path):
     pattern (n_ctx 256, one chunk, a cut-down cell list), through every rule to claims.md and
     report.html, with the worker on and KVARN_DEVICE_MEMORY fitting one model's load but not
     two: the other model's first job starts only after the first model's worker released the
-    device (kvarn.worker.release_others)."""
+    device (kvarn.run.worker.release_others)."""
     import os
     import shutil
     import subprocess
     import sys
 
-    from kvarn import worker
-    from kvarn.geometry import geometry_from_config as geom_of
-    from kvarn.preflight import estimate
+    from kvarn.run import worker
+    from kvarn.spec.geometry import geometry_from_config as geom_of
+    from kvarn.budget.preflight import estimate
     from paths import WIKI_TEXT
 
     wd = tmp_path / "wf"
@@ -178,7 +178,7 @@ def test_article_dag_at_toy_scale_one_model_on_the_device_at_a_time(tmp_path):
         assert rep.returncode == 0, rep.stderr[-3000:]
     finally:
         # No worker of ours outlives the test. Its sockets are bound relative to the workflow
-        # directory (kvarn.worker.socket_path): pytest's tmp_path can make the absolute path
+        # directory (kvarn.run.worker.socket_path): pytest's tmp_path can make the absolute path
         # longer than an AF_UNIX address holds, so connect from there.
         with contextlib.chdir(wd):
             worker.release_others(None, workers.relative_to(wd))

@@ -1,8 +1,8 @@
-"""kvarn.atomic: a write either completes or leaves the old file and no temporary behind."""
+"""kvarn.files.atomic: a write either completes or leaves the old file and no temporary behind."""
 
 import pytest
 
-from kvarn.atomic import atomic_path, write_text
+from kvarn.files.atomic import atomic_path, write_text
 
 
 def test_write_creates_parents_and_replaces(tmp_path):

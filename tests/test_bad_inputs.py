@@ -14,8 +14,10 @@ import struct
 
 import pytest
 
-from kvarn import cli, dump
-from kvarn import matrix as kvm
+from kvarn import cli
+
+from kvarn.baseline import dump
+from kvarn.plan import matrix as kvm
 
 MODEL = "smollm2-135m"
 CONFIG = {
@@ -107,7 +109,8 @@ CASES = [
 @pytest.fixture
 def no_work(monkeypatch):
     """Any download, conversion, weight hashing or model load fails the test."""
-    from kvarn import identity, models, sources
+    from kvarn.files import identity
+    from kvarn.weights import models, sources
 
     def trap(*a, **k):
         raise AssertionError("work started before the bad input was refused")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvarn.cache import KVarnLayer, make_format
+from kvarn.kvcache.cache import KVarnLayer, make_format
 from kvarn.formats import get_format
 from kvarn.formats.blocks import QK, SPECS
-from kvarn.policy import layer_policy
+from kvarn.spec.policy import layer_policy
 
 F16_MAX = 65504.0
 

@@ -66,8 +66,8 @@ def test_tiny_config_keeps_the_layer_pattern(tmp_path):
 def test_a_model_that_cannot_load_is_recorded_and_the_script_goes_on(tmp_path, monkeypatch):
     if not TEXT.is_file():
         pytest.skip("wiki.test.raw not available")
-    from kvarn import engine
-    from kvarn.preflight import PreflightError
+    from kvarn.run import engine
+    from kvarn.budget.preflight import PreflightError
 
     def refuse(*a, **k):
         raise PreflightError("estimate 170 GiB > capacity 141 GiB | lower --ctx")

@@ -12,10 +12,10 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 from transformers.masking_utils import AttentionMaskInterface
 
 import attention_ref as AR
-import kvarn.attention as kattn
-from kvarn.cache import KVarnCache, exact_selection, layer_windows
+import kvarn.kvcache.attention as kattn
+from kvarn.kvcache.cache import KVarnCache, exact_selection, layer_windows
 from kvarn.formats import get_format
-from kvarn.policy import layer_policy
+from kvarn.spec.policy import layer_policy
 
 N = 64  # tokens per test sequence
 
@@ -153,7 +153,7 @@ def test_ubatch_independence(model, k, v, tail):
                                           ("kvarn4", "kvarn4", 0, torch.float16), ("f16", "bf16", 3, torch.float32)])
 def test_storage_is_ubatch_independent(k, v, tail, tdt):
     # The same K/V fed in different splits leave bit-identical exact and body copies.
-    from kvarn.cache import KVarnLayer, make_format
+    from kvarn.kvcache.cache import KVarnLayer, make_format
 
     g = torch.Generator().manual_seed(3)
     K, V = torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g)
@@ -178,7 +178,7 @@ def test_reference_check_catches_a_tail_off_by_one(monkeypatch):
     real = kattn.exact_selection
 
     def off_by_one(q_pos, kv_len, policy, kv_offset=0):
-        from kvarn.policy import LayerPolicy
+        from kvarn.spec.policy import LayerPolicy
 
         return real(q_pos, kv_len, LayerPolicy(policy.sink, max(policy.tail - 1, 0), policy.window), kv_offset)
     monkeypatch.setattr(kattn, "exact_selection", off_by_one)
@@ -279,7 +279,7 @@ def test_exact_selection_shape():
 
 def test_kvarn_groups_and_ubatch(model):
     # 300 tokens: groups 0..127 and 128..255 are quantized, 256..299 is an incomplete group
-    # (body rows zero, never read: kvarn.attention asserts it). Queries at p >= 256 read
+    # (body rows zero, never read: kvarn.kvcache.attention asserts it). Queries at p >= 256 read
     # body keys 128..p-128 (sink 128 + tail 128 on full layers): KVarN numerics are used.
     # ubatch 100 completes groups in the middle of a ubatch; every attention call must
     # still be DESIGN §2 at fp32 noise.
@@ -292,7 +292,7 @@ def test_kvarn_groups_and_ubatch(model):
         assert (layer.n_tokens, layer.n_body) == (300, 256)
         assert (layer.keys[..., 256:, :] == 0).all()
         assert not torch.equal(layer.keys[..., :256, :], layer.exact_keys[..., :256, :])
-    from kvarn.policy import exact_share
+    from kvarn.spec.policy import exact_share
 
     assert exact_share(cache.policies, 300) < 1  # some scored read comes from the body
     for ub in (300, 100, 1):
@@ -330,7 +330,7 @@ def test_query_blocks(model, k, v, tail, monkeypatch):
 def test_exact_share_counts_the_selection(sink, tail, window, n_ctx):
     # Oracle: count the (scored query, key) pairs that attention's own selection
     # (exact_selection) marks exact among the causal / sliding-window allowed keys.
-    from kvarn.policy import LayerPolicy, exact_pairs, exact_share
+    from kvarn.spec.policy import LayerPolicy, exact_pairs, exact_share
 
     pol = LayerPolicy(sink, tail, window)
     p = torch.arange(n_ctx // 2, n_ctx - 1)
@@ -345,7 +345,7 @@ def test_exact_share_counts_the_selection(sink, tail, window, n_ctx):
 def test_exact_share_of_kvarn_by_hand():
     # KVarN at n_ctx 512 (sink 128, tail 128) on a full layer: query p reads p + 1 keys, of
     # which 128 sink + 128 tail are exact, every scored p >= 256 => exact = 256 per query.
-    from kvarn.policy import exact_share
+    from kvarn.spec.policy import exact_share
 
     kv = get_format("kvarn4")
     pol = layer_policy(kv, get_format("kvarn4", role="v"), 0)

@@ -11,10 +11,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import synthetic  # noqa: E402
 
-from kvarn import facts  # noqa: E402
-from kvarn.geometry import geometry_from_config  # noqa: E402
-from kvarn.memory import MIB, kv_bytes  # noqa: E402
-from kvarn.paired import compare, load_cell  # noqa: E402
+from kvarn.spec import facts  # noqa: E402
+from kvarn.spec.geometry import geometry_from_config  # noqa: E402
+from kvarn.budget.memory import MIB, kv_bytes  # noqa: E402
+from kvarn.stats.paired import compare, load_cell  # noqa: E402
 from kvarn.report import claims as C  # noqa: E402
 from kvarn.report.data import prepare  # noqa: E402
 
@@ -56,7 +56,7 @@ def geometry(name):
 
 
 def study_mib(study_model, k, v, tail):
-    """A cell's MiB from kvarn.memory at the study's geometry, context and accounting."""
+    """A cell's MiB from kvarn.budget.memory at the study's geometry, context and accounting."""
     m = STUDY["models"][study_model]
     return kv_bytes(geometry(study_model), m["n_ctx"], k, v, tail, ubatch=m["ubatch"],
                     accounting=m["memory_accounting"]).total / MIB
@@ -67,7 +67,7 @@ def study_mib(study_model, k, v, tail):
 
 def test_study_numbers_give_the_studys_figures_qwen():
     """Fed the study's printed medians and MiB as summaries, the ledger prints the study's 6.7,
-    616.00 and 104.00. q5_0-q4_0 t128 is not printed: its MiB comes from kvarn.memory at the
+    616.00 and 104.00. q5_0-q4_0 t128 is not printed: its MiB comes from kvarn.budget.memory at the
     study's geometry (1288.00) and its median is hand-made, just at or below kvarn4's."""
     med = STUDY["figures"]["median"]["qwen3.6-27b"]
     mib = STUDY["figures"]["memory"]["qwen3.6-27b"]
@@ -95,7 +95,7 @@ def test_study_numbers_give_the_studys_figures_qwen():
 def test_study_numbers_give_the_studys_figures_gemma():
     """Gemma 4: the 2-bit reversal from the printed medians; kvarn6-kvarn6 below the floor saves
     109.38 MiB (medians of q8_0 and kvarn6 are not printed: hand-made, kvarn6 below); no KVarN row
-    saves memory against its cheapest match (q5_0 t128, MiB from kvarn.memory, hand-made median)."""
+    saves memory against its cheapest match (q5_0 t128, MiB from kvarn.budget.memory, hand-made median)."""
     med = STUDY["figures"]["median"]["gemma4-31b"]
     mib = STUDY["figures"]["memory"]["gemma4-31b"]
     cells = [("q2_0-q2_0", 128, med["q2_0-q2_0 t128"], mib["q2_0-q2_0 t128"]),

@@ -1,4 +1,4 @@
-"""kvarn.compute (llamacpp-cpu) against a slow reference written straight from ggml-cpu's semantics.
+"""kvarn.llamacpp.compute (llamacpp-cpu) against a slow reference written straight from ggml-cpu's semantics.
 
 The reference quantizes the cache with the `gguf` package (independent of
 kvarn.formats.blocks), converts Q block by block, takes integer block dots and runs
@@ -11,10 +11,14 @@ import torch
 from gguf.quants import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
-from kvarn import compute, options
-from kvarn.cache import KVarnLayer, make_format
+from kvarn.spec import scoring
+
+from kvarn.llamacpp import compute
+
+from kvarn.spec import options
+from kvarn.kvcache.cache import KVarnLayer, make_format
 from kvarn.formats.hadamard import rotate_blocks
-from kvarn.policy import LayerPolicy
+from kvarn.spec.policy import LayerPolicy
 from paths import WIKI_TEXT
 from ties import tie_blocks, tie_count
 
@@ -291,7 +295,7 @@ def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted, fetched):
 
     from safetensors import safe_open
 
-    from kvarn.gguf_file import reader, tensor
+    from kvarn.weights.gguf_file import reader, tensor
 
     d = fetched(model)
     hf = d / "hf" / "model.safetensors"
@@ -316,7 +320,7 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
     """A llama-arch cache: Q and K rotated and rounded in the GGUF order, as llama.cpp holds them."""
     from transformers import Gemma3TextConfig, LlamaConfig
 
-    from kvarn.cache import KVarnCache
+    from kvarn.kvcache.cache import KVarnCache
 
     g = np.random.default_rng(7)
     H, Hkv, n_q, L, D = 4, 2, 5, 12, 64
@@ -346,7 +350,7 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
 def test_baseline_compute_must_match(tmp_path):
     from types import SimpleNamespace
 
-    from kvarn.engine import check_baseline_compute
+    from kvarn.run.engine import check_baseline_compute
 
     old = SimpleNamespace(header={}, path=tmp_path / "b.kvd")  # a dump from before the field: exact
     check_baseline_compute(old, "exact")
@@ -368,7 +372,11 @@ def test_baseline_compute_must_match(tmp_path):
 def test_smollm2_paths():
     from pathlib import Path
 
-    from kvarn import data, engine, models
+    from kvarn.baseline import data
+
+    from kvarn.run import engine
+
+    from kvarn.weights import models
 
     text = WIKI_TEXT
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"),
@@ -380,7 +388,7 @@ def test_smollm2_paths():
 
     def run(k, v, mode, ubatch=512):
         cache = engine.new_cache(lm.model, k, v, 0, compute=mode)
-        lp = torch.cat([x for _, x in engine.chunk_logprobs(lm.model, ids, cache, ubatch, data.scored_positions(ctx))])
+        lp = torch.cat([x for _, x in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ctx))])
         return lp, {getattr(layer, "last_path", None) for layer in cache.layers}
 
     def kld(a, b):
@@ -427,7 +435,7 @@ def test_activation_rounding_follows_the_gguf_types():
     from collections import Counter
     from pathlib import Path
 
-    from kvarn import models
+    from kvarn.weights import models
 
     root = Path(__file__).resolve().parents[1] / "resources" / "models"
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=root)
@@ -479,7 +487,7 @@ def test_ggml_gelu_f16_against_float64():
 def test_gemma_gelu_follows_ggml():
     from pathlib import Path
 
-    from kvarn import models
+    from kvarn.weights import models
 
     root = Path(__file__).resolve().parents[1] / "resources" / "models"
     lm = models.load(models.ModelSpec("gemma3-270m", "embedded:gemma3-270m"), cache_dir=root)

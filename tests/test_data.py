@@ -1,4 +1,4 @@
-"""kvarn.data: the text, its rebuild from hub rows, chunks and scored positions."""
+"""kvarn.baseline.data: the text, its rebuild from hub rows, chunks and scored positions."""
 
 import sys
 import types
@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvarn import data
+from kvarn.spec import scoring
+
+from kvarn.baseline import data
 from paths import WIKI_TEXT
 
 WIKI = WIKI_TEXT
@@ -94,11 +96,11 @@ def test_make_chunks_errors():
 
 
 def test_scored_positions():
-    assert data.scored_positions(8) == range(4, 7)
-    assert len(data.scored_positions(512)) == 512 - 1 - 256
+    assert scoring.scored_positions(8) == range(4, 7)
+    assert len(scoring.scored_positions(512)) == 512 - 1 - 256
     for bad in (7, 2, 0, -4, 8.0):
         with pytest.raises(ValueError, match="n_ctx"):
-            data.scored_positions(bad)
+            scoring.scored_positions(bad)
 
 
 class _Tok:

@@ -1,4 +1,4 @@
-"""kvarn.decode: free-running greedy decode through the cache model.
+"""kvarn.run.decode: free-running greedy decode through the cache model.
 
 Slow (real models): an f32 cache reproduces the model's own `generate(do_sample=False)` token
 for token; the bf16 cell is the baseline (never diverges, KLD exactly 0); a 2-bit cache
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn import decode as KD
+from kvarn.run import decode as KD
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
 # One xdist worker: the module fixture loads SmolLM2 once.
@@ -45,7 +45,8 @@ def test_prompt_length_is_checked():
 
 @pytest.fixture(scope="module")
 def smol():
-    from kvarn import data, models
+    from kvarn.baseline import data
+    from kvarn.weights import models
 
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=CACHE_DIR)
     lm.model.eval()
@@ -58,7 +59,7 @@ def smol():
 
 @pytest.mark.slow
 def test_f32_cache_reproduces_generate(smol):
-    import kvarn.attention  # noqa: F401  (registers "kvarn")
+    import kvarn.kvcache.attention  # noqa: F401  (registers "kvarn")
 
     lm, prompts = smol
     lm.model.set_attn_implementation("sdpa")
@@ -75,7 +76,7 @@ def test_f32_cache_reproduces_generate(smol):
 
 @pytest.mark.slow
 def test_bf16_cell_never_diverges_and_q2_does(smol):
-    import kvarn.attention  # noqa: F401
+    import kvarn.kvcache.attention  # noqa: F401
 
     lm, prompts = smol
     lm.model.set_attn_implementation("kvarn")

@@ -1,6 +1,6 @@
 """The decode path's shortcuts give the same numbers as the general path, bit for bit.
 
-`kvarn.attention.single_query_spans` (a decode step's key spans from the cache policy)
+`kvarn.kvcache.attention.single_query_spans` (a decode step's key spans from the cache policy)
 against `block_spans` (from the masks) on a grid, and a short free-running decode through
 KVarN, q4_0 and bf16 caches with the shortcut on and off.
 """
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import kvarn.attention as KA
-from kvarn import decode as KD
+import kvarn.kvcache.attention as KA
+from kvarn.run import decode as KD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +36,8 @@ def test_single_query_spans_match_the_masks(sink, tail):
 
 @pytest.fixture(scope="module")
 def smol():
-    from kvarn import data, models
+    from kvarn.baseline import data
+    from kvarn.weights import models
     from paths import CACHE_DIR, ENGINE_TEXT
 
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=CACHE_DIR)

@@ -1,11 +1,13 @@
-"""kvarn.dump: encoding error bound, round trip, both layouts decoding to the same bits, refusal of bad or
+"""kvarn.baseline.dump: encoding error bound, round trip, both layouts decoding to the same bits, refusal of bad or
 mismatched files."""
 
 import numpy as np
 import pytest
 import torch
 
-from kvarn import dump, metrics
+from kvarn.baseline import dump
+
+from kvarn.stats import metrics
 
 EPS32 = float(np.finfo(np.float32).eps)
 

@@ -19,13 +19,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import QuantizedCache
 
-import kvarn.attention as kattn
-from kvarn import facts
+import kvarn.kvcache.attention as kattn
+from kvarn.spec import facts
 from kvarn import report as R
-from kvarn.cache import KVarnCache, KVarnLayer
+from kvarn.kvcache.cache import KVarnCache, KVarnLayer
 from kvarn.formats import get_format
-from kvarn.geometry import Geometry
-from kvarn.memory import kv_bytes
+from kvarn.spec.geometry import Geometry
+from kvarn.budget.memory import kv_bytes
 from kvarn.report import data as D
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -12,6 +12,8 @@ import json
 import pytest
 import torch
 
+from kvarn.spec import scoring
+
 from kvarn import cli
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
@@ -69,7 +71,7 @@ def test_cli_help_mentions_llama_terms(capsys):
 
 @pytest.fixture(scope="session")
 def loaded():
-    from kvarn import models, sources
+    from kvarn.weights import models, sources
 
     out = {}
 
@@ -83,7 +85,7 @@ def loaded():
 
 @pytest.fixture(scope="session")
 def first_chunk(loaded):
-    from kvarn import data
+    from kvarn.baseline import data
 
     text = data.load_text(TEXT)
 
@@ -94,21 +96,22 @@ def first_chunk(loaded):
 
 
 def _engine_logprobs(lm, ids, k, v, tail=0, ubatch=512):
-    from kvarn import data, engine
+    from kvarn.baseline import data
+    from kvarn.run import engine
 
     lm.model.set_attn_implementation("kvarn")
     cache = engine.new_cache(lm.model, k, v, tail)
-    return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, data.scored_positions(CTX))])
+    return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(CTX))])
 
 
 @torch.inference_mode()
 def _plain_logprobs(lm, ids, impl):
     """The model's own single-pass forward over the whole chunk `ids`, its head applied at
     the scored positions only (`logits_to_keep`, as the engine does)."""
-    from kvarn import data
+    from kvarn.baseline import data
 
     lm.model.set_attn_implementation(impl)
-    sc = data.scored_positions(ids.shape[0])
+    sc = scoring.scored_positions(ids.shape[0])
     logits = lm.model(ids[None], logits_to_keep=torch.arange(sc.start, sc.stop)).logits[0]
     assert logits.shape[0] == len(sc)
     return torch.log_softmax(logits.float(), dim=-1)
@@ -132,8 +135,9 @@ SMOL = ("smollm2-135m", "embedded:smollm2-135m")
 @pytest.fixture(scope="session")
 def smol_context():
     """`smol_context(n_ctx)`: one engine.Context (SmolLM2 loaded, the text tokenized) per
-    n_ctx, shared by the cells and baselines below, as kvarn.worker shares one per job."""
-    from kvarn import engine, sources
+    n_ctx, shared by the cells and baselines below, as kvarn.run.worker shares one per job."""
+    from kvarn.run import engine
+    from kvarn.weights import sources
 
     out = {}
 
@@ -148,7 +152,9 @@ def smol_context():
 def smol_baseline_run(tmp_path_factory):
     """The SmolLM2 baseline dump at CTX, made without a Context (the engine loading the
     model itself), and the row counts of the log-prob slices its writer was handed."""
-    from kvarn import dump, engine, sources
+    from kvarn.baseline import dump
+    from kvarn.run import engine
+    from kvarn.weights import sources
 
     out = tmp_path_factory.mktemp("kvarn") / "base.kvd"
     real = dump.write_dump
@@ -167,7 +173,7 @@ def smol_baseline(smol_baseline_run):
 def _spy_on_dump_slices(mp):
     """Wrap dump.write_dump (through `mp`): each block must arrive as a generator of row
     slices, never a whole tensor; returns the list the slices' row counts are added to."""
-    from kvarn import dump
+    from kvarn.baseline import dump
 
     real, seen = dump.write_dump, []
 
@@ -190,7 +196,8 @@ def _spy_on_dump_slices(mp):
 def test_baseline_streams_its_log_probs_to_the_dump_in_slices(smol_baseline_run):
     # The host never holds a whole chunk's log-probs (32 GB at Qwen 3.6's 64k): each chunk
     # reaches the writer as LOGIT_ROWS slices (test_dump: the file is the same either way).
-    from kvarn import dump, engine
+    from kvarn.baseline import dump
+    from kvarn.run import engine
 
     out, seen = smol_baseline_run
     assert len(seen) > 1 and max(seen) <= engine.LOGIT_ROWS and sum(seen) == CTX - 1 - CTX // 2
@@ -198,15 +205,16 @@ def test_baseline_streams_its_log_probs_to_the_dump_in_slices(smol_baseline_run)
 
 
 def _cell(base, k, v, tail, tmp_path_factory, context):
-    from kvarn import engine, sources
+    from kvarn.run import engine
+    from kvarn.weights import sources
 
     out = tmp_path_factory.mktemp(f"{k}-{v}-t{tail}")
     s = engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, k, v, tail, base, out, text=TEXT, cache_dir=CACHE_DIR,
                         context=context)
     assert json.loads((out / "summary.json").read_text())["kld_median"] == s["kld_median"]
-    # the memory keys: `packed` by default, with the geometry they came from (kvarn.memory)
-    from kvarn.geometry import Geometry
-    from kvarn.memory import kv_bytes
+    # the memory keys: `packed` by default, with the geometry they came from (kvarn.budget.memory)
+    from kvarn.spec.geometry import Geometry
+    from kvarn.budget.memory import kv_bytes
 
     smol = Geometry.uniform(30, 3, 64)
     assert s["memory_accounting"] == "packed" and Geometry.from_list(s["kv_geometry"]) == smol
@@ -223,13 +231,14 @@ def _cell(base, k, v, tail, tmp_path_factory, context):
 def smol_bf16_cell(loaded, first_chunk):
     """The bf16/bf16 cell's own log-probs on the baseline's chunk, with the baseline's ubatch
     and attention path, through a cache built here (not the engine's baseline constants)."""
-    from kvarn import data, engine
+    from kvarn.baseline import data
+    from kvarn.run import engine
 
     lm, ids = loaded("smollm2-135m"), first_chunk("smollm2-135m")
     lm.model.set_attn_implementation("kvarn")
     path = engine.attention_path("auto", lm.info.device, "exact")
     cache = engine.new_cache(lm.model, "bf16", "bf16", 0, attention=path)
-    lp = torch.cat([x.cpu() for _, x in engine.chunk_logprobs(lm.model, ids, cache, 512, data.scored_positions(CTX))])
+    lp = torch.cat([x.cpu() for _, x in engine.chunk_logprobs(lm.model, ids, cache, 512, scoring.scored_positions(CTX))])
     return lp, ids[CTX // 2 + 1 : CTX]
 
 
@@ -241,7 +250,9 @@ def test_bf16_cell_is_the_baseline_bit_for_bit(smol_baseline, smol_bf16_cell):
     # against the dump, the cell and its own encoding give the same numbers bit for bit.
     import numpy as np
 
-    from kvarn import dump, metrics
+    from kvarn.baseline import dump
+
+    from kvarn.stats import metrics
 
     lp, targets = smol_bf16_cell
     base = dump.open_dump(smol_baseline)
@@ -258,7 +269,9 @@ def test_bf16_cell_against_baseline_dump(smol_baseline, smol_bf16_cell, tmp_path
     # per-token KLD is, bit for bit, that of its own log-probs against their encoding.
     import numpy as np
 
-    from kvarn import dump, metrics
+    from kvarn.baseline import dump
+
+    from kvarn.stats import metrics
 
     lp, targets = smol_bf16_cell
     s, t = _cell(smol_baseline, "bf16", "bf16", 0, tmp_path_factory, smol_context(CTX))
@@ -275,7 +288,11 @@ def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_facto
     # the same cell, per-token metrics bit for bit, through the engine's slice decoding.
     import polars as pl
 
-    from kvarn import dump, engine, sources
+    from kvarn.baseline import dump
+
+    from kvarn.run import engine
+
+    from kvarn.weights import sources
 
     dense = tmp_path_factory.mktemp("dense") / "base.kvd"
     dump.convert_dump(smol_baseline, dense, layout="dense")
@@ -288,7 +305,7 @@ def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_facto
                             cache_dir=CACHE_DIR, context=smol_context(CTX))
         got[name] = (pl.read_parquet(out / "tokens.parquet"), s)
     assert got["sparse"][0].equals(got["dense"][0]) and got["sparse"][0]["kld"].max() > 0
-    from kvarn import metrics
+    from kvarn.stats import metrics
 
     keys = list(metrics.summarize(got["dense"][0]))  # every summary statistic
     assert [got["sparse"][1][k] for k in keys] == [got["dense"][1][k] for k in keys]
@@ -308,8 +325,8 @@ def test_smollm2_orderings(smol_baseline, tmp_path_factory, smol_context):
 
 @pytest.fixture(scope="session")
 def smol_baseline_512(tmp_path_factory, smol_context):
-    from kvarn import engine
-    from kvarn.sources import ModelSpec
+    from kvarn.run import engine
+    from kvarn.weights.sources import ModelSpec
 
     out = tmp_path_factory.mktemp("kvarn512") / "base.kvd"
     engine.run_baseline(ModelSpec(*SMOL), 512, 1, out, text=TEXT, cache_dir=CACHE_DIR, context=smol_context(512))
@@ -321,8 +338,8 @@ def test_kvarn_end_to_end_reads_the_body(smol_baseline_512, tmp_path_factory, sm
     # At n_ctx 256 a scored query (p >= 128) reads nothing from KVarN's body (sink 128 +
     # tail 128 cover p + 1 <= 256 keys): such a test exercises no KVarN numerics. At 512
     # a third of the reads come from the body, so the width must show in the KLD.
-    from kvarn import engine
-    from kvarn.sources import ModelSpec
+    from kvarn.run import engine
+    from kvarn.weights.sources import ModelSpec
 
     spec = ModelSpec(*SMOL)
     s = {}
@@ -350,14 +367,15 @@ def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypa
     # window), yet the f32 cache is the model's own single pass at fp32 noise (the claim of
     # test_f32_cache_equals_plain_forward, for Gemma 3 made here), and a q4_0 tail-128 cell
     # is bit for bit the same cache keeping every row.
-    from kvarn import data, engine
-    from kvarn.cache import KVarnLayer
+    from kvarn.baseline import data
+    from kvarn.run import engine
+    from kvarn.kvcache.cache import KVarnLayer
 
     lm, n, ub = loaded("gemma3-270m"), SLIDE_CTX, SLIDE_UB
     window = lm.model.config.sliding_window
     assert window + ub < n and n % ub == 0
     ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)), n, 1, lm.info.bos_id)[0]
-    sc = data.scored_positions(n)
+    sc = scoring.scored_positions(n)
     # the last ubatch (queries n - ub .. n - 1, all scored) reads past the window: its first
     # key is not position 0
     assert sc.start < n - ub and n - ub - window + 1 > 0

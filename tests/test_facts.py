@@ -1,4 +1,4 @@
-"""kvarn.facts: the torch-free type table agrees with every registered format class."""
+"""kvarn.spec.facts: the torch-free type table agrees with every registered format class."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from kvarn import facts
+from kvarn.spec import facts
 from kvarn.formats import get_format, names
 
 ATTRS = ("family", "group", "sink", "tail_quantum", "min_tail", "default_tail_dtype", "version")
@@ -93,6 +93,6 @@ def test_check_pair_checks_the_pair_and_the_sink():
 
 def test_torch_free():
     """memory, facts, matrix and the report's data shaping import without torch."""
-    code = ("import sys; import kvarn.facts, kvarn.memory, kvarn.matrix, kvarn.policy, kvarn.geometry; "
+    code = ("import sys; import kvarn.spec.facts, kvarn.budget.memory, kvarn.plan.matrix, kvarn.spec.policy, kvarn.spec.geometry; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,10 +1,10 @@
-"""The flex attention path (kvarn.flex) against the float64 reference and the reference path.
+"""The flex attention path (kvarn.kvcache.flex) against the float64 reference and the reference path.
 
 Every attention call of a tiny random-weight model is computed three ways on the very same
 inputs: the flex path (returned to the model), the reference path (`attention_ref`, sdpa
 per query block) and the dense float64 reference of tests/attention_ref.py; both paths must
 sit within a few times the reference's own fp32 noise (the method of tests/test_cache.py).
-flex_attention runs eagerly here (`kvarn.flex.COMPILE = False`: an unfused dense path, fast
+flex_attention runs eagerly here (`kvarn.kvcache.flex.COMPILE = False`: an unfused dense path, fast
 at these sizes; compiling on CPU takes minutes); bench/bench_flex.py runs the compiled kernel.
 """
 
@@ -17,11 +17,12 @@ import pytest
 import torch
 
 import attention_ref as AR
-import kvarn.attention as kattn
-import kvarn.flex as kflex
-from kvarn.cache import KVarnCache
+import kvarn.kvcache.attention as kattn
+import kvarn.kvcache.flex as kflex
+from kvarn.spec import scoring
+from kvarn.kvcache.cache import KVarnCache
 from kvarn.formats import get_format
-from kvarn.policy import layer_policy
+from kvarn.spec.policy import layer_policy
 from test_cache import _gemma, _ids, _llama
 
 # One xdist worker: the module fixtures load SmolLM2 once.
@@ -120,11 +121,11 @@ def test_flex_kvarn_groups(model):
 
 
 def test_decode_batch_on_flex():
-    # kvarn.decode: 3 prompts as one batch, then one token at a time, both caches on flex;
+    # kvarn.run.decode: 3 prompts as one batch, then one token at a time, both caches on flex;
     # the same greedy text as on ref (an f32 cell: continuous in its inputs).
     import numpy as np
 
-    from kvarn.decode import decode
+    from kvarn.run.decode import decode
 
     model = _llama()
     model.set_attn_implementation(kattn.ATTN_NAME)
@@ -190,7 +191,7 @@ def test_attention_option_is_checked():
     with pytest.raises(ValueError, match="attention 'fast' not accepted; use one of ref, flex, auto"):
         kattn.resolve_attention("fast", "cpu")
     assert kattn.resolve_attention("auto", "cpu") == "ref" and kattn.resolve_attention("auto", "cuda:0") == "flex"
-    from kvarn.engine import attention_path
+    from kvarn.run.engine import attention_path
 
     assert attention_path("auto", "cpu", "exact") == "ref" and attention_path("flex", "cpu", "llamacpp-cpu") is None
     with pytest.raises(ValueError, match="attention 'x' not accepted"):
@@ -211,8 +212,10 @@ def smol():
     it), and the first E2E_LEN tokens of the text's first 512-token chunk."""
     from paths import CACHE_DIR, ENGINE_TEXT
 
-    from kvarn import data, engine
-    from kvarn.sources import ModelSpec
+    from kvarn.baseline import data
+
+    from kvarn.run import engine
+    from kvarn.weights.sources import ModelSpec
 
     context = engine.Context(ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CELL_CTX, 1, ENGINE_TEXT,
                              cache_dir=CACHE_DIR)
@@ -222,21 +225,22 @@ def smol():
 
 
 def _logprobs(lm, ids, k, v, tail, attention, ubatch=512):
-    from kvarn import data, engine
+    from kvarn.baseline import data
+    from kvarn.run import engine
 
     lm.model.set_attn_implementation(kattn.ATTN_NAME)
     cache = engine.new_cache(lm.model, k, v, tail, attention=attention)
-    sc = data.scored_positions(ids.shape[0])
+    sc = scoring.scored_positions(ids.shape[0])
     return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, sc)])
 
 
 @torch.inference_mode()
 def _plain(lm, ids, impl):
     """The model's own single pass, its head applied at the scored positions only."""
-    from kvarn import data
+    from kvarn.baseline import data
 
     lm.model.set_attn_implementation(impl)
-    sc = data.scored_positions(ids.shape[0])
+    sc = scoring.scored_positions(ids.shape[0])
     logits = lm.model(ids[None], logits_to_keep=torch.arange(sc.start, sc.stop)).logits[0]
     assert logits.shape[0] == len(sc)
     return torch.log_softmax(logits.float(), dim=-1)
@@ -277,8 +281,12 @@ def test_smollm2_bf16_cell_is_the_baseline_on_flex(smol, tmp_path):
 
     from paths import CACHE_DIR, ENGINE_TEXT
 
-    from kvarn import dump, engine, metrics
-    from kvarn.sources import ModelSpec
+    from kvarn.baseline import dump
+
+    from kvarn.run import engine
+
+    from kvarn.stats import metrics
+    from kvarn.weights.sources import ModelSpec
 
     lm, ids, context = smol
     ids = ids[:CELL_CTX]

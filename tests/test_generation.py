@@ -11,7 +11,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvarn import decode as KD
+from kvarn.run import decode as KD
 from kvarn.report import generation as G
 
 

@@ -1,4 +1,4 @@
-"""kvarn.gguf_weights: the qwen35/gemma4 tensor names against the gguf package's tables, and a
+"""kvarn.weights.gguf_weights: the qwen35/gemma4 tensor names against the gguf package's tables, and a
 gemma4 GGUF written in-test (llama.cpp's metadata keys and names, Q8_0 weights) reloaded at fp32.
 
 The oracle for names and layouts is llama.cpp's own converter: bench/gguf_roundtrip.py runs it
@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 
-from kvarn import gguf_file, gguf_weights
+from kvarn.weights import gguf_file, gguf_weights
 
 from test_models import GEMMA_TEXT, QWEN_TEXT
 
@@ -122,7 +122,7 @@ def test_gemma4_gguf_written_in_test_reloads_exactly(tmp_path):
         ids = torch.randint(0, 384, (1, 24), generator=torch.Generator().manual_seed(2))
         want, got = model(input_ids=ids).logits, loaded(input_ids=ids).logits
     assert torch.equal(want, got)
-    from kvarn.geometry import geometry_from_config
+    from kvarn.spec.geometry import geometry_from_config
 
     assert geometry_from_config(loaded.config).describe() == (
         "3 sliding_attention (2 KV heads x 16, W 8); 1 full_attention (1 KV heads x 32, K=V)")

@@ -1,4 +1,4 @@
-"""Baseline identity (kvarn.identity): every field that changes the logits is recorded in the
+"""Baseline identity (kvarn.files.identity): every field that changes the logits is recorded in the
 dump and checked by the cell; local weights are fingerprinted (cached beside each file).
 
 Oracle for the end-to-end checks: a tiny random Llama saved as a local transformers
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvarn import identity
+from kvarn.files import identity
 from paths import WIKI_TEXT
 
 # One xdist worker: the module fixture runs a tiny workflow once.
@@ -66,7 +66,7 @@ def test_read_only_directory_still_hashes(tmp_path, monkeypatch):
 
     def refuse(*a, **k):
         raise PermissionError("read-only")
-    monkeypatch.setattr("kvarn.atomic.write_text", refuse)
+    monkeypatch.setattr("kvarn.files.atomic.write_text", refuse)
     import hashlib
 
     assert identity.file_sha256(f) == hashlib.sha256(b"abc").hexdigest()
@@ -105,8 +105,9 @@ def tiny_run(tmp_path_factory, fetched):
     fetched("smollm2-135m")  # its tokenizer serves the tiny model
     if not TEXT.is_file():
         pytest.skip("needs wiki.test.raw")
-    from kvarn import data, engine
-    from kvarn.sources import ModelSpec
+    from kvarn.baseline import data
+    from kvarn.run import engine
+    from kvarn.weights.sources import ModelSpec
 
     # 2 chunks of 32 tokens need only the head of the (verified) test split: the baseline and
     # every cell of the module tokenize it, not 1.3 MB each (its sha256 is the head's in both).
@@ -129,7 +130,7 @@ def _cell(engine, spec, base, kw, out, **over):
 
 
 def test_dump_carries_every_identity_field(tiny_run):
-    from kvarn import dump
+    from kvarn.baseline import dump
 
     engine, spec, base, kw, h, d, tmp = tiny_run
     header = dump.open_dump(base).header
@@ -154,7 +155,7 @@ def test_cell_refuses_other_dtype(tiny_run):
 
 
 def test_cell_refuses_other_versions_and_device(tiny_run, monkeypatch):
-    from kvarn import dump
+    from kvarn.baseline import dump
 
     engine, spec, base, kw, h, d, tmp = tiny_run
     real_open = dump.open_dump

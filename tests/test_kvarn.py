@@ -368,7 +368,7 @@ def test_import_kvarn_does_not_import_triton():
     import subprocess
     import sys
 
-    code = "import sys, kvarn, kvarn.formats, kvarn.memory; sys.exit('triton' in sys.modules)"
+    code = "import sys, kvarn, kvarn.formats, kvarn.budget.memory; sys.exit('triton' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -452,7 +452,8 @@ def test_fast_normalization_bad_input():
 
 def _real_kv(name: str, n_tokens: int = 256):
     """A model's post-RoPE K and V on Wikitext's first tokens: [layers, kv heads, T, D] each."""
-    from kvarn import data, models
+    from kvarn.baseline import data
+    from kvarn.weights import models
     from paths import CACHE_DIR, ENGINE_TEXT
 
     lm = models.load(models.ModelSpec(name, f"embedded:{name}"), cache_dir=CACHE_DIR, device="cpu",

@@ -1,4 +1,4 @@
-"""kvarn.layer_error on SmolLM2 (slow): an f32 cell has zero error at every layer; layer 0 (whose
+"""kvarn.run.layer_error on SmolLM2 (slow): an f32 cell has zero error at every layer; layer 0 (whose
 inputs the cell cannot have changed) matches the attention output captured at o_proj's input
 in two plain engine runs (f32 cache vs the cell); the error is split into K and V parts."""
 
@@ -14,8 +14,10 @@ CTX = 256
 
 @pytest.fixture(scope="module")
 def smol():
-    import kvarn.attention  # noqa: F401  (registers "kvarn")
-    from kvarn import data, models
+    import kvarn.kvcache.attention  # noqa: F401  (registers "kvarn")
+    from kvarn.spec import scoring
+    from kvarn.baseline import data
+    from kvarn.weights import models
 
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=CACHE_DIR)
     lm.model.eval()
@@ -28,7 +30,8 @@ class _Captured(Exception):
 
 
 def _o_proj_input(lm, ids, k, v, layer=0):
-    from kvarn import data, engine
+    from kvarn.baseline import data
+    from kvarn.run import engine
 
     got = []
 
@@ -40,17 +43,17 @@ def _o_proj_input(lm, ids, k, v, layer=0):
     try:
         cache = engine.new_cache(lm.model, k, v, 0)
         with pytest.raises(_Captured):  # one ubatch (512 >= CTX): the whole chunk's rows
-            list(engine.chunk_logprobs(lm.model, ids[0], cache, 512, data.scored_positions(CTX)))
+            list(engine.chunk_logprobs(lm.model, ids[0], cache, 512, scoring.scored_positions(CTX)))
     finally:
         h.remove()
     assert len(got) == 1 and got[0].shape[0] == CTX
-    sc = data.scored_positions(CTX)
+    sc = scoring.scored_positions(CTX)
     return got[0][sc.start : sc.stop].double()
 
 
 @pytest.mark.slow
 def test_layer_errors(smol):
-    from kvarn.layer_error import layer_errors
+    from kvarn.run.layer_error import layer_errors
 
     lm, ids = smol
     zero = layer_errors(lm.model, ids, "f32", "f32", 0)

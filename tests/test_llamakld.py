@@ -1,4 +1,4 @@
-"""kvarn.llamakld: llama-perplexity's --kl-divergence-base file, written from our dump and read back."""
+"""kvarn.llamacpp.llamakld: llama-perplexity's --kl-divergence-base file, written from our dump and read back."""
 
 import struct
 
@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn import dump, llamakld
+from kvarn.baseline import dump
+
+from kvarn.llamacpp import llamakld
 
 N_CTX, V, CHUNKS = 16, 11, 2
 N_SCORED = N_CTX - 1 - N_CTX // 2

@@ -1,4 +1,4 @@
-"""kvarn.matrix: the config -> cells expansion and the checks a JSON schema cannot make."""
+"""kvarn.plan.matrix: the config -> cells expansion and the checks a JSON schema cannot make."""
 
 import copy
 import re
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvarn import facts
-from kvarn import matrix as kvm
+from kvarn.spec import facts
+from kvarn.plan import matrix as kvm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,8 +82,8 @@ def test_memory_accounting_is_per_model_and_not_in_the_cell_path():
 
 
 def test_summary_row_recomputes_memory_under_the_models_accounting():
-    from kvarn.geometry import Geometry
-    from kvarn.memory import MIB, summary_fields
+    from kvarn.spec.geometry import Geometry
+    from kvarn.budget.memory import MIB, summary_fields
 
     geom = Geometry.uniform(16, 4, 256)  # Qwen 3.6 27B's attention layers
     summary = {"n_ctx": 65536, "k_type": "kvarn4", "v_type": "kvarn4", "tail": 0, "tail_dtype": "f16",

@@ -1,4 +1,4 @@
-"""kvarn.memory against real packed buffers, hand-computed totals and every MiB figure of the study."""
+"""kvarn.budget.memory against real packed buffers, hand-computed totals and every MiB figure of the study."""
 
 import json
 from pathlib import Path
@@ -8,8 +8,8 @@ import torch
 
 from kvarn import cli
 from kvarn.formats import get_format
-from kvarn.geometry import Geometry, geometry_from_config
-from kvarn.memory import (ACCOUNTINGS, MIB, KVBytes, bytes_table, kv_bytes, resummarize,
+from kvarn.spec.geometry import Geometry, geometry_from_config
+from kvarn.budget.memory import (ACCOUNTINGS, MIB, KVBytes, bytes_table, kv_bytes, resummarize,
                           summary_fields)
 
 TINY = Geometry.uniform(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, None))

@@ -1,4 +1,4 @@
-"""kvarn.metrics against hand computations (formulas of llama.cpp perplexity.cpp)."""
+"""kvarn.stats.metrics against hand computations (formulas of llama.cpp perplexity.cpp)."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn import metrics
+from kvarn.stats import metrics
 
 # The fast path and its whole-vocabulary reference both answer the hand-worked cases.
 BOTH = pytest.mark.parametrize("token_metrics", [metrics.token_metrics, metrics.token_metrics_ref],

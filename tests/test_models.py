@@ -1,4 +1,4 @@
-"""kvarn.models: geometry of loaded configs, BOS detection, loading the real embedded models.
+"""kvarn.weights.models: geometry of loaded configs, BOS detection, loading the real embedded models.
 
 The slow tests fetch and load the two real embedded models into the repository's
 default cache (resources/models), once per machine.
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvarn import models
-from kvarn.sources import DEFAULT_CACHE_DIR, EMBEDDED, ModelSpec
+from kvarn.weights import models
+from kvarn.weights.sources import DEFAULT_CACHE_DIR, EMBEDDED, ModelSpec
 
 # One xdist worker: the module fixture loads both embedded models once.
 pytestmark = pytest.mark.xdist_group("models")
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_geometry_from_synthetic_configs():
     from transformers import Gemma3TextConfig, LlamaConfig
 
-    from kvarn.geometry import geometry_from_config
+    from kvarn.spec.geometry import geometry_from_config
 
     g = geometry_from_config(LlamaConfig(num_hidden_layers=3, num_attention_heads=8,
                                                 num_key_value_heads=2, hidden_size=256))
@@ -49,7 +49,7 @@ def _image_text(arch: str, out: Path):
     from transformers import (Gemma4Config, Gemma4ForConditionalGeneration, Qwen3_5Config,
                               Qwen3_5ForConditionalGeneration)
 
-    from kvarn.random_model import byte_tokenizer
+    from kvarn.weights.random_model import byte_tokenizer
 
     torch.manual_seed(0)
     if arch == "qwen3_5":

@@ -1,4 +1,4 @@
-"""kvarn.paired: the block bootstrap's coverage on synthetic autocorrelated series, its block
+"""kvarn.stats.paired: the block bootstrap's coverage on synthetic autocorrelated series, its block
 length rule against the AR(1) theory, determinism, refusal of unpaired cells, and the CLI."""
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from kvarn import paired as P
+from kvarn.stats import paired as P
 
 CHUNKS, M = 2, 400  # two "chunks" of 400 scored tokens, as a small run
 

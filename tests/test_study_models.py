@@ -31,10 +31,11 @@ from transformers import (
 )
 from transformers.cache_utils import LinearAttentionLayer
 
-import kvarn.attention as kattn
-from kvarn.cache import KVarnCache, KVarnLayer
-from kvarn.engine import policy_fields
-from kvarn.geometry import geometry_from_config
+import kvarn.kvcache.attention as kattn
+from kvarn.spec import scoring
+from kvarn.kvcache.cache import KVarnCache, KVarnLayer
+from kvarn.run.engine import policy_fields
+from kvarn.spec.geometry import geometry_from_config
 from paths import WIKI_TEXT
 
 # One xdist worker: the module fixture builds each study architecture once.
@@ -203,7 +204,7 @@ def test_study_scale_configs_build_the_cache(name, want):
     # classes and summary fields, without weights. kvarn4's tail 128 fits Gemma's W 1024.
     from collections import Counter
 
-    from kvarn.geometry import config_object
+    from kvarn.spec.geometry import config_object
 
     layers, tail_sliding, shapes = want
     cfg = config_object(json.loads((REPO / "config" / "models" / f"{name}.json").read_text()))
@@ -419,11 +420,13 @@ def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread, f
     fetched("smollm2-135m")  # its tokenizer serves the tiny model
     if not TEXT.is_file():
         pytest.skip("needs wiki.test.raw")
-    from kvarn import cli, dump, engine
-    from kvarn.models import load
-    from kvarn.sources import ModelSpec
+    from kvarn import cli
+    from kvarn.baseline import dump
+    from kvarn.run import engine
+    from kvarn.weights.models import load
+    from kvarn.weights.sources import ModelSpec
 
-    from kvarn import data
+    from kvarn.baseline import data
 
     # 2 chunks need only the head of the (verified) test split: not 4 tokenizations of 1.3 MB.
     load_text = data.load_text
@@ -455,7 +458,7 @@ def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread, f
     model = loaded.model
     model.set_attn_implementation(kattn.ATTN_NAME)
     ids = data.make_chunks(data.tokenize(loaded.tokenizer, data.load_text(str(TEXT))), CTX, 2, loaded.info.bos_id)
-    scored = data.scored_positions(CTX)
+    scored = scoring.scored_positions(CTX)
 
     def logprobs(cache, c):
         return torch.cat([lp for _, lp in engine.chunk_logprobs(model, ids[c], cache, 512, scored)])

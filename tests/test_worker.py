@@ -1,4 +1,4 @@
-"""kvarn.worker: one model load for many cells, the same numbers as in-process.
+"""kvarn.run.worker: one model load for many cells, the same numbers as in-process.
 
 Fast: the switch, the identity (a changed file means another worker), the job script's
 side imports no torch. Slow (real SmolLM2 at n_ctx 384, one chunk): the baseline and
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvarn import worker
+from kvarn.run import worker
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT, REPO
 
 # One xdist worker: the module fixture runs a baseline and cells in-process and through a worker.
@@ -33,7 +33,7 @@ CELLS = [("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0), ("bf16", "bf16", 0)]
 
 
 def _spec():
-    from kvarn.sources import ModelSpec
+    from kvarn.weights.sources import ModelSpec
 
     return ModelSpec("smollm2-135m", "embedded:smollm2-135m")
 
@@ -72,7 +72,7 @@ def test_a_changed_file_or_argument_is_another_worker(tmp_path):
 
 
 def test_the_job_script_side_imports_no_torch():
-    code = ("import sys, kvarn.worker, kvarn.sources; "
+    code = ("import sys, kvarn.run.worker, kvarn.weights.sources; "
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
@@ -124,7 +124,7 @@ def _worker_log(root: Path) -> str:
 def test_worker_gives_the_same_numbers_with_one_load(runs):
     import polars as pl
 
-    from kvarn import dump
+    from kvarn.baseline import dump
 
     root, out = runs
     (b0, h0, c0), (b1, h1, c1) = out["inproc"][:3], out["worker"][:3]
@@ -199,7 +199,7 @@ def test_killed_worker_leaves_nothing_and_the_rerun_succeeds(runs, tmp_path, mon
 
 
 def test_release_others_makes_each_other_worker_exit(tmp_path):
-    """kvarn.worker.release_others: every other live worker of the directory answers, exits
+    """kvarn.run.worker.release_others: every other live worker of the directory answers, exits
     (waited for), and leaves neither socket nor held file; the asking worker's own is spared."""
     import json as _json
     import subprocess
@@ -209,7 +209,7 @@ def test_release_others_makes_each_other_worker_exit(tmp_path):
     procs = {}
     for name in ("a", "b", "own"):
         sock = tmp_path / f"{name}.sock"
-        procs[name] = subprocess.Popen([_sys.executable, "-m", "kvarn.worker", str(sock), _json.dumps({"name": name})],
+        procs[name] = subprocess.Popen([_sys.executable, "-m", "kvarn.run.worker", str(sock), _json.dumps({"name": name})],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         worker.held_path(sock).write_text("100\n")
     try:

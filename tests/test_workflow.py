@@ -22,7 +22,7 @@ import polars as pl
 import pytest
 import yaml
 
-from kvarn import matrix as kvm
+from kvarn.plan import matrix as kvm
 from paths import WIKI_TEXT
 
 # One xdist worker: the tiny workflow is run once per module (tiny_done, tiny_run).
@@ -75,7 +75,7 @@ def plan(wd: Path, *args) -> dict[str, int]:
     return {r: int(n) for r, n in counts.items() if r in OURS}
 
 
-# The jobs of a whole plan, counted by hand from the config (not with kvarn.matrix.expand,
+# The jobs of a whole plan, counted by hand from the config (not with kvarn.plan.matrix.expand,
 # which builds the targets under test).
 TINY_CELLS = ["q8_0-q8_0-t0", "q4_0-q4_0-t128", "kvarn4-kvarn4-t0"]
 TINY_JOBS = {"fetch_model": 1, "wikitext": 1, "baseline": 1, "cell": 3, "cell_row": 3, "summary": 1}
@@ -111,8 +111,8 @@ def done_copy(tiny_done: Path, tmp_path: Path) -> Path:
 # ---- the config is refused before any job runs ------------------------------------------
 
 @pytest.mark.parametrize("bad, field", [
-    ({**TINY, "cells": [{"types": ["kvarn9"], "tail": 0}]}, "cells[0].types[0]"),  # kvarn.matrix
-    ({**TINY, "cells": [{"types": ["q8_0"], "tail": CTX}]}, "cells[0].tail"),  # kvarn.matrix: tail < n_ctx
+    ({**TINY, "cells": [{"types": ["kvarn9"], "tail": 0}]}, "cells[0].types[0]"),  # kvarn.plan.matrix
+    ({**TINY, "cells": [{"types": ["q8_0"], "tail": CTX}]}, "cells[0].tail"),  # kvarn.plan.matrix: tail < n_ctx
     ({**TINY, "models": [{**TINY["models"][0], "n_ctx": [255]}]}, "['n_ctx']"),  # the schema
     ({**TINY, "models": [{"name": "x"}]}, "'source' is a required property"),  # the schema
     ({**TINY, "attention": "fast"}, "attention: 'fast' is not an attention path; accepted: ref, flex, auto"),

@@ -5,7 +5,7 @@ until the real context has allocated its caches (the scheduler's `sched_reserve`
 after BeeLlama's parameter-fitting probes, which build contexts that allocate nothing),
 or until the process ends (a refusal), then stop it — no tokens are evaluated. The sizes it
 prints (`KV buffer size`, `KV tail buffer size`, `KVarN buffer size`, `KVarN tail
-buffer size`, in MiB to 2 decimals) are summed per cell and put beside `kvarn.memory`'s
+buffer size`, in MiB to 2 decimals) are summed per cell and put beside `kvarn.budget.memory`'s
 total for the same GGUF (`kvarn memory -m GGUF -c N -ub 512 --accounting A`).
 
 Resumable: a cell whose log is complete (ends with this script's `# done` line) is not
@@ -137,7 +137,7 @@ def run_cell(cmd: list[str], log: Path, timeout: float = 300.0) -> None:
 def gguf_geometry(gguf: Path, cache: Path | None = None):
     """The per-layer geometry `kvarn memory -m GGUF` reads from the file's metadata (slow:
     kept in `cache`, a JSON of `Geometry.to_list()`, once read)."""
-    from kvarn.geometry import Geometry, geometry_from_config
+    from kvarn.spec.geometry import Geometry, geometry_from_config
 
     if cache is not None and cache.is_file():
         return Geometry.from_list(json.loads(cache.read_text()))
@@ -153,7 +153,7 @@ def gguf_geometry(gguf: Path, cache: Path | None = None):
 
 def kvarn_total(geom, n_ctx: int, cell: Cell, accounting: str) -> float | str:
     """`kvarn memory -m GGUF -c N -ub 512 --tail T --accounting A`'s total MiB (or its refusal)."""
-    from kvarn.memory import MIB, kv_bytes
+    from kvarn.budget.memory import MIB, kv_bytes
 
     try:
         b = kv_bytes(geom, n_ctx, cell.k, cell.v, cell.tail, ubatch=512, accounting=accounting)

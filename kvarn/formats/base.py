@@ -34,7 +34,7 @@ class ValueRangeError(ValueError):
 
     `lead`: the leading indices of the first bad element ([batch, head] for a cache layer's
     [b, H, n, D] tensor), `tokens`: its token (or first, last token of a group) counted from
-    the call's first token, `detail`: what is wrong. `kvarn.cache` re-raises it with the
+    the call's first token, `detail`: what is wrong. `kvarn.kvcache.cache` re-raises it with the
     layer and absolute positions."""
 
     def __init__(self, name: str, lead: tuple, tokens: tuple[int, int], detail: str):

@@ -44,17 +44,17 @@ import math
 
 import torch
 
-# The type facts (group, slice, sink, widths, iters, tile bytes) are kvarn.facts', read here;
+# The type facts (group, slice, sink, widths, iters, tile bytes) are kvarn.spec.facts', read here;
 # the numerics constants are shared with the Triton kernels (kvarn_numerics).
-from kvarn.facts import KVARN_DEFAULT_TAIL_DTYPE, KVARN_VERSION, kvarn_head_dim_ok
-from kvarn.facts import KVARN_GROUP as GROUP  # tokens per tile (G)
-from kvarn.facts import KVARN_ITERS as ITERS  # normalization passes
-from kvarn.facts import KVARN_SINK as SINK  # exact leading tokens on full-attention layers (DESIGN §2)
-from kvarn.facts import KVARN_SLICE as SLICE  # most channels in one tile
-from kvarn.facts import KVARN_WIDTHS as WIDTHS
-from kvarn.facts import kvarn_payload_nbytes as payload_nbytes
-from kvarn.facts import kvarn_tile_nbytes as tile_nbytes
-from kvarn.facts import kvarn_tile_shape as tile_shape
+from kvarn.spec.facts import KVARN_DEFAULT_TAIL_DTYPE, KVARN_VERSION, kvarn_head_dim_ok
+from kvarn.spec.facts import KVARN_GROUP as GROUP  # tokens per tile (G)
+from kvarn.spec.facts import KVARN_ITERS as ITERS  # normalization passes
+from kvarn.spec.facts import KVARN_SINK as SINK  # exact leading tokens on full-attention layers (DESIGN §2)
+from kvarn.spec.facts import KVARN_SLICE as SLICE  # most channels in one tile
+from kvarn.spec.facts import KVARN_WIDTHS as WIDTHS
+from kvarn.spec.facts import kvarn_payload_nbytes as payload_nbytes
+from kvarn.spec.facts import kvarn_tile_nbytes as tile_nbytes
+from kvarn.spec.facts import kvarn_tile_shape as tile_shape
 
 from .base import KVFormat, Packed, ValueRangeError, first_bad
 from .kvarn_numerics import LOG_MAX, LOG_MIN, RATIO_FLOOR, STD_MAX, STD_MIN, STEP_MIN

@@ -4,7 +4,7 @@ One function per claim, each implementing the study's own definition on a prepar
 (`kvarn.report.data.prepare`); `ledger` puts every row together. A row holds the claim in one
 line, the study's figure and where it is printed (`config/study.yaml`, the one copy of the
 study's numbers), our figure, the paired 95 % interval of Δ median where the claim is a
-difference between two cells (`kvarn.paired.compare`, B − A as named in `delta_of`), and a
+difference between two cells (`kvarn.stats.paired.compare`, B − A as named in `delta_of`), and a
 verdict:
 
 * `holds`          — our figure points the way the study's does (a difference: its interval,
@@ -151,9 +151,9 @@ Delta = Callable[[dict, dict], tuple]
 
 
 def paired_delta(cells: Mapping | None, n_boot: int = 2000, seed: int = 0) -> Delta:
-    """(a, b) -> (Δ median = b − a, lo, hi) from `kvarn.paired.compare` over the two cells'
-    tokens (`cells`: cell name -> kvarn.paired.CellTokens); (None, None, None) without them."""
-    from kvarn.paired import compare
+    """(a, b) -> (Δ median = b − a, lo, hi) from `kvarn.stats.paired.compare` over the two cells'
+    tokens (`cells`: cell name -> kvarn.stats.paired.CellTokens); (None, None, None) without them."""
+    from kvarn.stats.paired import compare
 
     def delta(a: dict, b: dict):
         if not cells or a["cell"] not in cells or b["cell"] not in cells:
@@ -618,7 +618,7 @@ CLAIMS = [exactness_vs_format, same_width_gain, two_bit_reversal, tail_effect, f
 def ledger(prep: pl.DataFrame, model: str, study: dict | None = None, cells: Mapping | None = None,
            study_model: str | None = None, n_boot: int = 2000, seed: int = 0) -> pl.DataFrame:
     """Every claim's rows for one model's prepared run (LEDGER_COLUMNS). `cells`: cell name ->
-    kvarn.paired.CellTokens for the paired intervals (none: the interval columns stay empty)."""
+    kvarn.stats.paired.CellTokens for the paired intervals (none: the interval columns stay empty)."""
     study = study if study is not None else load_study()
     sm = study_model or study_model_of(model, study)
     delta = paired_delta(cells, n_boot, seed) if cells else _no_delta
@@ -640,7 +640,7 @@ def ledger_markdown(table: pl.DataFrame) -> str:
     out = ["# The study's claims, computed", "",
            "One row per claim: the study's figure (config/study.yaml), ours from this run, the paired 95 % "
            "block-bootstrap interval of Δ median where the claim is a difference between two cells "
-           "(kvarn.paired), and the verdict (holds / does not hold / not measurable, naming what is missing). "
+           "(kvarn.stats.paired), and the verdict (holds / does not hold / not measurable, naming what is missing). "
            "Rows marked *ours* are our own statistics, not the study's. Definitions: kvarn/report/claims.py.", ""]
     for model in table["model"].unique(maintain_order=True).to_list():
         t = table.filter(pl.col("model") == model)
@@ -729,7 +729,7 @@ def run_claims(summary: pl.DataFrame, token_paths=(), study: dict | None = None,
 
     `token_paths`: the tokens.parquet of the cells each model's tables show (the paired
     intervals are computed for the cells found among them). Returns (ledger, {model: md})."""
-    from kvarn.paired import load_cell
+    from kvarn.stats.paired import load_cell
     from kvarn.report.data import prepare
 
     study = study if study is not None else load_study()
@@ -772,7 +772,7 @@ def claims_html(table: pl.DataFrame, decisions: Mapping[str, str]) -> str:
              "table.kvarn td,table.kvarn th{padding:3px 8px;border-bottom:1px solid #ddd;vertical-align:top}"
              "</style></head><body>", "<h2>The study's claims, computed</h2>",
              "<p>Study figures: config/study.yaml; definitions: kvarn/report/claims.py; verdicts: holds / does "
-             "not hold / not measurable. Δ median: paired 95 % block-bootstrap interval (kvarn.paired).</p>"]
+             "not hold / not measurable. Δ median: paired 95 % block-bootstrap interval (kvarn.stats.paired).</p>"]
     for model in table["model"].unique(maintain_order=True).to_list():
         t = table.filter(pl.col("model") == model)
         shown = t.select(

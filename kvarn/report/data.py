@@ -10,9 +10,9 @@ Conventions the report follows (and the README states):
 * The standard floor is the study's: the standard pair (default options) with the lowest median
   KLD at tail 128; the format-only rows have their own floor (`format_only_floor`).
 * MiB are 2^20 bytes; Δ MiB is against the same pair at tail 0. They are computed under
-  the run's memory accounting (`memory_accounting`, kvarn.memory; `packed` when a summary
+  the run's memory accounting (`memory_accounting`, kvarn.budget.memory; `packed` when a summary
   predates it), and every table and figure names it (`accounting_of`).
-* Type facts (family, bits, KVarN's tail rule) come from `kvarn.facts`, never from names.
+* Type facts (family, bits, KVarN's tail rule) come from `kvarn.spec.facts`, never from names.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Iterable, Sequence
 
 import polars as pl
 
-from kvarn import facts
-from kvarn.matrix import OPTS_PATTERN
+from kvarn.spec import facts
+from kvarn.plan.matrix import OPTS_PATTERN
 
 MIB = float(1 << 20)
 
@@ -39,13 +39,13 @@ SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
 SERIES_ECOSYSTEM = "QuantizedCache backends"  # transformers' quanto, HQQ, KIVI layout (kvarn.formats.ecosystem)
 
 # The cell directory name written by the workflow: {k}-{v}-t{tail}{opts}
-# ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}, -s{sink}, -llamacpp_cpu; kvarn.matrix).
+# ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}, -s{sink}, -llamacpp_cpu; kvarn.plan.matrix).
 _CELL_RE = re.compile(r"^(?P<k>[a-z0-9_]+)-(?P<v>[a-z0-9_]+)-t(?P<tail>\d+)(?P<opts>" + OPTS_PATTERN + ")$")
 _RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+|all)$")
 
 
 def type_bits(name: str) -> int | None:
-    """Nominal bit width of a cache type (kvarn.facts): q4_0 -> 4, kvarn6 -> 6, bf16 -> 16."""
+    """Nominal bit width of a cache type (kvarn.spec.facts): q4_0 -> 4, kvarn6 -> 6, bf16 -> 16."""
     return facts.FACTS[name].bits if name in facts.FACTS else None
 
 
@@ -56,7 +56,7 @@ def same_width_partner(kvarn_type: str) -> str | None:
 
 
 def family_of(k_type: str) -> str:
-    """'kvarn', 'ecosystem' or 'standard' for a pair whose K type is k_type (kvarn.facts)."""
+    """'kvarn', 'ecosystem' or 'standard' for a pair whose K type is k_type (kvarn.spec.facts)."""
     fam = facts.get(k_type).family
     return fam if fam in ("kvarn", "ecosystem") else "standard"
 
@@ -128,7 +128,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
         m = _CELL_RE.match(r.get("cell") or "")
         r["opts"] = m["opts"] if m else ""
         r["pair"] = f"{r['k_type']}-{r['v_type']}{r['opts']}"  # a non-default option stays visible
-        if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.facts.tail_label)
+        if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.spec.facts.tail_label)
             r["tail_label"] = tail_label(r["family"], r["tail_requested"], r["tail_eff_full"])
         r["series"] = series_of(r["family"], r["tail_requested"], r["tail_eff_full"])
         if r["family"] == "standard" and r["opts"] == FORMAT_ONLY_OPTS:
@@ -164,7 +164,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
 
 
 def compute_split(summary: pl.DataFrame, model: str) -> pl.DataFrame:
-    """Cells run in both compute paths (kvarn.compute), side by side: format damage
+    """Cells run in both compute paths (kvarn.llamacpp.compute), side by side: format damage
     (`exact`), total as llama.cpp's CPU kernel computes it (`llamacpp-cpu`), and the share
     of the total that is the kernel's arithmetic, `1 − exact/total`, for median and mean.
 
@@ -520,7 +520,7 @@ def ecdf(tokens: pl.DataFrame, points: int = 200, floor: float = 1e-8) -> pl.Dat
 
 
 def decode_frame(summary_paths: Iterable[str | Path]) -> pl.DataFrame:
-    """Long rows of (cell, step) from kvarn.decode summary.json files: survival S(t) (fraction
+    """Long rows of (cell, step) from kvarn.run.decode summary.json files: survival S(t) (fraction
     of prompts still on the baseline's text after t tokens, t = 0..G) and the mean KLD of
     decode step t (t < G; null at t = G), plus the cell's family, width, label, P and G."""
     import json

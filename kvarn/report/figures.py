@@ -14,7 +14,7 @@ from typing import Iterable
 import altair as alt
 import polars as pl
 
-from kvarn.atomic import write_bytes
+from kvarn.files.atomic import write_bytes
 from kvarn.report import data as D
 from kvarn.report import generation as GEN
 
@@ -377,7 +377,7 @@ def ranked(prep: pl.DataFrame, paired: pl.DataFrame) -> alt.LayerChart:
 
 
 def decode(frame: pl.DataFrame) -> alt.HConcatChart:
-    """Free-running greedy decode (kvarn.decode): survival curves (fraction of prompts whose
+    """Free-running greedy decode (kvarn.run.decode): survival curves (fraction of prompts whose
     generation still equals the BF16 baseline's after t tokens) and the mean KLD of each
     decode step along the cell's own text; dashed standard, solid KVarN, colour = width."""
     model, p, g = frame["model"][0], frame["prompts"][0], frame["tokens"][0]
@@ -536,7 +536,7 @@ def generation_figure(name: str, tables: dict[str, pl.DataFrame]) -> alt.TopLeve
 
 
 def layer_error(table: pl.DataFrame, title: str = "") -> alt.Chart:
-    """Relative L2 error of each attention layer's output (kvarn.layer_error): K and V
+    """Relative L2 error of each attention layer's output (kvarn.run.layer_error): K and V
     quantized, K only, V only; full-attention layers as filled, sliding as open points."""
     long = table.unpivot(index=["layer", "kind"], on=["rel_err_kv", "rel_err_k", "rel_err_v"],
                          variable_name="quantized", value_name="rel_err").with_columns(

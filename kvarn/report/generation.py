@@ -1,4 +1,4 @@
-"""Statistics of long free-running generation (kvarn.decode results): torch-free.
+"""Statistics of long free-running generation (kvarn.run.decode results): torch-free.
 
 Inputs are what `kvarn decode` writes per (cell, decode): `summary.json` (its
 `first_divergence` per prompt is the one source of the divergence step) and `steps.parquet`
@@ -10,7 +10,7 @@ the identity of its baseline dump.
   generated tokens equal the baseline's greedy tokens), t = 0..G, with the exponential
   Greenwood ("log-log") band. A prompt whose first divergence is step k (0-based) has
   duration k + 1 (event); one that never diverges is censored at G. Without censoring this
-  equals `kvarn.decode.summarize_decode`'s empirical `survival`.
+  equals `kvarn.run.decode.summarize_decode`'s empirical `survival`.
 * **KLD curve** (`kld_curve`): mean per-step KLD over prompts, in bins of `bin_width` steps,
   with a percentile bootstrap band over prompts (seeded).
 * **Accumulation** (`slope`, `paired_slope`): the OLS slope of KLD against the generated step
@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from kvarn.spec.scoring import scored_range
+
 DEFAULT_BOOT = 2000
 DEFAULT_SEED = 0
 DEFAULT_ALPHA = 0.05
@@ -52,7 +54,7 @@ SAME_TEXT_KEYS = ("text_sha256", "tokenizer_hash")
 
 
 def load_decode(directory: str | Path) -> tuple[dict, np.ndarray]:
-    """(summary dict, KLD [P, G] in (prompt, step) order) of one kvarn.decode result directory."""
+    """(summary dict, KLD [P, G] in (prompt, step) order) of one kvarn.run.decode result directory."""
     d = Path(directory)
     summary = json.loads((d / "summary.json").read_text())
     steps = pl.read_parquet(d / "steps.parquet", columns=["prompt", "step", "kld"]).sort("prompt", "step")
@@ -214,7 +216,7 @@ def tf_positions(n_ctx: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     decode step's distribution sits at: position n_ctx − G − 1 + s ∈ [n_ctx/2, n_ctx − 2]."""
     s = np.arange(n_tokens)
     pos = n_ctx - n_tokens - 1 + s
-    keep = pos >= n_ctx // 2
+    keep = pos >= scored_range(n_ctx).start
     if not keep.any():
         raise ValueError(f"no decode step of G = {n_tokens} at n_ctx {n_ctx} lies on a teacher-forced scored position")
     return s[keep], pos[keep]
@@ -257,17 +259,17 @@ def tf_vs_free(free: np.ndarray, tf: np.ndarray, n_boot: int = DEFAULT_BOOT, see
 # ---------------------------------------------------------------- the workflow's plan
 
 CURVE_BINS = 32  # the KLD curves are drawn in about this many bins of generated steps
-GENERATION_DIR = "generation"  # inside the decode run's directory (kvarn.matrix.DECODE_RUN_DIR)
+GENERATION_DIR = "generation"  # inside the decode run's directory (kvarn.plan.matrix.DECODE_RUN_DIR)
 GENERATION_TABLES = ("cells.parquet", "paired.parquet", "survival.parquet", "curves.parquet", "generation.md")
 GENERATION_FIGURES = ("survival", "kld_steps", "slopes", "tf_vs_free")
 FIGURE_DIR = "results/figures/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}"
 
 
 def runs(matrix) -> dict[tuple[str, int, int, int], dict]:
-    """Each decode run (model, n_ctx, prompts, tokens) of a `kvarn.matrix.Matrix` -> {"decode":
+    """Each decode run (model, n_ctx, prompts, tokens) of a `kvarn.plan.matrix.Matrix` -> {"decode":
     [decode dirs], "cells": [teacher-forced cell dirs], "baselines": [their baseline dumps],
     "chunks": the cells' chunks}, one entry per decoded cell, in matrix order."""
-    from kvarn.matrix import decode_dir
+    from kvarn.plan.matrix import decode_dir
 
     out: dict[tuple[str, int, int, int], dict] = {}
     for c in matrix.cells:
@@ -284,7 +286,7 @@ def runs(matrix) -> dict[tuple[str, int, int, int], dict]:
 
 def run_dir(model: str, n_ctx, prompts, tokens) -> str:
     """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/generation: the run's statistics."""
-    from kvarn.matrix import DECODE_RUN_DIR
+    from kvarn.plan.matrix import DECODE_RUN_DIR
 
     return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens)}/{GENERATION_DIR}"
 
@@ -345,7 +347,7 @@ def compute_run(decode_dirs, cell_dirs, baseline_identities, n_boot: int = DEFAU
                 alpha: float = DEFAULT_ALPHA) -> dict[str, pl.DataFrame]:
     """The generation statistics of one decode run: {"cells", "paired", "survival", "curves"}.
 
-    decode_dirs[i] is the kvarn.decode result of the cell whose teacher-forced result is
+    decode_dirs[i] is the kvarn.run.decode result of the cell whose teacher-forced result is
     cell_dirs[i] (summary.json, tokens.parquet) scored against a baseline of header
     baseline_identities[i]; every pair is checked (`check_same_run`) before it is read."""
     from kvarn.report.data import decode_frame

@@ -1,6 +1,6 @@
 """The per-run table of paired statistics behind the report's `band` column and ranked
 figure: each cell's own interval and its paired Δ against the standard floor and the
-same-width partner (`kvarn.paired` computes the statistics; `kvarn.report.data` picks the
+same-width partner (`kvarn.stats.paired` computes the statistics; `kvarn.report.data` picks the
 partners)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import polars as pl
 
-from kvarn.paired import LEVEL, N_BOOT, SEED, cell_interval, compare, load_cell
+from kvarn.stats.paired import LEVEL, N_BOOT, SEED, cell_interval, compare, load_cell
 from kvarn.report import data as D
 
 

@@ -2,9 +2,9 @@
 
 Shaped like the study's table: K/V pair, tail (KVarN request 0 printed `128*`), KV cache
 MiB with the Δ against the same pair at tail 0 in brackets (its header and the caption
-name the memory accounting, kvarn.memory), mean KLD ± standard error,
+name the memory accounting, kvarn.budget.memory), mean KLD ± standard error,
 median, p99, p99.9, same-top % ±, tokens/s, and the exact share (how much of the row is
-exactness rather than format: `kvarn.policy.exact_share`). The standard floor (the study's: the standard pair
+exactness rather than format: `kvarn.spec.policy.exact_share`). The standard floor (the study's: the standard pair
 with the lowest median KLD at tail 128, kvarn.report.data.standard_floor) is marked; rows whose median KLD is below the floor are highlighted (bold in
 Markdown, class `below-floor` in HTML).
 """
@@ -112,11 +112,11 @@ def _caption(table: pl.DataFrame) -> str:
             "Exact %: the share of (scored query, key) pairs read from the exact copy (sink and tail), "
             "averaged over attention layers; the rest is read from the quantized body. "
             f"KV cache MiB under the `{accounting_of(table)}` memory accounting (body + staging + exact overlay, "
-            "kvarn.memory); Δ: MiB against the same pair at tail 0. "
+            "kvarn.budget.memory); Δ: MiB against the same pair at tail 0. "
             f"*{FLOOR_NOTE}*: the standard pair with the lowest median KLD at tail 128 (the study's floor; "
             "format-only rows are not standard pairs); "
             f"**bold** rows ({BELOW_NOTE}): median KLD lower than the standard floor. "
-            + ("Band (paired 95 % block-bootstrap intervals, kvarn.paired): *≈ floor* = median not "
+            + ("Band (paired 95 % block-bootstrap intervals, kvarn.stats.paired): *≈ floor* = median not "
                "distinguishable from the floor's; for KVarN, </≈/> its same-width qN_0 at tail 128, with "
                "Δ median [interval]." if "band" in table.columns else ""))
 

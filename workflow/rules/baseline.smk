@@ -3,7 +3,7 @@ rule baseline:
         model=model_marker,
         text=ancient(rules.wikitext.output[0]),  # sha256-fixed: its identity cannot change
     output:
-        f"{RUN}/baseline{{bopts}}.kvd",  # bopts: kvarn.matrix.compute_suffix of the compute path
+        f"{RUN}/baseline{{bopts}}.kvd",  # bopts: kvarn.plan.matrix.compute_suffix of the compute path
     params:
         source=model_param("source"),
         revision=model_param("revision"),

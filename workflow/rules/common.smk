@@ -8,15 +8,15 @@
 #   decode_targets()     -> [str]  every (cell, decode) summary.json + each decoding model's figure
 #   all_targets()        -> [str]  the default target: the summary + report_targets() + decode_targets()
 #
-# The matrix is expanded and checked once, here, before any job is planned (kvarn.matrix).
+# The matrix is expanded and checked once, here, before any job is planned (kvarn.plan.matrix).
 # Per-cell parameters are read back from the wildcards of the cell path, never from the
 # whole config, so adding or editing one cell plans only that cell.
 import os
 
 from snakemake.exceptions import WorkflowError
 
-from kvarn import matrix as kvm
-from kvarn.slurm import cpus_per_task
+from kvarn.plan import matrix as kvm
+from kvarn.plan.slurm import cpus_per_task
 
 MATRIX = kvm.expand(config)
 for _note in kvm.check_pinned(MATRIX.models, config.get("allow_unpinned", False), plan_only=True):
@@ -45,7 +45,7 @@ def _model_threads() -> int:
 MODEL_THREADS = _model_threads()
 
 
-RUN = kvm.RUN_DIR  # the results layout is kvarn.matrix's
+RUN = kvm.RUN_DIR  # the results layout is kvarn.plan.matrix's
 CELL = kvm.CELL_DIR
 LOG = "logs/{model}/ctx{n_ctx}-c{chunks}"
 BENCH = "benchmarks/{model}/ctx{n_ctx}-c{chunks}"
@@ -68,7 +68,7 @@ def all_targets():
 
 
 def decode_targets():
-    """Every (cell, decode) summary (kvarn.matrix.Matrix.decode_dirs) and each decoding model's figure."""
+    """Every (cell, decode) summary (kvarn.plan.matrix.Matrix.decode_dirs) and each decoding model's figure."""
     from kvarn.report.workflow import FIGURE_FORMATS
 
     models = [m for m in MATRIX.models if MATRIX.decode_dirs(m)]
@@ -112,7 +112,7 @@ def format_version(role):
 
 
 def cell_columns(wildcards):
-    """family, tail label, versions, ... of a cell (kvarn.matrix.cell_columns), from its path,
+    """family, tail label, versions, ... of a cell (kvarn.plan.matrix.cell_columns), from its path,
     and its model's memory accounting: changing that reruns the row jobs, not the cells."""
     return kvm.cell_columns(wildcards.k, wildcards.v, int(wildcards.tail), wildcards.opts,
                             MODELS[wildcards.model]["memory_accounting"])
@@ -125,10 +125,10 @@ def cell_columns(wildcards):
 
 
 def fetch_model_marker(marker, model, key, log):
-    """kvarn.sources.fetch of `model`'s source into the marker's directory; the marker lists what was fetched."""
+    """kvarn.weights.sources.fetch of `model`'s source into the marker's directory; the marker lists what was fetched."""
     import contextlib, json, os, time
     from pathlib import Path
-    from kvarn.sources import ModelSpec, fetch
+    from kvarn.weights.sources import ModelSpec, fetch
 
     m = MODELS[model]
     kvm.check_pinned({model: MATRIX.models[model]}, config.get("allow_unpinned", False))
@@ -141,7 +141,7 @@ def fetch_model_marker(marker, model, key, log):
         path = Path(fetch(spec, cache_dir=marker.parent))
         files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
         if not files:
-            raise RuntimeError(f"kvarn.sources.fetch({spec}) returned {path}, which holds no files")
+            raise RuntimeError(f"kvarn.weights.sources.fetch({spec}) returned {path}, which holds no files")
         print(f"fetched {spec} -> {path} in {time.time() - t0:.1f}s")
         record = {"name": spec.name, "source": spec.source, "revision": spec.revision, "path": str(path),
                   "files": {str(p.relative_to(path)) if p != path else p.name: p.stat().st_size for p in files}}
@@ -154,7 +154,7 @@ def copy_wikitext(source, out, log):
     """wiki.test.raw from `source` (a path; None or missing: the hub), sha256-verified, to `out`."""
     import contextlib, os
     from pathlib import Path
-    from kvarn.data import load_text, text_sha256
+    from kvarn.baseline.data import load_text, text_sha256
 
     with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         if source is not None and not Path(source).is_file():

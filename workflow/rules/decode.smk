@@ -1,4 +1,4 @@
-# Free-running decode divergence (kvarn.decode): per (cell, decode) a cached result,
+# Free-running decode divergence (kvarn.run.decode): per (cell, decode) a cached result,
 #   results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{k}-{v}-t{tail}{opts}/{steps.parquet,summary.json}
 # for the models whose config has `decode: {prompts: P, tokens: G, cells: [...]}`, and one
 # figure per such model (survival curves and KLD per decode step).

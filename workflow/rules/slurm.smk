@@ -9,11 +9,11 @@ workflow.localrules(*(r.name for r in workflow.rules if r.name not in SUBMITTED_
 
 
 # Before anything is submitted, every job's request is compared with what sinfo reports:
-# a request no node of its partition can hold would sit PENDING forever (kvarn.slurm).
+# a request no node of its partition can hold would sit PENDING forever (kvarn.plan.slurm).
 onstart:
     if workflow.executor_plugin is not None and workflow.executor_plugin.name == "slurm":
         import subprocess
-        from kvarn import slurm as kvs
+        from kvarn.plan import slurm as kvs
 
         try:
             sinfo = subprocess.run(["sinfo", *kvs.SINFO_ARGS], capture_output=True, text=True)

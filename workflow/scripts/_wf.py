@@ -19,14 +19,14 @@ def start(snakemake):
 
 
 def atomic(path):
-    """kvarn.atomic.atomic_path: a temporary path, renamed into place if the block succeeds."""
-    from kvarn.atomic import atomic_path  # after start(): kvarn may only be on sys.path then
+    """kvarn.files.atomic.atomic_path: a temporary path, renamed into place if the block succeeds."""
+    from kvarn.files.atomic import atomic_path  # after start(): kvarn may only be on sys.path then
 
     return atomic_path(path)
 
 
 def model_spec(snakemake):
-    from kvarn.sources import ModelSpec
+    from kvarn.weights.sources import ModelSpec
 
     return ModelSpec(snakemake.wildcards.model, snakemake.params.source, snakemake.params.revision)
 

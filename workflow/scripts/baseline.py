@@ -1,4 +1,4 @@
-"""Rule baseline: the BF16-cache log-prob dump of one (model, n_ctx, chunks) (kvarn.engine.run_baseline)."""
+"""Rule baseline: the BF16-cache log-prob dump of one (model, n_ctx, chunks) (kvarn.run.engine.run_baseline)."""
 
 import json
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 from _wf import atomic, model_spec, start
 
 start(snakemake)  # noqa: F821
-from kvarn import worker  # noqa: E402  (no torch here: the worker or this process loads it)
-from kvarn.matrix import chunks_arg  # noqa: E402
+from kvarn.run import worker  # noqa: E402  (no torch here: the worker or this process loads it)
+from kvarn.plan.matrix import chunks_arg  # noqa: E402
 
 w, p = snakemake.wildcards, snakemake.params  # noqa: F821
 with atomic(snakemake.output[0]) as tmp:  # noqa: F821

@@ -1,6 +1,6 @@
-"""Rule cell: one quantized run (kvarn.engine.run_cell) -> tokens.parquet + summary.json, atomically.
+"""Rule cell: one quantized run (kvarn.run.engine.run_cell) -> tokens.parquet + summary.json, atomically.
 
-Thin: no torch here. kvarn.worker runs the cell in the worker that holds this model, text
+Thin: no torch here. kvarn.run.worker runs the cell in the worker that holds this model, text
 and n_ctx already loaded (spawned if none), or in this process (KVARN_WORKER=0)."""
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 from _wf import model_spec, scratch, start
 
 start(snakemake)  # noqa: F821
-from kvarn import worker  # noqa: E402
-from kvarn.matrix import chunks_arg  # noqa: E402
+from kvarn.run import worker  # noqa: E402
+from kvarn.plan.matrix import chunks_arg  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
 with scratch(out.tokens, out.summary) as tmp:  # summary.json last: its presence means done

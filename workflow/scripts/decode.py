@@ -1,4 +1,4 @@
-"""Rule decode: one (cell, decode) result (kvarn.decode.run_decode) -> steps.parquet + summary.json, atomically."""
+"""Rule decode: one (cell, decode) result (kvarn.run.decode.run_decode) -> steps.parquet + summary.json, atomically."""
 
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 from _wf import model_spec, scratch, start
 
 start(snakemake)  # noqa: F821
-from kvarn.decode import run_decode  # noqa: E402
+from kvarn.run.decode import run_decode  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
 with scratch(out.steps, out.summary) as tmp:  # summary.json last: its presence means done

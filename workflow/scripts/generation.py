@@ -4,8 +4,8 @@
 from _wf import atomic, start
 
 start(snakemake)  # noqa: F821
-from kvarn.atomic import write_text  # noqa: E402
-from kvarn.dump import open_dump  # noqa: E402
+from kvarn.files.atomic import write_text  # noqa: E402
+from kvarn.baseline.dump import open_dump  # noqa: E402
 from kvarn.report import generation as kvgen  # noqa: E402
 
 sm = snakemake  # noqa: F821

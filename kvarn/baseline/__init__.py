@@ -1,0 +1,1 @@
+"""The baseline's data: the evaluation text cut in chunks, and the dump of the BF16 run's log-probs."""

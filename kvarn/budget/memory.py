@@ -1,0 +1,224 @@
+"""Persistent KV-cache bytes of one sequence (DESIGN §5): the "KV cache MiB" column. Torch-free.
+
+Owns the named memory accountings and their arithmetic over a model's per-layer
+geometry (`kvarn.spec.geometry`) and the type facts (`kvarn.spec.facts`):
+
+    total = body + staging + overlay        (bytes, one sequence, all layers, K and V)
+
+Notation, per attention layer l: H_l KV heads of head dim D_l, sliding window W_l (None
+on full-attention layers); n = n_ctx, u = ubatch. A "row" of a set of layers is one
+token's K and V over those layers at the exact dtype: sum over them of 2 * H_l * D_l * bytes.
+Layers without a KV cache (Gated DeltaNet) count nothing here.
+
+Both accountings store s_l tokens per layer, as llama.cpp sizes its caches:
+
+    s_l = n on a full-attention layer, min(n, W_l + u) on a sliding one
+
+`packed` (the default): what this cache design (DESIGN §2) must hold.
+
+    body    per head: fmt_K.nbytes(b_l) + fmt_V.nbytes(b_l), the formats' real packed
+            buffers; b_l = s_l for standard types, 128 * floor(s_l / 128) for KVarN
+            (whole 128-token groups only)
+    staging 0. KVarN's incomplete group (s_l mod 128 tokens, no body copy yet) is the
+            newest part of the exact tail, which is at least 128 tokens: design choice,
+            it costs no bytes of its own
+    overlay per layer min(tail_l, s_l) + min(sink_l, s_l) exact rows at the tail dtype;
+            tail_l, sink_l from kvarn.spec.policy.layer_policy (standard: the tail as asked,
+            0 allowed, no sink; KVarN: max(128, roundup(tail, 128)) capped at W_l, sink
+            128 on full-attention layers). Sink and tail are separate buffers: below
+            n = sink + tail they hold some tokens twice, as two buffers would
+
+`beellama-qwen`, `beellama-gemma`: BeeLlama's runtime allocation, which the study
+printed; two versions of the program, the one its Qwen 3.6 27B runs used and the one its
+Gemma 4 31B runs used. They reproduce every figure of the study to 0.01 MiB
+(tests/test_memory.py; docs/notes/memory.md reconciles them with `packed`).
+
+    body    standard types: s_l tokens, as packed. KVarN: records of whole groups covering
+            every stored token: ceil(n/128) groups on a full layer, a ring of
+            min(ceil(n/128), ceil((W_l + u)/128)) groups on a sliding one
+    staging KVarN: an F16 staging area of 256 rows over all attention layers; standard 0
+    overlay rows over all attention layers at the tail dtype, per layer from its
+            effective tail N_l (tail_l above; no separate sink rows):
+              beellama-qwen   KVarN roundup256(N_l + u) (the tail arena of BeeLlama's
+                              flash-attention layout), standard N_l
+              beellama-gemma  N_l + 1 for both (the 1: BeeLlama's rollback reserve);
+                              a standard tail of 0 allocates nothing
+
+`beellama-v043`: BeeLlama v0.4.3 as its CPU build allocates one sequence, read from its
+own log at context creation (bench/beellama/memory.py, bench/results/beellama.md):
+
+    body    as beellama-gemma, except on a sliding layer whose effective tail covers its
+            window (N_l >= W_l): no body at all (BeeLlama's bodyless "native exact" group)
+    staging KVarN: F16 stage groups of 128 rows per layer, 3 on a full-attention layer (its
+            permanent sink group + 2 tail groups), 2 on a sliding one; none when bodyless
+    overlay N_l + 1 rows per layer at the tail dtype, for both families (0 for a standard
+            tail of 0); KVarN's sink lives in its stage, not here
+
+Memory is computed, never measured: a cell's summary.json records the geometry it ran
+(`kv_geometry`), so an accounting change recomputes the bytes of finished cells without
+rerunning them (`kvarn.plan.matrix.summary_row`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvarn.spec import facts
+from kvarn.spec.geometry import Geometry
+from kvarn.spec.policy import default_tail_dtype, layer_policy, pair_family
+
+MIB = 2**20
+
+ACCOUNTINGS: dict[str, str] = {
+    "packed": "what this cache design must hold: real packed buffers, the exact rows a query "
+              "reads, sliding layers as llama.cpp sizes them (default)",
+    "beellama-qwen": "BeeLlama's allocation as the study's Qwen 3.6 27B runs printed it "
+                     "(KVarN staging 256 rows, KVarN overlay roundup256(N + ubatch), standard N)",
+    "beellama-gemma": "BeeLlama's allocation as the study's Gemma 4 31B runs printed it "
+                      "(KVarN staging 256 rows, overlay N + 1 rows for both families)",
+    "beellama-v043": "BeeLlama v0.4.3's allocation as its CPU build prints it (KVarN staging "
+                     "3 x 128 rows on full layers, 2 x 128 on sliding ones; overlay N + 1 rows; "
+                     "no body on a sliding layer whose tail covers its window)",
+}
+DEFAULT_ACCOUNTING = "packed"
+BEELLAMA_STAGING_ROWS = 256  # KVarN's F16 staging area, rows over all attention layers
+BEELLAMA_TAIL_STRIDE = 256  # the tail arena rounds N + ubatch up to this (flash-attention stride)
+BEELLAMA_ROLLBACK = 1  # rows the compact tail history keeps beyond N
+V043_STAGE_GROUPS = {"full": 3, "sliding": 2}  # v0.4.3's KVarN F16 stage, in 128-row groups per layer
+
+
+def check_accounting(name, where: str = "accounting") -> str:
+    """The accounting name, or ValueError naming the value, where it came from and the accepted ones."""
+    if not isinstance(name, str) or name not in ACCOUNTINGS:
+        raise ValueError(f"{where}: unknown memory accounting {name!r}; accepted: {', '.join(ACCOUNTINGS)}")
+    return name
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    body: int
+    staging: int
+    overlay: int
+    total: int
+    accounting: str = DEFAULT_ACCOUNTING
+
+    def mib(self) -> dict:
+        return {"body_mib": self.body / MIB, "staging_mib": self.staging / MIB,
+                "overlay_mib": self.overlay / MIB, "total_mib": self.total / MIB}
+
+
+def _int_at_least(name: str, v, lo: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+        raise ValueError(f"{name} must be {what}, got {v!r}")
+    return v
+
+
+def kv_bytes(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
+             tail_dtype: str | None = None, rot: bool = True, ubatch: int = 512,
+             accounting: str = DEFAULT_ACCOUNTING, sink: int | None = None) -> KVBytes:
+    """Bytes of the K and V cache of one sequence of n_ctx tokens (see the module docstring)."""
+    _int_at_least("n_ctx", n_ctx, 1)
+    _int_at_least("ubatch", ubatch, 1)
+    check_accounting(accounting)
+    k, v = facts.get(k_type), facts.get(v_type)
+    family = pair_family(k, v)
+    tail_dtype = tail_dtype or default_tail_dtype(k, v)
+    if tail_dtype not in facts.TAIL_DTYPES:
+        raise ValueError(f"tail_dtype must be a float type ({', '.join(facts.TAIL_DTYPES)}), got {tail_dtype!r}")
+    exact, f16 = facts.get(tail_dtype), facts.get("f16")
+    group = max(k.group, v.group)
+    body = staging = overlay = 0
+    for layer in geom.layers:
+        if not layer.has_kv:
+            continue
+        h, d, w = layer.n_kv_heads, layer.head_dim, layer.window
+        pol = layer_policy(k, v, tail, w, sink)
+        stored = n_ctx if w is None else min(n_ctx, w + ubatch)
+        row = 2 * h * exact.nbytes(1, d)  # one token's K and V over this layer's heads
+        if accounting == "packed":
+            n_body = stored - stored % group
+            rows = min(pol.tail, stored) + min(pol.sink, stored)
+        else:
+            bodyless = accounting == "beellama-v043" and w is not None and pol.tail >= w
+            if bodyless:
+                n_body = 0
+            elif family == "kvarn":
+                groups = math.ceil(n_ctx / group)
+                if w is not None:
+                    groups = min(groups, math.ceil((w + ubatch) / group))
+                n_body = groups * group
+                stage_rows = BEELLAMA_STAGING_ROWS if accounting != "beellama-v043" else \
+                    group * V043_STAGE_GROUPS["full" if w is None else "sliding"]
+                staging += stage_rows * 2 * h * f16.nbytes(1, d)
+            else:
+                n_body = stored
+            rows = _beellama_rows(accounting, family, pol.tail, ubatch)
+        if n_body:
+            body += h * (k.nbytes(n_body, d, "k", rot) + v.nbytes(n_body, d, "v", rot))
+        overlay += rows * row
+    return KVBytes(body, staging, overlay, body + staging + overlay, accounting)
+
+
+def _beellama_rows(accounting: str, family: str, n_eff: int, ubatch: int) -> int:
+    """Exact-overlay rows of one layer under a BeeLlama accounting (n_eff: its effective tail)."""
+    if accounting == "beellama-qwen":
+        if family == "kvarn":
+            return BEELLAMA_TAIL_STRIDE * math.ceil((n_eff + ubatch) / BEELLAMA_TAIL_STRIDE)
+        return n_eff
+    return n_eff + BEELLAMA_ROLLBACK if n_eff else 0
+
+
+def bytes_table(geom: Geometry, n_ctx: int, pairs, tails=(0, 128), tail_dtype: str | None = None,
+                rot: bool = True, ubatch: int = 512, accounting: str = DEFAULT_ACCOUNTING) -> list[dict]:
+    """One row per (K type, V type, tail): body/staging/overlay/total MiB and the Δ vs tail 0."""
+    out = []
+    for k_type, v_type in pairs:
+        base = kv_bytes(geom, n_ctx, k_type, v_type, 0, tail_dtype, rot, ubatch, accounting)
+        for tail in tails:
+            b = kv_bytes(geom, n_ctx, k_type, v_type, tail, tail_dtype, rot, ubatch, accounting)
+            out.append({
+                "k_type": k_type, "v_type": v_type, "tail": tail,
+                "tail_label": facts.tail_label(k_type, v_type, tail), "accounting": accounting,
+                **b.mib(), "delta_tail0_mib": (b.total - base.total) / MIB,
+            })
+    return out
+
+
+def summary_fields(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
+                   tail_dtype: str | None = None, rot: bool = True, ubatch: int = 512,
+                   accounting: str = DEFAULT_ACCOUNTING, sink: int | None = None) -> dict:
+    """The memory keys of a cell's summary.json: the accounting, body/staging/overlay/total
+    bytes, the total at tail 0 (for Δ) and the geometry they were computed from."""
+    b = kv_bytes(geom, n_ctx, k_type, v_type, tail, tail_dtype, rot, ubatch, accounting, sink)
+    b0 = kv_bytes(geom, n_ctx, k_type, v_type, 0, tail_dtype, rot, ubatch, accounting, sink)
+    return {
+        "memory_accounting": accounting,
+        "kv_body_bytes": b.body,
+        "kv_staging_bytes": b.staging,
+        "kv_overlay_bytes": b.overlay,
+        "kv_total_bytes": b.total,
+        "kv_total_bytes_tail0": b0.total,
+        "kv_geometry": geom.to_list(),
+    }
+
+
+def resummarize(summary: dict, accounting: str, where: str = "summary.json") -> dict:
+    """A cell's memory keys under `accounting`, recomputed from what its summary.json
+    recorded (geometry, n_ctx, types, tail, tail dtype, ubatch): no rerun of the cell.
+    A summary without the geometry (older runs) is taken as it is if its accounting matches."""
+    check_accounting(accounting, where=f"{where}: memory_accounting")
+    recorded = summary.get("memory_accounting", DEFAULT_ACCOUNTING)
+    if "kv_geometry" not in summary:
+        if recorded != accounting:
+            raise ValueError(
+                f"{where}: written under memory accounting {recorded!r} without kv_geometry, so it cannot "
+                f"be recomputed under {accounting!r}; rerun the cell"
+            )
+        return {"memory_accounting": recorded}
+    return summary_fields(
+        Geometry.from_list(summary["kv_geometry"]), int(summary["n_ctx"]), summary["k_type"], summary["v_type"],
+        int(summary["tail"]), summary.get("tail_dtype"), bool(summary.get("rot", True)),
+        int(summary.get("ubatch", 512)), accounting, summary.get("sink_requested"),
+    )

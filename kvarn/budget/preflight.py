@@ -1,0 +1,254 @@
+"""Will a job fit? Peak device and host memory of a baseline or a cell, before any weights load.
+
+Owns: `estimate` (the parts of one job's peak memory, from the model's config alone),
+`capacity` (free device memory, `torch.cuda.mem_get_info`; available host memory,
+psutil or /proc/meminfo) and `check` (stop with an error naming the estimate, the
+capacity and the knob that lowers the largest part).
+
+What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
+
+* weights: parameter count (the model built on the meta device: exact, no memory) x the
+  compute dtype's bytes;
+* cache copies: the cache model (`kvarn.kvcache.cache`) keeps, on every attention layer, rows of
+  K and V for every position of the chunk (a sliding layer of window W only the
+  W - 1 + ubatch rows a query can still read): a cell an fp32 body and a 16-bit exact
+  copy of each (12 bytes per row and channel, the most any cell stores; bf16 / f16 bodies
+  and cells without an exact copy store less), the baseline only its bf16 body (4
+  bytes), per layer n_kv_heads x rows x head_dim, from `kvarn.spec.geometry`;
+  linear-attention layers keep transformers' conv and recurrent state (fp32, a few MB);
+* temporaries: one attention call of `kvarn.kvcache.attention` (the boolean masks of a ubatch,
+  one 128-query block's gathered K/V in fp32 and its fp32 score matrix and softmax, as
+  SDPA's math path makes them), the MLP activations of a ubatch, and the logits of a
+  ubatch (vocab wide, fp32) plus the log-softmax slices of `kvarn.run.engine`;
+* host, baseline: one LOGIT_ROWS slice of fp32 log-probs on its way to `kvarn.baseline.dump` (the
+  engine streams a chunk slice by slice; the writer encodes it with float64 temporaries
+  and 16-bit codes); cell: the baseline chunk is memory-mapped and the per-token metrics are
+  small. On a CPU device everything is host.
+
+KVARN_DEVICE_MEMORY (bytes; tests, or a device shared with other work): the memory of the job's
+device (the host, for a CPU job) is taken to be this, less what the other live kvarn workers
+of this run record that their loaded model holds (`kvarn.files.workerfiles.held_path`, written here
+when a worker's load passes), instead of what the device reports free.
+
+It is an estimate of the large terms (allocator slack, CUDA context and the framework's
+own workspace are not modelled; `HEADROOM` covers them), not a measurement.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvarn.spec.geometry import Geometry, config_object, geometry_from_config, text_config
+from kvarn.weights.modelbuild import pick_device_dtype
+from kvarn.weights.sources import config_json
+from kvarn.files.workerfiles import SOCKET_ENV, held_path, socket_dir
+
+HEADROOM = 1.10  # 10 % on top of the estimate for what is not modelled
+MEMORY_ENV = "KVARN_DEVICE_MEMORY"  # the capacity override (bytes), see the module doc
+# Bytes per cached row and channel (K and V together), kvarn.kvcache.cache.KVarnLayer's storage:
+CELL_ROW_BYTES = 2 * (4 + 2)  # fp32 body + tail-dtype (16-bit) exact copy, K and V
+BASELINE_ROW_BYTES = 2 * 2  # the bf16/bf16 tail-0 baseline: bf16 bodies only
+QUERY_BLOCK = 128  # kvarn.kvcache.attention.QUERY_BLOCK (not imported: it pulls in torch and transformers)
+LOGIT_ROWS = 64  # kvarn.run.engine.LOGIT_ROWS
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# The knob that lowers each part, for the error message.
+KNOBS = {
+    "weights": "--dtype bfloat16 (if not already), or a device with more memory",
+    "cache copies": "--ctx (a full-attention layer holds every position of a chunk)",
+    "linear-attention state": "nothing: it does not grow with the context",
+    "attention temporaries": "--ctx (a 128-query block reads every earlier key)",
+    "activations": "--ubatch (tokens per forward)",
+    "logits": "--ubatch (rows of logits per forward)",
+    "log-prob slice": "nothing: 64 rows x vocab on their way to the dump, whatever the context",
+}
+
+
+class PreflightError(RuntimeError):
+    """The job would not fit: the message names estimate, capacity and knob."""
+
+
+@dataclass
+class Estimate:
+    device: str
+    device_parts: dict[str, int] = field(default_factory=dict)
+    host_parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def device_bytes(self) -> int:
+        return int(sum(self.device_parts.values()) * HEADROOM)
+
+    @property
+    def host_bytes(self) -> int:
+        return int(sum(self.host_parts.values()) * HEADROOM)
+
+    def describe(self) -> str:
+        lines = []
+        for where, parts, total in (("device", self.device_parts, self.device_bytes),
+                                    ("host", self.host_parts, self.host_bytes)):
+            if not parts:
+                continue
+            lines.append(f"{where} ({self.device if where == 'device' else 'RAM'}): {_gib(total)} "
+                         f"(incl. {round((HEADROOM - 1) * 100)} % headroom)")
+            lines += [f"  {name:<24} {_gib(b)}" for name, b in parts.items()]
+        return "\n".join(lines)
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def param_count(config: Any) -> int:
+    """Parameters of the causal LM of `config` (a transformers config object), built on meta."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def cached_rows(window: int | None, n_ctx: int, ubatch: int) -> int:
+    """Rows one attention layer stores (kvarn.kvcache.cache.KVarnLayer): the whole chunk on a full
+    layer; on a sliding layer the W - 1 rows before a ubatch and the ubatch's own."""
+    return n_ctx if window is None else min(n_ctx, window - 1 + ubatch)
+
+
+def _linear_state_bytes(c: Any) -> int:
+    """Conv + recurrent state of one Gated DeltaNet layer (transformers' linear-attention cache), fp32."""
+    k_heads, v_heads = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
+    k_dim, v_dim = int(c.linear_key_head_dim), int(c.linear_value_head_dim)
+    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+    return 4 * (conv_dim * int(c.linear_conv_kernel_dim) + v_heads * k_dim * v_dim)
+
+
+def estimate(config: Any, n_ctx: int, ubatch: int, dtype: str, device: str, baseline: bool,
+             n_params: int | None = None) -> Estimate:
+    """Peak memory of one job of the model of `config` (a transformers config object)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
+    geom: Geometry = geometry_from_config(config)
+    c = text_config(config)
+    wb = DTYPE_BYTES[dtype]
+    vocab, hidden = int(c.vocab_size), int(c.hidden_size)
+    n_heads = int(c.num_attention_heads)
+    u = min(ubatch, n_ctx)
+    kv = [layer for layer in geom.layers if layer.has_kv]
+    n_linear = sum(1 for layer in geom.layers if not layer.has_kv)
+    d_max = max(layer.head_dim for layer in kv)
+    kv_max = max(layer.n_kv_heads for layer in kv)
+    parts = {
+        "weights": (n_params if n_params is not None else param_count(config)) * wb,
+        "cache copies": sum(layer.n_kv_heads * cached_rows(layer.window, n_ctx, u) * layer.head_dim
+                            * (BASELINE_ROW_BYTES if baseline else CELL_ROW_BYTES) for layer in kv),
+    }
+    if n_linear:
+        parts["linear-attention state"] = n_linear * _linear_state_bytes(c)
+    parts["attention temporaries"] = (
+        4 * u * n_ctx  # the model's mask and the body / exact / selection masks (bool)
+        + 2 * kv_max * n_ctx * d_max * 4  # one block's gathered K and V, fp32
+        + 2 * n_heads * QUERY_BLOCK * n_ctx * 4  # its scores and softmax, fp32
+        + n_heads * u * d_max * 4 * 2  # the fp32 queries and output
+    )
+    inter = int(getattr(c, "intermediate_size", 4 * hidden) or 4 * hidden)
+    parts["activations"] = u * (3 * inter + 6 * hidden) * wb
+    parts["logits"] = u * vocab * 4 + 2 * LOGIT_ROWS * vocab * 4
+    host = {"log-prob slice": LOGIT_ROWS * vocab * (4 + 8 + 2)} if baseline else {}
+    if not str(device).startswith("cuda"):  # the device is the host
+        host = {**parts, **host}
+        return Estimate(str(device), {}, host)
+    return Estimate(str(device), parts, host)
+
+
+def _host_available() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        with open("/proc/meminfo") as f:
+            info = {ln.split(":")[0]: ln.split()[1] for ln in f}
+        return int(info["MemAvailable"]) * 1024
+
+
+def _override() -> int | None:
+    raw = os.environ.get(MEMORY_ENV)
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MEMORY_ENV}={raw!r} (environment): expected the device's memory in bytes, a positive integer")
+    return int(raw)
+
+
+def held_by_other_workers() -> int:
+    """Bytes the other live kvarn workers of this run record as held (their socket still exists)."""
+    own = os.environ.get(SOCKET_ENV)
+    directory = Path(own).parent if own else socket_dir()
+    total = 0
+    for held in directory.glob("*.held"):
+        sock = held.with_suffix(".sock")
+        if (own and sock.resolve() == Path(own).resolve()) or not sock.exists():
+            continue
+        try:
+            total += int(held.read_text())
+        except (FileNotFoundError, ValueError):
+            continue  # exiting, or being written
+    return total
+
+
+def capacity(device: str) -> tuple[int | None, int]:
+    """(free bytes on the CUDA device or None for a CPU job, available host bytes); under
+    KVARN_DEVICE_MEMORY the job's device has that many bytes less what other workers hold."""
+    override = _override()
+    if override is not None:
+        free = override - held_by_other_workers()
+        return (free, _host_available()) if str(device).startswith("cuda") else (None, free)
+    dev = None
+    if str(device).startswith("cuda"):
+        import torch
+
+        dev = int(torch.cuda.mem_get_info(torch.device(device))[0])
+    return dev, _host_available()
+
+
+def check(est: Estimate, device_free: int | None, host_free: int) -> None:
+    """Raise PreflightError when `est` exceeds a capacity, naming the largest part's knob."""
+    for where, need, have, parts in (("device", est.device_bytes, device_free, est.device_parts),
+                                     ("host", est.host_bytes, host_free, est.host_parts)):
+        if have is None or not parts or need <= have:
+            continue
+        big = max(parts, key=parts.get)
+        raise PreflightError(
+            f"this job needs about {_gib(need)} of {where} memory ({est.device if where == 'device' else 'RAM'}) "
+            f"but {_gib(have)} is free; the largest part is {big} ({_gib(parts[big])}): lower it with "
+            f"{KNOBS[big]}.\n{est.describe()}"
+        )
+
+
+def config_for(spec, cache_dir) -> Any:
+    """The transformers config object of a spec without loading (or downloading) weights."""
+    return config_object(config_json(spec, cache_dir))
+
+
+def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, baseline: bool,
+              dry_run: bool = False) -> Estimate:
+    """Estimate a job from its config; stop (PreflightError) if it cannot fit; return the estimate.
+    `dry_run`: only estimate (no capacity check), for `kvarn run/baseline --dry-run`."""
+    device, torch_dtype = pick_device_dtype(device, dtype)
+    est = estimate(config_for(spec, cache_dir), n_ctx, ubatch, str(torch_dtype).removeprefix("torch."),
+                   device, baseline)
+    if not dry_run:
+        check(est, *capacity(device))
+        record_held(est)
+    return est
+
+
+def record_held(est: Estimate) -> None:
+    """In a kvarn worker (its socket in the environment): record what its loaded model holds."""
+    own = os.environ.get(SOCKET_ENV)
+    if own:
+        held = est.device_bytes if est.device_parts else est.host_bytes
+        held_path(Path(own)).write_text(f"{held}\n")

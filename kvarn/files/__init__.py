@@ -1,0 +1,1 @@
+"""Files: atomic writes, the identity a result carries, where workers keep their files."""

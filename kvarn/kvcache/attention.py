@@ -1,0 +1,248 @@
+"""The attention function of the cache model: one fp32 softmax over exact and body keys.
+
+Registered with transformers as attn_implementation "kvarn" (both in `AttentionInterface`
+and in `masking_utils.AttentionMaskInterface`: without the mask registration transformers
+silently passes no mask at all, i.e. no causal masking).
+
+For a ubatch of queries at positions q_offset .. q_offset + n_q - 1 over the L cached keys
+at positions kv_offset .. kv_offset + L - 1 (kv_offset > 0 only on a sliding layer that
+has forgotten keys no query can read; the model's mask covers the same L keys):
+
+    keys   = [K_body ; K_exact]              (2L rows)
+    values = [V_body ; V_exact]
+    mask   = [allowed & ~sel ; allowed & sel]
+
+where `allowed` is the model's own causal / sliding-window mask and `sel` the DESIGN §2
+selection (`kvarn.kvcache.cache.exact_selection`). Every allowed (query, key position) pair is
+therefore counted exactly once, from one of the two copies, in a single softmax. For
+speed the queries go in blocks of QUERY_BLOCK, each with only the key rows its mask can
+select (body: one span; exact: the sink and the tail band), so the exact half costs about
+one block of extra keys instead of doubling attention, and causal waste is cut too.
+
+That is the reference path (`attention_ref`, attention "ref"). `kvarn.kvcache.flex` computes the
+same thing as one flex_attention call per layer call (attention "flex"); the cache's
+`attention` picks the path (`resolve_attention` turns the option "auto" into one), after
+the checks both share (`check_call`, `check_mask_size`, `kvarn.kvcache.cache.check_body_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvarn.kvcache import flex
+
+from kvarn.llamacpp import compute
+from kvarn.kvcache.cache import KVarnCache, check_body_rows, exact_selection
+from kvarn.spec.options import ATTENTIONS
+
+ATTN_NAME = "kvarn"
+
+
+def kvarn_mask(*args, **kwargs):
+    """The mask function registered for attn_implementation "kvarn" (and for any probe
+    that wraps this attention, e.g. `kvarn.run.layer_error`): sdpa's boolean mask, always
+    materialized, because the attention splits it between the two copies, so sdpa's
+    is_causal shortcut (mask None) cannot be used."""
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+QUERY_BLOCK = 128  # queries per sdpa call: keys outside a block's reach are not computed
+DECODE_SPANS = True  # one-query calls take their spans from single_query_spans (False: from the masks, the tests' reference)
+
+
+def block_spans(block: int, *masks_ranges) -> list[list[tuple[int, int] | None]]:
+    """Per block of `block` query rows: [lo, hi) of the columns selected in each (mask, (a, z)).
+
+    Each mask is [..., n_q, L]. All blocks and ranges are computed on the masks' device and
+    read back in one transfer (one host sync per layer call, not one per block).
+    """
+    parts = []
+    for mask, (a, z) in masks_ranges:
+        n_q, L = mask.shape[-2:]
+        n_blocks = -(-n_q // block)
+        if z <= a:
+            parts.append(torch.zeros(n_blocks, 3, dtype=torch.long, device=mask.device))
+            continue
+        m = mask[..., a:z].reshape(-1, n_q, z - a).any(0)
+        if n_blocks * block > n_q:
+            m = torch.cat([m, m.new_zeros(n_blocks * block - n_q, z - a)])
+        cols = m.view(n_blocks, block, z - a).any(1).to(torch.uint8)  # [n_blocks, z - a]
+        first = cols.argmax(1)
+        last = (z - a - 1) - cols.flip(1).argmax(1)
+        parts.append(torch.stack([cols.amax(1).long(), a + first, a + last + 1], dim=1))
+    table = torch.stack(parts, dim=1).tolist()  # [n_blocks][n_ranges][has, lo, hi]
+    return [[(lo, hi) if has else None for has, lo, hi in row] for row in table]
+
+
+def single_query_spans(q_pos: int, kv_offset: int, L: int, sink: int, tail: int) -> list[tuple[int, int] | None]:
+    """`block_spans`' row for one query at q_pos whose mask allows all L keys (positions
+    kv_offset .. q_pos): a decode step, where computing the spans from the masks (~40
+    small tensor ops and a host sync per layer) would cost more than the attention itself.
+    Same spans, from `reads_exact`'s intervals: the body reads positions j >= sink with
+    q_pos - j >= tail; the exact copy the sink (j < sink) and the band q_pos - j < tail."""
+    sink_c = min(max(sink - kv_offset, 0), L)
+    body = (max(0, sink - kv_offset), min(L, q_pos - tail - kv_offset + 1))
+    band = (max(sink_c, q_pos - tail - kv_offset + 1), L)
+    return [body if body[0] < body[1] else None, (0, sink_c) if sink_c > 0 else None,
+            band if band[0] < band[1] else None]
+
+
+def _block_keys(key, value, layer, body_mask, exact_mask, spans):
+    """Keys, values (fp32) and mask for one block of queries: only the key spans it reads.
+
+    spans: (body span, exact sink span, exact tail-band span) from `block_spans`. A block
+    of B queries with tail N thus reads about (last position + B) keys instead of 2L, and
+    none beyond its last query. The exact copy (stored in the tail dtype) is widened to
+    fp32 span by span: exact, its values are that dtype's.
+    """
+    ks, vs, ms = [], [], []
+    for i, span in enumerate(spans):
+        if span is None:
+            continue
+        lo, hi = span
+        k, v, m = (key, value, body_mask) if i == 0 else (layer.exact_keys, layer.exact_values, exact_mask)
+        ks.append(k[..., lo:hi, :].float())
+        vs.append(v[..., lo:hi, :].float())
+        ms.append(m[..., lo:hi])
+    if len(ks) == 1:
+        return ks[0], vs[0], ms[0]
+    return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2), torch.cat(ms, dim=-1)
+
+
+def split_mask(allowed: torch.Tensor, q_offset: int, policy, kv_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(body_mask, exact_mask) from the model's boolean mask `allowed` [..., n_q, L].
+
+    Queries sit at positions q_offset .. q_offset + n_q - 1, keys at kv_offset ..
+    kv_offset + L - 1. Every allowed pair is True in exactly one of the two masks.
+    """
+    n_q, L = allowed.shape[-2:]
+    q_pos = torch.arange(q_offset, q_offset + n_q, device=allowed.device)
+    sel = exact_selection(q_pos, L, policy, kv_offset)
+    return allowed & ~sel, allowed & sel
+
+
+def resolve_attention(attention: str, device) -> str:
+    """The attention path a run takes: "ref" or "flex" (`kvarn.spec.options.ATTENTIONS`).
+
+    "auto": flex on CUDA, ref on CPU (compiled flex was not faster there at the embedded
+    models' sizes: bench/results/flex.md).
+    """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r} not accepted; use one of {', '.join(ATTENTIONS)}")
+    if attention != "auto":
+        return attention
+    return "flex" if torch.device(device).type == "cuda" else "ref"
+
+
+def check_call(module, attention_mask, dropout, softcap, sliding_window, kvarn_cache):
+    """The checks every path makes on one attention call; returns (layer, policy)."""
+    if kvarn_cache is None:
+        raise RuntimeError(
+            "attn_implementation 'kvarn' needs the cache passed as a forward kwarg: "
+            "model(ids, cache=cache, kvarn_cache=cache)"
+        )
+    if softcap is not None or getattr(module, "attn_logit_softcapping", None) is not None:
+        raise NotImplementedError(
+            f"attention logit softcapping ({softcap or module.attn_logit_softcapping}) is not supported by the kvarn "
+            "cache model (Gemma 2 style); Gemma 3 and models without it are"
+        )
+    if dropout:
+        raise ValueError(f"dropout {dropout} in attention: put the model in eval() mode")
+    if attention_mask is None or attention_mask.dtype != torch.bool:
+        raise RuntimeError(
+            "kvarn attention received no boolean mask: 'kvarn' must be registered with "
+            "masking_utils.AttentionMaskInterface (import kvarn.kvcache.attention does it)"
+        )
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(
+            f"layer {module.layer_idx} attends bidirectionally (e.g. Gemma 4 use_bidirectional_attention='all'); "
+            "the kvarn cache model is for causal decoders"
+        )
+    layer = kvarn_cache.layers[module.layer_idx]
+    policy = kvarn_cache.policies[module.layer_idx]
+    if policy is None:
+        raise RuntimeError(
+            f"layer {module.layer_idx} calls attention, but the config gives it a layer type without a KV cache "
+            f"({kvarn_cache.geometry.layers[module.layer_idx].kind}); the model and the cache's config disagree"
+        )
+    if sliding_window != policy.window and (sliding_window is not None or policy.window is not None):
+        raise RuntimeError(
+            f"layer {module.layer_idx}: model uses sliding window {sliding_window}, cache policy expects {policy.window}"
+        )
+    return layer, policy
+
+
+def check_mask_size(module, layer, attention_mask, n_keys: int) -> None:
+    if attention_mask.shape[-1] != n_keys:
+        raise RuntimeError(f"layer {module.layer_idx}: the mask covers {attention_mask.shape[-1]} keys, the cache "
+                           f"returned {n_keys} (from position {layer.kv_offset}); its get_mask_sizes and update disagree")
+
+
+def kvarn_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    kvarn_cache: KVarnCache | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [b, H, n_q, D]; key/value: the body rows [b, H_kv, L, D] from KVarnLayer.update.
+
+    Runs the cache's attention path: this module's blocked sdpa (`attention_ref`, "ref")
+    or one flex_attention call (`kvarn.kvcache.flex`, "flex"), after the same checks.
+    """
+    layer, policy = check_call(module, attention_mask, dropout, softcap, sliding_window, kvarn_cache)
+    if layer.compute != "exact":
+        return compute.attention(module, query, layer, attention_mask, scaling or query.shape[-1] ** -0.5), None
+    check_mask_size(module, layer, attention_mask, key.shape[-2])
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if kvarn_cache.attention == "flex":
+        return flex.attention(module, query, key, value, attention_mask, scaling, layer, policy), None
+    return attention_ref(module, query, key, value, attention_mask, scaling, layer, policy), None
+
+
+def attention_ref(module, query, key, value, attention_mask, scaling, layer, policy) -> torch.Tensor:
+    """The reference path: fp32 sdpa per block of QUERY_BLOCK queries over the key spans the
+    block reads (the module docstring). Returns [b, n_q, H, D] in the query's dtype."""
+    b, n_heads, n_q, d = query.shape
+    n_kv, L = key.shape[1], key.shape[-2]
+    rep = n_heads // n_kv
+    off = layer.kv_offset
+    body_mask, exact_mask = split_mask(attention_mask[..., -n_q:, :], layer.q_offset, policy, off)
+    sink = min(max(policy.sink - off, 0), L)
+    # Per query block: the body span, the exact sink span, the exact tail-band span.
+    if DECODE_SPANS and n_q == 1 and layer.q_offset == off + L - 1 and bool(attention_mask[..., -1:, :].all()):
+        spans = [single_query_spans(layer.q_offset, off, L, policy.sink, policy.tail)]  # a decode step
+    else:
+        spans = block_spans(QUERY_BLOCK, (body_mask, (0, L)), (exact_mask, (0, sink)), (exact_mask, (sink, L)))
+    check_body_rows(module, layer, max((off + body[1] for body, *_ in spans if body is not None), default=0))
+    # A bf16 / f16 body (float-type cells, the baseline) is widened once per call (exact:
+    # its values are that dtype's); the exact copy's few rows per block in _block_keys.
+    key, value = key.float(), value.float()
+    q = query.float()
+    outs = []
+    for i, qs in enumerate(range(0, n_q, QUERY_BLOCK)):
+        qe = min(qs + QUERY_BLOCK, n_q)
+        k_blk, v_blk, m_blk = _block_keys(key, value, layer, body_mask[..., qs:qe, :], exact_mask[..., qs:qe, :],
+                                          spans[i])
+        # GQA without repeating K/V: the `rep` query heads sharing a KV head become extra
+        # query rows of that head (same per-row maths as repeat_kv).
+        q_blk = q[:, :, qs:qe].reshape(b, n_kv, rep * (qe - qs), d)
+        o = F.scaled_dot_product_attention(q_blk, k_blk, v_blk, attn_mask=m_blk.repeat(1, 1, rep, 1), scale=scaling)
+        outs.append(o.reshape(b, n_heads, qe - qs, d))
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)
+    return out.transpose(1, 2).contiguous()
+
+
+AttentionInterface.register(ATTN_NAME, kvarn_attention_forward)
+AttentionMaskInterface.register(ATTN_NAME, kvarn_mask)

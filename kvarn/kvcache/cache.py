@@ -1,0 +1,326 @@
+"""The KV cache model of DESIGN §2 as a transformers `Cache`: per layer an exact and a body copy.
+
+Each layer keeps, for every token a query can still read (every position on a
+full-attention layer; on a sliding-window layer of window W the W - 1 positions before
+the ubatch and the ubatch's own, as transformers' `DynamicSlidingWindowLayer` does, with
+`get_mask_sizes` giving the matching offset):
+
+* the **exact** copy: K (post-RoPE, as `Cache.update` receives it) and V rounded to the
+  tail dtype (bf16 for standard types, f16 for KVarN), stored in that dtype;
+* the **body** copy: K and V through `fmt.roundtrip`, the value attention reads back
+  from the quantized cache (stored in fp32; bf16 / f16 for those float types). Standard
+  types write the body per token, at once (so with tail 0 a query reads even its own key
+  from the body, as llama.cpp does). KVarN writes
+  whole groups of `fmt.group` = 128 tokens aligned to chunk position 0, quantized once
+  their last token has arrived, from the tail-dtype staging copy (BeeLlama stages in
+  F16); rows of an incomplete group stay zero and are never read (the tail, >= 128,
+  always covers them; `kvarn.kvcache.attention` asserts it).
+
+Which copy a (query, key) pair reads is decided in `kvarn.kvcache.attention` from
+`exact_selection` below and the layer's `kvarn.spec.policy.LayerPolicy`.
+
+Layers are built per layer from `kvarn.spec.geometry.geometry_from_config` (the one source of
+layer types and per-layer KV heads / head dim / window): attention layers get a
+`KVarnLayer` (its shape comes from the K/V the layer writes, so Gemma 4's 512-wide full
+layers and 256-wide sliding layers each get their own), and layers with their own state
+(Qwen 3.5/3.6 Gated DeltaNet `linear_attention`) get transformers' own cache layer for
+that type, so their conv and recurrent state is exactly what the model's `DynamicCache`
+would keep, in the baseline and in every cell.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+import kvarn.llamacpp.compute as kcompute
+from kvarn.spec.facts import KVARN_ITERS, TAIL_DTYPES
+from kvarn.formats import get_format
+from kvarn.formats.base import ValueRangeError, check_finite
+from kvarn.formats.floats import FLOAT_DTYPES
+from kvarn.spec.geometry import Geometry, geometry_from_config, text_config
+from kvarn.spec.options import ATTENTION_PATHS, EXACT, LLAMACPP_CPU, check_compute
+from kvarn.spec.policy import LayerPolicy, default_tail_dtype, layer_policy
+from kvarn.kvcache.rows import Rows
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer: its sliding window W, or None for full attention.
+
+    Read as the transformers modeling code does (`layer_types` when present, else one
+    `sliding_window` for all layers when enabled): `kvarn.spec.geometry.geometry_from_config`.
+    """
+    return list(geometry_from_config(config).windows)
+
+
+def reads_exact(p, j, sink, tail):
+    """DESIGN §2 elementwise: the query at position p reads key position j from the exact copy
+    iff j < sink or p - j < tail. p, j (and sink, tail) are ints or broadcastable tensors:
+    the one rule behind `exact_selection` and the flex path's mask_mod (`kvarn.kvcache.flex`)."""
+    return (j < sink) | (p - j < tail)
+
+
+def exact_selection(q_pos: torch.Tensor, kv_len: int, policy: LayerPolicy, kv_offset: int = 0) -> torch.Tensor:
+    """bool [n_queries, kv_len]: True where the query at q_pos reads key j from the exact copy.
+
+    Keys j = kv_offset .. kv_offset + kv_len - 1 (`reads_exact`). Causality and the sliding
+    window are not applied here; the attention mask does that (the selection only picks
+    the copy).
+    """
+    j = torch.arange(kv_offset, kv_offset + kv_len, device=q_pos.device)
+    return reads_exact(q_pos[:, None], j[None, :], policy.sink, policy.tail)
+
+
+def make_format(name: str, role: str, rot: bool = True, iters: int = KVARN_ITERS):
+    """get_format, passing `iters` only to the formats that take it (KVarN)."""
+    fmt = get_format(name, role=role, rot=rot)
+    if fmt.family == "kvarn":
+        fmt = get_format(name, role=role, rot=rot, iters=iters)
+    return fmt
+
+
+def check_body_rows(module, layer, body_end: int) -> None:
+    """A query may read body rows only below `layer.n_body` (`body_end`: one past the last
+    body position some query of the call reads): KVarN's incomplete group is zeros."""
+    if body_end > layer.n_body:
+        raise AssertionError(
+            f"layer {module.layer_idx}: a query reads body rows {layer.n_body}..{body_end - 1} of an incomplete "
+            f"{layer.group}-token group; the tail ({layer.policy.tail}) must cover them"
+        )
+
+
+class KVarnLayer(CacheLayerMixin):
+    """One decoder layer's cache: exact and body copies of K and V, [batch, kv_heads, ·, head_dim].
+
+    Stored in preallocated `kvarn.kvcache.rows.Rows` buffers: the exact copy in the tail dtype
+    (its values are that dtype's, so widening a span to fp32 when attention reads it is
+    exact), the body in fp32 (a dequantized q4_0 value d·q, d an f16 scale, needs up to 14
+    significant bits, more than bf16 or f16 hold; a rotated block needs all of fp32's), or
+    in the type's own dtype for the float types (bf16 / f16 bodies are those dtypes'
+    values). A sliding-window layer keeps only the rows a query can still read
+    (`first_readable`); `keys`, `values`, `exact_keys`, `exact_values` are views of the
+    rows the ubatch being processed reads, positions `kv_offset` .. `n_tokens` - 1.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    trim = True  # sliding layers forget keys no query can read (False: keep all, the tests' reference)
+
+    def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype, layer_idx: int = 0,
+                 compute: str = "exact", qk_gguf_order: bool = False):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.k_fmt, self.v_fmt, self.policy, self.tail_dtype = k_fmt, v_fmt, policy, tail_dtype
+        # "llamacpp-cpu": the layer keeps what ggml's kernel reads instead (kvarn.llamacpp.compute),
+        # with Q and K in the GGUF's channel order when `qk_gguf_order` (llama arch)
+        self.compute = compute
+        self.qk_gguf_order = qk_gguf_order
+        self.k_op = self.v_op = None
+        self.is_sliding = policy.window is not None
+        if k_fmt.group != v_fmt.group:
+            raise ValueError(f"K type {k_fmt.name} and V type {v_fmt.name} have different group sizes")
+        self.group = k_fmt.group
+        # The exact copy is needed when some query reads it, or as KVarN's staging group.
+        self.keep_exact = policy.sink > 0 or policy.tail > 0 or self.group > 1
+        self.exact_keys = self.exact_values = None
+        self.n_ctx = 0  # tokens the chunk will have, when known (`KVarnCache.reserve`): the buffers' size
+        self.n_tokens = 0
+        self.n_body = 0  # tokens whose body copy has been written
+        self.q_offset = 0  # position of the first query of the ubatch being processed
+        self.kv_offset = 0  # position of the first key row the ubatch's attention reads
+        self.rows: dict[str, Rows] = {}
+
+    def _body_dtype(self, fmt) -> torch.dtype:
+        return FLOAT_DTYPES[fmt.name] if fmt.family == "float" else torch.float32
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        b, h, _, d = key_states.shape
+        empty = key_states.new_zeros((b, h, 0, d), dtype=torch.float32)
+        self.keys = self.values = empty
+        self.exact_keys = self.exact_values = empty
+        self.device = key_states.device
+        self.is_initialized = True
+        if self.compute != "exact":
+            return
+        # Rows a ubatch's attention can read: all on a full layer; on a sliding layer the
+        # W - 1 keys before its first query and its own (and KVarN's incomplete group, up
+        # to group - 1 rows, should a window be shorter than a group).
+        u = key_states.shape[-2]
+        hint = self.n_ctx if not self.is_sliding or not self.trim else max(self.policy.window, self.group) - 1 + u
+        if self.n_ctx:
+            hint = min(hint, self.n_ctx)
+        self.rows = {"k": Rows(self._body_dtype(self.k_fmt), hint), "v": Rows(self._body_dtype(self.v_fmt), hint)}
+        if self.keep_exact:
+            self.rows.update(ek=Rows(self.tail_dtype, hint), ev=Rows(self.tail_dtype, hint))
+
+    def _checked(self, what: str, offset: int, fn, *args) -> torch.Tensor:
+        """fn(*args), a finite [b, H, n, D] tensor; a value that cannot be stored, or a
+        non-finite result, is a ValueError naming layer, K/V, head and absolute token."""
+        try:
+            return check_finite(what, fn(*args), "the value")
+        except ValueRangeError as e:
+            raise ValueError(f"{e.where(self.layer_idx, offset, what)}: {e.detail} [{e.name}]") from None
+
+    def _exact(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.tail_dtype)
+
+    def first_readable(self, q_offset: int) -> int:
+        """The first key position a query at >= q_offset can read (0 on a full layer)."""
+        if not self.is_sliding or not self.trim or self.compute != "exact":
+            return 0
+        return max(0, q_offset - self.policy.window + 1)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Store a ubatch's post-RoPE K and V; return the body rows its attention reads."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        k = key_states.float()
+        v = value_states.float()
+        self.q_offset = off = self.n_tokens
+        n_new = k.shape[-2]
+        self.n_tokens += n_new
+        tdn = str(self.tail_dtype).removeprefix("torch.")
+        self._checked("K (from the model)", off, lambda t: t, k)
+        self._checked("V (from the model)", off, lambda t: t, v)
+        if self.compute != "exact":
+            kcompute.append_kv(self, k, v)
+            self.n_body = self.n_tokens
+            return self.keys, self.values  # unused: kvarn.llamacpp.compute.attention reads k_op / v_op
+        # Forget what no query of this ubatch or later reads (kept from n_body on: KVarN's
+        # staging rows and the body rows its next group is written to).
+        self.kv_offset = lo = self.first_readable(off)
+        r = self.rows
+        for buf in r.values():
+            buf.forget_before(min(lo, self.n_body))
+        if self.keep_exact:
+            r["ek"].append(self._checked(f"K (exact, {tdn})", off, self._exact, k))
+            r["ev"].append(self._checked(f"V (exact, {tdn})", off, self._exact, v))
+        if self.group == 1:
+            # Standard and float types: every token is written to the body at once, from fp32.
+            r["k"].append(self._checked(f"K (body, {self.k_fmt.name})", off, self.k_fmt.roundtrip, k.contiguous()))
+            r["v"].append(self._checked(f"V (body, {self.v_fmt.name})", off, self.v_fmt.roundtrip, v.contiguous()))
+            self.n_body = self.n_tokens
+        else:
+            # KVarN: quantize every group whose last token has now arrived, from the staging
+            # copy; the rows of the incomplete group stay zero until then.
+            r["k"].extend(k, n_new)
+            r["v"].extend(v, n_new)
+            done = (self.n_tokens // self.group) * self.group
+            if done > self.n_body:
+                nb = self.n_body
+                r["k"].write(nb, self._checked(f"K (body, {self.k_fmt.name})", nb, self.k_fmt.roundtrip,
+                                               r["ek"].view(nb, done).float().contiguous()))
+                r["v"].write(nb, self._checked(f"V (body, {self.v_fmt.name})", nb, self.v_fmt.roundtrip,
+                                               r["ev"].view(nb, done).float().contiguous()))
+                self.n_body = done
+        self.keys, self.values = r["k"].view(lo, self.n_tokens), r["v"].view(lo, self.n_tokens)
+        if self.keep_exact:
+            self.exact_keys, self.exact_values = r["ek"].view(lo, self.n_tokens), r["ev"].view(lo, self.n_tokens)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # (kv_length, kv_offset) before `update`, as transformers' DynamicSlidingWindowLayer
+        # gives them: the mask covers exactly the rows `update` will return.
+        lo = self.first_readable(self.n_tokens)
+        return self.n_tokens + query_length - lo, lo
+
+    def get_seq_length(self) -> int:
+        return self.n_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def stored_rows(self) -> int:
+        """Rows allocated per copy (the largest buffer), for the memory tests and benches."""
+        return max((b.capacity for b in self.rows.values()), default=0)
+
+    def reset(self) -> None:
+        self.keys = self.values = self.exact_keys = self.exact_values = None
+        self.k_op = self.v_op = None
+        self.rows = {}
+        self.n_tokens = self.n_body = self.q_offset = self.kv_offset = 0
+        self.is_initialized = False
+
+
+class KVarnCache(Cache):
+    """A transformers Cache implementing DESIGN §2 for one model and one (K type, V type, tail) cell.
+
+        cache = KVarnCache(model.config, "q4_0", "q4_0", tail=128)
+        model(ids, cache=cache, kvarn_cache=cache)   # with attn_implementation "kvarn"
+
+    `attention`: "ref" (kvarn.kvcache.attention's blocked sdpa) or "flex" (kvarn.kvcache.flex, one
+    flex_attention call per layer call): the same numbers at fp32 noise.
+
+    `compute="llamacpp-cpu"` emulates llama.cpp's CPU flash-attention arithmetic instead of
+    exact fp32 attention (kvarn.llamacpp.compute; upstream llama.cpp types, tail 0), in llama.cpp's
+    channel order of Q and K (`kvarn.llamacpp.compute.gguf_qk_permuted` of the model_type).
+
+    `layers[i]` is a `KVarnLayer` on attention layers and transformers' own state layer
+    (e.g. `LinearAttentionLayer`) elsewhere; `policies[i]` is the layer's `LayerPolicy`,
+    or None on a layer without a KV cache.
+    """
+
+    def __init__(self, config, k_type: str, v_type: str, tail: int = 0, tail_dtype: str | None = None,
+                 rot: bool = True, iters: int = KVARN_ITERS, compute: str = EXACT, sink: int | None = None,
+                 attention: str = "ref"):
+        self.compute = check_compute(compute, k_type, v_type, tail, sink)
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention path {attention!r} not accepted; use one of {', '.join(ATTENTION_PATHS)} "
+                             "(kvarn.kvcache.attention.resolve_attention turns 'auto' into one)")
+        self.attention = attention  # how `kvarn.kvcache.attention` computes the exact compute path
+        # `exact` keeps transformers' order (DESIGN §6b's format damage); llamacpp-cpu llama.cpp's
+        self.qk_gguf_order = compute == LLAMACPP_CPU and kcompute.gguf_qk_permuted(text_config(config).model_type)
+        self.k_fmt = make_format(k_type, "k", rot, iters)
+        self.v_fmt = make_format(v_type, "v", rot, iters)
+        self.tail_dtype_name = tail_dtype or default_tail_dtype(self.k_fmt, self.v_fmt)
+        if self.tail_dtype_name not in TAIL_DTYPES:
+            raise ValueError(f"tail dtype {self.tail_dtype_name!r} not accepted; use one of {', '.join(TAIL_DTYPES)}")
+        td = FLOAT_DTYPES[self.tail_dtype_name]
+        self.geometry: Geometry = geometry_from_config(config)
+        self.windows = list(self.geometry.windows)
+        for i in self.geometry.kv_layers:
+            d = self.geometry.layers[i].head_dim
+            for fmt in (self.k_fmt, self.v_fmt):
+                try:
+                    fmt.check_head_dim(d)
+                except ValueError as e:
+                    raise ValueError(f"layer {i} ({self.geometry.layers[i].kind}) has head dim {d}: {e}") from e
+        self.policies: list[LayerPolicy | None] = [
+            layer_policy(self.k_fmt, self.v_fmt, tail, g.window, sink) if g.has_kv else None for g in self.geometry.layers
+        ]
+        state = _state_layers(config, self.geometry)
+        layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, self.compute, self.qk_gguf_order)
+                  if p is not None else state[i]
+                  for i, p in enumerate(self.policies)]
+        super().__init__(layers=layers)
+
+    @property
+    def kv_policies(self) -> list[LayerPolicy]:
+        """The policies of the attention layers, in layer order (what summaries report)."""
+        return [p for p in self.policies if p is not None]
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def reserve(self, n_ctx: int) -> None:
+        """Size every attention layer's buffers for a chunk of n_ctx tokens (before its first ubatch)."""
+        for layer in self.layers:
+            if isinstance(layer, KVarnLayer):
+                layer.n_ctx = n_ctx
+
+
+def _state_layers(config, geometry: Geometry) -> dict[int, object]:
+    """Transformers' own cache layers for the layers that keep a state instead of K/V,
+    built as `DynamicCache` builds them (same class, same per-layer kwargs)."""
+    idx = [i for i, g in enumerate(geometry.layers) if not g.has_kv]
+    if not idx:
+        return {}
+    types, kwargs = get_layer_types_and_kwargs(text_config(config))
+    out = {}
+    for i in idx:
+        kind = geometry.layers[i].kind
+        if types[i] != kind or kind not in DYNAMIC_LAYER_TYPE_MAPPING:
+            raise ValueError(
+                f"layer {i}: kvarn reads layer type {kind!r} but transformers' cache would build {types[i]!r}"
+            )
+        out[i] = DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs[i])
+    return out

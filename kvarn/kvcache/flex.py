@@ -1,0 +1,119 @@
+"""The cache model's attention as one FlexAttention call per layer call (attention path "flex").
+
+The same maths as `kvarn.kvcache.attention`'s reference path (DESIGN §2: one fp32 softmax in which
+every allowed (query, key position) pair is counted once, from the exact or the body copy),
+computed by torch's `flex_attention` instead of a materialised mask and sdpa per query block:
+
+    keys   = [K_body ; K_exact]   (2L rows, fp32; the exact copy widened, exact)
+    values = [V_body ; V_exact]
+    row r  -> (source, position): exact iff r >= L, position kv_offset + r mod L
+
+and a `mask_mod` allowing (query q, row r) iff the model's rule allows (p, j) (causal, and
+p - j < W on a sliding layer) AND (source is exact) == `kvarn.kvcache.cache.reads_exact(p, j, ...)`,
+the one DESIGN §2 selection rule. `create_block_mask` turns it into a `BlockMask`, so whole
+128 x 128 blocks no query reads (most of the exact half, the causal future) are skipped.
+
+Positions, offsets, sink, tail and window enter the mask_mod as 0-d tensors, not Python ints,
+so the compiled kernel (`torch.compile(flex_attention, dynamic=True)`, once per process) is
+not recompiled per ubatch or layer. The model's boolean mask is still checked against the
+rule on every call (a mask the rule does not reproduce, e.g. padding, is refused), and a
+KVarN body row of an incomplete group is refused as on the reference path (shared checks:
+`kvarn.kvcache.cache.check_body_rows`).
+
+`COMPILE = False` runs flex_attention eagerly (an unfused dense path; the tests use it on
+tiny shapes to stay fast). `calls` counts the layer calls served here (tests and benches
+assert that this path ran).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from kvarn.kvcache.cache import check_body_rows, exact_selection, reads_exact
+
+COMPILE = True
+calls = 0
+_compiled = None
+
+
+def allowed(p, j, window):
+    """The model's own mask rule, elementwise: key j is visible to the query at p iff j <= p
+    and p - j < window (window: W on a sliding layer, anything beyond the context otherwise)."""
+    return (j <= p) & (p - j < window)
+
+
+def _kernel():
+    global _compiled
+    if not COMPILE:
+        return flex_attention
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention, dynamic=True)
+    return _compiled
+
+
+def _window(policy, q_end: int) -> int:
+    # A full layer's "window" reaches past every key a query of this call can see.
+    return policy.window if policy.window is not None else q_end + 1
+
+
+def block_mask(q_offset: int, n_q: int, kv_offset: int, n_body: int, n_exact: int, policy, device) -> BlockMask:
+    """The BlockMask of one call: n_q queries from position q_offset over [body ; exact] rows,
+    n_body body rows from position kv_offset, then n_exact (0 or n_body) exact rows."""
+    t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    q0, k0, rows = t(q_offset), t(kv_offset), t(n_body)
+    sink, tail, window = t(policy.sink), t(policy.tail), t(_window(policy, q_offset + n_q))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        from_exact = kv_idx >= rows
+        j = k0 + torch.where(from_exact, kv_idx - rows, kv_idx)
+        p = q0 + q_idx
+        return allowed(p, j, window) & (from_exact == reads_exact(p, j, sink, tail))
+
+    return create_block_mask(mask_mod, None, None, n_q, n_body + n_exact, device=device)
+
+
+def check_mask(module, layer, policy, attention_mask, n_q: int, L: int) -> None:
+    """What `attention` checks before each flex call: the model's mask must be the rule the
+    mask_mod applies; and no query may read a body row KVarN has not written yet (one host
+    sync for both)."""
+    dev = attention_mask.device
+    p = torch.arange(layer.q_offset, layer.q_offset + n_q, device=dev)
+    j = torch.arange(layer.kv_offset, layer.kv_offset + L, device=dev)
+    rule = allowed(p[:, None], j[None, :], _window(policy, layer.q_offset + n_q))
+    same = (attention_mask[..., -n_q:, :] == rule).all()
+    body_cols = (rule & ~exact_selection(p, L, policy, layer.kv_offset)).any(0)
+    body_end = torch.where(body_cols, j + 1, 0).max()
+    same, body_end = torch.stack([same.long(), body_end]).tolist()
+    if not same:
+        raise RuntimeError(
+            f"layer {module.layer_idx}: the model's attention mask is not the causal"
+            f"{'' if policy.window is None else f' / sliding-window ({policy.window})'} mask of queries "
+            f"{layer.q_offset}..{layer.q_offset + n_q - 1} over keys {layer.kv_offset}..{layer.kv_offset + L - 1} "
+            "(padding or another mask?); the flex path computes only that rule: use attention 'ref'")
+    check_body_rows(module, layer, body_end)
+
+
+def attention(module, query, key, value, attention_mask, scaling, layer, policy) -> torch.Tensor:
+    """query [b, H, n_q, D]; key/value: the body rows [b, H_kv, L, D]. Returns [b, n_q, H, D]
+    in the query's dtype (as `kvarn.kvcache.attention.attention_ref`)."""
+    global calls
+    n_heads, n_q = query.shape[1], query.shape[-2]
+    n_kv, L = key.shape[1], key.shape[-2]
+    check_mask(module, layer, policy, attention_mask, n_q, L)
+    ek, ev = layer.exact_keys, layer.exact_values
+    n_exact = 0 if ek is None else ek.shape[-2]
+    if n_exact not in (0, L) or (n_exact == 0 and (policy.sink or policy.tail)):
+        raise RuntimeError(f"layer {module.layer_idx}: {n_exact} exact rows beside {L} body rows "
+                           f"(sink {policy.sink}, tail {policy.tail}); the cache and the policy disagree")
+    # fp32 keys and values; widening the bf16 / f16 body of the float types and the exact
+    # copy is exact (their values are those dtypes').
+    if n_exact:
+        k = torch.cat([key.float(), ek.float()], dim=-2)
+        v = torch.cat([value.float(), ev.float()], dim=-2)
+    else:
+        k, v = key.float(), value.float()
+    bm = block_mask(layer.q_offset, n_q, layer.kv_offset, L, n_exact, policy, query.device)
+    out = _kernel()(query.float(), k, v, block_mask=bm, scale=scaling, enable_gqa=n_heads != n_kv)
+    calls += 1
+    return out.to(query.dtype).transpose(1, 2).contiguous()

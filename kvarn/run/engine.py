@@ -1,0 +1,397 @@
+"""The teacher-forced KLD engine (DESIGN §6): the BF16 baseline dump and one cell per cache config.
+
+Both runs go through the same cache model (`kvarn.kvcache.cache`, `kvarn.kvcache.attention`): the baseline
+is the `bf16`/`bf16` cell with tail 0. Per chunk: a fresh cache, the chunk fed in
+micro-batches of `ubatch` tokens, logits computed only at the scored positions (the
+model's own head via `logits_to_keep`, so any final softcap or logit scaling is the
+model's), log-softmax in fp32 in row slices (Gemma's 262k vocabulary would otherwise need
+gigabytes), then either the dump (baseline) or per-token metrics against it (cell).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+import kvarn
+import kvarn.kvcache.attention as kattn
+from kvarn.spec import scoring
+from kvarn.baseline import data, dump
+from kvarn.budget import memory
+from kvarn.files import identity
+from kvarn.llamacpp import llamakld
+from kvarn.spec import facts
+from kvarn.stats import metrics
+from kvarn.weights import models
+from kvarn.files.atomic import atomic_path, write_text
+from kvarn.kvcache.cache import KVarnCache
+from kvarn.llamacpp.compute import set_activation_rounding
+from kvarn.spec.facts import KVARN_ITERS
+from kvarn.files.identity import job_key
+from kvarn.spec.options import COMPUTE_VERSION, check_compute
+from kvarn.spec.policy import exact_share
+from kvarn.budget.preflight import preflight
+from kvarn.weights.sources import DEFAULT_CACHE_DIR
+
+BASELINE_K = BASELINE_V = "bf16"
+LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gemma's vocabulary
+
+
+# --- loading --------------------------------------------------------------------------
+
+def gguf_path(spec, cache_dir) -> Path | None:
+    """The GGUF file a model's weights come from (a .gguf source, or the embedded model's), else None."""
+    p = Path(spec.source)
+    if p.suffix == ".gguf" and p.is_file():
+        return p
+    if spec.source.startswith("embedded:"):
+        hits = sorted((Path(cache_dir) / spec.source.split(":", 1)[1]).glob("*.gguf"))
+        return hits[0] if hits else None
+    return None
+
+
+def set_compute(model, spec, cache_dir, compute: str) -> None:
+    """Switch the model's weight-matmul activation rounding for this run's compute path.
+
+    With llamacpp-cpu and GGUF weights every Linear's input is rounded as llama.cpp rounds
+    activations for that weight's type (`kvarn.llamacpp.compute.set_activation_rounding`); exact
+    switches it off. Set at the start of every run, because a `Context` model serves many.
+    """
+    set_activation_rounding(model, gguf_path(spec, cache_dir) if compute != "exact" else None,
+                            compute != "exact")
+
+
+def setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
+    """(loaded model, chunk tensor, identity fields): what every dump and cell starts from.
+
+    The model in eval mode with the cache model's attention (`kvarn.kvcache.attention`), the text
+    tokenized and cut into chunks (`kvarn.baseline.data`), and the identity fields every dump and
+    cell carries (`kvarn.files.identity`). No preflight: `Context` and the run functions make it."""
+    loaded = models.load(spec, cache_dir=cache_dir, device=device, dtype=dtype)
+    loaded.model.eval()
+    loaded.model.set_attn_implementation(kattn.ATTN_NAME)
+    raw = data.load_text(text)
+    tokens = data.tokenize(loaded.tokenizer, raw)
+    chunk_ids = data.make_chunks(tokens, n_ctx, chunks, loaded.info.bos_id)
+    scoring.scored_positions(n_ctx)  # validates n_ctx (even, >= 4)
+    ident = identity.run_identity(spec, loaded.info, data.text_sha256(raw), n_ctx, int(chunk_ids.shape[0]),
+                                  kattn.ATTN_NAME)
+    return loaded, chunk_ids, ident
+
+
+class Context:
+    """What one job loads before its first chunk, kept for many cells of the same
+    (model, n_ctx, chunks, text, device, dtype): the model, the chunk tensor, the identity
+    and every baseline dump opened so far (its checksums verified once, on first read).
+
+    `kvarn.run.worker` holds one per process; `run_cell(..., context=)` and
+    `run_baseline(..., context=)` use it instead of loading, after checking that it was
+    made from the same arguments (a different model, text, ... is refused, never served).
+    """
+
+    def __init__(self, spec, n_ctx, chunks, text=None, device="auto", dtype="auto", cache_dir=DEFAULT_CACHE_DIR,
+                 ubatch=512, baseline=False):
+        self.key = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+        preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline)  # before any weights load
+        self.loaded, self.chunk_ids, self.ident = setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+        self._dumps: dict = {}
+
+    def check(self, spec, n_ctx, chunks, text, device, dtype, cache_dir) -> None:
+        want = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+        diff = [f"{k}: loaded {self.key[k]!r}, requested {want[k]!r}" for k in want if want[k] != self.key[k]]
+        if diff:
+            raise ValueError("this kvarn.run.engine.Context was loaded for another job; " + "; ".join(diff))
+
+    def open_dump(self, path):
+        """dump.open_dump, once per (file, size, mtime): a rewritten file is opened (and verified) anew."""
+        if not Path(path).is_file():
+            return dump.open_dump(path)  # raises its own named error
+        st = Path(path).stat()
+        key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+        if key not in self._dumps:
+            self._dumps[key] = dump.open_dump(path)
+        return self._dumps[key]
+
+
+def _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, baseline):
+    """(loaded model, chunk ids, identity): from `context` if given (checked), else loaded now."""
+    if context is None:
+        preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline)  # before any weights load
+        return setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+    context.check(spec, n_ctx, chunks, text, device, dtype, cache_dir)
+    return context.loaded, context.chunk_ids, context.ident
+
+
+# --- the forward ----------------------------------------------------------------------
+
+@torch.inference_mode()
+def chunk_logprobs(model, ids: torch.Tensor, cache: KVarnCache, ubatch: int, scored: range):
+    """Yield (first scored row, fp32 log-probs [r, V]) for one chunk, `LOGIT_ROWS` rows at a time.
+
+    ids: LongTensor [n_ctx]. The whole chunk is fed in ubatches with `cache` persisting;
+    logits are computed only at the scored positions. The caller times the generator.
+    """
+    if not isinstance(ubatch, int) or ubatch < 1:
+        raise ValueError(f"ubatch must be a positive integer, got {ubatch!r}")
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    n = ids.shape[0]
+    cache.reserve(n)  # buffers allocated once at their final size
+    row = 0
+    for start in range(0, n, ubatch):
+        stop = min(start + ubatch, n)
+        lo, hi = max(start, scored.start), min(stop, scored.stop)
+        keep = torch.arange(lo - start, max(hi, lo) - start, device=device)
+        out = model(input_ids=ids[None, start:stop], cache=cache, kvarn_cache=cache, use_cache=True,
+                    logits_to_keep=keep)
+        logits = out.logits[0]
+        for a in range(0, logits.shape[0], LOGIT_ROWS):
+            yield row + a, torch.log_softmax(logits[a : a + LOGIT_ROWS].float(), dim=-1)
+        row += logits.shape[0]
+    assert row == len(scored), (row, len(scored))
+
+
+def timed(gen, timing: dict, key: str = "forward_s"):
+    """Yield the items of `gen`, adding the time spent producing each to timing[key]: the
+    caller's work on an item (metrics, encoding) is not counted."""
+    while True:
+        t = time.perf_counter()
+        item = next(gen, None)
+        timing[key] += time.perf_counter() - t
+        if item is None:
+            return
+        yield item
+
+
+def new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=KVARN_ITERS, compute="exact", sink=None,
+              attention="ref") -> KVarnCache:
+    """A fresh `KVarnCache` for `model` with one cell's options: what the engine makes per
+    chunk, and what the decode, layer-error and bench paths feed a model with."""
+    return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters, compute=compute,
+                      sink=sink, attention=attention)
+
+
+def attention_path(attention: str, device: str, compute: str) -> str | None:
+    """The attention path a run takes (`kvarn.kvcache.attention.resolve_attention`), None under
+    compute llamacpp-cpu (kvarn.llamacpp.compute has its own). What summaries and dumps record."""
+    path = kattn.resolve_attention(attention, device)  # validates the option in every case
+    return path if compute == "exact" else None
+
+
+def check_baseline_compute(base, compute: str) -> None:
+    """A cell scores only against a baseline of the same compute path and version
+    (`kvarn.spec.options.COMPUTE_VERSION`; dumps before those fields existed were `exact`, 1)."""
+    found = base.header.get("compute", "exact")
+    if found != compute:
+        raise ValueError(
+            f"dump {base.path}: baseline computed with compute {found!r}, this cell uses {compute!r}; "
+            f"make the baseline with the same --compute")
+    version = base.header.get("compute_version", 1)
+    if version != COMPUTE_VERSION[compute]:
+        raise ValueError(
+            f"dump {base.path}: baseline computed with compute {compute!r} version {version}, this kvarn "
+            f"emulates version {COMPUTE_VERSION[compute]} (kvarn.spec.options.COMPUTE_VERSION); make the baseline again")
+
+
+def _progress(iterable, desc, total):
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit="chunk", leave=False)
+
+
+# --- baseline -------------------------------------------------------------------------
+
+def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto", dtype="auto",
+                 cache_dir=DEFAULT_CACHE_DIR, compute="exact", llama_kld_out=None, context=None,
+                 attention="auto") -> dict:
+    """BF16-cache run (bf16 K and V, tail 0, same cache model); writes the log-prob dump to `out`.
+
+    `compute`: the attention arithmetic (kvarn.llamacpp.compute), recorded in the header.
+    `attention`: ref | flex | auto (`kvarn.kvcache.attention.resolve_attention`): how the exact
+    compute path is computed, the same numbers at fp32 noise; the path taken is recorded in
+    the header, not in the dump's identity.
+    `llama_kld_out`: also write the log-probs as llama-perplexity's --kl-divergence-base
+    file (kvarn.llamacpp.llamakld), so llama-perplexity can score against our baseline.
+    Returns the dump header (identity fields, vocab size, timing).
+    """
+    check_compute(compute, BASELINE_K, BASELINE_V, 0)
+    kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, True)
+    set_compute(loaded.model, spec, cache_dir, compute)
+    model, info = loaded.model, loaded.info
+    path = attention_path(attention, info.device, compute)
+    scored = scoring.scored_positions(n_ctx)
+    timing = {"forward_s": 0.0}
+
+    def chunk_slices(c):
+        # The chunk's log-probs a LOGIT_ROWS slice at a time, straight to the writer: the host
+        # never holds a whole chunk (32 GB at Qwen 3.6's 64k). Only the forward (and the copy
+        # to the host, which waits for it) is timed, not the writer.
+        cache = new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=path or "ref")
+        return timed((lp.cpu() for _, lp in chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)), timing)
+
+    def blocks():
+        for c in _progress(range(chunk_ids.shape[0]), f"baseline {info.name} ctx {n_ctx}", chunk_ids.shape[0]):
+            yield chunk_slices(c)
+
+    header = dict(ident)
+    header.update({
+        "source": info.source,
+        "vocab_size": info.vocab_size,
+        "scored_start": scored.start,
+        "scored_stop": scored.stop,
+        "k_type": BASELINE_K,
+        "v_type": BASELINE_V,
+        "tail": 0,
+        "ubatch": ubatch,
+        "compute": compute,
+        "compute_version": COMPUTE_VERSION[compute],
+        "attention": path,
+        "kvarn_version": kvarn.__version__,
+        "device": info.device,
+    })
+    dump.write_dump(out, header, blocks())
+    if llama_kld_out is not None:
+        llamakld.write_from_dump(out, chunk_ids, llama_kld_out)
+    n_tok = int(chunk_ids.numel())
+    header["tokens_per_s"] = n_tok / timing["forward_s"] if timing["forward_s"] else float("nan")
+    header["wall_s"] = time.perf_counter() - t0
+    return header
+
+
+# --- one cell -------------------------------------------------------------------------
+
+def policy_fields(cache: KVarnCache) -> dict:
+    """The summary's policy fields of a cell's cache: the effective tail of its full and
+    sliding layers and its sink. Attention layers only: linear-attention layers have no
+    KV cache and no policy."""
+    full = [p for p in cache.kv_policies if p.window is None]
+    sliding = [p for p in cache.kv_policies if p.window is not None]
+    return {
+        "tail_eff_full": full[0].tail if full else None,
+        "tail_eff_sliding": max(p.tail for p in sliding) if sliding else None,
+        "sink": full[0].sink if full else 0,
+    }
+
+
+def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot=True, tail_dtype=None,
+             iters=KVARN_ITERS, text=None, device="auto", dtype="auto", cache_dir=DEFAULT_CACHE_DIR,
+             compute="exact", accounting="packed", sink=None, context=None, attention="auto") -> dict:
+    """One cache config against the baseline dump; writes out_dir/tokens.parquet and summary.json.
+
+    `sink`: exact leading tokens on full-attention layers; None = the pair's own (0
+    standard, 128 KVarN); a standard pair may take another (kvarn.spec.policy.check_sink).
+
+    `context`: a loaded `Context` of the same job arguments (kvarn.run.worker), else loads now.
+
+    `attention`: ref | flex | auto (`kvarn.kvcache.attention.resolve_attention`), how the exact
+    compute path's attention is computed: the same numbers at fp32 noise, so not part of
+    the cell's path; the summary records the path taken (`attention`) and the baseline's.
+
+    `compute` (kvarn.llamacpp.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
+    with the same. `baseline` may also be llama-perplexity's --kl-divergence-base file
+    (kvarn.llamacpp.llamakld), checked against our tokens.
+
+    Returns the summary dict (the metric keys of kvarn.stats.metrics.summarize + the cell fields;
+    the KV bytes under the memory `accounting` of kvarn.budget.memory, with the geometry they
+    came from, so another accounting can be computed later without a rerun).
+    """
+    check_compute(compute, k, v, tail, sink)
+    kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
+    facts.check_pair(k, v, sink)  # a mixed pair or a bad sink is refused before any work
+    out_dir = Path(out_dir)
+    memory.check_accounting(accounting)
+    t0 = time.perf_counter()
+    # A missing, foreign or truncated dump is refused before the model is even looked at.
+    base = None if llamakld.is_llama_kld(baseline) else (context.open_dump if context else dump.open_dump)(baseline)
+    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False)
+    set_compute(loaded.model, spec, cache_dir, compute)
+    model, info = loaded.model, loaded.info
+    path = attention_path(attention, info.device, compute)
+    # Validates the types, the tail and the pair before any work is done.
+    probe = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
+    if base is None:
+        base = llamakld.open_llama_kld(baseline, chunk_ids, n_ctx, info.vocab_size)
+    else:
+        identity.check_baseline(base.header, ident, baseline,
+                                identity.rebuild_command(spec, n_ctx, ident["n_chunks"], info.device, info.dtype,
+                                                         baseline))
+        check_baseline_compute(base, compute)
+    scored = scoring.scored_positions(n_ctx)
+    pos = np.arange(scored.start, scored.stop, dtype=np.int32)
+
+    cols = {key: [] for key in metrics.PER_TOKEN_KEYS}
+    chunk_col, pos_col = [], []
+    timing = {"forward_s": 0.0}
+    for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
+        cache = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, path or "ref")
+        targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
+        for a, lp in timed(chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored), timing):
+            b = a + lp.shape[0]
+            # the baseline's stored codes, decoded a slice at a time where the log-probs are
+            tm = metrics.token_metrics(lp, base.decode(c, a, b, lp.device), targets[a:b])
+            for key in cols:
+                cols[key].append(tm[key])
+        chunk_col.append(np.full(len(pos), c, dtype=np.int32))
+        pos_col.append(pos)
+
+    frame = pl.DataFrame({
+        "chunk": np.concatenate(chunk_col),
+        "pos": np.concatenate(pos_col),
+        **{key: np.concatenate(cols[key]) for key in metrics.PER_TOKEN_KEYS},
+    })
+    summary = metrics.summarize(frame)
+    kv = memory.summary_fields(info.geometry, n_ctx, k, v, tail, tail_dtype=probe.tail_dtype_name, rot=rot,
+                               ubatch=ubatch, accounting=accounting, sink=sink)
+    n_tok = int(chunk_ids.numel())
+    summary.update({
+        "model": info.name,
+        "source": info.source,
+        "revision": info.revision,
+        "n_ctx": n_ctx,
+        "chunks": int(chunk_ids.shape[0]),
+        "ubatch": ubatch,
+        "k_type": k,
+        "v_type": v,
+        "rot": bool(rot),
+        "tail": tail,
+        "sink_requested": sink,
+        **policy_fields(probe),
+        "exact_share": exact_share(probe.kv_policies, n_ctx),
+        "tail_dtype": probe.tail_dtype_name,
+        "iters": iters,
+        "compute": compute,
+        "compute_version": COMPUTE_VERSION[compute],
+        "attention": path,
+        # dumps written before the option existed were all made on the reference path
+        "baseline_attention": base.header.get("attention", "ref" if compute == "exact" else None)
+        if base.kind == "kvarn" else None,
+        "baseline_kind": base.kind,
+        **kv,
+        "tokens_per_s": n_tok / timing["forward_s"],
+        "wall_s": time.perf_counter() - t0,
+        "kvarn_version": kvarn.__version__,
+        "format_version": max(probe.k_fmt.version, probe.v_fmt.version),
+        "device": info.device,
+        "dtype": info.dtype,
+    })
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out_dir / "tokens.parquet") as tmp:
+        frame.write_parquet(tmp)
+    write_text(out_dir / "summary.json", json.dumps(summary, indent=1, default=_json_default) + "\n")
+    return summary
+
+
+def _json_default(x):
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")

@@ -1,0 +1,1 @@
+"""Statistics: per-token KLD metrics with llama-perplexity's summaries, and paired comparisons between cells."""
