@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 
 from kvarn.spec import facts
 from kvarn.budget.memory import ACCOUNTINGS, resummarize
+from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
 from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_compute
 
 DEFAULT_ITERS = facts.KVARN_ITERS  # KVarN variance-normalization passes (DESIGN §4)
@@ -47,19 +48,15 @@ ALL_CHUNKS = "all"
 CHUNKS_PATTERN = r"\d+|all"
 MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
                   "memory_accounting": "packed"}
-CELL_DEFAULTS = {"rot": True, "tail_dtype": None, "iters": DEFAULT_ITERS, "sink": None, "compute": DEFAULT_COMPUTE}
+CELL_DEFAULTS = parse_opts("")  # a cell's options when the config names none (kvarn.spec.cell)
 
 # The results layout, one template per output directory: the cells below and the workflow's
 # rules (workflow/rules/common.smk, decode.smk) take their paths from these.
 RUN_DIR = "results/{model}/ctx{n_ctx}-c{chunks}"
-CELL_NAME = "{k}-{v}-t{tail}{opts}"
 CELL_DIR = RUN_DIR + "/cells/" + CELL_NAME
 DECODE_RUN_DIR = "results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}"
 DECODE_DIR = DECODE_RUN_DIR + "/" + CELL_NAME
 
-# Wildcard patterns: a type name has no "-", so "{k}-{v}-t{tail}{opts}" parses one way.
-TYPE_PATTERN = r"[a-z0-9_]+"
-OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+|-s[0-9]+|-llamacpp_cpu)*"
 MODEL_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
@@ -105,16 +102,17 @@ class Cell:
     compute: str = "exact"  # kvarn.llamacpp.compute: "exact" | "llamacpp-cpu" (its own baseline)
 
     @property
+    def spec(self) -> CellSpec:
+        """What identifies the cell within its run (kvarn.spec.cell): types, tail, options."""
+        return CellSpec(self.k, self.v, self.tail, self.rot, self.tail_dtype, self.iters, self.sink, self.compute)
+
+    @property
     def opts(self) -> str:
-        return (("" if self.rot else "-norot")
-                + (f"-td{self.tail_dtype}" if self.tail_dtype else "")
-                + (f"-i{self.iters}" if self.iters != DEFAULT_ITERS else "")
-                + (f"-s{self.sink}" if self.sink is not None else "")
-                + compute_suffix(self.compute))
+        return self.spec.opts
 
     @property
     def name(self) -> str:
-        return CELL_NAME.format(k=self.k, v=self.v, tail=self.tail, opts=self.opts)
+        return self.spec.name
 
     @property
     def run_dir(self) -> str:
@@ -157,11 +155,6 @@ class Matrix:
 def decode_dir(model: str, n_ctx: int, prompts: int, tokens: int, cell: str) -> str:
     """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{cell}: steps.parquet + summary.json."""
     return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens)}/{cell}"
-
-
-def compute_suffix(compute: str) -> str:
-    """The path token of a compute path: '' for exact, '-llamacpp_cpu' for llamacpp-cpu."""
-    return "" if compute == "exact" else "-" + compute.replace("-", "_")
 
 
 def baseline_path(run_dir: str, compute: str = "exact") -> str:
@@ -229,23 +222,6 @@ def check_pinned(models: dict[str, Model], allow, plan_only: bool = False) -> li
             + ". Pin each (revision: <40-hex commit>, or sha256:<hex> for a GGUF) or run with "
             "--config allow_unpinned=true (the summaries then record the commit that was fetched)")
     return [] if allow else loose
-
-
-def parse_opts(opts: str) -> dict:
-    """rot, tail_dtype, iters, sink, compute from a cell path's `opts` suffix (inverse of Cell.opts)."""
-    out = dict(CELL_DEFAULTS)
-    for tok in re.findall(r"-(norot|td[a-z0-9]+|i[0-9]+|s[0-9]+|llamacpp_cpu)", opts or ""):
-        if tok == "norot":
-            out["rot"] = False
-        elif tok == "llamacpp_cpu":
-            out["compute"] = "llamacpp-cpu"
-        elif tok.startswith("td"):
-            out["tail_dtype"] = tok[2:]
-        elif tok.startswith("s"):
-            out["sink"] = int(tok[1:])
-        else:
-            out["iters"] = int(tok[1:])
-    return out
 
 
 def format_version(name: str, role: str = "k") -> int:

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 import polars as pl
 
 from kvarn.spec import facts
-from kvarn.plan.matrix import OPTS_PATTERN
+from kvarn.spec.cell import CellSpec
 
 MIB = float(1 << 20)
 
@@ -38,9 +38,6 @@ FORMAT_ONLY_OPTS = f"-td{facts.get('kvarn4').default_tail_dtype}-s{facts.KVARN_S
 SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
 SERIES_ECOSYSTEM = "QuantizedCache backends"  # transformers' quanto, HQQ, KIVI layout (kvarn.formats.ecosystem)
 
-# The cell directory name written by the workflow: {k}-{v}-t{tail}{opts}
-# ({opts}: the non-default options, -norot, -td{dtype}, -i{iters}, -s{sink}, -llamacpp_cpu; kvarn.plan.matrix).
-_CELL_RE = re.compile(r"^(?P<k>[a-z0-9_]+)-(?P<v>[a-z0-9_]+)-t(?P<tail>\d+)(?P<opts>" + OPTS_PATTERN + ")$")
 _RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+|all)$")
 
 
@@ -125,8 +122,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
 
     rows = df.to_dicts()
     for r in rows:
-        m = _CELL_RE.match(r.get("cell") or "")
-        r["opts"] = m["opts"] if m else ""
+        r["opts"] = CellSpec.from_name(r["cell"]).opts if r.get("cell") else ""
         r["pair"] = f"{r['k_type']}-{r['v_type']}{r['opts']}"  # a non-default option stays visible
         if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.spec.facts.tail_label)
             r["tail_label"] = tail_label(r["family"], r["tail_requested"], r["tail_eff_full"])
@@ -177,8 +173,7 @@ def compute_split(summary: pl.DataFrame, model: str) -> pl.DataFrame:
         return pl.DataFrame(schema={c: pl.Float64 for c in cols})
     rows = {}
     for r in df.to_dicts():
-        m = _CELL_RE.match(r.get("cell") or "")
-        opts = (m["opts"] if m else "").replace("-llamacpp_cpu", "")
+        opts = CellSpec.from_name(r["cell"]).opts.replace("-llamacpp_cpu", "") if r.get("cell") else ""
         key = (r["k_type"], r["v_type"], r.get("tail_requested", r.get("tail")), opts)
         rows.setdefault(key, {})[r.get("compute") or "exact"] = r
     out = []
@@ -388,16 +383,20 @@ def parse_cell_path(path: str | Path) -> dict:
     """`results/{model}/ctx{n}-c{c}/cells/{k}-{v}-t{tail}/tokens.parquet` -> the cell's keys."""
     p = Path(path)
     cell, run, model = p.parent.name, p.parent.parent.parent.name, p.parent.parent.parent.parent.name
-    mc, mr = _CELL_RE.match(cell), _RUN_RE.match(run)
-    if not (mc and mr and p.parent.parent.name == "cells"):
+    mr = _RUN_RE.match(run)
+    try:
+        spec = CellSpec.from_name(cell)
+    except ValueError:
+        spec = None
+    if not (spec and mr and p.parent.parent.name == "cells"):
         raise ValueError(
             f"{str(path)!r} is not a cell path; expected results/{{model}}/ctx{{n_ctx}}-c{{chunks}}/"
-            "cells/{k}-{v}-t{tail}/tokens.parquet"
+            "cells/{k}-{v}-t{tail}{opts}/tokens.parquet"
         )
     return {
         "model": model, "n_ctx": int(mr["n_ctx"]),
         "chunks": mr["chunks"] if mr["chunks"] == "all" else int(mr["chunks"]),
-        "k_type": mc["k"], "v_type": mc["v"], "tail_requested": int(mc["tail"]), "opts": mc["opts"],
+        "k_type": spec.k, "v_type": spec.v, "tail_requested": spec.tail, "opts": spec.opts,
     }
 
 

@@ -30,12 +30,12 @@ the identity of its baseline dump.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
+from kvarn.spec.cell import CellSpec
 from kvarn.spec.scoring import scored_range
 
 DEFAULT_BOOT = 2000
@@ -339,7 +339,7 @@ def _label(cell: str, label: str) -> str:
     q4_0 format-only row and q4_0 at tail 128 share "q4_0-q4_0 t128" there."""
     from kvarn.report.data import FORMAT_ONLY_OPTS
 
-    opts = re.search(r"-t\d+(.*)$", cell).group(1)
+    opts = CellSpec.from_name(cell).opts
     return label + (" + KVarN's sink, F16 tail" if opts == FORMAT_ONLY_OPTS else f" {opts}" if opts else "")
 
 
