@@ -102,8 +102,8 @@ def test_private_use_is_seen(tmp_path):
     """The scan above finds each form it looks for (so an empty result means something)."""
     mods = {"kvarn", "kvarn.run.engine", "kvarn.kvcache.attention"}
     f = tmp_path / "probe.py"
-    f.write_text("import kvarn.kvcache.attention as kattn\nfrom kvarn import engine\nfrom kvarn.run.engine import _x\n"
-                 "import kvarn\nkattn._a\nengine._b\nkvarn.engine._c\nengine.ok\n")
+    f.write_text("import kvarn.kvcache.attention as kattn\nfrom kvarn.run import engine\nfrom kvarn.run.engine import _x\n"
+                 "import kvarn\nkattn._a\nengine._b\nkvarn.run.engine._c\nengine.ok\n")
     assert [h.split(": ", 1)[1] for h in _private_uses(f, mods)] == [
         "from kvarn.run.engine import _x", "kvarn.kvcache.attention._a", "kvarn.run.engine._b", "kvarn.run.engine._c"]
 
