@@ -96,7 +96,6 @@ def first_chunk(loaded):
 
 
 def _engine_logprobs(lm, ids, k, v, tail=0, ubatch=512):
-    from kvarn.baseline import data
     from kvarn.run import engine
 
     lm.model.set_attn_implementation("kvarn")
@@ -108,7 +107,6 @@ def _engine_logprobs(lm, ids, k, v, tail=0, ubatch=512):
 def _plain_logprobs(lm, ids, impl):
     """The model's own single-pass forward over the whole chunk `ids`, its head applied at
     the scored positions only (`logits_to_keep`, as the engine does)."""
-    from kvarn.baseline import data
 
     lm.model.set_attn_implementation(impl)
     sc = scoring.scored_positions(ids.shape[0])
@@ -231,7 +229,6 @@ def _cell(base, k, v, tail, tmp_path_factory, context):
 def smol_bf16_cell(loaded, first_chunk):
     """The bf16/bf16 cell's own log-probs on the baseline's chunk, with the baseline's ubatch
     and attention path, through a cache built here (not the engine's baseline constants)."""
-    from kvarn.baseline import data
     from kvarn.run import engine
 
     lm, ids = loaded("smollm2-135m"), first_chunk("smollm2-135m")

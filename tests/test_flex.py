@@ -225,7 +225,6 @@ def smol():
 
 
 def _logprobs(lm, ids, k, v, tail, attention, ubatch=512):
-    from kvarn.baseline import data
     from kvarn.run import engine
 
     lm.model.set_attn_implementation(kattn.ATTN_NAME)
@@ -237,7 +236,6 @@ def _logprobs(lm, ids, k, v, tail, attention, ubatch=512):
 @torch.inference_mode()
 def _plain(lm, ids, impl):
     """The model's own single pass, its head applied at the scored positions only."""
-    from kvarn.baseline import data
 
     lm.model.set_attn_implementation(impl)
     sc = scoring.scored_positions(ids.shape[0])

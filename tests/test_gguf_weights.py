@@ -60,7 +60,7 @@ def _qdq(a: np.ndarray) -> np.ndarray:
     return np.asarray(gguf.quants.dequantize(gguf.quants.quantize(a, T), T)).reshape(a.shape)
 
 
-def test_gemma4_gguf_written_in_test_reloads_exactly(tmp_path):
+def test_gemma4_gguf_written_in_test_reloads_exactly(tmp_path, monkeypatch):
     """Metadata as llama.cpp's converter writes it for Gemma 4 (per-layer KV heads, two head
     dims, sliding pattern, rope_freqs for proportional RoPE), 2-D weights in Q8_0."""
     model = _causal(GEMMA_TEXT, "gemma4_text", device="cpu")
@@ -122,6 +122,12 @@ def test_gemma4_gguf_written_in_test_reloads_exactly(tmp_path):
         ids = torch.randint(0, 384, (1, 24), generator=torch.Generator().manual_seed(2))
         want, got = model(input_ids=ids).logits, loaded(input_ids=ids).logits
     assert torch.equal(want, got)
+    # the entry point a model load takes (kvarn.weights.models) dispatches a gemma4 GGUF here too
+    monkeypatch.setattr(gguf_weights, "tokenizer", lambda p: ("tokenizer of", p))  # the tiny file holds none
+    via_load, tok = gguf_weights.load(path, "cpu", torch.float32)
+    assert tok == ("tokenizer of", path)
+    with torch.no_grad():
+        assert torch.equal(via_load.eval()(input_ids=ids).logits, want)
     from kvarn.spec.geometry import geometry_from_config
 
     assert geometry_from_config(loaded.config).describe() == (

@@ -15,7 +15,6 @@ CTX = 256
 @pytest.fixture(scope="module")
 def smol():
     import kvarn.kvcache.attention  # noqa: F401  (registers "kvarn")
-    from kvarn.spec import scoring
     from kvarn.baseline import data
     from kvarn.weights import models
 
@@ -30,8 +29,8 @@ class _Captured(Exception):
 
 
 def _o_proj_input(lm, ids, k, v, layer=0):
-    from kvarn.baseline import data
     from kvarn.run import engine
+    from kvarn.spec import scoring
 
     got = []
 

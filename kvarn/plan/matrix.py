@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from kvarn.spec import facts
 from kvarn.budget.memory import ACCOUNTINGS, resummarize
 from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
-from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_compute
+from kvarn.spec.options import ATTENTIONS, COMPUTES, DTYPES, check_compute
 
 DEFAULT_ITERS = facts.KVARN_ITERS  # KVarN variance-normalization passes (DESIGN §4)
 TAIL_DTYPES = facts.TAIL_DTYPES

@@ -20,7 +20,6 @@ import torch
 
 import kvarn.kvcache.attention as kattn
 from kvarn.spec import scoring
-from kvarn.baseline import data
 from kvarn.run.engine import new_cache
 from kvarn.spec.facts import KVARN_ITERS
 

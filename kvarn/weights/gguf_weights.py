@@ -96,7 +96,7 @@ def load(path: Path, device: str, dtype, attn_implementation: str = "sdpa"):
     r = reader(path)
     arch = field(r, "general.architecture")
     if arch == "gemma4":
-        return _gemma4_model(path, r, device, dtype, attn_implementation), tokenizer(path)
+        return gemma4_model(path, r, device, dtype, attn_implementation), tokenizer(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
