@@ -34,6 +34,11 @@ def test_single_query_spans_match_the_masks(sink, tail):
     assert n > 0
 
 
+# A 264-token context, 20 generated: the prompt ends at 244 and the decode crosses position 256,
+# where KVarN seals its second group (positions 128..255) while decoding.
+CTX, STEPS, SEAL = 264, 20, 256
+
+
 @pytest.fixture(scope="module")
 def smol():
     from kvarn.baseline import data
@@ -44,19 +49,20 @@ def smol():
     lm.model.eval()
     lm.model.set_attn_implementation(KA.ATTN_NAME)
     text = data.load_text(ENGINE_TEXT)[:50000]
-    chunks = data.make_chunks(data.tokenize(lm.tokenizer, text), 300, 2, lm.info.bos_id)
-    return lm, KD.decode_prompts(chunks, 60)
+    chunks = data.make_chunks(data.tokenize(lm.tokenizer, text), CTX, 2, lm.info.bos_id)
+    return lm, KD.decode_prompts(chunks, STEPS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", [("kvarn4", "kvarn4", 0), ("q4_0", "q4_0", 128), ("bf16", "bf16", 0)],
                          ids=["kvarn4", "q4_0-t128", "bf16"])
 def test_decode_shortcut_changes_no_bit(smol, cell, monkeypatch):
-    """A 300-token context, 60 generated (positions 240..299): KVarN seals its second group
-    (positions 128..255) while decoding; every column equal with the shortcut off."""
+    """Positions 244..263 generated: KVarN seals its second group (positions 128..255) while
+    decoding; every column equal with the shortcut off."""
     lm, prompts = smol
-    fast = KD.decode(lm.model, prompts, *cell, 60, ubatch=128)
+    assert prompts.shape[1] < SEAL < prompts.shape[1] + STEPS  # the seal falls inside the decode
+    fast = KD.decode(lm.model, prompts, *cell, STEPS, ubatch=128)
     monkeypatch.setattr(KA, "DECODE_SPANS", False)
-    ref = KD.decode(lm.model, prompts, *cell, 60, ubatch=128)
+    ref = KD.decode(lm.model, prompts, *cell, STEPS, ubatch=128)
     for key in KD.STEP_KEYS:
         assert np.array_equal(fast[key], ref[key]), key
