@@ -33,7 +33,7 @@ each summary.json recorded.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from kvarn.spec import facts
 from kvarn.budget.memory import ACCOUNTINGS, resummarize
@@ -88,31 +88,18 @@ class Model:
 
 
 @dataclass(frozen=True)
-class Cell:
-    model: str
-    n_ctx: int
-    chunks: int | str
-    k: str
-    v: str
-    tail: int
-    rot: bool = True
-    tail_dtype: str | None = None  # None: the family's default (bf16 standard, f16 KVarN)
-    iters: int = DEFAULT_ITERS
-    sink: int | None = None  # None: the pair's own (0 standard, 128 KVarN); standard types may set one
-    compute: str = "exact"  # kvarn.llamacpp.compute: "exact" | "llamacpp-cpu" (its own baseline)
+class Cell(CellSpec):
+    """One planned cell: a CellSpec (types, tail, options; its `name` and `opts`) in a run of a
+    model at n_ctx over `chunks` chunks."""
+
+    model: str = field(kw_only=True)
+    n_ctx: int = field(kw_only=True)
+    chunks: int | str = field(kw_only=True)  # a count, or ALL_CHUNKS
 
     @property
     def spec(self) -> CellSpec:
         """What identifies the cell within its run (kvarn.spec.cell): types, tail, options."""
-        return CellSpec(self.k, self.v, self.tail, self.rot, self.tail_dtype, self.iters, self.sink, self.compute)
-
-    @property
-    def opts(self) -> str:
-        return self.spec.opts
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
+        return CellSpec(**{f.name: getattr(self, f.name) for f in fields(CellSpec)})
 
     @property
     def run_dir(self) -> str:
@@ -381,7 +368,7 @@ def expand(config: dict) -> Matrix:
                     for tail in tails:
                         if tail >= n_ctx:
                             raise MatrixError(f"{where}.tail: {tail} must be < n_ctx {n_ctx} of model {name!r}")
-                        cells[_normalize(Cell(name, n_ctx, m.chunks, k, v, tail, **opts), fam)] = None
+                        cells[_normalize(Cell(k, v, tail, **opts, model=name, n_ctx=n_ctx, chunks=m.chunks), fam)] = None
     for i, m in enumerate(models.values()):
         if m.decode is not None and m.decode.cells is not None:
             have = [c.name for c in cells if c.model == m.name]
