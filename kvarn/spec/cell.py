@@ -11,7 +11,7 @@ matrix, the workflow's wildcards and the report use these, nothing else parses a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 from kvarn.spec.facts import KVARN_ITERS
 from kvarn.spec.options import COMPUTES, DEFAULT_COMPUTE
@@ -29,26 +29,6 @@ def compute_suffix(compute: str) -> str:
     if compute not in COMPUTES:
         raise ValueError(f"compute {compute!r} is not one of {', '.join(COMPUTES)}")
     return "" if compute == DEFAULT_COMPUTE else "-" + compute.replace("-", "_")
-
-
-def parse_opts(opts: str) -> dict:
-    """rot, tail_dtype, iters, sink and compute from a cell name's options suffix (defaults where absent)."""
-    if not re.fullmatch(OPTS_PATTERN, opts or ""):
-        raise ValueError(f"{opts!r} is not a cell's options suffix; expected tokens of -norot, -td<dtype>, -i<n>, "
-                         "-s<n>, -llamacpp_cpu")
-    out = {"rot": True, "tail_dtype": None, "iters": KVARN_ITERS, "sink": None, "compute": DEFAULT_COMPUTE}
-    for o in _OPT_RE.finditer(opts or ""):
-        if o["norot"]:
-            out["rot"] = False
-        elif o["td"]:
-            out["tail_dtype"] = o["td"]
-        elif o["iters"]:
-            out["iters"] = int(o["iters"])
-        elif o["sink"]:
-            out["sink"] = int(o["sink"])
-        else:
-            out["compute"] = "llamacpp-cpu"
-    return out
 
 
 @dataclass(frozen=True)
@@ -88,3 +68,23 @@ class CellSpec:
         if spec.name != name:
             raise ValueError(f"{name!r} is not a cell name as the matrix writes it; the same cell is {spec.name!r}")
         return spec
+
+
+def parse_opts(opts: str) -> dict:
+    """rot, tail_dtype, iters, sink and compute from a cell name's options suffix (defaults where absent)."""
+    if not re.fullmatch(OPTS_PATTERN, opts or ""):
+        raise ValueError(f"{opts!r} is not a cell's options suffix; expected tokens of -norot, -td<dtype>, -i<n>, "
+                         "-s<n>, -llamacpp_cpu")
+    out = {f.name: f.default for f in fields(CellSpec) if f.default is not MISSING}  # CellSpec's defaults
+    for o in _OPT_RE.finditer(opts or ""):
+        if o["norot"]:
+            out["rot"] = False
+        elif o["td"]:
+            out["tail_dtype"] = o["td"]
+        elif o["iters"]:
+            out["iters"] = int(o["iters"])
+        elif o["sink"]:
+            out["sink"] = int(o["sink"])
+        else:
+            out["compute"] = "llamacpp-cpu"
+    return out
