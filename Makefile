@@ -28,8 +28,8 @@ test-cluster: setup
 	tests/cluster/slurm.sh
 
 bench: setup
-	$(BIN)/python bench/bench_formats.py
-	$(BIN)/python bench/bench_engine.py
+	$(BIN)/python -m bench.perf.formats
+	$(BIN)/python -m bench.perf.engine
 
 report: setup
 	$(BIN)/snakemake --cores $(CORES) --resources gpu=1 --report report.html

@@ -1,4 +1,4 @@
-"""A pytest plugin for measuring the suite on a busy machine (bench/results/suite.md).
+"""A pytest plugin for measuring the suite on a busy machine (bench/perf/results/suite.md).
 
 `DURLOG=<file> pytest -p durlog --cov=kvarn ...` (with tests/ on PYTHONPATH) appends one
 JSON line per test phase as it finishes (node id, phase, duration, outcome) and one per

@@ -3,10 +3,9 @@
 tests/fixtures/beellama/beellama_cpu.npz holds bytes that BeeLlama (provenance.json: commit,
 build, command) wrote for deterministic inputs: KVarN records from its CPU KV-cache store
 and blocks from its CPU `from_float` of every block type. kvarn must reproduce them, and
-bench/beellama/quant_oracle.py's readers of BeeLlama's byte layouts are checked here too.
+bench/oracles/beellama/quant_oracle.py's readers of BeeLlama's byte layouts are checked here too.
 """
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -20,18 +19,13 @@ from kvarn.formats import get_format
 from kvarn.formats import kvarn as K
 from kvarn.formats.hadamard import hadamard
 
+from bench.oracles.beellama import memory as bee_memory
+from bench.oracles.beellama import quant_oracle as QO
+from bench.oracles.beellama import table as bee_table
+
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "beellama"
 
-
-def _oracle():
-    spec = importlib.util.spec_from_file_location("beellama_quant_oracle", ROOT / "bench" / "beellama" / "quant_oracle.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-QO = _oracle()
 DATA = np.load(FIX / "beellama_cpu.npz")
 
 
@@ -238,9 +232,6 @@ def test_q6_0_refit_sums_in_beellamas_order():
 
 
 def test_table_row_reads_beellama_log_and_kvarn_summary(tmp_path):
-    spec = importlib.util.spec_from_file_location("beellama_table", ROOT / "bench" / "beellama" / "table.py")
-    tab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tab)
     log = tmp_path / "bee.log"
     log.write_text("====== KL divergence statistics ======\nMean    KLD:   0.010000 ±   0.000200\n"
                    "Maximum KLD:   0.300000\n99.0%   KLD:   0.050000\nMedian  KLD:   0.004000\n"
@@ -249,19 +240,10 @@ def test_table_row_reads_beellama_log_and_kvarn_summary(tmp_path):
     cell.mkdir()
     (cell / "summary.json").write_text(json.dumps({"kld_median": 0.005, "kld_mean": 0.009, "kld_p99": 0.04,
                                                    "same_top": 0.96}))
-    r = tab.row("kvarn4", log, cell)
+    r = bee_table.row("kvarn4", log, cell)
     assert r == ["kvarn4", "0.004000", "0.005000", "1.25", "0.010000", "0.009000", "0.90", "0.0500", "0.0400",
                  "95.50", "96.00"]
 
-
-def _memory_script():
-    import sys
-
-    spec = importlib.util.spec_from_file_location("beellama_memory", ROOT / "bench" / "beellama" / "memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # A BeeLlama -v start as it prints it (lines from a real q4_0 --kv-tail-tokens 128 log, numbers
@@ -285,7 +267,7 @@ BEE_START = """\
 
 
 def test_memory_log_sums_the_last_contexts_buffers():
-    mem = _memory_script()
+    mem = bee_memory
     r = mem.parse_log(BEE_START)
     assert [b[2] for b in r["buffers"]] == [3.38, 0.38, 4.22, 1.89]  # the probe's 0.00 lines are not counted
     assert r["total_mib"] == 9.87 and r["reached"] and "error" not in r
@@ -303,14 +285,14 @@ def test_memory_log_sums_the_last_contexts_buffers():
 
 
 def test_memory_log_stopped_in_the_probes_has_no_sizes():
-    mem = _memory_script()
+    mem = bee_memory
     probe = BEE_START.split("0.02.966.000")[0]  # ends with the probe's sched_reserve
     r = mem.parse_log(probe)
     assert not r["reached"] and r["buffers"] == [] and r["total_mib"] is None
 
 
 def test_memory_log_names_a_refusal():
-    mem = _memory_script()
+    mem = bee_memory
     r = mem.parse_log(  # SmolLM2 (head dim 64) with -ctk kvarn4, as BeeLlama v0.4.3 logs it
         "0.00.018.792 I cmn  common_init_: fitting params to device memory ...\n"
         "0.00.700.000 I llama_context: constructing llama_context\n"
@@ -324,7 +306,7 @@ def test_memory_log_names_a_refusal():
 
 
 def test_memory_grid_is_the_issues():
-    mem = _memory_script()
+    mem = bee_memory
     gemma = [c.name for c in mem.grid("gemma3-270m")]
     assert len(gemma) == 6 * 2 + 6 * 2 + 4 and len(set(gemma)) == len(gemma)
     assert {"q4_0-t0", "q4_0-t128", "kvarn4-t0", "kvarn4-t512", "kvarn4-kvarn2-t0"} <= set(gemma)

@@ -1,4 +1,4 @@
-"""bench/gpu_article.py --smoke: the prepared GPU script's Python part runs end to end on CPU
+"""bench/gpu/article.py --smoke: the prepared GPU script's Python part runs end to end on CPU
 (tiny configs derived from the study's, one chunk), so it is known to work before a GPU is lent."""
 
 from __future__ import annotations
@@ -10,21 +10,17 @@ from pathlib import Path
 import pytest
 from paths import WIKI_TEXT
 
+from bench.gpu import article
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = WIKI_TEXT
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("gpu_article", ROOT / "bench" / "gpu_article.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.skipif(not TEXT.is_file(), reason="wiki.test.raw not available")
 def test_smoke_writes_every_run_and_the_projection(tmp_path, one_thread):
     out = tmp_path / "gpu_article.md"
-    assert _bench().main(["--smoke", "--out", str(out), "--text", str(TEXT)]) == 0
+    assert article.main(["--smoke", "--out", str(out), "--text", str(TEXT)]) == 0
     md = out.read_text()
     for model in ("gemma4-31b", "qwen3.6-27b"):
         for run in ("baseline", "q8_0 t0", "q4_0 t128", "kvarn4", "kvarn2"):
@@ -45,7 +41,7 @@ def test_a_budget_skips_runs_and_says_so(tmp_path, one_thread):
     if not TEXT.is_file():
         pytest.skip("wiki.test.raw not available")
     out = tmp_path / "gpu_article.md"
-    assert _bench().main(["--smoke", "--models", "gemma4-31b", "--budget-s", "0", "--out", str(out),
+    assert article.main(["--smoke", "--models", "gemma4-31b", "--budget-s", "0", "--out", str(out),
                           "--text", str(TEXT)]) == 0
     md = out.read_text()
     assert md.count("skipped (budget)") == 5 and "beside ref (s/chunk only)" in md
@@ -57,7 +53,7 @@ def test_tiny_config_keeps_the_layer_pattern(tmp_path):
 
     for name in ("gemma4-31b", "qwen3.6-27b"):
         study = json.loads((ROOT / "config" / "models" / f"{name}.json").read_text())
-        tiny = json.loads(_bench().tiny_config(ROOT / "config" / "models" / f"{name}.json", tmp_path / "t.json")
+        tiny = json.loads(article.tiny_config(ROOT / "config" / "models" / f"{name}.json", tmp_path / "t.json")
                           .read_text())
         assert tiny["model_type"] == study["model_type"] and tiny["num_hidden_layers"] == 8
         assert set(tiny["layer_types"]) == set(study["layer_types"]) and len(tiny["layer_types"]) == 8
@@ -74,7 +70,7 @@ def test_a_model_that_cannot_load_is_recorded_and_the_script_goes_on(tmp_path, m
 
     monkeypatch.setattr(engine, "Context", refuse)
     out = tmp_path / "gpu_article.md"
-    assert _bench().main(["--smoke", "--models", "gemma4-31b", "--out", str(out), "--text", str(TEXT)]) == 0
+    assert article.main(["--smoke", "--models", "gemma4-31b", "--out", str(out), "--text", str(TEXT)]) == 0
     md = out.read_text()
     assert md.count("load failed: PreflightError: estimate 170 GiB > capacity 141 GiB / lower --ctx") == 5
     assert "not available" in md
@@ -85,7 +81,7 @@ def test_the_linear_attention_kernel_is_read_from_transformers():
     reference; the report names what was actually bound, not what is installed."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    name = _bench().linear_attention_kernel()
+    name = article.linear_attention_kernel()
     if importlib.util.find_spec("fla") is None:
         assert name == "transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule"
     else:
@@ -108,10 +104,7 @@ def test_the_kernel_named_is_the_one_transformers_bound(tmp_path):
     (tmp_path / "fla" / "ops" / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("def chunk_gated_delta_rule(q, k, v, g=None, beta=None, **kw):\n"
                                      "    raise NotImplementedError\n")
-    code = ("import importlib.util\n"
-            f"spec = importlib.util.spec_from_file_location('g', {str(ROOT / 'bench' / 'gpu_article.py')!r})\n"
-            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-            "print(m.linear_attention_kernel())\n")
+    code = "from bench.gpu import article\nprint(article.linear_attention_kernel())\n"
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "fla.ops.gated_delta_rule.chunk_gated_delta_rule", out.stderr

@@ -1,25 +1,14 @@
-"""bench/llamacpp_sink.py's replacements: llama.cpp's rows are put back in transformers' channel
+"""bench/oracles/llamacpp/sink.py's replacements: llama.cpp's rows are put back in transformers' channel
 order for a llama-arch model (whose GGUF permutes K), and a re-drawn row is seeded."""
-
-import importlib.util
-from pathlib import Path
 
 import torch
 
+from bench.oracles.llamacpp import sink
 from kvarn.llamacpp import compute
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _sink():
-    spec = importlib.util.spec_from_file_location("llamacpp_sink", ROOT / "bench" / "llamacpp_sink.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_llama_rows_back_in_transformers_order():
-    sink = _sink()
     g = torch.Generator().manual_seed(0)
     full_k, full_v = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)  # [H_kv, positions, D]
     k, v = full_k[:, 2:5], full_v[:, 2:5]  # ours: the swapped positions 2..4
@@ -36,7 +25,6 @@ def test_llama_rows_back_in_transformers_order():
 
 
 def test_rerolled_is_seeded_and_small():
-    sink = _sink()
     k, v = torch.randn(1, 256), torch.randn(1, 256)
     a = sink.rerolled(3, 0.01)(0, slice(0, 1), k, v, False)
     b = sink.rerolled(3, 0.01)(0, slice(0, 1), k, v, False)

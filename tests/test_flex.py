@@ -5,7 +5,7 @@ inputs: the flex path (returned to the model), the reference path (`attention_re
 per query block) and the dense float64 reference of tests/attention_ref.py; both paths must
 sit within a few times the reference's own fp32 noise (the method of tests/test_cache.py).
 flex_attention runs eagerly here (`kvarn.kvcache.flex.COMPILE = False`: an unfused dense path, fast
-at these sizes; compiling on CPU takes minutes); bench/bench_flex.py runs the compiled kernel.
+at these sizes; compiling on CPU takes minutes); bench/perf/flex.py runs the compiled kernel.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def test_smollm2_flex_matches_ref(smol):
     assert diff <= 2 * noise
     # Quantized cells are not continuous in their inputs: fp32 noise in a K flips a rounding
     # decision of q4_0 / KVarN, so two correct paths (or the ref path at two ubatches) end
-    # 0.1-1 nats apart in a few log-probs (bench/results/flex.md). What must hold is every
+    # 0.1-1 nats apart in a few log-probs (bench/perf/results/flex.md). What must hold is every
     # attention call at fp32 noise on the same inputs: flex vs ref on all 30 layers, and
     # both vs the float64 reference on layers 0 and 15 (the dense reference is the slow part).
     # 384 tokens in ubatches of 192: KVarN seals a group mid-ubatch and queries p >= 256 read

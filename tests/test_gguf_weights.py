@@ -1,8 +1,8 @@
 """kvarn.weights.gguf_weights: the qwen35/gemma4 tensor names against the gguf package's tables, and a
 gemma4 GGUF written in-test (llama.cpp's metadata keys and names, Q8_0 weights) reloaded at fp32.
 
-The oracle for names and layouts is llama.cpp's own converter: bench/gguf_roundtrip.py runs it
-(not in CI: it is not part of the repository); its figures are in bench/results/gguf_roundtrip.md.
+The oracle for names and layouts is llama.cpp's own converter: bench/oracles/llamacpp/gguf_roundtrip.py runs it
+(not in CI: it is not part of the repository); its figures are in bench/oracles/llamacpp/results/gguf_roundtrip.md.
 """
 
 import gguf

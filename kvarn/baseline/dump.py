@@ -35,7 +35,7 @@ layouts, told apart by the file version (header `layout`):
   Rows follow each other chunk after chunk; after the payload, a table of
   n_chunks·n_scored + 1 uint64 row offsets (relative to the payload start, sha256 in the
   header) gives random access to any row slice. At the study's scale that is ~7-8 GB per
-  model instead of 65-73 GB dense (projected from measured rows: bench/results/baseline_size.md).
+  model instead of 65-73 GB dense (projected from measured rows: bench/perf/results/baseline_size.md).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _mass_corrected_floor(x, codes, scale, lo, hi):
     by j·ulp_s·code_v, i.e. the mass by j·ulp_s·c̄ (c̄ the mass-weighted mean code): the
     pair that leaves the least of δ undone is stored (measured: a perfect Q's mean |KLD|
     drops ~5x, tests/test_dump.py; SmolLM2's q8_0 median KLD moves 0.04 % instead of
-    0.96 %, bench/results/baseline_size.md). The row layout and decode rule are llama.cpp's.
+    0.96 %, bench/perf/results/baseline_size.md). The row layout and decode rule are llama.cpp's.
     x, codes: fp32 [r, V]; scale, lo, hi: fp32 [r, 1].
     """
     keep = x > KLD_BASE_FLOOR

@@ -45,7 +45,7 @@ Gemma 4 31B runs used. They reproduce every figure of the study to 0.01 MiB
                               a standard tail of 0 allocates nothing
 
 `beellama-v043`: BeeLlama v0.4.3 as its CPU build allocates one sequence, read from its
-own log at context creation (bench/beellama/memory.py, bench/results/beellama.md):
+own log at context creation (bench/oracles/beellama/memory.py, bench/oracles/beellama/results/beellama.md):
 
     body    as beellama-gemma, except on a sliding layer whose effective tail covers its
             window (N_l >= W_l): no body at all (BeeLlama's bodyless "native exact" group)

@@ -122,7 +122,7 @@ def _iq4nl_index(al: torch.Tensor) -> torch.Tensor:
 def _refit_sums_q6_0(xb: torch.Tensor, l: torch.Tensor):
     """Σ w·l·x and Σ w·l² (w = x²) in fp32 in BeeLlama's quantize_row_q6_0_ref order: for
     j = 0..15, sum += w_j·l_j·x_j + w_{j+16}·l_{j+16}·x_{j+16} (each product left to
-    right, no FMA), so the refit d matches it bit for bit (bench/beellama/quant_oracle.py)."""
+    right, no FMA), so the refit d matches it bit for bit (bench/oracles/beellama/quant_oracle.py)."""
     w = xb * xb
     tx, t2 = w * l * xb, w * l * l
     h = QK // 2

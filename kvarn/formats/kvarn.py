@@ -1,7 +1,7 @@
 """KVarN (DESIGN §4): variance-normalized KV-cache quantization, the pure-torch reference.
 
 Arithmetic: BeeLlama's CPU KV-cache store (`ggml_compute_forward_kvarn_store`, the same
-code at v0.4.0 and v0.4.3), reproduced bit for bit (bench/beellama/quant_oracle.py,
+code at v0.4.0 and v0.4.3), reproduced bit for bit (bench/oracles/beellama/quant_oracle.py,
 tests/test_beellama_oracle.py). For every (head, group of G = 128 tokens):
 
 1. rotate each token by the normalized Sylvester Hadamard H_D over the whole head, computed

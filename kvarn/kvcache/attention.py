@@ -129,7 +129,7 @@ def resolve_attention(attention: str, device) -> str:
     """The attention path a run takes: "ref" or "flex" (`kvarn.spec.options.ATTENTIONS`).
 
     "auto": flex on CUDA, ref on CPU (compiled flex was not faster there at the embedded
-    models' sizes: bench/results/flex.md).
+    models' sizes: bench/perf/results/flex.md).
     """
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r} not accepted; use one of {', '.join(ATTENTIONS)}")

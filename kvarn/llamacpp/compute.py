@@ -301,7 +301,7 @@ def attention(module, query: torch.Tensor, layer, allowed: torch.Tensor, scaling
 # ggml-cpu's tanh GELU (Gemma's GEGLU) is a table of fp16 values indexed by the fp16-rounded
 # input (`ggml_gelu_f16`): another rounding of the same kind, so `llamacpp-cpu` computes it
 # so too (in place of the forward of transformers' tanh-GELU modules). Measured on Gemma 3 (n_ctx 4096,
-# bench/results/llamacpp.md §10): base PPL +0.37 % from llama-perplexity's (was +0.67 %).
+# bench/oracles/llamacpp/results/llamacpp.md §10): base PPL +0.37 % from llama-perplexity's (was +0.67 %).
 
 WEIGHT_ACT_TYPE = {
     "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "IQ4_NL": "q8_0",

@@ -16,7 +16,7 @@ metadata, `gemma4_config`, `config_dict`) is `kvarn.weights.gguf_file`.
   writes them with; Gemma 4 stores its norms unshifted and needs no other layout change.
 * any other architecture: transformers' GGUF loader as it stands.
 
-The oracle for all of this is llama.cpp's converter (`bench/gguf_roundtrip.py` converts
+The oracle for all of this is llama.cpp's converter (`bench/oracles/llamacpp/gguf_roundtrip.py` converts
 tiny random qwen3_5 and gemma4 models with it and reloads them here); CI checks the
 mapping against the `gguf` package's tables and a GGUF written in-test.
 """

@@ -1,0 +1,1 @@
+"""The scripts for a lent GPU machine (bench/gpu/README.md)."""

@@ -1,0 +1,459 @@
+"""Bit-exactness of kvarn.formats against BeeLlama's own CPU quantizers (issue 21, item 1).
+
+BeeLlama (the study's llama.cpp fork) is not part of this repository. Give an already-built
+copy through the environment:
+
+    BEELLAMA_SRC=<source checkout>  BEELLAMA_BUILD=<its cmake build dir, with bin/libggml*.so>
+    [BEELLAMA_RUNS=<scratch dir, default $BEELLAMA_BUILD/kvarn-runs>]
+    PYTHONPATH=. python bench/oracles/beellama/quant_oracle.py [--real] [--out bench/oracles/beellama/results/beellama.md]
+
+It compiles our harness `bench/oracles/beellama/quant_oracle.c` against that build (cached in
+BEELLAMA_RUNS), feeds it and kvarn the same float32 inputs, and compares:
+
+* block types: fp16 d, fp16 m and every code of every 32-value block, after reading
+  BeeLlama's byte layout (`beellama_block_fields`; for the upstream types the raw bytes too);
+* KVarN records (`GGML_OP_KVARN_STORE` on the CPU backend): the payload bitstream and the three
+  fp16 arrays (scale, zero, other) of every (group, head, 128-channel slice) tile.
+
+The parsers (`beellama_block_fields`, `record_fields`) are tested without a build in
+tests/test_beellama_oracle.py, against a committed fixture of BeeLlama-produced bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvarn.formats import get_format
+from kvarn.formats import kvarn as kv
+from kvarn.formats.blocks import QK, SPECS, quantize_blocks
+from kvarn.formats.hadamard import k_rotation_block, rotate_blocks
+
+HERE = Path(__file__).resolve().parent
+
+# kvarn name -> BeeLlama's ggml type name. BeeLlama's `-ctk q2_0` is GGML_TYPE_Q2_0S
+# ("q2_0s", 32-value blocks; its common/arg.cpp maps the cache name), not upstream Q2_0.
+BLOCK_TYPES = {n: ("q2_0s" if n == "q2_0" else n) for n in
+               ("q8_0", "q6_0", "q6_1", "q5_0", "q5_1", "q4_0", "q4_1", "iq4_nl", "q3_0", "q3_1", "q2_0", "q2_1")}
+KVARN_BITS = (2, 3, 4, 5, 6, 8)
+
+
+# --- BeeLlama's byte layouts (read from its ggml-common.h block structs) ---------------------
+def beellama_block_bytes(name: str) -> int:
+    spec = SPECS[name]
+    return 2 * (1 + spec.has_min) + QK * spec.bits // 8
+
+
+def beellama_block_fields(name: str, raw: bytes | np.ndarray):
+    """BeeLlama's blocks -> (codes int64 [N, 32], d uint16 [N], m uint16 [N] or None).
+
+    Layouts (per 32-value block, after d and, for *_1, m; all little-endian):
+      q8_0  32 x int8                         q4_0/q4_1/iq4_nl  qs[16]: code j low nibble, j+16 high
+      q5_0/q5_1  qh uint32 (bit j = bit 4 of code j), qs[16] as q4
+      q6_0/q6_1  qh[8], qs[16]: qs as q4 (low 4 bits); qh[j % 8] bits 4*(j // 8) + 0..1 = bits 4-5
+                 of code j, + 2..3 = bits 4-5 of code j + 16 (j < 16)
+      q3_0/q3_1  qh uint32 (bit j = bit 2 of code j), qs[8]: qs[j % 8] bits 2*(j // 8) = bits 0-1
+      q2_0s/q2_1 qs[8]: qs[j % 8] bits 2*(j // 8) = code j
+    """
+    spec = SPECS[name]
+    a = np.frombuffer(raw, np.uint8) if isinstance(raw, (bytes, bytearray)) else np.asarray(raw, np.uint8)
+    nb = beellama_block_bytes(name)
+    if a.size % nb:
+        raise ValueError(f"{name}: {a.size} bytes is not a whole number of {nb}-byte BeeLlama blocks")
+    a = a.reshape(-1, nb)
+    d = a[:, 0:2].copy().view("<u2")[:, 0]
+    m = a[:, 2:4].copy().view("<u2")[:, 0] if spec.has_min else None
+    body = a[:, 4 if spec.has_min else 2:].astype(np.int64)
+    j = np.arange(QK)
+    if spec.kind == "q8":
+        q = body.astype(np.uint8).view(np.int8).astype(np.int64)
+    elif spec.bits in (4, 5):
+        qs = body[:, -16:]
+        q = np.concatenate([qs & 0xF, qs >> 4], 1)
+        if spec.bits == 5:
+            qh = body[:, 0] | body[:, 1] << 8 | body[:, 2] << 16 | body[:, 3] << 24
+            q |= ((qh[:, None] >> j) & 1) << 4
+    elif spec.bits == 6:
+        qh, qs = body[:, :8], body[:, 8:]
+        q = np.concatenate([qs & 0xF, qs >> 4], 1)
+        jj = j % 16
+        hi = (qh[:, jj % 8] >> (4 * (jj // 8) + 2 * (j // 16))) & 3
+        q |= hi << 4
+    elif spec.bits == 3:
+        qh = body[:, 0] | body[:, 1] << 8 | body[:, 2] << 16 | body[:, 3] << 24
+        qs = body[:, 4:]
+        q = ((qs[:, j % 8] >> (2 * (j // 8))) & 3) | (((qh[:, None] >> j) & 1) << 2)
+    elif spec.bits == 2:
+        q = (body[:, j % 8] >> (2 * (j // 8))) & 3
+    else:
+        raise AssertionError(name)
+    return q, d, m
+
+
+def kvarn_block_fields(name: str, x: np.ndarray):
+    """kvarn's quantize_blocks on rows of x (float32 [N, n], no rotation) -> the same fields."""
+    spec = SPECS[name]
+    q, d, m = quantize_blocks(spec, torch.from_numpy(np.ascontiguousarray(x, np.float32)).reshape(-1, QK))
+    f16 = lambda v: v.to(torch.float16).view(torch.int16).numpy().astype(np.uint16)[:, 0]  # noqa: E731
+    return q.numpy(), f16(d), (f16(m) if m is not None else None)
+
+
+# --- KVarN records -------------------------------------------------------------------------------
+def record_fields(records: np.ndarray, bits: int):
+    """Records uint8 [..., payload + 768] -> (payload, scale u16 [..., 128], zero, other)."""
+    pb = kv.payload_nbytes(128, 128, bits)
+    r = np.ascontiguousarray(records)
+    if r.shape[-1] != pb + 768:
+        raise ValueError(f"a {bits}-bit KVarN record is {pb + 768} bytes, got {r.shape[-1]}")
+    u16 = lambda lo: r[..., lo:lo + 256].copy().view("<u2")  # noqa: E731
+    return r[..., :pb], u16(pb), u16(pb + 256), u16(pb + 512)
+
+
+def kvarn_records(x: np.ndarray, bits: int, role: str, iters: int = kv.ITERS) -> np.ndarray:
+    """kvarn's encode of x [T, H, D] -> uint8 [T/128, H * D/128, tile bytes] (BeeLlama's order)."""
+    t, h, d = x.shape
+    fmt = get_format(f"kvarn{bits}", role=role, iters=iters, impl="ref")
+    data = fmt.encode(torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)))).data.numpy()
+    return data.reshape(h, t // 128, d // 128, -1).transpose(1, 0, 2, 3).reshape(t // 128, h * d // 128, -1)
+
+
+# --- glibc's expf / logf, for the check that nothing but their last bit differs ----------------
+def _libm_fn(name: str):
+    import ctypes
+    import ctypes.util
+
+    f = getattr(ctypes.CDLL(ctypes.util.find_library("m")), name)
+    f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
+
+    def call(t: torch.Tensor) -> torch.Tensor:
+        flat = t.float().reshape(-1).tolist()
+        return torch.tensor([f(v) for v in flat], dtype=torch.float32).reshape(t.shape)
+
+    return call
+
+
+class libm_math:
+    """Within this context kvarn's KVarN takes exp and log from the C library's expf/logf
+    (what BeeLlama's CPU code calls) instead of float64-and-round: slow, for checks only."""
+
+    def __enter__(self):
+        self.saved = kv.exp32, kv.log32
+        kv.exp32, kv.log32 = _libm_fn("expf"), _libm_fn("logf")
+
+    def __exit__(self, *exc):
+        kv.exp32, kv.log32 = self.saved
+
+
+def _v1_sample_std(y: torch.Tensor, dim: int) -> torch.Tensor:
+    """kvarn's sample std before format version 2: two-pass fp32 in torch's sum order."""
+    n = y.shape[dim]
+    dev = y - y.sum(dim, keepdim=True) / n
+    return torch.sqrt((dev * dev).sum(dim) / (n - 1))
+
+
+class v1_math:
+    """Within this context KVarN's normalization uses kvarn's version-1 arithmetic (two-pass
+    fp32 stds, torch's fp32 exp/log): for the before/after counts only."""
+
+    def __enter__(self):
+        self.saved = kv.sample_std, kv.exp32, kv.log32
+        kv.sample_std, kv.exp32, kv.log32 = _v1_sample_std, torch.exp, torch.log
+
+    def __exit__(self, *exc):
+        kv.sample_std, kv.exp32, kv.log32 = self.saved
+
+
+def pass_choice(x: np.ndarray, role: str, bits: int = 4) -> dict:
+    """On BeeLlama's own tiles of x [T, H, D] (butterfly rotation, F16 stage): how many tiles
+    keep another normalization pass than BeeLlama's arithmetic (libm_math, byte-exact) under
+    kvarn's version-1 and version-2 arithmetic, and how many dequantized values differ."""
+    xt = torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)))
+    tiles = kv.to_tiles(kv.stage(kv.rotate(xt)), role)
+    tiles = tiles.reshape(-1, *tiles.shape[-2:])
+    out = {}
+    for name, ctx in (("bee", libm_math), ("v1", v1_math), ("v2", None)):
+        with ctx() if ctx else _null():
+            p = kv.normalize_choice(tiles)[2]
+            deq = kv.dequantize_tiles_ref(*kv.quantize_tiles_ref(tiles, bits))
+        out[name] = (p, deq)
+    pb, db = out["bee"]
+    res = {"tiles": len(tiles)}
+    for name in ("v1", "v2"):
+        p, d = out[name]
+        res[f"{name} pass"] = int((p != pb).sum())
+        res[f"{name} values"] = int((d != db).sum())
+    res["values"] = db.numel()
+    return res
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+# --- the harness ---------------------------------------------------------------------------------
+def _env():
+    try:
+        src, build = Path(os.environ["BEELLAMA_SRC"]), Path(os.environ["BEELLAMA_BUILD"])
+    except KeyError as e:
+        raise SystemExit(f"set {e.args[0]} (BEELLAMA_SRC: a BeeLlama source checkout; BEELLAMA_BUILD: its "
+                         "cmake build dir with bin/libggml-base, libggml-cpu, libggml)") from None
+    runs = Path(os.environ.get("BEELLAMA_RUNS", build / "kvarn-runs"))
+    runs.mkdir(parents=True, exist_ok=True)
+    return src, build, runs
+
+
+def build_harness() -> Path:
+    src, build, runs = _env()
+    exe, c = runs / "quant_oracle", HERE / "quant_oracle.c"
+    if not exe.exists() or exe.stat().st_mtime < c.stat().st_mtime:
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-o", str(exe), str(c), f"-I{src}/ggml/include",
+                        f"-L{build}/bin", "-lggml-cpu", "-lggml-base", "-lggml", f"-Wl,-rpath,{build}/bin"], check=True)
+    return exe
+
+
+def _run(args: list, x: np.ndarray, tag: str) -> np.ndarray:
+    _, _, runs = _env()
+    inp, out = runs / f"{tag}.f32", runs / f"{tag}.bin"
+    np.ascontiguousarray(x, "<f4").tofile(inp)
+    subprocess.run([str(build_harness()), *map(str, args), inp, out], check=True)
+    return np.fromfile(out, np.uint8)
+
+
+def beellama_blocks(name: str, x: np.ndarray) -> np.ndarray:
+    """BeeLlama's CPU from_float of every row of x [N, n] -> its raw bytes."""
+    return _run(["blocks", BLOCK_TYPES[name], x.shape[-1]], x.reshape(-1, x.shape[-1]), f"blocks-{name}")
+
+
+def beellama_records(x: np.ndarray, bits: int, role: str, iters: int = kv.ITERS) -> np.ndarray:
+    """BeeLlama's KVarN store of x [T, H, D] -> uint8 [T/128, H * D/128, tile bytes]."""
+    t, h, d = x.shape
+    raw = _run(["kvarn", bits, role, d, h, iters], x, f"kvarn{bits}-{role}-{d}")
+    return raw.reshape(t // 128, h * d // 128, -1)
+
+
+# --- inputs --------------------------------------------------------------------------------------
+def synthetic_inputs(d: int, seed: int = 0, t: int = 256, h: int = 2) -> dict[str, np.ndarray]:
+    """[T, H, D] float32 inputs: random, rounding ties, constant channel, zero tile, outlier channel."""
+    g = np.random.default_rng(seed + d)
+    rnd = g.standard_normal((t, h, d)).astype(np.float32)
+    # ties: every 32-block has |max| = 8 at its first position (d = -1 for q4_0, a power of two
+    # for every symmetric type) and the rest on half-integers, so x/d lands exactly on .5
+    ties = (g.integers(-16, 16, (t, h, d)) + 0.5).astype(np.float32) / 2
+    ties[..., ::32] = -8.0
+    const = rnd.copy()
+    const[:, :, 3] = 0.75  # one channel constant over every token
+    zero = rnd.copy()
+    zero[:128, 0, :] = 0.0  # head 0, group 0: an all-zero tile
+    outlier = rnd.copy()
+    outlier[:, :, 5] *= 50.0
+    return {"random": rnd, "ties": ties, "const-channel": const, "zero-tile": zero, "outlier-channel": outlier}
+
+
+def fixture_input(t: int, h: int, d: int, seed: int) -> np.ndarray:
+    """Deterministic float32 [T, H, D] from integer hashing alone (splitmix64; no RNG whose
+    stream could change between library versions): sums of 4 uniforms, per-channel scales
+    in [0.25, 4), channel 5 times 30 (an outlier), channel 3 constant 0.75."""
+    def mix(z):
+        z = (z + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(1)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        i = np.arange(t * h * d * 4, dtype=np.uint64) + np.uint64(seed) * np.uint64(1 << 40)
+        u = (mix(i) >> np.uint64(40)).astype(np.float64) / float(1 << 24)  # [0, 1), 24 bits
+        x = (u.reshape(t, h, d, 4).sum(-1) - 2.0).astype(np.float32)
+        c = np.arange(d, dtype=np.uint64) + np.uint64(seed + 7) * np.uint64(1 << 41)
+        scale = np.float32(0.25) * np.float32(16.0) ** ((mix(c) >> np.uint64(40)).astype(np.float32) / (1 << 24))
+    x = x * scale.astype(np.float32)
+    x[..., 5] *= np.float32(30.0)
+    x[..., 3] = np.float32(0.75)
+    return x
+
+
+# the committed fixture (tests/fixtures/beellama/): (name, format, role, T, H, D, seed)
+FIXTURE_KVARN = (("kvarn4_k_d256", 4, "k", 128, 1, 256, 1), ("kvarn2_v_d128", 2, "v", 128, 1, 128, 2),
+                 ("kvarn6_k_d128", 6, "k", 128, 1, 128, 3))
+FIXTURE_BLOCKS = (8, 1, 128, 4)  # T, H, D, seed: 32 blocks per type
+
+
+def fixture_block_input() -> np.ndarray:
+    """The blocks' fixture input [8, 128]: deterministic, with rows 0-1 on exact rounding ties.
+    Row 0: each block starts with -8 (every symmetric type's d a power of two), the rest on
+    odd multiples of 1/8; row 1: each block starts with -127/16 (q8_0's 127/amax = 16), the
+    rest on odd multiples of 1/32."""
+    t, h, d, seed = FIXTURE_BLOCKS
+    x = fixture_input(t, h, d, seed).reshape(t, d)
+    x[0] = np.round(x[0] * 4) / 4 + np.float32(0.125)
+    x[0, ::32] = -8.0
+    x[1] = np.clip(np.round(x[1] * 16) / 16, -7.5, 7.5) + np.float32(1 / 32)
+    x[1, ::32] = -127 / 16
+    return x.astype(np.float32)
+
+
+def write_fixture(out: Path, src_commit: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for name, bits, role, t, h, d, seed in FIXTURE_KVARN:
+        arrays[name] = beellama_records(fixture_input(t, h, d, seed), bits, role)
+    xb = fixture_block_input()
+    for name in BLOCK_TYPES:
+        arrays[f"block_{name}"] = beellama_blocks(name, xb)
+    np.savez(out / "beellama_cpu.npz", **arrays)
+    import json
+
+    (out / "provenance.json").write_text(json.dumps({
+        "program": "BeeLlama (llama.cpp fork), https://github.com/Anbeeld/beellama.cpp",
+        "commit": src_commit,
+        "build": "cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON (CPU backend, x86-64 with AVX2/AVX-512)",
+        "command": "PYTHONPATH=. python bench/oracles/beellama/quant_oracle.py --fixture tests/fixtures/beellama",
+        "harness": "bench/oracles/beellama/quant_oracle.c: ggml_kvarn_store on the CPU backend (SWA ring, eager records, "
+                   "head-wide Hadamard slices) and type_traits_cpu from_float",
+        "inputs": "bench/oracles/beellama/quant_oracle.py fixture_input / fixture_block_input (FIXTURE_KVARN, FIXTURE_BLOCKS)",
+        "iters": kv.ITERS,
+    }, indent=1) + "\n")
+
+
+TEXT = "../shared/data/wikitext-2-raw-v1/wiki.test.raw"  # relative to the checkout, as the tests have it
+
+
+def real_kv(n_tokens: int = 384, cache_dir: str = "resources/models", text: str = TEXT) -> dict[str, np.ndarray]:
+    """Gemma 3 270M's post-RoPE K and V (head dim 256, 1 KV head) on Wikitext's first
+    tokens (fewer than its 512-token sliding window, so every layer holds all of them), every
+    layer's heads side by side: {"gemma3 K": [T, layers, 256], "gemma3 V": ...}."""
+    from kvarn.weights import models
+    from kvarn.cli import model_spec
+    from kvarn.baseline.data import load_text, tokenize
+
+    lm = models.load(model_spec("gemma3-270m"), cache_dir=cache_dir, device="cpu", dtype=torch.float32)
+    ids = tokenize(lm.tokenizer, load_text(text))[:n_tokens][None]
+    with torch.no_grad():
+        cache = lm.model(ids, use_cache=True).past_key_values
+    # cache.layers[i].keys: [1, H, T, D] -> [T, H, D]; layers side by side as heads
+    k = torch.cat([lay.keys[0].transpose(0, 1) for lay in cache.layers], 1)
+    v = torch.cat([lay.values[0].transpose(0, 1) for lay in cache.layers], 1)
+    return {"gemma3 K": k.float().contiguous().numpy(), "gemma3 V": v.float().contiguous().numpy()}
+
+
+# --- comparisons ---------------------------------------------------------------------------------
+def compare_blocks(name: str, x: np.ndarray) -> dict:
+    bq, bd, bm = beellama_block_fields(name, beellama_blocks(name, x))
+    kq, kd, km = kvarn_block_fields(name, x.reshape(-1, x.shape[-1]))
+    row = {"blocks": len(bq), "d": int((bd != kd).sum()), "m": int((bm != km).sum()) if bm is not None else None,
+           "codes": int((bq != kq).any(1).sum())}
+    row["any"] = int(((bd != kd) | (bq != kq).any(1) | ((bm != km) if bm is not None else False)).sum())
+    return row
+
+
+def compare_records(bee: np.ndarray, ours: np.ndarray, bits: int) -> dict:
+    b, o = record_fields(bee, bits), record_fields(ours, bits)
+    diff = [(x != y).reshape(*x.shape[:2], -1).any(-1) for x, y in zip(b, o)]
+    return {"tiles": diff[0].size, **{k: int(v.sum()) for k, v in zip(("payload", "scale", "zero", "other"), diff)},
+            "any": int(np.logical_or.reduce(diff).sum())}
+
+
+def _summary(rows, key, real, n, diff, head, unit):
+    """Rows summed per rows[key]: compared / differing on the synthetic inputs and on Gemma 3."""
+    acc: dict = {}
+    for r in rows:
+        a = acc.setdefault(r[key], [0, 0, 0, 0])
+        i = 2 if real(r) else 0
+        a[i] += r[n]
+        a[i + 1] += r[diff]
+    return _fmt_table([head, f"synthetic {unit}", "differing", f"Gemma 3 {unit}", "differing"],
+                      [[k, *v] for k, v in acc.items()])
+
+
+def _fmt_table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join("—" if c is None else str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--real", action="store_true", help="add Gemma 3 270M's post-RoPE K/V (needs the model)")
+    ap.add_argument("--text", default=TEXT, help=f"wiki.test.raw for --real (default {TEXT})")
+    ap.add_argument("--out", help="write the markdown tables here (default: stdout only)")
+    ap.add_argument("--libm", action="store_true", help="KVarN exp/log from the C library (slow; see libm_math)")
+    ap.add_argument("--fixture", help="write the test fixture (BeeLlama's bytes) into this directory and stop")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.fixture:
+        src = _env()[0]
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        write_fixture(Path(args.fixture), commit or os.environ.get("BEELLAMA_COMMIT", "unknown"))
+        return 0
+    inputs = {f"{k} D{d}": v for d in (128, 256, 512) for k, v in synthetic_inputs(d).items()}
+    if args.real:
+        inputs.update(real_kv(text=args.text))
+
+    brows = []
+    for label, x in inputs.items():
+        d = x.shape[-1]
+        xr = rotate_blocks(torch.from_numpy(x), k_rotation_block(d)).numpy()
+        for rot, data in (("no", x), ("K rot", xr)):
+            if rot == "K rot" and not label.startswith(("random", "gemma3")):
+                continue
+            for name in BLOCK_TYPES:
+                r = compare_blocks(name, data)
+                brows.append([name, label, rot, r["blocks"], r["any"], r["d"], r["m"], r["codes"]])
+    t1 = _summary(brows, key=0, real=lambda r: r[1].startswith("gemma3"), n=3, diff=4, head="type", unit="blocks")
+    t1 += "\n\nRows with a difference:\n\n" + _fmt_table(
+        ["type", "input", "rotation", "blocks", "differing", "d differs", "m differs", "codes differ"],
+        [r for r in brows if r[4]])
+
+    krows = []
+    for label, x in inputs.items():
+        role = "v" if label.endswith(" V") else "k"
+        roles = (role,) if label.startswith("gemma3") else ("k", "v")
+        for role in roles:
+            for bits in KVARN_BITS:
+                bee = beellama_records(x, bits, role)
+                if args.libm:
+                    with libm_math():
+                        ours = kvarn_records(x, bits, role)
+                else:
+                    ours = kvarn_records(x, bits, role)
+                r = compare_records(bee, ours, bits)
+                krows.append([f"kvarn{bits}", role.upper(), label, r["tiles"], r["any"], r["payload"], r["scale"],
+                              r["zero"], r["other"]])
+    t2 = _summary([[f"{r[0]} {r[1]}", *r[1:]] for r in krows], key=0, real=lambda r: r[2].startswith("gemma3"),
+                  n=3, diff=4, head="format", unit="tiles")
+    t2 += "\n\nRows with a difference:\n\n" + _fmt_table(
+        ["format", "role", "input", "tiles", "differing", "payload", "scale", "zero", "other"], [r for r in krows if r[4]])
+    prows = []
+    for label, x in inputs.items() if not args.libm else ():
+        if not (label.startswith(("random", "const", "outlier")) or label.startswith("gemma3")):
+            continue
+        roles = ("v" if label.endswith(" V") else "k",) if label.startswith("gemma3") else ("k", "v")
+        for role in roles:
+            r = pass_choice(x, role)
+            prows.append([label, role.upper(), r["tiles"], r["v1 pass"], r["v1 values"], r["v2 pass"], r["v2 values"],
+                          r["values"]])
+    t3 = _fmt_table(["input", "role", "tiles", "v1: other pass", "v1: values differ", "v2: other pass",
+                     "v2: values differ", "values"], prows)
+    math_name = "C library expf/logf (--libm)" if args.libm else "float64, rounded to fp32 (default)"
+    text = (f"### Block types (d, m, codes per 32-value block)\n\n{t1}\n\n"
+            f"### KVarN records (payload, scale, zero, other per tile; kvarn exp/log: {math_name})\n\n{t2}\n")
+    if prows:
+        text += f"\n### KVarN normalization pass kept, against BeeLlama's arithmetic (kvarn4)\n\n{t3}\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

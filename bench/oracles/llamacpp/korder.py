@@ -1,0 +1,61 @@
+"""Experiment (issue 13): K quantized in llama.cpp's channel order instead of transformers'.
+
+llama.cpp's converter permutes a llama-arch model's q_proj/k_proj rows so that RoPE pairs are
+adjacent (GGUF position 2i+s holds HF dimension s*d/2+i, interleaved "norm" RoPE), and
+transformers' GGUF loader permutes them back (rotate_half). The K values are the same, but
+the 32-wide quantization blocks group different channels. This runs one `exact` cell with
+K's roundtrip done in the GGUF order (then permuted back), against an exact baseline:
+
+    PYTHONPATH=. python bench/oracles/llamacpp/korder.py q4_0 norot BASELINE.kvd OUT_DIR [n_ctx] [chunks]
+
+A monkeypatch of kvarn.kvcache.cache.make_format, on purpose: an experiment, not a compute path
+(`exact` keeps transformers' order; `llamacpp-cpu` uses the GGUF order by itself, through
+the same `kvarn.llamacpp.compute.gguf_order`).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from kvarn.kvcache import cache
+
+from kvarn.llamacpp import compute
+
+from kvarn.run import engine
+from kvarn.cli import model_spec
+from kvarn.spec.facts import KVARN_ITERS
+from kvarn.weights.sources import DEFAULT_CACHE_DIR
+
+TEXT = str(Path(__file__).resolve().parents[4] / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")  # shared/ beside the checkout
+
+
+def gguf_order(fmt):
+    """`fmt` whose roundtrip quantizes each head's channels in llama.cpp's interleaved order."""
+    rt = fmt.roundtrip
+
+    def roundtrip(x):
+        idx = compute.gguf_order(x.shape[-1])  # [0, d/2, 1, d/2+1, ...]
+        return rt(x[..., idx].contiguous())[..., torch.argsort(idx)]
+
+    fmt.roundtrip = roundtrip
+    return fmt
+
+
+def main():
+    k_type, rot, base, out = sys.argv[1], sys.argv[2] == "rot", sys.argv[3], sys.argv[4]
+    n_ctx = int(sys.argv[5]) if len(sys.argv) > 5 else 2048
+    chunks = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    torch.set_num_threads(1)
+    orig = cache.make_format
+    cache.make_format = lambda name, role, rot=True, iters=KVARN_ITERS: (
+        gguf_order(orig(name, role, rot, iters)) if role == "k" else orig(name, role, rot, iters))
+    engine.run_cell(model_spec("smollm2-135m"), n_ctx, chunks, k_type, k_type, 0, base, out, rot=rot, text=TEXT,
+                    compute="exact", cache_dir=DEFAULT_CACHE_DIR)
+    s = json.load(open(f"{out}/summary.json"))
+    print(f"{k_type} rot={rot}: median {s['kld_median']:.6f} mean {s['kld_mean']:.6f}")
+
+
+if __name__ == "__main__":
+    main()

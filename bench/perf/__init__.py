@@ -1,0 +1,1 @@
+"""Performance benchmarks: speed, memory and sizes of kvarn's paths (bench/perf/README.md)."""
