@@ -1,8 +1,8 @@
-"""bench/oracles/llamacpp/compare.py reads llama-perplexity's log: its summary and each chunk's own mean KLD."""
+"""bench/oracles/llamacpp/runs.py reads llama-perplexity's log: its summary and each chunk's own mean KLD."""
 
 import pytest
 
-from bench.oracles.llamacpp import compare
+from bench.oracles.llamacpp import runs
 
 # llama-perplexity --kl-divergence, Gemma 3 270M q5_1 (rot), 4 chunks of n_ctx 4096 (llama-cpp-python 0.3.36)
 LOG = """\
@@ -24,7 +24,7 @@ Median  KLD:   0.017571
 def test_each_chunks_mean_from_the_running_means(tmp_path):
     log = tmp_path / "q5_1-rot.log"
     log.write_text(LOG)
-    got = compare.parse_llama(log)
+    got = runs.parse_llama(log)
     assert got["kld_mean"] == 0.029452 and got["kld_median"] == 0.017571
     # by hand: 0.02619; 2·0.02760 − 0.02619; 3·0.02911 − 2·0.02760; 4·0.02945 − 3·0.02911
     assert got["kld_chunk_means"] == pytest.approx([0.02619, 0.02901, 0.03213, 0.03047], abs=1e-12)
@@ -34,5 +34,5 @@ def test_each_chunks_mean_from_the_running_means(tmp_path):
 def test_a_baseline_log_has_no_chunk_means(tmp_path):
     log = tmp_path / "base.log"
     log.write_text("[1]17.4107,[2]18.2456,[3]14.9605,[4]14.7335,\nFinal estimate: PPL = 14.7335 +/- 0.48290\n")
-    got = compare.parse_llama(log)
+    got = runs.parse_llama(log)
     assert got == {"ppl_base": 14.7335}

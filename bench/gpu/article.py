@@ -1,8 +1,8 @@
 """Seconds per chunk, tokens/s and peak memory of the study's cell types on random-weight
 models of the study's exact geometry, and the projected GPU-hours of config/article.yaml.
 
-    python bench/gpu/article.py [--out bench/gpu/results/article.md] [--budget-s 420]
-    python bench/gpu/article.py --smoke --out /tmp/x.md     # tiny configs on CPU: checks the script
+    python -m bench.gpu.article [--out bench/gpu/results/article.md] [--budget-s 420]
+    python -m bench.gpu.article --smoke --out OUT.md        # tiny configs on CPU: checks the script
 
 Per model (`random:config/models/<name>.json`, bf16 weights drawn on the device, the byte
 tokenizer; kvarn.weights.random_model): one `kvarn.run.engine.Context` (the model loaded once, as the
@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from bench import REPO as ROOT
+from bench import TEXT
 
 STUDY = {"gemma4-31b": 16384, "qwen3.6-27b": 65536}  # name -> the study's n_ctx (config/article.yaml)
 STUDY_CHUNKS = {"gemma4-31b": 17, "qwen3.6-27b": 4}
@@ -282,7 +283,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "article.md"))
     ap.add_argument("--smoke", action="store_true", help="tiny configs, n_ctx 512, CPU, fp32: checks the script")
     ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
-    ap.add_argument("--text", default=None, help="wiki.test.raw (default: the matrix config's)")
+    ap.add_argument("--text", default=None, help="wiki.test.raw (default $TEXT, else ../shared beside the checkout)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip runs that would start after this")
     ap.add_argument("--study-chunks", default=",".join(f"{k}={v}" for k, v in STUDY_CHUNKS.items()))
     ap.add_argument("--models", default=",".join(STUDY), help="comma-separated, from config/models")
@@ -300,7 +301,7 @@ def main(argv=None) -> int:
         ap.error(f"--models: {bad} unknown; accepted: {list(STUDY)}")
     device = args.device or ("cpu" if args.smoke else "cuda")
     dtype = "float32" if args.smoke else "bfloat16"
-    text = args.text or (ROOT / "../shared/data/wikitext-2-raw-v1/wiki.test.raw")
+    text = args.text or TEXT
     if not Path(text).is_file():
         ap.error(f"--text: {text} is not a file; pass wiki.test.raw (the random models only need its bytes, "
                  "but the engine verifies its sha256)")

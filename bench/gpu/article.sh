@@ -10,16 +10,17 @@
 #   bash bench/gpu/article.sh [OUTDIR]      (there, with .gpu carried; TEXT=path/to/wiki.test.raw overrides)
 # Runs that would start after BUDGET_S seconds (default 360) are skipped and marked, so the
 # whole call stays under the device limit; its Python part is checked on CPU by
-# `python bench/gpu/article.py --smoke` (tests/test_bench_gpu_article.py).
+# `python -m bench.gpu.article --smoke` (tests/test_bench_gpu_article.py).
 set -uo pipefail
 out=${1:-bench/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 # The packages the machine lacks, carried as wheels (bench/gpu/prepare.sh, carry [".gpu"]).
 if [ -d .gpu/wheels ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvarn-site \
+  site=$(mktemp -d -t kvarn-site.XXXXXX)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     .gpu/wheels/*.whl || { echo "installing .gpu/wheels failed" >&2; exit 1; }
-  export PYTHONPATH=$PWD:/tmp/kvarn-site
+  export PYTHONPATH=$PWD:$site
 else
   echo "no .gpu/wheels (run bench/gpu/prepare.sh here and carry .gpu): using the machine's own packages" >&2
 fi

@@ -2,7 +2,7 @@
 bytes per row in the dense and sparse layouts, the projection to Qwen 3.6 at 64k and Gemma 4
 at 16k, and the encoding's KLD error against the q8_0 median KLD.
 
-    PYTHONPATH=. .venv/bin/python bench/perf/baseline_size.py [--ctx 2048] [--dump MODEL=PATH ...]
+    .venv/bin/python -m bench.perf.baseline_size [--ctx 2048] [--dump MODEL=PATH ...]
 
 -> bench/perf/results/baseline_size.md. Without --dump, each embedded model's baseline is made at
 --ctx (1 chunk, `engine.run_baseline`); a given dump of either layout is converted to the
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from bench import REPO as ROOT
+from bench import TEXT
 from bench.perf import dump_error
 from kvarn.baseline import dump
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
@@ -94,7 +95,7 @@ def row_bytes(nnz: np.ndarray, V: int) -> float:
 
 def report(ms: list[dict], study: dict, errs: dict, args, elapsed: float) -> str:
     L = ["# Baseline dump size at the study's scale", "",
-         f"`PYTHONPATH=. .venv/bin/python bench/perf/baseline_size.py {' '.join(sys.argv[1:])}`".replace(" `", "`"), "",
+         f"`.venv/bin/python -m bench.perf.baseline_size {' '.join(sys.argv[1:])}`".replace(" `", "`"), "",
          f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}; "
          f"{elapsed / 60:.1f} min. GB = 10^9 bytes.", "",
          "The sparse layout (kvarn.baseline.dump, file version 2, the default) stores per row the scale and floor, a "
@@ -170,8 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--err-ctx", type=int, default=512)
     ap.add_argument("--err-chunks", type=int, default=1)
-    ap.add_argument("--text", default=str((ROOT / ".." / "shared" / "data" / "wikitext-2-raw-v1" /
-                                           "wiki.test.raw").resolve()))
+    ap.add_argument("--text", default=str(TEXT), help="wiki.test.raw (default $TEXT, else ../shared beside the checkout)")
     ap.add_argument("--cache-dir", default=str(ROOT / DEFAULT_CACHE_DIR))
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "baseline_size.md"))
     args = ap.parse_args(argv)

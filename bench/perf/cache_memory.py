@@ -1,8 +1,8 @@
 """Cache storage before/after (issue 9): stored cache bytes, peak host memory, seconds per chunk,
 and whether the log-probs are bit-identical to another checkout's (e.g. main before the change).
 
-    git archive <before-commit> kvarn | tar -x -C /tmp/before    # the code to compare with
-    .venv/bin/python bench/perf/cache_memory.py --before /tmp/before [--threads 1]
+    mkdir -p $BEFORE && git archive <before-commit> kvarn | tar -x -C $BEFORE    # the code to compare with
+    .venv/bin/python -m bench.perf.cache_memory --before $BEFORE [--threads 1]
 
 Every (code, model, n_ctx, cell) runs in its own process, with PYTHONPATH set to that code,
 on the first Wikitext chunk: peak host memory is that process's high-water mark (ru_maxrss)
@@ -24,8 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import REPO
-TEXT = (REPO / ".." / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw").resolve()
+from bench import REPO, TEXT
+
 CASES = [("smollm2-135m", 2048), ("gemma3-270m", 4096)]
 CELLS = [("bf16", "bf16", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0)]  # the baseline, two cells
 STUDY = [("gemma4-31b", 16384), ("qwen3.6-27b", 65536)]
@@ -92,7 +92,8 @@ def worker(spec: dict) -> dict:
 
 
 def run_worker(code: str, spec: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": code, "OMP_NUM_THREADS": str(spec["threads"])}
+    # kvarn from `code` (first on the path); this script's own package (bench) from this checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([code, str(REPO)]), "OMP_NUM_THREADS": str(spec["threads"])}
     out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -155,7 +156,7 @@ def main() -> int:
     lines = [
         "# Cache storage: preallocated buffers, windowed sliding layers, 16-bit exact copies (issue 9)",
         "",
-        f"`python bench/perf/cache_memory.py --before <main before the change> --threads {args.threads}` "
+        f"`python -m bench.perf.cache_memory --before <main before the change> --threads {args.threads}` "
         f"on {platform.machine()} CPU, torch threads {args.threads}, ubatch {args.ubatch}, the first Wikitext "
         "chunk, each run in its own process. before = fp32 exact and body copies of every position of every "
         "layer, grown by torch.cat per ubatch; after = `kvarn.kvcache.rows.Rows` buffers (exact copy in the tail dtype, "

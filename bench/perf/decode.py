@@ -1,6 +1,6 @@
 """Decode speed: transformers' own `generate` vs kvarn's cache, per generated token, in one run.
 
-    PYTHONPATH=. python bench/perf/decode.py -t 1 [--model smollm2-135m] [--prompts 4]
+    python -m bench.perf.decode -t 1 [--model smollm2-135m] [--prompts 4]
         [--prompt-len 1000] [--tokens 128] [--reps 1] [--out bench/perf/results/decode.md]
 
 Same model (fp32 on CPU), same P prompts (the first `--prompt-len` tokens of P consecutive
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench import REPO
+from bench import REPO, TEXT
 
 import kvarn.kvcache.attention as kattn  # noqa: E402
 from kvarn.baseline import data
@@ -44,7 +44,6 @@ from kvarn.weights import models, sources  # noqa: E402
 from kvarn.run import decode as kdecode  # noqa: E402
 from kvarn.files.atomic import write_text  # noqa: E402
 
-TEXT = str(REPO.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")  # shared/ beside the checkout
 CELLS = [("bf16", "bf16", 0), ("kvarn4", "kvarn4", 0)]
 
 
@@ -118,7 +117,7 @@ def main() -> int:
     lm = models.load(sources.ModelSpec(args.model, f"embedded:{args.model}"), cache_dir=args.cache_dir)
     lm.model.eval()
     n_ctx = args.prompt_len + args.tokens
-    text = data.load_text(TEXT if Path(TEXT).is_file() else None)
+    text = data.load_text(TEXT if TEXT.is_file() else None)
     chunks = data.make_chunks(data.tokenize(lm.tokenizer, text), n_ctx, args.prompts, lm.info.bos_id)
     prompts = kdecode.decode_prompts(chunks, args.tokens)
     n = args.tokens
@@ -149,7 +148,7 @@ def main() -> int:
     L = [
         "# Decode benchmark",
         "",
-        f"`PYTHONPATH=. python bench/perf/decode.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
+        f"`python -m bench.perf.decode {' '.join(sys.argv[1:])}`".replace(" `", "`"),
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores visible, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), model {args.model} in {lm.info.dtype} on {lm.info.device}; "

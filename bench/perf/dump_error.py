@@ -1,7 +1,7 @@
 """What the baseline dump's encoding costs in KLD, on real log-probs (moved out of kvarn.baseline.dump:
 a measurement, not part of the package).
 
-    PYTHONPATH=. python bench/perf/dump_error.py --model smollm2-135m --n-ctx 512 --chunks 1
+    python -m bench.perf.dump_error --model smollm2-135m --n-ctx 512 --chunks 1
 
 prints the JSON of `measure_encoding_error`; `measure_q8_error` is also what
 bench/perf/baseline_size.py reports as the encoding's error against the q8_0 median KLD.
@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import TEXT
 from kvarn.spec import scoring
 
 from kvarn.baseline import data, dump
@@ -143,7 +144,7 @@ if __name__ == "__main__":
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=1)
-    ap.add_argument("--text", default=str(Path(__file__).resolve().parents[3] / "shared/data/wikitext-2-raw-v1/wiki.test.raw"))
+    ap.add_argument("--text", default=str(TEXT), help="wiki.test.raw (default $TEXT, else ../shared beside the checkout)")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR)
     a = ap.parse_args()
     print(json.dumps(measure_encoding_error(a.model, a.n_ctx, a.chunks, a.text, a.cache_dir), indent=1))

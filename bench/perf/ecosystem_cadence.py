@@ -9,23 +9,22 @@ per format and depth, the mean KLD over the decode steps of each against an unqu
 cache and between the two, and their KLD at position 255, where a one-layer model's two
 cadences read the same values (the setting of tests/test_ecosystem.py).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/perf/ecosystem_cadence.py [--steps 384] [--out FILE]
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.perf.ecosystem_cadence [--steps 384] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, QuantizedCache
 
-import kvarn.kvcache.attention as kattn  # noqa: E402
-from kvarn.spec import facts  # noqa: E402
-from kvarn.kvcache.cache import KVarnCache  # noqa: E402
-from kvarn.formats import get_format  # noqa: E402
+import kvarn.kvcache.attention as kattn
+from kvarn.spec import facts
+from kvarn.kvcache.cache import KVarnCache
+from kvarn.formats import get_format
 
 G = facts.ECOSYSTEM_GROUP
 

@@ -1,6 +1,6 @@
 """Engine cost: quantized cell vs BF16 baseline wall time, tokens/s, dump bytes per scored token.
 
-    .venv/bin/python bench/perf/engine.py [--ctx 512 2048 4096] [--skip MODEL:CTX ...] [--dump MODEL=PATH ...]
+    .venv/bin/python -m bench.perf.engine [--ctx 512 2048 4096] [--skip MODEL:CTX ...] [--dump MODEL=PATH ...]
         [--cells q8_0/q8_0/0 kvarn4/kvarn4/0 ...] [--ref-normalization] [--no-dump]
 
 1. Overhead: forward wall time (cache model + scored logits + log-softmax, as timed by
@@ -29,7 +29,7 @@ import torch
 
 import kvarn.formats.kvarn as kvarn_format
 
-from bench import REPO
+from bench import REPO, TEXT
 
 from kvarn.spec import scoring
 
@@ -40,7 +40,6 @@ from kvarn.run import engine
 from kvarn.weights import models, sources  # noqa: E402
 from kvarn.files.atomic import write_text  # noqa: E402
 
-TEXT = str(REPO.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")  # shared/ beside the checkout
 CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0)]
 REF_NORM = " (normalize_ref)"  # a cell's label suffix: run with the reference normalization
 
@@ -89,7 +88,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    text = data.load_text(TEXT if Path(TEXT).is_file() else None)
+    text = data.load_text(TEXT if TEXT.is_file() else None)
     over_rows, tps_rows, dump_rows = [], [], []
     t_start = time.perf_counter()
     for name in args.models:
@@ -142,7 +141,7 @@ def main() -> int:
                 ctx, n_chunks = hdr["n_ctx"], hdr["n_chunks"]
             else:
                 p, ctx, n_chunks = Path(d) / "base.kvd", args.overhead_ctx, 1
-                engine.run_baseline(spec, ctx, 1, p, text=TEXT, cache_dir=args.cache_dir)
+                engine.run_baseline(spec, ctx, 1, p, text=str(TEXT), cache_dir=args.cache_dir)
             n_scored = n_chunks * len(scoring.scored_positions(ctx))
             size = p.stat().st_size
             dump_rows.append((name, lm.info.vocab_size, ctx, size, size / n_scored,
@@ -153,7 +152,7 @@ def main() -> int:
     L = [
         "# Engine benchmark",
         "",
-        f"`.venv/bin/python bench/perf/engine.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
+        f"`.venv/bin/python -m bench.perf.engine {' '.join(sys.argv[1:])}`".replace(" `", "`"),
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores visible, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), fp32 compute on CPU; load average at the end "

@@ -1,7 +1,7 @@
 """The two attention paths side by side (issue 9): seconds per chunk of `ref` and compiled
 `flex`, and how far their KLD statistics agree, on the embedded models.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/perf/flex.py [--ctx 2048] [--out bench/perf/results/flex.md]
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.perf.flex [--ctx 2048] [--out bench/perf/results/flex.md]
 
 Per model, one process and one model load (`kvarn.run.engine.Context`), first chunk of Wikitext:
 
@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import REPO
-TEXT = (REPO / ".." / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw").resolve()
+from bench import REPO, TEXT
+
 MODELS = ("smollm2-135m", "gemma3-270m")
 RUNS = [("baseline", None), ("q4_0 t128", ("q4_0", "q4_0", 128)), ("kvarn4", ("kvarn4", "kvarn4", 0))]
 STATS = ("kld_mean", "kld_median", "kld_p99", "same_top")

@@ -1,6 +1,6 @@
 """KVarN throughput: torch reference vs Triton kernels; writes bench/perf/results/kvarn.md.
 
-    .venv/bin/python bench/perf/kvarn_triton.py [--quick]
+    .venv/bin/python -m bench.perf.kvarn_triton [--quick]
 
 MB/s counts the fp32 input (4 bytes per K or V value) per second. Without CUDA the
 Triton kernels run under TRITON_INTERPRET=1 (numpy, one tile at a time): that number
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 

@@ -12,9 +12,9 @@ Resumable: a cell whose log is complete (ends with this script's `# done` line) 
 run again; every log is kept under the output folder, with the GGUF's geometry
 (`geometry.json`, slow to read) and the table's data (`memory.json`).
 
-    BEELLAMA_BUILD=<build dir> PYTHONPATH=. python bench/oracles/beellama/memory.py --model gemma3-270m
-    BEELLAMA_BUILD=<build dir> PYTHONPATH=. python bench/oracles/beellama/memory.py --model smollm2-135m
-    PYTHONPATH=. python bench/oracles/beellama/memory.py --model gemma3-270m --table-only   # from the kept logs
+    BEELLAMA_BUILD=<build dir> python -m bench.oracles.beellama.memory --model gemma3-270m
+    BEELLAMA_BUILD=<build dir> python -m bench.oracles.beellama.memory --model smollm2-135m
+    python -m bench.oracles.beellama.memory --model gemma3-270m --table-only   # from the kept logs
 
 Output folder: --out, else $BEELLAMA_MEMORY_OUT, else bench/out/beellama/memory (git-ignored).
 """
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import REPO as ROOT
+from bench import TEXT, env_path
 DONE = "# done"
 MARKER = "sched_reserve:"  # printed after every cache of the context is allocated
 CONTEXT = "llama_context: constructing llama_context"  # one per context built
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), required=True)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--text", type=Path, default=ROOT.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")
+    ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--accounting", nargs="+", default=["beellama-v043", "beellama-gemma", "packed"])
     ap.add_argument("--table-only", action="store_true", help="no BeeLlama runs: the table from the kept logs")
     args = ap.parse_args(argv)
@@ -201,15 +202,13 @@ def main(argv=None) -> int:
     gguf_rel, n_ctx = MODELS[args.model]
     gguf = ROOT / "resources" / "models" / gguf_rel
     if not args.table_only:
-        build = os.environ.get("BEELLAMA_BUILD")
-        if not build:
-            raise SystemExit("BEELLAMA_BUILD is not set (BeeLlama's cmake build directory, with bin/llama-perplexity)")
+        build = env_path("BEELLAMA_BUILD", "BeeLlama's cmake build directory, with bin/llama-perplexity")
         for cell in grid(args.model):
             log = out / args.model / f"{cell.name}.log"
             if log.is_file() and log.read_text().rstrip().splitlines()[-1].startswith(DONE):
                 continue
             print(f"{args.model} {cell.name} ...", file=sys.stderr, flush=True)
-            run_cell(beellama_command(Path(build), gguf, args.text, n_ctx, cell), log)
+            run_cell(beellama_command(build, gguf, args.text, n_ctx, cell), log)
     print(table(args.model, out, args.accounting))
     return 0
 

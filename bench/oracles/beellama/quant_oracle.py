@@ -5,7 +5,7 @@ copy through the environment:
 
     BEELLAMA_SRC=<source checkout>  BEELLAMA_BUILD=<its cmake build dir, with bin/libggml*.so>
     [BEELLAMA_RUNS=<scratch dir, default $BEELLAMA_BUILD/kvarn-runs>]
-    PYTHONPATH=. python bench/oracles/beellama/quant_oracle.py [--real] [--out bench/oracles/beellama/results/beellama.md]
+    python -m bench.oracles.beellama.quant_oracle [--real] [--out bench/oracles/beellama/results/beellama.md]
 
 It compiles our harness `bench/oracles/beellama/quant_oracle.c` against that build (cached in
 BEELLAMA_RUNS), feeds it and kvarn the same float32 inputs, and compares:
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import TEXT, env_path
 from kvarn.formats import get_format
 from kvarn.formats import kvarn as kv
 from kvarn.formats.blocks import QK, SPECS, quantize_blocks
@@ -202,11 +203,8 @@ class _null:
 
 # --- the harness ---------------------------------------------------------------------------------
 def _env():
-    try:
-        src, build = Path(os.environ["BEELLAMA_SRC"]), Path(os.environ["BEELLAMA_BUILD"])
-    except KeyError as e:
-        raise SystemExit(f"set {e.args[0]} (BEELLAMA_SRC: a BeeLlama source checkout; BEELLAMA_BUILD: its "
-                         "cmake build dir with bin/libggml-base, libggml-cpu, libggml)") from None
+    src = env_path("BEELLAMA_SRC", "a BeeLlama source checkout")
+    build = env_path("BEELLAMA_BUILD", "BeeLlama's cmake build directory, with bin/libggml-base, libggml-cpu, libggml")
     runs = Path(os.environ.get("BEELLAMA_RUNS", build / "kvarn-runs"))
     runs.mkdir(parents=True, exist_ok=True)
     return src, build, runs
@@ -317,7 +315,7 @@ def write_fixture(out: Path, src_commit: str) -> None:
         "program": "BeeLlama (llama.cpp fork), https://github.com/Anbeeld/beellama.cpp",
         "commit": src_commit,
         "build": "cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON (CPU backend, x86-64 with AVX2/AVX-512)",
-        "command": "PYTHONPATH=. python bench/oracles/beellama/quant_oracle.py --fixture tests/fixtures/beellama",
+        "command": "python -m bench.oracles.beellama.quant_oracle --fixture tests/fixtures/beellama",
         "harness": "bench/oracles/beellama/quant_oracle.c: ggml_kvarn_store on the CPU backend (SWA ring, eager records, "
                    "head-wide Hadamard slices) and type_traits_cpu from_float",
         "inputs": "bench/oracles/beellama/quant_oracle.py fixture_input / fixture_block_input (FIXTURE_KVARN, FIXTURE_BLOCKS)",
@@ -325,10 +323,9 @@ def write_fixture(out: Path, src_commit: str) -> None:
     }, indent=1) + "\n")
 
 
-TEXT = "../shared/data/wikitext-2-raw-v1/wiki.test.raw"  # relative to the checkout, as the tests have it
 
 
-def real_kv(n_tokens: int = 384, cache_dir: str = "resources/models", text: str = TEXT) -> dict[str, np.ndarray]:
+def real_kv(n_tokens: int = 384, cache_dir: str = "resources/models", text: str = str(TEXT)) -> dict[str, np.ndarray]:
     """Gemma 3 270M's post-RoPE K and V (head dim 256, 1 KV head) on Wikitext's first
     tokens (fewer than its 512-token sliding window, so every layer holds all of them), every
     layer's heads side by side: {"gemma3 K": [T, layers, 256], "gemma3 V": ...}."""
@@ -384,7 +381,7 @@ def _fmt_table(header, rows):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real", action="store_true", help="add Gemma 3 270M's post-RoPE K/V (needs the model)")
-    ap.add_argument("--text", default=TEXT, help=f"wiki.test.raw for --real (default {TEXT})")
+    ap.add_argument("--text", default=str(TEXT), help="wiki.test.raw for --real (default $TEXT, else ../shared beside the checkout)")
     ap.add_argument("--out", help="write the markdown tables here (default: stdout only)")
     ap.add_argument("--libm", action="store_true", help="KVarN exp/log from the C library (slow; see libm_math)")
     ap.add_argument("--fixture", help="write the test fixture (BeeLlama's bytes) into this directory and stop")

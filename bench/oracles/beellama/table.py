@@ -3,9 +3,9 @@
 BeeLlama scores against kvarn's own baseline written in llama's format (`kvarn baseline
 --llama-kld-out base.kld`; then `llama-perplexity ... --kl-divergence-base base.kld
 --kl-divergence`), so both programs' KLD is over the same tokens and the same reference
-distribution. The log parser is bench/oracles/llamacpp/compare.py's (BeeLlama prints upstream's summary).
+distribution. The log parser is bench/oracles/llamacpp/runs.py's (BeeLlama prints upstream's summary).
 
-    python bench/oracles/beellama/table.py ROW:BEELLAMA_LOG:KVARN_CELL_DIR [...]
+    python -m bench.oracles.beellama.table ROW:BEELLAMA_LOG:KVARN_CELL_DIR [...]
 """
 
 from __future__ import annotations
@@ -14,23 +14,20 @@ import json
 import sys
 from pathlib import Path
 
-from bench.oracles.llamacpp import compare as lc
+from bench.oracles.llamacpp.runs import fmt, parse_llama
 
 
 def row(label: str, bee_log: Path, cell: Path) -> list:
-    bee = lc.parse_llama(bee_log) or {}
+    bee = parse_llama(bee_log) or {}
     ours = json.loads((cell / "summary.json").read_text())
-
-    def f(x, nd=6):
-        return "—" if x is None else f"{x:.{nd}f}"
 
     def ratio(a, b):
         return "—" if a is None or b in (None, 0) else f"{a / b:.2f}"
 
-    return [label, f(bee.get("kld_median")), f(ours["kld_median"]), ratio(ours["kld_median"], bee.get("kld_median")),
-            f(bee.get("kld_mean")), f(ours["kld_mean"]), ratio(ours["kld_mean"], bee.get("kld_mean")),
-            f(bee.get("kld_p99"), 4), f(ours["kld_p99"], 4),
-            f(100 * bee["same_top"], 2) if "same_top" in bee else "—", f(100 * ours["same_top"], 2)]
+    return [label, fmt(bee.get("kld_median")), fmt(ours["kld_median"]), ratio(ours["kld_median"], bee.get("kld_median")),
+            fmt(bee.get("kld_mean")), fmt(ours["kld_mean"]), ratio(ours["kld_mean"], bee.get("kld_mean")),
+            fmt(bee.get("kld_p99"), 4), fmt(ours["kld_p99"], 4),
+            fmt(100 * bee["same_top"], 2) if "same_top" in bee else "—", fmt(100 * ours["same_top"], 2)]
 
 
 HEADER = ["row", "BeeLlama median", "kvarn exact median", "ratio", "BeeLlama mean", "kvarn exact mean", "ratio",

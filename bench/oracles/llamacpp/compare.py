@@ -14,7 +14,7 @@ files under $LLAMACPP_DIR/runs/{model}/ctx{n_ctx}-c{chunks}/). This script, per 
    second order), so they should be close; a gap would point at the file format;
 4. the table: llama's median / mean KLD beside ours, the ratio llamacpp-cpu / llama.
 
-    python bench/oracles/llamacpp/compare.py [--models smollm2-135m gemma3-270m] [--chunks N] [--types T ...]
+    python -m bench.oracles.llamacpp.compare [--models smollm2-135m gemma3-270m] [--chunks N] [--types T ...]
                              [--threads 1] [--llama-threads 2] [--cross | --no-cross] [--out FILE]
 
 Every kvarn result is cached beside the llama runs (summary.json per run) and reused.
@@ -24,70 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import subprocess
-import sys
 from pathlib import Path
 
-from bench import REPO
+from bench import REPO, TEXT
+from bench.oracles.llamacpp.runs import (BIN, CTX, fmt, kvarn_baseline, kvarn_cell, parse_llama,
+                                          run_dir)
 
-# Outside the repository (bench/oracles/llamacpp/perplexity.sh): the sdist, its build and the runs.
-LLAMACPP_DIR = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "kvarn-llamacpp"))
-# The README's layout: shared/ beside the checkout.
-TEXT = os.environ.get("TEXT", str(REPO.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"))
-BIN = LLAMACPP_DIR / "build" / "bin" / "llama-perplexity"
-CTX = {"smollm2-135m": 2048, "gemma3-270m": 4096}
 TARGET = 0.10  # issue 13: llamacpp-cpu's median and mean KLD each within 10 % of llama-perplexity's
-PAT = {
-    "kld_mean": r"Mean    KLD:\s+([-\d.]+)", "kld_mean_err": r"Mean    KLD:\s+[-\d.]+\s+±\s+([-\d.]+)",
-    "kld_median": r"Median  KLD:\s+([-\d.]+)",
-    "ppl_q": r"Mean PPL\(Q\)\s+:\s+([\d.]+)", "ppl_base": r"Mean PPL\(base\)\s+:\s+([\d.]+)",
-    "same_top": r"Same top p:\s+([\d.]+)", "kld_p99": r"99\.0%   KLD:\s+([-\d.]+)",
-}
-
-
-def build_c(src: Path, exe: Path, libs: list[str]) -> Path:
-    """Compile a bench C tool against the llama.cpp build's headers and `libs` (e.g. ["llama",
-    "ggml"]), once: again only when `src` is newer than `exe` (outside the repo)."""
-    if exe.is_file() and exe.stat().st_mtime >= src.stat().st_mtime:
-        return exe
-    exe.parent.mkdir(parents=True, exist_ok=True)
-    root = next(LLAMACPP_DIR.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    lib = LLAMACPP_DIR / "build" / "bin"
-    subprocess.run(["gcc", "-O2", "-o", str(exe), str(src), f"-I{root / 'include'}", f"-I{root / 'ggml' / 'include'}",
-                    f"-L{lib}", *(f"-l{x}" for x in libs), "-lm", f"-Wl,-rpath,{lib}"], check=True)
-    return exe
-
-
-def parse_llama(log: Path) -> dict | None:
-    if not log.is_file():
-        return None
-    text = log.read_text(errors="replace")
-    out = {}
-    for key, pat in PAT.items():
-        m = re.search(pat, text)
-        if m:
-            out[key] = float(m.group(1)) / (100 if key == "same_top" else 1)
-    m = re.search(r"Final estimate: PPL = ([\d.]+)", text)
-    if m:
-        out["ppl_base"] = float(m.group(1))
-    running = [float(x) for x in CHUNK_LINE.findall(text)]
-    if running:
-        out["kld_chunk_means"] = chunk_means(running)
-    return out or None
-
-
-# a --kl-divergence chunk line: chunk, PPL(Q) ±, ln(PPL(Q)/PPL(base)) ±, KLD ±, Δp RMS ± %, same top ± %;
-# its KLD is the running mean over the chunks so far
-CHUNK_LINE = re.compile(r"^\s*\d+\s+[-\d.]+ ±\s+[-\d.]+\s+[-\d.]+ ±\s+[-\d.]+\s+([-\d.]+) ±", re.M)
-
-
-def chunk_means(running: list[float]) -> list[float]:
-    """Each chunk's own mean from llama-perplexity's running means (every chunk scores the same
-    number of tokens): chunk i's is i·r_i − (i−1)·r_(i−1). The log prints 5 decimals, so a
-    derived mean is good to ~(2i−1)·5e-6."""
-    return [(i + 1) * r - i * (running[i - 1] if i else 0.0) for i, r in enumerate(running)]
 
 
 def our_chunk_means(cell: Path) -> list[float]:
@@ -98,34 +42,6 @@ def our_chunk_means(cell: Path) -> list[float]:
     return t.group_by("chunk").agg(pl.col("kld").mean()).sort("chunk")["kld"].to_list()
 
 
-def run_dir(model: str, chunks: int | None = None) -> Path:
-    pat = f"ctx{CTX[model]}-c{chunks}" if chunks else f"ctx{CTX[model]}-c*"
-    hits = sorted((LLAMACPP_DIR / "runs" / model).glob(pat), key=lambda p: int(p.name.split("-c")[-1]))
-    if not hits:
-        raise SystemExit(f"no llama-perplexity runs for {model} under {LLAMACPP_DIR}/runs: run bench/oracles/llamacpp/perplexity.sh {model}")
-    return hits[-1]
-
-
-def kvarn_baseline(model, n_ctx, chunks, mode, out: Path, llama_out: Path | None):
-    from kvarn.run import engine
-    from kvarn.cli import model_spec
-
-    if not out.is_file():
-        engine.run_baseline(model_spec(model), n_ctx, chunks, out, text=TEXT, compute=mode,
-                            cache_dir=str(REPO / "resources" / "models"), llama_kld_out=llama_out)
-    return out
-
-
-def kvarn_cell(model, n_ctx, chunks, k, rot, mode, baseline: Path, out: Path) -> dict:
-    from kvarn.run import engine
-    from kvarn.cli import model_spec
-
-    if not (out / "summary.json").is_file():
-        engine.run_cell(model_spec(model), n_ctx, chunks, k, k, 0, baseline, out, rot=rot, text=TEXT,
-                        compute=mode, cache_dir=str(REPO / "resources" / "models"))
-    return json.loads((out / "summary.json").read_text())
-
-
 def our_llama_kld(model: str, n_ctx: int, chunks: int, dump: Path, out: Path) -> Path:
     """Our baseline dump `dump` as llama-perplexity's KLD base file `out` (written once), on
     the tokens kvarn computed it on (`kvarn.run.engine.Context`: the same tokenization and BOS)."""
@@ -134,7 +50,7 @@ def our_llama_kld(model: str, n_ctx: int, chunks: int, dump: Path, out: Path) ->
         from kvarn.run import engine
         from kvarn.cli import model_spec
 
-        ctx = engine.Context(model_spec(model), n_ctx, chunks, text=TEXT,
+        ctx = engine.Context(model_spec(model), n_ctx, chunks, text=str(TEXT),
                              cache_dir=str(REPO / "resources" / "models"), baseline=True)
         llamakld.write_from_dump(dump, ctx.chunk_ids, out)
     return out
@@ -215,10 +131,6 @@ def cross_lines(model: str, d: Path, n_ctx: int, chunks: int, base: dict, kv: Pa
     return lines
 
 
-def fmt(x, nd=6):
-    return "—" if x is None else f"{x:.{nd}f}"
-
-
 def model_section(model: str, llama_threads: int, cross: bool, types=None, chunks=None) -> tuple[list[str], list[dict]]:
     d = run_dir(model, chunks)
     n_ctx, chunks = CTX[model], int(d.name.split("-c")[-1])
@@ -289,7 +201,7 @@ def main() -> None:
     from kvarn.files.atomic import write_text
 
     lines = ["# kvarn against llama-perplexity (issue 13)", "",
-             "Produced by `bench/oracles/llamacpp/perplexity.sh` then `python bench/oracles/llamacpp/compare.py`; llama-perplexity built for CPU "
+             "Produced by `bench/oracles/llamacpp/perplexity.sh` then `python -m bench.oracles.llamacpp.compare`; llama-perplexity built for CPU "
              "from the llama-cpp-python 0.3.36 sdist (flash attention auto = on, ubatch 512, -nr), "
              "bf16-cache baseline in each program, the same tokens (checked).", ""]
     every = []

@@ -9,7 +9,7 @@ scale set to 1 with --prescale, as gemma3.cpp does), and the output rotated back
 |ggml − kvarn| / |ggml| beside what the cache format and the kernel change together,
 |ggml − fp32 attention over the unrounded cache| / |ggml|.
 
-    python bench/oracles/llamacpp/fa_oracle.py --model gemma3-270m --k q4_1 [--no-rot] [--calls 0 5] [--prescale]
+    python -m bench.oracles.llamacpp.fa_oracle --model gemma3-270m --k q4_1 [--no-rot] [--calls 0 5] [--prescale]
 
 Needs the llama.cpp build of bench/oracles/llamacpp/perplexity.sh ($LLAMACPP_DIR); never run in CI.
 """
@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from bench import REPO
 
-from bench.oracles.llamacpp import compare as lc  # LLAMACPP_DIR, TEXT, the C build
+from bench.oracles.llamacpp import runs as lc  # LLAMACPP_DIR, TEXT, the C build
 
 SRC = Path(__file__).with_name("fa_oracle.c")
 
@@ -57,7 +56,7 @@ def main() -> None:
     exe = build()
     spec = model_spec(a.model)
     cache_dir = str(REPO / "resources" / "models")
-    ctx = engine.Context(spec, 1024, 1, text=lc.TEXT, cache_dir=cache_dir, baseline=True)
+    ctx = engine.Context(spec, 1024, 1, text=str(lc.TEXT), cache_dir=cache_dir, baseline=True)
     model = ctx.loaded.model
     engine.set_compute(model, spec, cache_dir, options.LLAMACPP_CPU)
     raw, got, n = {}, {}, [0]

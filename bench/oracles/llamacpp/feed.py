@@ -11,7 +11,7 @@ ubatches, sliding-window and global layers, the cache as llama.cpp filled it —
 inputs. Printed beside it: how far the two programs' own Q/K/V and outputs are apart in that
 run (they drift through the layers: each program rounds its own cache).
 
-    python bench/oracles/llamacpp/feed.py --model gemma3-270m --row q4_1-rot [--layers 0 5 6 11 17] [--out FILE]
+    python -m bench.oracles.llamacpp.feed --model gemma3-270m --row q4_1-rot [--layers 0 5 6 11 17] [--out FILE]
 
 Needs the llama.cpp build and runs of bench/oracles/llamacpp/perplexity.sh ($LLAMACPP_DIR); never run in CI.
 """
@@ -19,13 +19,11 @@ Needs the llama.cpp build and runs of bench/oracles/llamacpp/perplexity.sh ($LLA
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
-from pathlib import Path
 
 from bench import REPO
 
-from bench.oracles.llamacpp import compare as lc
+from bench.oracles.llamacpp import runs as lc
 from bench.oracles.llamacpp import sink  # the dumper and its build
 
 UBATCH = 512
@@ -60,7 +58,7 @@ def main() -> None:
     n_ctx = lc.CTX[a.model]
     spec = model_spec(a.model)
     cache_dir = str(REPO / "resources" / "models")
-    ctx = engine.Context(spec, n_ctx, 1, text=lc.TEXT, cache_dir=cache_dir, baseline=True)
+    ctx = engine.Context(spec, n_ctx, 1, text=str(lc.TEXT), cache_dir=cache_dir, baseline=True)
     model = ctx.loaded.model
     cfg = model.config.get_text_config()
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

@@ -1,6 +1,6 @@
 """GGUF round trip through llama.cpp's own converter: tiny random qwen3_5 and gemma4 models.
 
-    .venv/bin/python bench/oracles/llamacpp/gguf_roundtrip.py --llama-cpp DIR [--out bench/oracles/llamacpp/results/gguf_roundtrip.md]
+    .venv/bin/python -m bench.oracles.llamacpp.gguf_roundtrip --llama-cpp DIR [--out bench/oracles/llamacpp/results/gguf_roundtrip.md]
 
 DIR is llama.cpp's source tree with ``convert_hf_to_gguf.py`` and ``gguf-py`` (pinned: the
 copy vendored in the llama-cpp-python 0.3.36 sdist on PyPI, ``vendor/llama.cpp``). It is
@@ -35,15 +35,14 @@ import torch
 
 from bench import REPO as ROOT
 
-from kvarn.files.atomic import write_text  # noqa: E402
+from kvarn.files.atomic import write_text
 
 PROBE = " = Valkyria Chronicles III = \n Senjō no Valkyria 3 : <unk> Chronicles ( Japanese : 戦場のヴァルキュリア3 ) , 1 @,@ 000 \n"
 
 # Runs the converter with its tokenizer pre-type check answered (see the docstring).
 RUNNER = """
 import runpy, sys
-root = sys.argv.pop(1)
-sys.path[:0] = [root, root + "/gguf-py"]
+root = sys.argv.pop(1)  # its converter and gguf-py come first on PYTHONPATH (convert below)
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
 sys.argv[0] = root + "/convert_hf_to_gguf.py"
@@ -89,7 +88,8 @@ def convert(llama_cpp: Path, src: Path, out: Path, outtype: str) -> None:
     cmd = [sys.executable, "-c", RUNNER, str(llama_cpp), str(src), "--outtype", outtype, "--outfile", str(out)]
     if "qwen" in src.name:
         cmd.append("--no-mtp")  # the tiny model has no multi-token-prediction head
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    path = os.pathsep.join([str(llama_cpp), str(llama_cpp / "gguf-py")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py {src.name} --outtype {outtype} failed:\n{r.stderr[-3000:]}")
 

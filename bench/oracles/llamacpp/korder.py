@@ -6,7 +6,7 @@ transformers' GGUF loader permutes them back (rotate_half). The K values are the
 the 32-wide quantization blocks group different channels. This runs one `exact` cell with
 K's roundtrip done in the GGUF order (then permuted back), against an exact baseline:
 
-    PYTHONPATH=. python bench/oracles/llamacpp/korder.py q4_0 norot BASELINE.kvd OUT_DIR [n_ctx] [chunks]
+    python -m bench.oracles.llamacpp.korder q4_0 norot BASELINE.kvd OUT_DIR [n_ctx] [chunks]
 
 A monkeypatch of kvarn.kvcache.cache.make_format, on purpose: an experiment, not a compute path
 (`exact` keeps transformers' order; `llamacpp-cpu` uses the GGUF order by itself, through
@@ -15,10 +15,10 @@ the same `kvarn.llamacpp.compute.gguf_order`).
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 
+from bench import TEXT
 from kvarn.kvcache import cache
 
 from kvarn.llamacpp import compute
@@ -28,7 +28,6 @@ from kvarn.cli import model_spec
 from kvarn.spec.facts import KVARN_ITERS
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
-TEXT = str(Path(__file__).resolve().parents[4] / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw")  # shared/ beside the checkout
 
 
 def gguf_order(fmt):
@@ -51,7 +50,7 @@ def main():
     orig = cache.make_format
     cache.make_format = lambda name, role, rot=True, iters=KVARN_ITERS: (
         gguf_order(orig(name, role, rot, iters)) if role == "k" else orig(name, role, rot, iters))
-    engine.run_cell(model_spec("smollm2-135m"), n_ctx, chunks, k_type, k_type, 0, base, out, rot=rot, text=TEXT,
+    engine.run_cell(model_spec("smollm2-135m"), n_ctx, chunks, k_type, k_type, 0, base, out, rot=rot, text=str(TEXT),
                     compute="exact", cache_dir=DEFAULT_CACHE_DIR)
     s = json.load(open(f"{out}/summary.json"))
     print(f"{k_type} rot={rot}: median {s['kld_median']:.6f} mean {s['kld_mean']:.6f}")

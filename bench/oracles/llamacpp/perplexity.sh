@@ -66,4 +66,4 @@ for model in "${MODELS[@]}"; do
         done
     done
 done
-echo "llama-perplexity runs in $RUNS; now: python bench/oracles/llamacpp/compare.py"
+echo "llama-perplexity runs in $RUNS; now: python -m bench.oracles.llamacpp.compare"

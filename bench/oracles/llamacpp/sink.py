@@ -19,7 +19,7 @@ Position 0 holds BOS, which every later query attends to (the attention sink) an
 sees only itself, so its K and V are the same in every chunk: its rounding is one draw
 that no number of chunks averages away.
 
-    python bench/oracles/llamacpp/sink.py --model gemma3-270m --rows q4_1-rot q5_1-rot [--position 0 | 0-511 | all]
+    python -m bench.oracles.llamacpp.sink --model gemma3-270m --rows q4_1-rot q5_1-rot [--position 0 | 0-511 | all]
                                   [--reroll N] [--out FILE]
 
 Needs the llama.cpp build and runs of bench/oracles/llamacpp/perplexity.sh ($LLAMACPP_DIR); never run in CI.
@@ -31,13 +31,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from bench import REPO
 
-from bench.oracles.llamacpp import compare as lc  # the runs layout and the log parser
+from bench.oracles.llamacpp import runs as lc  # the runs layout and the log parser
 
 SRC = Path(__file__).with_name("dump.c")
 
@@ -139,7 +138,7 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     if not (out / "summary.json").is_file():
         compute.append_kv = swap
         try:
-            engine.run_cell(spec, n_ctx, chunks, k_type, k_type, 0, baseline, out, rot=rot, text=lc.TEXT,
+            engine.run_cell(spec, n_ctx, chunks, k_type, k_type, 0, baseline, out, rot=rot, text=str(lc.TEXT),
                             compute=options.LLAMACPP_CPU, cache_dir=str(REPO / "resources" / "models"))
         finally:
             compute.append_kv = append_kv
