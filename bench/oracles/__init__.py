@@ -1,1 +1,1 @@
-"""External programs as oracles for kvarn's numbers: llama.cpp, BeeLlama (bench/oracles/README.md)."""
+"""External programs as oracles for kvarn's numbers: llama.cpp, BeeLlama (bench/README.md)."""
