@@ -15,7 +15,7 @@ set -uo pipefail
 out=${1:-bench/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-# The packages the machine lacks, carried as wheels (bench/gpu/prepare.sh, carry [".gpu"]).
+# The packages the machine lacks, carried as wheels (bench/gpu/prepare.sh puts them in .gpu/).
 if [ -d .gpu/wheels ]; then
   site=$(mktemp -d -t kvarn-site.XXXXXX)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \

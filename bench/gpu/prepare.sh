@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Prepare what bench/gpu/article.sh needs on the GPU machine and cannot fetch there (it has no
 # network; only the checkout travels, not ../shared): run here, where pip works, then call the
-# device with the folder .gpu carried:
-#   bench/gpu/prepare.sh
-#   device run: command "bash bench/gpu/article.sh $OUT", carry [".gpu"]
+# GPU machine with the folder .gpu copied into the checkout:
+#   bench/gpu/prepare.sh                      (here)
+#   bash bench/gpu/article.sh OUTDIR          (there)
 # .gpu/ (git-ignored) then holds
 #   wheels/        the packages the machine's image lacks or has at another version, for its
 #                  Python 3.12, no dependencies (the image has torch, triton, numpy, einops,
