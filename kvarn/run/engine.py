@@ -22,6 +22,7 @@ import kvarn
 import kvarn.kvcache.attention as kattn
 from kvarn.spec import scoring
 from kvarn.baseline import data, dump
+from kvarn.baseline.protocol import Baseline
 from kvarn.budget import memory
 from kvarn.files import identity
 from kvarn.llamacpp import llamakld
@@ -183,7 +184,7 @@ def attention_path(attention: str, device: str, compute: str) -> str | None:
     return path if compute == "exact" else None
 
 
-def check_baseline_compute(base, compute: str) -> None:
+def check_baseline_compute(base: Baseline, compute: str) -> None:
     """A cell scores only against a baseline of the same compute path and version
     (`kvarn.spec.options.COMPUTE_VERSION`; dumps before those fields existed were `exact`, 1)."""
     found = base.header.get("compute", "exact")
@@ -312,7 +313,8 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     memory.check_accounting(accounting)
     t0 = time.perf_counter()
     # A missing, foreign or truncated dump is refused before the model is even looked at.
-    base = None if llamakld.is_llama_kld(baseline) else (context.open_dump if context else dump.open_dump)(baseline)
+    base: Baseline | None = (None if llamakld.is_llama_kld(baseline)
+                             else (context.open_dump if context else dump.open_dump)(baseline))
     loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False)
     set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
