@@ -109,20 +109,20 @@ def run_dir(model: str, chunks: int | None = None) -> Path:
 
 def kvarn_baseline(model, n_ctx, chunks, mode, out: Path, llama_out: Path | None):
     from kvarn.run import engine
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
 
     if not out.is_file():
-        engine.run_baseline(model_spec(model), n_ctx, chunks, out, text=TEXT, compute=mode,
+        engine.run_baseline(sources.parse_model(model), n_ctx, chunks, out, text=TEXT, compute=mode,
                             cache_dir=str(REPO / "resources" / "models"), llama_kld_out=llama_out)
     return out
 
 
 def kvarn_cell(model, n_ctx, chunks, k, rot, mode, baseline: Path, out: Path) -> dict:
     from kvarn.run import engine
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
 
     if not (out / "summary.json").is_file():
-        engine.run_cell(model_spec(model), n_ctx, chunks, k, k, 0, baseline, out, rot=rot, text=TEXT,
+        engine.run_cell(sources.parse_model(model), n_ctx, chunks, k, k, 0, baseline, out, rot=rot, text=TEXT,
                         compute=mode, cache_dir=str(REPO / "resources" / "models"))
     return json.loads((out / "summary.json").read_text())
 
@@ -133,9 +133,9 @@ def our_llama_kld(model: str, n_ctx: int, chunks: int, dump: Path, out: Path) ->
     if not out.is_file():
         from kvarn.llamacpp import llamakld
         from kvarn.run import engine
-        from kvarn.cli import model_spec
+        from kvarn.weights import sources
 
-        ctx = engine.Context(model_spec(model), n_ctx, chunks, text=TEXT,
+        ctx = engine.Context(sources.parse_model(model), n_ctx, chunks, text=TEXT,
                              cache_dir=str(REPO / "resources" / "models"), baseline=True)
         llamakld.write_from_dump(dump, ctx.chunk_ids, out)
     return out

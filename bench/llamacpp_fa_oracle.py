@@ -52,12 +52,12 @@ def main() -> None:
     from kvarn.run import engine
 
     from kvarn.spec import options
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
 
     torch.set_num_threads(1)
     exe = build()
-    spec = model_spec(a.model)
+    spec = sources.parse_model(a.model)
     cache_dir = str(REPO / "resources" / "models")
     ctx = engine.Context(spec, 1024, 1, text=lc.TEXT, cache_dir=cache_dir, baseline=True)
     model = ctx.loaded.model

@@ -24,7 +24,7 @@ from kvarn.kvcache import cache
 from kvarn.llamacpp import compute
 
 from kvarn.run import engine
-from kvarn.cli import model_spec
+from kvarn.weights import sources
 from kvarn.spec.facts import KVARN_ITERS
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
@@ -51,7 +51,7 @@ def main():
     orig = cache.make_format
     cache.make_format = lambda name, role, rot=True, iters=KVARN_ITERS: (
         gguf_order(orig(name, role, rot, iters)) if role == "k" else orig(name, role, rot, iters))
-    engine.run_cell(model_spec("smollm2-135m"), n_ctx, chunks, k_type, k_type, 0, base, out, rot=rot, text=TEXT,
+    engine.run_cell(sources.parse_model("smollm2-135m"), n_ctx, chunks, k_type, k_type, 0, base, out, rot=rot, text=TEXT,
                     compute="exact", cache_dir=DEFAULT_CACHE_DIR)
     s = json.load(open(f"{out}/summary.json"))
     print(f"{k_type} rot={rot}: median {s['kld_median']:.6f} mean {s['kld_mean']:.6f}")

@@ -107,10 +107,10 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     from kvarn.run import engine
 
     from kvarn.spec import options
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
     from kvarn.formats.registry import get_format
 
-    spec = model_spec(model)
+    spec = sources.parse_model(model)
     layer_index: dict[int, int] = {}
     done: dict[int, int] = {}  # per layer: positions appended so far
     sums: dict[int, dict] = {}  # per layer: squared norms behind the stats
@@ -204,14 +204,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    from kvarn.run import engine
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
 
     d = lc.run_dir(a.model, 1)  # the chunk-1 grid: the dumper runs chunk 1
     chunks = 1
     kv = d / "kvarn" / "llamacpp-cpu"
-    spec = model_spec(a.model)
-    gguf = engine.gguf_path(spec, str(REPO / "resources" / "models"))
+    spec = sources.parse_model(a.model)
+    gguf = sources.gguf_path(spec, str(REPO / "resources" / "models"))
     exe = build()
     baseline = lc.kvarn_baseline(a.model, n_ctx, chunks, "llamacpp-cpu", kv / "base.kvd", kv / "base.kld")
     lines = [f"### {a.model}, n_ctx {n_ctx}, {chunks} chunk(s): kvarn llamacpp-cpu with llama.cpp's K and V "

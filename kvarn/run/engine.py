@@ -28,7 +28,7 @@ from kvarn.files import identity
 from kvarn.llamacpp import llamakld
 from kvarn.spec import facts
 from kvarn.stats import metrics
-from kvarn.weights import models
+from kvarn.weights import models, sources
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.kvcache.cache import KVarnCache
 from kvarn.llamacpp.compute import set_activation_rounding
@@ -45,17 +45,6 @@ LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gem
 
 # --- loading --------------------------------------------------------------------------
 
-def gguf_path(spec, cache_dir) -> Path | None:
-    """The GGUF file a model's weights come from (a .gguf source, or the embedded model's), else None."""
-    p = Path(spec.source)
-    if p.suffix == ".gguf" and p.is_file():
-        return p
-    if spec.source.startswith("embedded:"):
-        hits = sorted((Path(cache_dir) / spec.source.split(":", 1)[1]).glob("*.gguf"))
-        return hits[0] if hits else None
-    return None
-
-
 def set_compute(model, spec, cache_dir, compute: str) -> None:
     """Switch the model's weight-matmul activation rounding for this run's compute path.
 
@@ -63,7 +52,7 @@ def set_compute(model, spec, cache_dir, compute: str) -> None:
     activations for that weight's type (`kvarn.llamacpp.compute.set_activation_rounding`); exact
     switches it off. Set at the start of every run, because a `Context` model serves many.
     """
-    set_activation_rounding(model, gguf_path(spec, cache_dir) if compute != "exact" else None,
+    set_activation_rounding(model, sources.gguf_path(spec, cache_dir) if compute != "exact" else None,
                             compute != "exact")
 
 
