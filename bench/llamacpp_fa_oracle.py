@@ -47,7 +47,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvarn.llamacpp import compute
+    from kvarn.llamacpp import channel_order, compute
 
     from kvarn.run import engine
 
@@ -96,7 +96,7 @@ def main() -> None:
             if a.prescale:
                 qq, kscale = qq * scaling, 1.0
             if gguf:  # llama.cpp holds this architecture's Q and K in the GGUF's channel order
-                qq, kk = qq[..., compute.gguf_order(D)], kk[..., compute.gguf_order(D)]
+                qq, kk = qq[..., channel_order.gguf_order(D)], kk[..., channel_order.gguf_order(D)]
             if a.rot:
                 qq, kk = rotate_blocks(qq, k_rotation_block(D)), rotate_blocks(kk, k_rotation_block(D))
                 vv = rotate_blocks(vv, V_ROTATION_BLOCK)

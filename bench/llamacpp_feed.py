@@ -44,7 +44,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvarn.llamacpp import compute
+    from kvarn.llamacpp import channel_order, compute
 
     from kvarn.run import engine
 
@@ -78,7 +78,7 @@ def main() -> None:
         ll = {L: {x: sink.load_node(tmp, name, L).reshape(n_ctx, heads, D)
                   for x, name, heads in (("q", "Qcur", H), ("k", "Kcur", Hkv), ("v", "Vcur", Hkv), ("o", "kqv_out", H))}
               for L in a.layers}
-    if compute.gguf_qk_permuted(model.config.model_type):
+    if channel_order.gguf_qk_permuted(model.config.model_type):
         raise SystemExit(f"{a.model}: llama.cpp holds its Q/K in the GGUF's permuted order; not handled here")
     if get_format(t, "v", rot=rot).family != "float" and rot:  # kqv_out is in V's rotated frame
         for L in a.layers:

@@ -155,14 +155,14 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
 
 def from_llama(rows: list[tuple]):
     """The replacement by llama.cpp's rows (`llama_rows`)."""
-    from kvarn.llamacpp import compute
+    from kvarn.llamacpp import channel_order
 
     def replace(i, positions, ours_k, ours_v, gguf_order):  # ours [H_kv, n, D]; rows [n_dumped, H_kv·D]
         lk, lv = (r[positions].reshape(x.shape[1], x.shape[0], x.shape[2]).transpose(0, 1)
                   for r, x in zip(rows[i], (ours_k, ours_v)))
         if gguf_order:  # back to transformers' order: llama.cpp's channel j is ours gguf_order[j]
             hf = lk.clone()
-            hf[..., compute.gguf_order(lk.shape[-1])] = lk
+            hf[..., channel_order.gguf_order(lk.shape[-1])] = lk
             lk = hf
         return lk, lv
     return replace

@@ -31,7 +31,7 @@ from kvarn.stats import metrics
 from kvarn.weights import models, sources
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.kvcache.cache import KVarnCache
-from kvarn.llamacpp.compute import set_activation_rounding
+from kvarn.llamacpp.activations import set_activation_rounding
 from kvarn.spec.facts import KVARN_ITERS
 from kvarn.files.identity import job_key
 from kvarn.spec.options import COMPUTE_VERSION, check_compute
@@ -49,7 +49,7 @@ def set_compute(model, spec, cache_dir, compute: str) -> None:
     """Switch the model's weight-matmul activation rounding for this run's compute path.
 
     With llamacpp-cpu and GGUF weights every Linear's input is rounded as llama.cpp rounds
-    activations for that weight's type (`kvarn.llamacpp.compute.set_activation_rounding`); exact
+    activations for that weight's type (`kvarn.llamacpp.activations.set_activation_rounding`); exact
     switches it off. Set at the start of every run, because a `Context` model serves many.
     """
     set_activation_rounding(model, sources.gguf_path(spec, cache_dir) if compute != "exact" else None,
