@@ -22,7 +22,7 @@ from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, kv_bytes
 from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES  # one list each for the CLI and the matrix
 from kvarn.spec.policy import check_sink, pair_family
 from kvarn.budget.preflight import PreflightError, capacity, preflight
-from kvarn.weights.sources import DEFAULT_CACHE_DIR, EMBEDDED, ModelSpec, config_json, fetch
+from kvarn.weights.sources import DEFAULT_CACHE_DIR, EMBEDDED, config_json, fetch, kind_of, parse_model
 
 EPILOG = """\
 examples (llama.cpp equivalents in brackets):
@@ -92,32 +92,6 @@ def _cache_type(flag):
             raise argparse.ArgumentTypeError(f"{flag}: unknown KV cache type {s!r}; accepted: {', '.join(names())}")
         return s
     return parse
-
-
-def model_spec(arg: str):
-    """--model NAME | hf:org/repo[@rev] | hf:org/repo/file.gguf[@rev] | random:CONFIG | PATH -> ModelSpec."""
-
-    if arg in EMBEDDED:
-        return ModelSpec(arg, f"embedded:{arg}")
-    if arg.startswith("embedded:"):
-        return ModelSpec(arg[len("embedded:"):], arg)
-    if arg.startswith("random:"):
-        return ModelSpec(Path(arg[len("random:"):]).stem + "-random", arg)
-    if arg.startswith("hf:"):
-        repo, _, rev = arg[3:].partition("@")
-        parts = repo.split("/")
-        if len(parts) == 2 and all(parts):
-            return ModelSpec(parts[1], f"hf:{repo}", rev or None)
-        if len(parts) > 2 and all(parts[:2]) and repo.endswith(".gguf"):
-            return ModelSpec(Path(repo).stem, arg)
-        raise UsageError(f"--model {arg!r}: expected hf:org/repo[@revision] or hf:org/repo/file.gguf[@revision]")
-    p = Path(arg)
-    if p.exists():
-        return ModelSpec(p.stem if p.is_file() else p.resolve().name, str(p))
-    raise UsageError(
-        f"--model {arg!r} is neither an embedded model ({', '.join(EMBEDDED)}), hf:org/repo[@rev], "
-        "hf:org/repo/file.gguf[@rev], random:CONFIG.json, nor an existing directory or .gguf file"
-    )
 
 
 def _attention_arg(p):
@@ -290,9 +264,8 @@ def memory_config(arg: str, cache_dir: str) -> tuple[dict, str]:
     import json
 
 
-    if arg.startswith(("hf:", "random:")) or arg.endswith(".gguf"):  # the config alone, no weights where possible
-
-        return config_json(model_spec(arg), cache_dir), arg
+    if kind_of(arg).config_alone(arg):  # the config alone, no weights where possible
+        return config_json(parse_model(arg), cache_dir), arg
     p = Path(arg)
     if p.is_dir():
         p = p / "config.json"
@@ -430,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                                  seed=args.seed, block=args.block)
             sys.stdout.write(json.dumps(res, indent=1) + "\n" if args.json else paired.format_compare(res))
             return 0
-        spec = model_spec(args.model)
+        spec = parse_model(args.model)
         if args.cmd == "decode":
             return _decode(spec, args)
         if args.cmd == "layers":

@@ -110,13 +110,14 @@ CASES = [
 def no_work(monkeypatch):
     """Any download, conversion, weight hashing or model load fails the test."""
     from kvarn.files import identity
-    from kvarn.weights import models, sources
+    from kvarn.weights import models
+    from kvarn.weights.sources import embedded, hub
 
     def trap(*a, **k):
         raise AssertionError("work started before the bad input was refused")
     monkeypatch.setattr(models, "load", trap)
-    monkeypatch.setattr(sources, "_fetch_embedded", trap)
-    monkeypatch.setattr(sources, "_fetch_hf", trap)
+    monkeypatch.setattr(embedded, "_fetch_embedded", trap)
+    monkeypatch.setattr(hub, "_fetch_hf", trap)
     monkeypatch.setattr(identity, "weights_id", trap)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn.llamacpp import compute
+from kvarn.llamacpp import q8
 from kvarn.formats import get_format
 from kvarn.formats import kvarn as K
 from kvarn.formats.hadamard import hadamard
@@ -95,7 +95,7 @@ def test_q8_0_beellama_cpu_rounds_ties_to_even():
     (roundf: ties away from zero). They differ exactly on the tie blocks of the fixture."""
     x = QO.fixture_block_input()
     bq, bd, _ = QO.beellama_block_fields("q8_0", DATA["block_q8_0"])
-    q, d16, _ = compute.quantize_q8(torch.from_numpy(x), "q8_0")
+    q, d16, _ = q8.quantize_q8(torch.from_numpy(x), "q8_0")
     assert np.array_equal(bq, q.reshape(-1, 32).long().numpy())
     assert np.array_equal(bd, d16.reshape(-1).to(torch.float16).view(torch.int16).numpy().astype(np.uint16))
     kq, kd, _ = QO.kvarn_block_fields("q8_0", x)

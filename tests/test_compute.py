@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from kvarn.spec import scoring
 
-from kvarn.llamacpp import compute
+from kvarn.llamacpp import activations, channel_order, compute, q8
 
 from kvarn.spec import options
 from kvarn.kvcache.cache import KVarnLayer, make_format
@@ -32,16 +32,16 @@ def test_quantize_q8_hand_worked(one_thread):
     # amax 127 -> d = 1, id = 1: codes are the values rounded half to even (x86 _mm256_round_ps)
     x = torch.zeros(32)
     x[:6] = torch.tensor([2.5, 3.5, -2.5, -0.5, 1.5, 127.0])
-    q, d, s = compute.quantize_q8(x, "q8_1")
+    q, d, s = q8.quantize_q8(x, "q8_1")
     assert q[:6].tolist() == [2.0, 4.0, -2.0, -0.0, 2.0, 127.0]
     assert d.tolist() == [1.0]
     assert s.tolist() == [2 + 4 - 2 + 0 + 2 + 127]
     # d is stored fp16, the codes use the fp32 127/amax
     x = torch.full((32,), 0.1)
-    q, d, s = compute.quantize_q8(x, "q8_0")
+    q, d, s = q8.quantize_q8(x, "q8_0")
     assert s is None and (q == 127).all()
     assert d.item() == torch.tensor(0.1 / 127, dtype=torch.float32).to(torch.float16).float().item()
-    q, d, _ = compute.quantize_q8(torch.zeros(64), "q8_0")
+    q, d, _ = q8.quantize_q8(torch.zeros(64), "q8_0")
     assert (q == 0).all() and (d == 0).all()
 
 
@@ -132,7 +132,7 @@ def test_quantize_q8_matches_the_reference_on_ties(kind, one_thread):
     ties = tie_blocks("q8_0", 64, seed=3).reshape(16, 128)
     assert tie_count("q8_0", ties) >= 64 * 31
     x = np.concatenate([ties, np.random.default_rng(3).standard_normal((4, 128)).astype(F32) * 3])
-    q, d, s = compute.quantize_q8(torch.from_numpy(x), kind)
+    q, d, s = q8.quantize_q8(torch.from_numpy(x), kind)
     q, d = q.reshape(-1, 32).numpy(), d.reshape(-1).numpy()
     ref = [blk for row in x for blk in _q8_row(row, kind)]
     assert np.array_equal(q, np.array([r[0] for r in ref], dtype=F32))
@@ -263,20 +263,20 @@ def test_tiled_path_is_fp32_attention(one_thread):
 
 def test_gguf_order_is_the_converters_permutation():
     # hand-worked, d = 8: GGUF position 2i+s holds HF dimension s*d/2+i
-    assert compute.gguf_order(8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert channel_order.gguf_order(8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
     # transformers' GGUF loader undoes llama.cpp's converter permutation (LlamaTensorProcessor):
     # rows put in the GGUF order per head must come back in HF order
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     n_head, n_kv, d = 6, 2, 64
     w = np.arange(n_kv * d * 3, dtype=F32).reshape(n_kv * d, 3)  # k_proj rows, 3 inputs
-    gguf_rows = torch.from_numpy(w).reshape(n_kv, d, 3)[:, compute.gguf_order(d)].reshape(n_kv * d, 3).numpy()
+    gguf_rows = torch.from_numpy(w).reshape(n_kv, d, 3)[:, channel_order.gguf_order(d)].reshape(n_kv * d, 3).numpy()
     proc = LlamaTensorProcessor(config={"num_attention_heads": n_head, "num_key_value_heads": n_kv})
     back = proc.process(gguf_rows, "blk.0.attn_k.weight").weights
     assert np.array_equal(back, w) and not np.array_equal(gguf_rows, w)
-    assert compute.gguf_qk_permuted("llama") and not compute.gguf_qk_permuted("gemma3_text")
+    assert channel_order.gguf_qk_permuted("llama") and not channel_order.gguf_qk_permuted("gemma3_text")
     with pytest.raises(ValueError, match="model_type 'olmo'.*not known"):
-        compute.gguf_qk_permuted("olmo")
+        channel_order.gguf_qk_permuted("olmo")
 
 
 GEMMA_GGUF = pytest.mark.xdist_group("compute_gemma_gguf")
@@ -302,7 +302,7 @@ def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted, fetched):
     ggufs = sorted(d.glob("*.gguf"))
     assert len(ggufs) == 1 and hf.is_file()
     cfg = json.loads((d / "hf" / "config.json").read_text())
-    assert cfg["model_type"] == model_type and compute.gguf_qk_permuted(model_type) is permuted
+    assert cfg["model_type"] == model_type and channel_order.gguf_qk_permuted(model_type) is permuted
     hd = cfg["head_dim"]
     tensors = {t.name: t for t in reader(ggufs[0]).tensors}
     with safe_open(str(hf), "pt") as f:
@@ -310,7 +310,7 @@ def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted, fetched):
             file_rows = tensor(tensors[f"blk.0.{g}.weight"])
             ours = f.get_tensor(f"model.layers.0.self_attn.{h}.weight").float()
             heads = ours.reshape(-1, hd, ours.shape[-1])
-            gathered = heads[:, compute.gguf_order(hd)].reshape(ours.shape)
+            gathered = heads[:, channel_order.gguf_order(hd)].reshape(ours.shape)
             assert torch.equal(file_rows, gathered if permuted else ours), (model, g)
             assert not torch.equal(file_rows, ours if permuted else gathered), (model, g)
 
@@ -335,7 +335,7 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
     layer = cache.layers[0]
     assert layer.qk_gguf_order  # the path under test
     got, _ = _emulate(q, k, v, kt, kt, rot, 0.125, mask, layer=layer)
-    idx = compute.gguf_order(D).numpy()
+    idx = channel_order.gguf_order(D).numpy()
     in_gguf = _ref_attention(q[..., idx], k[..., idx], v, kt, kt, rot, 0.125, mask)
     in_hf = _ref_attention(q, k, v, kt, kt, rot, 0.125, mask)
     order_effect = np.abs(in_gguf - in_hf).max()
@@ -418,16 +418,16 @@ def test_round_activations_hand_worked(one_thread):
     # q8_0/q8_1: the 32-block codes times the fp16 d (values 127 and 2.5 in one block: d = 1)
     x = torch.zeros(1, 32)
     x[0, 0], x[0, 1] = 127.0, 2.5
-    assert compute.round_activations(x, "q8_1")[0, :3].tolist() == [127.0, 2.0, 0.0]
+    assert activations.round_activations(x, "q8_1")[0, :3].tolist() == [127.0, 2.0, 0.0]
     # q8_K: 256-blocks, iscale = -127/vmax (signed), fp32 d = 1/iscale
     x = torch.zeros(1, 256)
     x[0, 0], x[0, 5] = -254.0, 3.0  # vmax -254: iscale 0.5, 3.0 -> round(1.5) = 2 -> 2/0.5 = 4
-    y = compute.round_activations(x, "q8_K")
+    y = activations.round_activations(x, "q8_K")
     assert y[0, 0].item() == -254.0 and y[0, 5].item() == 4.0
-    assert compute.round_activations(torch.tensor([1.00390625]), "bf16").item() == 1.0
-    assert compute.round_activations(x, None) is x
+    assert activations.round_activations(torch.tensor([1.00390625]), "bf16").item() == 1.0
+    assert activations.round_activations(x, None) is x
     with pytest.raises(ValueError, match="'q4_0'"):
-        compute.round_activations(x, "q4_0")
+        activations.round_activations(x, "q4_0")
 
 
 @pytest.mark.slow
@@ -439,7 +439,7 @@ def test_activation_rounding_follows_the_gguf_types():
 
     root = Path(__file__).resolve().parents[1] / "resources" / "models"
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=root)
-    hooked = compute.install_activation_rounding(lm.model, next((root / "smollm2-135m").glob("*.gguf")))
+    hooked = activations.install_activation_rounding(lm.model, next((root / "smollm2-135m").glob("*.gguf")))
     # 30 layers x 7 Q4_1 matmuls (q8_1 activations) + the tied Q8_0 token_embd as lm_head (q8_0)
     assert Counter(hooked.values()) == {"q8_1": 210, "q8_0": 1} and hooked["lm_head"] == "q8_0"
     seen = []
@@ -447,24 +447,24 @@ def test_activation_rounding_follows_the_gguf_types():
     lin.register_forward_pre_hook(lambda m, a: seen.append(a[0]))  # runs after the rounding hook
     x = torch.randn(1, 3, lin.in_features)
     lin(x)
-    assert torch.equal(seen[0], compute.round_activations(x, "q8_1")) and not torch.equal(seen[0], x)
+    assert torch.equal(seen[0], activations.round_activations(x, "q8_1")) and not torch.equal(seen[0], x)
     # switched off for an exact run on the same (shared) model, on again for llamacpp-cpu
-    compute.set_activation_rounding(lm.model, None, False)
+    activations.set_activation_rounding(lm.model, None, False)
     lin(x)
     assert torch.equal(seen[1], x)
-    compute.set_activation_rounding(lm.model, next((root / "smollm2-135m").glob("*.gguf")), True)
+    activations.set_activation_rounding(lm.model, next((root / "smollm2-135m").glob("*.gguf")), True)
     lin(x)
     assert torch.equal(seen[2], seen[0])
 
 
 def test_ggml_gelu_f16_hand_worked():
     # x = 1: fp16(1) = 1, gelu_tanh(1) = 0.8411920..., the fp16 table holds 1723 * 2^-11
-    assert compute.ggml_gelu_f16(torch.tensor([1.0])).item() == 1723 * 2.0**-11
+    assert activations.ggml_gelu_f16(torch.tensor([1.0])).item() == 1723 * 2.0**-11
     # the input is rounded to fp16 first: 0.1 and 0.09999 share the entry of fp16 0.0999755859375 (ulp 2^-14)
-    a, b, c = compute.ggml_gelu_f16(torch.tensor([0.1, 0.09999, 0.10003])).tolist()
+    a, b, c = activations.ggml_gelu_f16(torch.tensor([0.1, 0.09999, 0.10003])).tolist()
     assert a == b and c != a
     # the clamps: 0 at or below -10, x itself at or above 10 (not rounded)
-    assert compute.ggml_gelu_f16(torch.tensor([-10.0, -12.0, 10.5, 12.345])).tolist() == \
+    assert activations.ggml_gelu_f16(torch.tensor([-10.0, -12.0, 10.5, 12.345])).tolist() == \
         [0.0, 0.0, 10.5, pytest.approx(12.345, abs=0, rel=1e-7)]
 
 
@@ -472,7 +472,7 @@ def test_ggml_gelu_f16_against_float64():
     # independent: torch's tanh GELU in float64 on the fp16-rounded input, rounded to fp16
     x = torch.linspace(-9.99, 9.99, 20001)
     ref = torch.nn.functional.gelu(x.half().double(), approximate="tanh").half().float()
-    got = compute.ggml_gelu_f16(x)
+    got = activations.ggml_gelu_f16(x)
     normal = ref.abs() >= 2.0**-14  # where fp16 has full precision
     ulp = (ref.half().view(torch.int16).int() - got.half().view(torch.int16).int()).abs()
     # one ulp at most, on ~1 % of points: fp32's 1 + tanh cancels on the left tail, float64's does not
@@ -492,12 +492,12 @@ def test_gemma_gelu_follows_ggml():
     root = Path(__file__).resolve().parents[1] / "resources" / "models"
     lm = models.load(models.ModelSpec("gemma3-270m", "embedded:gemma3-270m"), cache_dir=root)
     gguf_path = next((root / "gemma3-270m").glob("*.gguf"))
-    hooked = compute.install_activation_rounding(lm.model, gguf_path)
+    hooked = activations.install_activation_rounding(lm.model, gguf_path)
     n_layers = lm.model.config.get_text_config().num_hidden_layers
     gelus = [name for name, kind in hooked.items() if kind == "gelu_f16"]
     assert len(gelus) == n_layers  # one GEGLU per layer's MLP
     act = lm.model.model.layers[0].mlp.act_fn
     x = torch.randn(2, 5, 64) * 3
-    assert torch.equal(act(x), compute.ggml_gelu_f16(x))
-    compute.set_activation_rounding(lm.model, None, False)  # exact: transformers' GELU again
+    assert torch.equal(act(x), activations.ggml_gelu_f16(x))
+    activations.set_activation_rounding(lm.model, None, False)  # exact: transformers' GELU again
     assert torch.equal(act(x), torch.nn.functional.gelu(x, approximate="tanh"))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn.baseline import dump
+from kvarn.baseline import dump, encoding, sparse
 
 from kvarn.stats import metrics
 
@@ -27,9 +27,9 @@ def header(n_ctx=16, **kw):
 def test_error_bound_from_step(mass_correct):
     lp = logprobs(7, 1001)  # odd vocab: the row is padded to even
     lp[0] = torch.log_softmax(torch.zeros(1001), -1)  # flat row: zero range, scale 0
-    rows = dump.encode_rows(lp, mass_correct=mass_correct)
-    assert rows.shape == (7, 2 * 501 + 4) and dump.row_uint16(1001) == 1006
-    dec = dump.decode_rows(rows, 1001).double()
+    rows = encoding.encode_rows(lp, mass_correct=mass_correct)
+    assert rows.shape == (7, 2 * 501 + 4) and encoding.row_uint16(1001) == 1006
+    dec = encoding.decode_rows(rows, 1001).double()
     hdr = np.ascontiguousarray(rows[:, :4]).view(np.float32).astype(np.float64)
     scale, lo = hdr[:, :1], hdr[:, 1:2]
     x = lp.double().numpy()
@@ -37,12 +37,12 @@ def test_error_bound_from_step(mass_correct):
     # range: 16 nats below the top (or the row minimum if closer), 65535 steps
     floor = np.maximum(x.min(1, keepdims=True), hi - 16)
     # the mass correction may move scale by up to SCALE_ULPS ulps (2**-23 relative each)
-    np.testing.assert_allclose(scale, (hi - floor) / 65535, rtol=1e-6 + dump.SCALE_ULPS * 2.0**-23)
-    assert scale[1:].max() <= 16 / 65535 * (1 + 1e-6 + dump.SCALE_ULPS * 2.0**-23)
+    np.testing.assert_allclose(scale, (hi - floor) / 65535, rtol=1e-6 + encoding.SCALE_ULPS * 2.0**-23)
+    assert scale[1:].max() <= 16 / 65535 * (1 + 1e-6 + encoding.SCALE_ULPS * 2.0**-23)
     fp32 = 4 * EPS32 * (np.abs(floor) + np.abs(x))
     # llama.cpp stores the floor itself; the mass correction moves it by at most half a step,
     # plus the few ulps of lo and scale that take up lo's fp32 rounding
-    ulps = dump.LO_ULPS * np.spacing(np.float32(32)) + dump.SCALE_ULPS * np.spacing(scale.astype(np.float32)) * 65535
+    ulps = encoding.LO_ULPS * np.spacing(np.float32(32)) + encoding.SCALE_ULPS * np.spacing(scale.astype(np.float32)) * 65535
     shift = 0.5 * scale + ulps if mass_correct else 0.0
     assert np.all(np.abs(lo - floor) <= shift + 4 * EPS32 * np.abs(floor))
     # so every entry in range decodes within half a step (+ the shift, + fp32 rounding)
@@ -66,7 +66,7 @@ def test_mass_correction_removes_kld_bias():
     t = torch.zeros(32, dtype=torch.long)
     bias = {}
     for mc in (False, True):
-        dec = dump.decode_rows(dump.encode_rows(lp, mass_correct=mc), 2000)
+        dec = encoding.decode_rows(encoding.encode_rows(lp, mass_correct=mc), 2000)
         bias[mc] = np.abs(metrics.token_metrics(lp, dec, t)["kld"]).mean()
     assert bias[True] < 0.2 * bias[False]
 
@@ -80,12 +80,12 @@ def test_lo_rounding_taken_up(monkeypatch):
     t = torch.zeros(48, dtype=torch.long)
 
     def bias():
-        rows = dump.encode_rows(lp)
-        return np.abs(metrics.token_metrics(lp, dump.decode_rows(rows, 20000), t)["kld"]).mean(), rows
+        rows = encoding.encode_rows(lp)
+        return np.abs(metrics.token_metrics(lp, encoding.decode_rows(rows, 20000), t)["kld"]).mean(), rows
 
     v3, rows3 = bias()
-    monkeypatch.setattr(dump, "LO_ULPS", 0)
-    monkeypatch.setattr(dump, "SCALE_ULPS", 0)
+    monkeypatch.setattr(encoding, "LO_ULPS", 0)
+    monkeypatch.setattr(encoding, "SCALE_ULPS", 0)
     v2, rows2 = bias()
     print(f"mean |KLD| of a perfect Q: v2 {v2:.2e}, v3 {v3:.2e}")
     assert v3 < v2 / 3 and v2 > 2e-7  # v2's residual is the size the docstring says
@@ -109,7 +109,7 @@ def test_round_trip_and_kld_floor(tmp_path, layout):
     for i, b in enumerate(blocks):
         c = d.chunk(i)
         assert c.dtype == torch.float32 and c.shape == (7, 300)
-        np.testing.assert_array_equal(c.numpy(), dump.decode_rows(dump.encode_rows(b), 300).numpy())
+        np.testing.assert_array_equal(c.numpy(), encoding.decode_rows(encoding.encode_rows(b), 300).numpy())
         # KLD of the exact distribution against the decoded dump is at most ~half a step
         kld = metrics.token_metrics(b, c, torch.zeros(7, dtype=torch.long))["kld"]
         assert np.abs(kld).max() < 0.5 * 16 / 65535
@@ -196,14 +196,14 @@ def test_decode_rows_is_the_float64_formula_bit_for_bit_and_slices_agree():
     # former numpy decode); a cell decodes 64-row slices, which must equal slices of the whole.
     torch.manual_seed(3)
     lp = torch.log_softmax(torch.randn(70, 3001, dtype=torch.float64) * 5, dim=-1).float()
-    rows = dump.encode_rows(lp)
+    rows = encoding.encode_rows(lp)
     hdr = np.ascontiguousarray(rows[:, :4]).view(np.float32).astype(np.float64)
     want = (rows[:, 4:4 + 3001] * hdr[:, :1] + hdr[:, 1:2]).astype(np.float32)
-    whole = dump.decode_rows(rows, 3001)
+    whole = encoding.decode_rows(rows, 3001)
     assert whole.dtype == torch.float32 and np.array_equal(whole.numpy(), want)
-    parts = torch.cat([dump.decode_rows(rows[a:a + 64], 3001, "cpu") for a in range(0, 70, 64)])
+    parts = torch.cat([encoding.decode_rows(rows[a:a + 64], 3001, "cpu") for a in range(0, 70, 64)])
     assert torch.equal(parts, whole)
-    assert torch.equal(dump.decode_rows(np.asarray(rows[:0]), 3001), whole[:0])
+    assert torch.equal(encoding.decode_rows(np.asarray(rows[:0]), 3001), whole[:0])
 
 
 def _mixed_rows(n=150, V=1001, seed=5):
@@ -232,9 +232,9 @@ def test_sparse_layout_decodes_and_scores_bit_identically_to_dense(tmp_path):
     assert (s.layout, d.layout) == ("sparse", "dense") and sp.stat().st_size < de.stat().st_size
     # both row kinds were written: sparse (shorter) rows and dense fallbacks
     lengths = np.diff(s.offsets)
-    dense_len = 2 * dump.row_uint16(V)
+    dense_len = 2 * encoding.row_uint16(V)
     assert (lengths == dense_len).sum() >= 50 and (lengths < dense_len).sum() >= 50
-    assert lengths.min() == 8 + dump.bitmap_bytes(V)  # the constant row: no code stored at all
+    assert lengths.min() == 8 + sparse.bitmap_bytes(V)  # the constant row: no code stored at all
     for c in range(2):
         whole = d.chunk(c)
         assert torch.equal(s.chunk(c), whole)
@@ -245,7 +245,7 @@ def test_sparse_layout_decodes_and_scores_bit_identically_to_dense(tmp_path):
         o = s.offsets[c * 149:(c + 1) * 149 + 1]
         blob = np.asarray(s.payload[o[0]:o[-1]])
         for host in (True, False):
-            assert torch.equal(dump.decode_packed(blob, o[:-1] - o[0], np.diff(o), V, host=host), whole)
+            assert torch.equal(sparse.decode_packed(blob, o[:-1] - o[0], np.diff(o), V, host=host), whole)
         floor = (whole == whole.min(1, keepdim=True).values) & (whole <= -16)  # entries read as a clipped floor
         assert floor.sum() > 10000  # the floor was exercised
         ms, md = (metrics.token_metrics(q[c], base.chunk(c), t) for base in (s, d))
@@ -313,7 +313,7 @@ def test_sparse_layout_corruption_named(tmp_path):
     o = off[:8]
     blob = np.frombuffer(flip.read_bytes()[dump.PAYLOAD_OFFSET:dump.PAYLOAD_OFFSET + int(o[-1])], np.uint8)
     with pytest.raises(ValueError, match=f"torch path: row {r} has"):
-        dump.decode_packed(blob, o[:-1], np.diff(o), 300, host=False, where="torch path")
+        sparse.decode_packed(blob, o[:-1], np.diff(o), 300, host=False, where="torch path")
     # an unknown file version, and a header that disagrees with the version
     with pytest.raises(ValueError, match=r"file version 3, this reader reads \[1, 2\]"):
         dump.open_dump(variant("v.kvd", lambda b: b.__setitem__(8, 3)))
@@ -331,12 +331,12 @@ def test_write_streams_slices_without_a_whole_chunk_encoding(tmp_path, monkeypat
     # chunk: 16 GB at Qwen 3.6 64k), and the per-chunk sha256 is that of the whole chunk's bytes
     monkeypatch.setattr(dump, "_WRITE_ROWS", 3)
     seen = []
-    real = dump.encode_rows
+    real = encoding.encode_rows
     monkeypatch.setattr(dump, "encode_rows", lambda x, **k: seen.append(len(x)) or real(x, **k))
     b = _mixed_rows(7, 300)
     h = dump.write_dump(tmp_path / "d.kvd", header(), [b], layout="dense")
     assert seen == [3, 3, 1]
     assert h["chunk_sha256"] == [dump.array_sha256(real(b))]
     s = dump.write_dump(tmp_path / "s.kvd", header(), [b])
-    assert torch.equal(dump.open_dump(tmp_path / "s.kvd").chunk(0), dump.decode_rows(real(b), 300))
-    assert s["payload_bytes"] == len(dump.pack_rows(real(b), 300)[0])
+    assert torch.equal(dump.open_dump(tmp_path / "s.kvd").chunk(0), encoding.decode_rows(real(b), 300))
+    assert s["payload_bytes"] == len(sparse.pack_rows(real(b), 300)[0])

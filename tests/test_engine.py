@@ -247,16 +247,16 @@ def test_bf16_cell_is_the_baseline_bit_for_bit(smol_baseline, smol_bf16_cell):
     # against the dump, the cell and its own encoding give the same numbers bit for bit.
     import numpy as np
 
-    from kvarn.baseline import dump
+    from kvarn.baseline import dump, encoding
 
     from kvarn.stats import metrics
 
     lp, targets = smol_bf16_cell
     base = dump.open_dump(smol_baseline)
-    rows = dump.encode_rows(lp)
+    rows = encoding.encode_rows(lp)
     assert np.array_equal(base.dense_rows(0), rows)
-    assert torch.equal(dump.decode_rows(rows, base.vocab_size), base.decode(0))
-    own, got = (metrics.token_metrics(lp, b, targets) for b in (dump.decode_rows(rows, base.vocab_size), base.decode(0)))
+    assert torch.equal(encoding.decode_rows(rows, base.vocab_size), base.decode(0))
+    own, got = (metrics.token_metrics(lp, b, targets) for b in (encoding.decode_rows(rows, base.vocab_size), base.decode(0)))
     assert all(np.array_equal(own[k], got[k]) for k in own) and own["same_top"].all()
 
 

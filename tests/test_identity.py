@@ -36,17 +36,17 @@ def test_weights_id_of_a_directory_tracks_content(tmp_path, monkeypatch):
     calls = []
     real = identity.uncached_sha256
     monkeypatch.setattr(identity, "uncached_sha256", lambda p: calls.append(p.name) or real(p))
-    a = identity.weights_id(str(d), None)
+    a = identity.weights_id(str(d), None, False)
     assert sorted(calls) == ["config.json", "model.safetensors"]
     # cached beside each file: a second look hashes nothing and gives the same id
     assert (d / ("model.safetensors" + identity.SIDECAR_SUFFIX)).is_file()
     calls.clear()
-    assert identity.weights_id(str(d), None) == a and calls == []
+    assert identity.weights_id(str(d), None, False) == a and calls == []
     # a changed file (same size, new mtime) is rehashed and changes the id
     (d / "model.safetensors").write_bytes(b"\x02" * 1000)
     st = (d / "model.safetensors").stat()
     os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    b = identity.weights_id(str(d), None)
+    b = identity.weights_id(str(d), None, False)
     assert calls == ["model.safetensors"] and b != a and b.startswith("sha256:")
 
 
@@ -55,9 +55,17 @@ def test_weights_id_of_a_gguf_file_and_pinned_sources(tmp_path):
     f.write_bytes(b"GGUF" + b"\0" * 100)
     import hashlib
 
-    assert identity.weights_id(str(f), None) == "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
-    assert identity.weights_id("embedded:smollm2-135m", "sha256:ab") == "embedded:smollm2-135m@sha256:ab"
-    assert identity.weights_id("hf:org/repo", "c0ffee") == "hf:org/repo@c0ffee"
+    from kvarn.weights.sources import kind_of
+
+    def wid(source, revision):  # as run_identity asks: the source's handler says whether it is content-pinned
+        return identity.weights_id(source, revision, kind_of(source).content_pinned)
+
+    assert wid(str(f), None) == "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
+    assert wid("embedded:smollm2-135m", "sha256:ab") == "embedded:smollm2-135m@sha256:ab"
+    assert wid("hf:org/repo", "c0ffee") == "hf:org/repo@c0ffee"
+    cfg = tmp_path / "c.json"
+    cfg.write_text("{}")
+    assert wid(f"random:{cfg}", "random:sha256:0:seed0") == f"random:{cfg}@random:sha256:0:seed0"
 
 
 def test_read_only_directory_still_hashes(tmp_path, monkeypatch):

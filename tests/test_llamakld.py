@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvarn.baseline import dump
+from kvarn.baseline.protocol import Baseline
 
 from kvarn.llamacpp import llamakld
 
@@ -55,6 +56,27 @@ def test_round_trip(files):
         assert (f.chunk(c) - blocks[c]).abs().max() < 16 / 65535  # within one code step of the truth
     # fewer chunks than the file holds: accepted
     assert llamakld.open_llama_kld(kld, ids[:1], N_CTX).n_chunks == CHUNKS
+
+
+def test_both_files_are_one_baseline(files):
+    """Our dump and llama's base file are each a `Baseline`: every member the protocol names,
+    each method with the protocol's signature, and the same rows read through either."""
+    import inspect
+
+    kvd, kld, ids, _ = files
+    members = [m for m in vars(Baseline) if not m.startswith("_")] + list(Baseline.__annotations__)
+    assert set(members) >= {"kind", "path", "header", "n_chunks", "n_scored", "vocab_size", "decode", "chunk",
+                            "dense_rows"}
+    for base in (dump.open_dump(kvd), llamakld.open_llama_kld(kld, ids, N_CTX, V)):
+        assert isinstance(base, Baseline), type(base)
+        for m in members:
+            assert hasattr(base, m), (type(base).__name__, m)
+            want = vars(Baseline)[m] if m in vars(Baseline) else None
+            if inspect.isfunction(want):
+                assert inspect.signature(getattr(type(base), m)) == inspect.signature(want), (type(base).__name__, m)
+        assert base.kind in ("kvarn", "llama") and base.n_scored == N_SCORED and base.vocab_size == V
+        assert torch.equal(base.decode(1, 2, 5), dump.open_dump(kvd).decode(1, 2, 5))
+        assert np.array_equal(base.dense_rows(1, 2, 5), dump.open_dump(kvd).dense_rows(1, 2, 5))
 
 
 def test_refusals(files, tmp_path):

@@ -9,6 +9,7 @@ import yaml
 
 from kvarn.spec import facts
 from kvarn.plan import matrix as kvm
+from kvarn.weights.sources import unpinned
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,7 +193,7 @@ def test_chunks_all_is_a_stable_path():
 ])
 def test_unpinned_sources_refused_unless_allowed(source, revision, pinned):
     m = kvm.expand(with_(("models", 0), {**BASE["models"][0], "source": source, "revision": revision})).models
-    assert (kvm.unpinned(m["smollm2-135m"]) is None) == pinned
+    assert (unpinned(m["smollm2-135m"].source, m["smollm2-135m"].revision) is None) == pinned
     if pinned:
         assert kvm.check_pinned(m, False) == []
         return

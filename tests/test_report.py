@@ -19,6 +19,7 @@ import synthetic  # noqa: E402
 
 from kvarn import report as R  # noqa: E402
 from kvarn.report import data as D  # noqa: E402
+from kvarn.report import tokens as T  # noqa: E402
 
 # One xdist worker: the module fixtures run a tiny matrix once.
 pytestmark = pytest.mark.xdist_group("report")
@@ -221,7 +222,7 @@ def test_position_and_distribution_specs(results):
     assert fields(line)["x"] == "pos_mid" and fields(line)["y"] == "kld_mean"
     assert line["encoding"]["y"]["scale"]["type"] == "log"
     assert fields(line)["strokeDash"] == "family" and fields(line)["color"] == "width"
-    bins = D.position_bins(tokens, n_bins=16)
+    bins = T.position_bins(tokens, n_bins=16)
     assert bins.group_by("cell").len()["len"].max() == 16 and bins["n"].sum() == tokens.height
     spec = R.distribution(tokens).to_dict()
     ecdf = [u for u in units(spec) if mark(u) == "line"][0]
@@ -501,7 +502,7 @@ def test_every_report_name_is_its_defining_modules():
     assert kvarn.report.__all__ and set(kvarn.report.__all__) <= set(dir(kvarn.report))
     for name in kvarn.report.__all__:
         obj = getattr(kvarn.report, name)
-        homes = [m for m in ("data", "figures", "tables")
+        homes = [m for m in ("data", "tokens", "figures", "tables")
                  if getattr(importlib.import_module(f"kvarn.report.{m}"), name, None) is obj]
         assert homes, name
     with pytest.raises(AttributeError, match="kvarn.report' has no attribute 'nope'"):
@@ -515,3 +516,24 @@ def test_the_workflow_side_of_the_report_imports_no_altair():
             "print(sorted(m for m in ('altair', 'kvarn.report.figures') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_migrate_fills_what_an_old_summary_lacks():
+    """A summary from before the columns existed: each is filled as that run had it (hand-worked);
+    a summary that has them keeps its own values."""
+    from kvarn.report.migrate import migrate_summary
+
+    old = pl.DataFrame({"tail_requested": [0, 128], "kv_total_bytes": [1000, 1500],
+                        "kv_total_bytes_tail0": [1000, 1000]})
+    got = migrate_summary(old)
+    assert got["kv_delta_bytes"].to_list() == [0, 500]
+    assert got["tail_eff_full"].to_list() == [0, 128]
+    assert got["memory_accounting"].to_list() == ["packed", "packed"]
+    assert got["kv_staging_bytes"].to_list() == [0, 0]
+    assert got["exact_share"].to_list() == [None, None] and got["exact_share"].dtype == pl.Float64
+    renamed = migrate_summary(old.with_columns(pl.Series("kv_delta_bytes_vs_tail0", [7, 9])))
+    assert renamed["kv_delta_bytes"].to_list() == [7, 9]  # the old name of the column, not recomputed
+    new = got.with_columns(pl.Series("kv_delta_bytes", [1, 2]), pl.Series("tail_eff_full", [128, 128]),
+                           pl.Series("memory_accounting", ["llama.cpp", "llama.cpp"]),
+                           pl.Series("kv_staging_bytes", [3, 4]), pl.Series("exact_share", [0.5, 0.25]))
+    assert migrate_summary(new).equals(new)

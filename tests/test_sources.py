@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvarn.weights import sources
+from kvarn.weights.sources import embedded
 from kvarn.weights.sources import EMBEDDED, Embedded, ModelSpec, WheelMember
 
 
@@ -65,14 +66,14 @@ def fake_embedded(monkeypatch):
             sums=WheelMember("fake-sums", "1.0", "sums/data/SHA256SUMS"),
         ),
     }
-    monkeypatch.setattr(sources, "EMBEDDED", emb)
+    monkeypatch.setattr(embedded, "EMBEDDED", emb)
     index = FakeIndex({
         ("fake-one", "0.1"): {"fake_one/one.gguf": GGUF},
         ("fake-p1", "1.0"): {"p1/data/two.gguf.part00": GGUF[:half]},
         ("fake-p2", "1.0"): {"p2/data/two.gguf.part01": GGUF[half:]},
         ("fake-sums", "1.0"): {"sums/data/SHA256SUMS": f"{sha}  two.gguf\n".encode()},
     })
-    monkeypatch.setattr(sources, "_pip_download", index)
+    monkeypatch.setattr(embedded, "_pip_download", index)
     converted = []
 
     def convert(gguf, out):
@@ -80,7 +81,7 @@ def fake_embedded(monkeypatch):
         (out / "config.json").write_text(json.dumps({"from": gguf.name}))
         (out / "model.safetensors").write_bytes(gguf.read_bytes()[:64])
 
-    monkeypatch.setattr(sources, "_convert", convert)
+    monkeypatch.setattr(embedded, "_convert", convert)
     return index, converted
 
 
@@ -314,3 +315,49 @@ def test_random_source(tmp_path):
 def test_local_dir_source(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN_LIKE))
     assert sources.fetch(ModelSpec("x", str(tmp_path)), tmp_path / "cache") == tmp_path
+
+
+@pytest.mark.parametrize("arg, want, kind", [
+    ("smollm2-135m", ModelSpec("smollm2-135m", "embedded:smollm2-135m"), "embedded:"),
+    ("embedded:gemma3-270m", ModelSpec("gemma3-270m", "embedded:gemma3-270m"), "embedded:"),
+    ("hf:Qwen/Qwen3.6-27B@abc", ModelSpec("Qwen3.6-27B", "hf:Qwen/Qwen3.6-27B", "abc"), "hf:"),
+    ("hf:Qwen/Qwen3.6-27B", ModelSpec("Qwen3.6-27B", "hf:Qwen/Qwen3.6-27B"), "hf:"),
+    ("hf:org/m-GGUF/sub/m-Q5_K_S.gguf@abc", ModelSpec("m-Q5_K_S", "hf:org/m-GGUF/sub/m-Q5_K_S.gguf@abc"), "hf:"),
+    ("random:config/models/qwen3.6-27b.json",
+     ModelSpec("qwen3.6-27b-random", "random:config/models/qwen3.6-27b.json"), "random:"),
+])
+def test_parse_model_names_each_kind(arg, want, kind):
+    """A --model argument -> the spec (the name derived by the kind's handler), and that spec's
+    handler is the one registered under the prefix."""
+    got = sources.parse_model(arg)
+    assert got == want
+    assert got.kind is sources.kind_of(want.source) and got.kind.prefix == kind
+
+
+def test_parse_model_local_paths_and_refusals(tmp_path):
+    d = tmp_path / "my-model"
+    d.mkdir()
+    f = tmp_path / "w-Q8_0.gguf"
+    f.write_bytes(GGUF)
+    assert sources.parse_model(str(d)) == ModelSpec("my-model", str(d))
+    assert sources.parse_model(str(f)) == ModelSpec("w-Q8_0", str(f))
+    assert sources.parse_model(str(f)).kind.prefix is None and not sources.parse_model(str(f)).kind.content_pinned
+    assert sources.gguf_path(sources.parse_model(str(f)), tmp_path) == f
+    assert sources.gguf_path(sources.parse_model(str(d)), tmp_path) is None
+    with pytest.raises(ValueError, match=r"'hf:justname': expected hf:org/repo"):
+        sources.parse_model("hf:justname")
+    with pytest.raises(ValueError, match=r"'no-such-model' is neither an embedded model \(smollm2-135m, gemma3-270m\)"):
+        sources.parse_model(str("no-such-model"))
+
+
+def test_registry_one_handler_per_prefix():
+    """Each kind under its own prefix, the local path the fallback; a second handler for a prefix is refused."""
+    from kvarn.weights.sources import base
+
+    assert sorted(map(str, base.REGISTRY)) == ["None", "embedded:", "hf:", "random:"]
+    given = ("embedded:x", "hf:o/r", "random:c.json", "o/r", "x.gguf", "hf-models/m", "embedded/m.gguf")
+    assert [type(sources.kind_of(s)).__name__ for s in given] \
+        == ["EmbeddedSource", "HubSource", "RandomSource", "LocalSource", "LocalSource", "LocalSource", "LocalSource"]
+    assert [sources.kind_of(s).random_weights for s in ("embedded:x", "random:c.json", "o/r")] == [False, True, False]
+    with pytest.raises(ValueError, match="'hf:' is registered twice"):
+        base.register(type(sources.kind_of("hf:o/r"))())

@@ -27,7 +27,7 @@ import torch
 from bench import REPO as ROOT
 from bench import TEXT
 from bench.perf import dump_error
-from kvarn.baseline import dump
+from kvarn.baseline import dump, encoding, sparse
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 MODELS = ("smollm2-135m", "gemma3-270m")
@@ -81,16 +81,16 @@ def measure(name: str, paths: dict[str, Path]) -> dict:
     n_rows = len(nnz)
     return {
         "model": name, "vocab": V, "n_ctx": s.header["n_ctx"], "chunks": s.n_chunks, "rows": n_rows,
-        "nnz": nnz, "dense_rows": int((lengths == 2 * dump.row_uint16(V)).sum()),
+        "nnz": nnz, "dense_rows": int((lengths == 2 * encoding.row_uint16(V)).sum()),
         "file": {k: p.stat().st_size for k, p in paths.items()},
-        "row_bytes": {"dense": 2 * dump.row_uint16(V), "sparse": s.header["payload_bytes"] / n_rows + 8},
+        "row_bytes": {"dense": 2 * encoding.row_uint16(V), "sparse": s.header["payload_bytes"] / n_rows + 8},
         "decode_s_per_1k_rows": {k: v / n_rows * 1000 for k, v in t_dec.items()},
     }
 
 
 def row_bytes(nnz: np.ndarray, V: int) -> float:
     """Mean bytes per row of the sparse layout for these counts of nonzero codes (+ 8 for the offset table)."""
-    return float(np.minimum(8 + dump.bitmap_bytes(V) + 2 * nnz, 2 * dump.row_uint16(V)).mean()) + 8
+    return float(np.minimum(8 + sparse.bitmap_bytes(V) + 2 * nnz, 2 * encoding.row_uint16(V)).mean()) + 8
 
 
 def report(ms: list[dict], study: dict, errs: dict, args, elapsed: float) -> str:
@@ -137,12 +137,12 @@ def report(ms: list[dict], study: dict, errs: dict, args, elapsed: float) -> str
     by = {m["model"]: m for m in ms}
     for name, (V, n_ctx, chunks) in study.items():
         rows = chunks * (n_ctx - 1 - n_ctx // 2)
-        dense = 2 * dump.row_uint16(V) * rows
+        dense = 2 * encoding.row_uint16(V) * rows
         a = row_bytes(by["gemma3-270m"]["nnz"], V) * rows if "gemma3-270m" in by else float("nan")
         sm = by.get("smollm2-135m")
         b = row_bytes(np.minimum(np.round(sm["nnz"] * V / sm["vocab"]), V), V) * rows if sm else float("nan")
-        worst = (2 * dump.row_uint16(V) + 8) * rows
-        even = (BUDGET / rows - 16 - dump.bitmap_bytes(V)) / 2
+        worst = (2 * encoding.row_uint16(V) + 8) * rows
+        even = (BUDGET / rows - 16 - sparse.bitmap_bytes(V)) / 2
         L.append(f"| {name} | {V:,} | {n_ctx} × {chunks} | {rows:,} | {dense / 1e9:.1f} | **{a / 1e9:.1f}** | "
                  f"{b / 1e9:.1f} | {worst / 1e9:.1f} | {even:,.0f} ({even / V:.1%} of vocab) |")
     L += ["", "(Break-even assumes every row sparse; mixed rows cost ≤ that.)", "",
@@ -188,14 +188,14 @@ def main(argv=None) -> int:
                                                  Path(tmp))))
             print(name, {k: v for k, v in ms[-1].items() if k != "nnz"}, flush=True)
     for name in names:
-        for version, ulps in ((2, (0, 0)), (dump.ENCODING_VERSION, (dump.LO_ULPS, dump.SCALE_ULPS))):
-            saved = dump.LO_ULPS, dump.SCALE_ULPS
-            dump.LO_ULPS, dump.SCALE_ULPS = ulps  # (0, 0): version 2, lo's fp32 rounding left as it is
+        for version, ulps in ((2, (0, 0)), (encoding.ENCODING_VERSION, (encoding.LO_ULPS, encoding.SCALE_ULPS))):
+            saved = encoding.LO_ULPS, encoding.SCALE_ULPS
+            encoding.LO_ULPS, encoding.SCALE_ULPS = ulps  # (0, 0): version 2, lo's fp32 rounding left as it is
             try:
                 errs[(name, version)] = dump_error.measure_q8_error(name, args.err_ctx, args.err_chunks, args.text,
                                                               args.cache_dir)
             finally:
-                dump.LO_ULPS, dump.SCALE_ULPS = saved
+                encoding.LO_ULPS, encoding.SCALE_ULPS = saved
             print(name, version, errs[(name, version)], flush=True)
     text = report(ms, study_models(), errs, args, time.perf_counter() - t0)
     from kvarn.files.atomic import write_text

@@ -21,7 +21,7 @@ import torch
 from bench import TEXT
 from kvarn.spec import scoring
 
-from kvarn.baseline import data, dump
+from kvarn.baseline import data, dump, encoding
 
 from kvarn.run import engine
 
@@ -75,11 +75,11 @@ def measure_encoding_error(name: str = "smollm2-135m", n_ctx: int = 512, chunks:
         decoded = dec
     res: dict = {"model": name, "n_ctx": n_ctx, "chunks": len(chunk_ids), "vocab": lm.info.vocab_size}
     n_tok = sum(len(t) for t in targets)
-    res["bytes_per_scored_token"] = 2 * dump.row_uint16(lm.info.vocab_size)
+    res["bytes_per_scored_token"] = 2 * encoding.row_uint16(lm.info.vocab_size)
     res["file_bytes_per_scored_token"] = {k: v / n_tok for k, v in sizes.items()}
     res["fp32_bytes_per_scored_token"] = 4 * lm.info.vocab_size
     res["write_s"], res["read_decode_s"] = t_write, t_read  # the sparse layout's
-    llama_lo = [dump.decode_rows(dump.encode_rows(e, mass_correct=False), lm.info.vocab_size) for e in exact]
+    llama_lo = [encoding.decode_rows(encoding.encode_rows(e, mass_correct=False), lm.info.vocab_size) for e in exact]
     for label, qs in (("perfect_q", exact), ("bf16_q", q_bf16)):
         ref = np.concatenate([metrics.token_metrics(q, e, t)["kld"] for q, e, t in zip(qs, exact, targets)])
         res[label] = {"kld_mean_fp32_base": float(ref.mean()), "kld_median_fp32_base": float(np.median(ref))}

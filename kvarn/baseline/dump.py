@@ -1,21 +1,9 @@
-"""The baseline dump: full-vocabulary log-probs of the BF16 run at every scored token.
+"""The baseline dump: full-vocabulary log-probs of the BF16 run at every scored token, in one file.
 
-Owns the file format, its writer (streamed chunk by chunk, atomic) and its reader
-(memory-mapped, verified against what the caller expects).
-
-Encoding (llama-perplexity's `log_softmax(..., uint16_t * log_prob, ...)`): per row
-(one scored token) with top log-prob `hi`, the range is `lo = max(min_v lp_v, hi − 16)`
-… `hi`; `scale = (hi − lo)/65535`; `code_v = round((lp_v − lo)/scale)` for `lp_v > lo`,
-else 0; stored as `[scale: f32, lo: f32, code_0 … code_{V−1}: u16, pad to even]`, i.e.
-`nv = 2·⌈V/2⌉ + 4` uint16 per row, the same row layout llama.cpp writes. Decoding is
-`scale·code + lo`. One deliberate difference: the stored `lo` is shifted by δ (|δ| ≤
-scale/2) so the decoded probabilities above −16 nats keep their true total mass, which
-removes the first-order KLD bias of the rounding, and lo's fp32 rounding is taken up by a
-few ulps of lo and scale (see `_mass_corrected_floor`). Every entry at or above the range
-floor then decodes within `scale ≤ 16/65535 ≈ 2.44e-4` nats (plus fp32 rounding and
-< 3e-5 of ulps) of its true value (`scale/2` without the shift); entries below
-`hi − 16` read back as the floor (≤ −16 nats), which `kvarn.stats.metrics` leaves out of the
-KLD sum exactly as llama.cpp does.
+Owns the file container, its writer (streamed chunk by chunk, atomic) and its reader
+(memory-mapped, verified against what the caller expects). The rows it holds are
+`kvarn.baseline.encoding`'s (llama.cpp's row layout); the sparse layout packs them with
+`kvarn.baseline.sparse`.
 
 File: a 64-byte preamble (magic, file version, offset and length of the JSON header),
 the payload, then the JSON header. The header is written last so it can carry the
@@ -24,18 +12,15 @@ layouts, told apart by the file version (header `layout`):
 
 * version 1, `dense` (the former format; still read, and written on request): chunks ×
   rows × nv uint16, every row llama.cpp's row.
-* version 2, `sparse` (the default): the same rows without their zero codes. A zero code
-  (the floor, and entries within half a step of it) decodes to `lo` whether it is stored
-  or not, so nothing is lost: a decoded row is bit-identical to the dense row's, and so
-  are the metrics (tested). A row is either `[scale: f32, lo: f32, bitmap, codes]`, the
-  bitmap of V bits (bit v set iff code_v ≠ 0, little bit order, padded to a multiple of
-  8 bytes: `bitmap_bytes(V)`) followed by the nonzero codes in vocabulary order, 2 bytes
-  each; or, when that is not shorter, the dense row verbatim (2·nv bytes), so no row is
-  longer than llama.cpp's. A row's length says which (sparse rows are strictly shorter).
-  Rows follow each other chunk after chunk; after the payload, a table of
-  n_chunks·n_scored + 1 uint64 row offsets (relative to the payload start, sha256 in the
-  header) gives random access to any row slice. At the study's scale that is ~7-8 GB per
-  model instead of 65-73 GB dense (projected from measured rows: bench/perf/results/baseline_size.md).
+* version 2, `sparse` (the default): the same rows without their zero codes
+  (`kvarn.baseline.sparse`), decoding to the same bits. Rows follow each other chunk after
+  chunk; after the payload, a table of n_chunks·n_scored + 1 uint64 row offsets (relative
+  to the payload start, sha256 in the header) gives random access to any row slice. At the
+  study's scale that is ~7-8 GB per model instead of 65-73 GB dense (projected from
+  measured rows: bench/perf/results/baseline_size.md).
+
+`Dump` is one `kvarn.baseline.protocol.Baseline`; llama-perplexity's KLD base file
+(`kvarn.llamacpp.llamakld.LlamaKld`) is the other.
 """
 
 from __future__ import annotations
@@ -52,241 +37,16 @@ import torch
 
 from kvarn.spec import scoring
 from kvarn.files.atomic import atomic_path
-from kvarn.stats.metrics import KLD_BASE_FLOOR
+from kvarn.baseline.encoding import ENCODING, ENCODING_VERSION, RANGE_NATS, decode_rows, encode_rows, row_uint16
+from kvarn.baseline.sparse import bitmap_bytes, decode_packed, pack_rows, unpack_rows
 
 MAGIC = b"KVARNKVD"
 LAYOUTS = {"dense": 1, "sparse": 2}  # layout -> the preamble's file version; "sparse" is written by default
 PREAMBLE = struct.Struct("<8sII QQ")  # magic, file version, reserved, json offset, json length
 PAYLOAD_OFFSET = 64
-ENCODING = "llama-logprob-u16"
-ENCODING_VERSION = 3  # 1: llama.cpp lo; 2: mass-corrected lo; 3: and its fp32 rounding taken up (lo, scale)
-RANGE_NATS = 16.0
 REQUIRED = ("model", "revision", "tokenizer_hash", "text_sha256", "n_ctx")
 
-_ROWS = 16  # rows encoded per float64 slice
 _WRITE_ROWS = 256  # rows encoded, packed and written at a time: no encoded copy of a whole chunk
-
-
-def row_uint16(vocab_size: int) -> int:
-    """uint16 per row: 4 for the f32 scale and floor, the codes, padded to even (llama.cpp)."""
-    return 2 * ((vocab_size + 1) // 2) + 4
-
-
-def bitmap_bytes(vocab_size: int) -> int:
-    """Bytes of a sparse row's bitmap: one bit per vocabulary entry, padded to a multiple of 8."""
-    return 8 * ((vocab_size + 63) // 64)
-
-
-LO_ULPS, SCALE_ULPS = 4, 16  # the lattice `_mass_corrected_floor` searches (encoding version 3)
-
-
-def _mass_corrected_floor(x, codes, scale, lo, hi):
-    """Shift `lo` (and nudge `scale`) so the decoded probabilities of the entries the KLD
-    sums (base log-prob above KLD_BASE_FLOOR) carry exactly their true mass; returns the
-    stored (lo, scale).
-
-    Rounding moves each log-prob by ε ∈ ±scale/2; with a perfect Q the KLD then reads
-    ≈ Σ p·ε, a bias of ~1e-5 per token (measured: docs/notes/engine-io.md) that swamps
-    the low KLD percentiles of 8-bit caches. Subtracting the p-weighted mean of ε (a
-    common shift δ, |δ| ≤ scale/2) cancels it to first order (encoding version 2). Storing
-    lo in fp32 then leaves up to half its ulp (~1e-6 nats at 16-32 nats) of δ undone, a
-    per-row KLD bias of the same size, ~1 % of a q8_0 cell's median KLD on SmolLM2. Version
-    3 takes that residual up on a lattice: lo moved by k of its ulps (|k| ≤ LO_ULPS) moves
-    every entry by k·ulp_lo; scale moved by j of its ulps (|j| ≤ SCALE_ULPS) moves entry v
-    by j·ulp_s·code_v, i.e. the mass by j·ulp_s·c̄ (c̄ the mass-weighted mean code): the
-    pair that leaves the least of δ undone is stored (measured: a perfect Q's mean |KLD|
-    drops ~5x, tests/test_dump.py; SmolLM2's q8_0 median KLD moves 0.04 % instead of
-    0.96 %, bench/perf/results/baseline_size.md). The row layout and decode rule are llama.cpp's.
-    x, codes: fp32 [r, V]; scale, lo, hi: fp32 [r, 1].
-    """
-    keep = x > KLD_BASE_FLOOR
-    p = torch.where(keep, x.exp(), 0.0)
-    mass = p.sum(1, keepdim=True).double()
-    e = torch.where(keep, (codes * scale + lo).exp(), 0.0)
-    # the excess of decoded over true mass, summed as differences (accurate in fp32)
-    excess = (e - p).sum(1, keepdim=True).double()
-    cbar = (e * codes).sum(1, keepdim=True).double() / e.sum(1, keepdim=True).double().clamp(min=1e-300)
-    delta = torch.where(mass > 0, -torch.log1p(excess / mass.clamp(min=1e-300)), 0.0)
-    shifted = lo.double() + delta
-    # Entries clamped to the floor must stay out of the KLD sum (≤ −16 nats).
-    clipped = x.min(dim=1, keepdim=True).values < hi - RANGE_NATS
-    shifted = torch.where(clipped, shifted.clamp(max=KLD_BASE_FLOOR), shifted)
-    lo32 = shifted.float()
-    inf = torch.tensor(float("inf"))
-    ulp_lo = (torch.nextafter(lo32, inf) - lo32).double().view(-1, 1, 1)
-    ulp_s = (torch.nextafter(scale, inf) - scale).double().view(-1, 1, 1)
-    k = torch.arange(-LO_ULPS, LO_ULPS + 1, dtype=torch.float64).view(1, -1, 1)
-    j = torch.arange(-SCALE_ULPS, SCALE_ULPS + 1, dtype=torch.float64).view(1, 1, -1)
-    undone = ((shifted - lo32.double()).view(-1, 1, 1) - k * ulp_lo - j * ulp_s * cbar.view(-1, 1, 1)).abs()
-    undone = undone + 1e-30 * (k.abs() + j.abs())  # ties: the smallest move
-    too_high = clipped.view(-1, 1, 1) & (lo32.double().view(-1, 1, 1) + k * ulp_lo > KLD_BASE_FLOOR)
-    best = torch.where(too_high, float("inf"), undone).flatten(1).argmin(1)
-    kk, jj = k.flatten()[best // j.numel()].view(-1, 1), j.flatten()[best % j.numel()].view(-1, 1)
-    new_scale = torch.where(scale > 0, scale.double() + jj * ulp_s.view(-1, 1), 0.0)
-    return (lo32.double() + kk * ulp_lo.view(-1, 1)).float(), new_scale.float()
-
-
-def encode_rows(logp: torch.Tensor, mass_correct: bool = True) -> np.ndarray:
-    """[n, V] log-probs -> [n, nv] uint16 rows (header + codes).
-
-    Range ends in float64, stored as fp32; codes from the fp32 values with llama.cpp's
-    `(x − lo)·(1/scale)` in fp32 (off by at most ~0.01 of a step from exact rounding).
-    `mass_correct=False` gives llama.cpp's `lo` exactly (see `_mass_corrected_floor`)."""
-    logp = torch.as_tensor(logp)
-    if logp.ndim != 2:
-        raise ValueError(f"expected log-probs [n_scored, vocab], got shape {tuple(logp.shape)}")
-    n, V = logp.shape
-    out = np.zeros((n, row_uint16(V)), dtype=np.uint16)
-    for a in range(0, n, _ROWS):
-        x = logp[a:a + _ROWS].to("cpu", torch.float32)
-        hi = x.amax(dim=1, keepdim=True)
-        if not torch.isfinite(hi).all():
-            raise ValueError(f"rows {a}..{a + len(x) - 1} have a non-finite maximum log-prob")
-        lo64 = torch.maximum(x.amin(dim=1, keepdim=True).double(), hi.double() - RANGE_NATS)
-        scale = ((hi.double() - lo64) / 65535.0).float()
-        lo = lo64.float()
-        inv = torch.where(scale > 0, 1.0 / scale, 0.0)
-        codes = ((x - lo) * inv).round_().clamp_(0, 65535)
-        codes = torch.where(x > lo, codes, 0.0)
-        if mass_correct:
-            lo, scale = _mass_corrected_floor(x, codes, scale, lo, hi)
-        out[a:a + len(x), 4:4 + V] = codes.numpy().astype(np.uint16)
-        out[a:a + len(x), :4] = torch.cat([scale, lo], dim=1).numpy().view(np.uint16)
-    return out
-
-
-def decode_rows(rows: np.ndarray, vocab_size: int, device=None) -> torch.Tensor:
-    """[n, nv] uint16 rows -> [n, V] float32 log-probs (`scale·code + lo`) on `device`
-    (default CPU): the rows travel as 16-bit codes and are decoded where they are used.
-    float64 inside (code·scale, then + lo, two roundings), one rounding to fp32 at the end:
-    the same bits on every device."""
-    rows = np.array(rows, dtype="<u2", copy=True)
-    hdr = torch.from_numpy(np.ascontiguousarray(rows[:, :4]).view(np.float32)).to(device)  # scale, lo
-    return _decode_codes(torch.from_numpy(rows.view(np.int16)).to(device)[:, 4:4 + vocab_size], hdr, vocab_size)
-
-
-def _decode_codes(codes: torch.Tensor, hdr: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """codes [n, V] (uint16 bits in any integer dtype), hdr fp32 [n, 2] (scale, lo) -> fp32 [n, V]:
-    the one decode formula of both layouts."""
-    out = torch.empty((codes.shape[0], vocab_size), dtype=torch.float32, device=codes.device)
-    for a in range(0, codes.shape[0], _ROWS):
-        h = hdr[a:a + _ROWS].double()
-        c = (codes[a:a + _ROWS].to(torch.int32) & 0xFFFF).double()  # uint16 from int16 bits
-        out[a:a + _ROWS] = c.mul_(h[:, :1]).add_(h[:, 1:2])
-    return out
-
-
-def pack_rows(rows: np.ndarray, vocab_size: int) -> tuple[bytes, np.ndarray]:
-    """Dense [n, nv] uint16 rows -> (the bytes of the sparse layout, each row's length in
-    bytes): `[scale, lo, bitmap, nonzero codes]`, or the dense row where that is not shorter."""
-    rows = np.asarray(rows, dtype=np.uint16)
-    n, nv = rows.shape
-    codes = rows[:, 4:4 + vocab_size]
-    nz = codes != 0
-    nnz = nz.sum(1)
-    dense_len, nb = 2 * nv, bitmap_bytes(vocab_size)
-    sparse = 8 + nb + 2 * nnz < dense_len
-    bits = np.zeros((n, nb), dtype=np.uint8)
-    bits[:, :(vocab_size + 7) // 8] = np.packbits(nz, axis=1, bitorder="little")
-    vals = codes[nz].astype("<u2")  # row after row, vocabulary order
-    ends = np.cumsum(nnz)
-    parts = []
-    for r in range(n):
-        if sparse[r]:
-            parts += [rows[r, :4].astype("<u2").tobytes(), bits[r].tobytes(), vals[ends[r] - nnz[r]:ends[r]].tobytes()]
-        else:
-            parts.append(rows[r].astype("<u2").tobytes())
-    return b"".join(parts), np.where(sparse, 8 + nb + 2 * nnz, dense_len).astype(np.int64)
-
-
-def _parse(blob: np.ndarray, starts: np.ndarray, lengths: np.ndarray, vocab_size: int) -> dict:
-    """Rows of the sparse layout, split on the host without expanding anything: hdr fp32
-    [n, 2] (scale, lo); the dense rows' indices and codes uint16 [nd, V]; the sparse rows'
-    indices, bitmaps uint8 [ns, nb], code counts (from their lengths) and nonzero codes
-    uint16 [Σ count], row after row."""
-    nb, dense_len = bitmap_bytes(vocab_size), 2 * row_uint16(vocab_size)
-    dense = lengths == dense_len
-    st, ln = starts[~dense], lengths[~dense]
-    return {
-        "hdr": blob[starts[:, None] + np.arange(8)].view(np.float32),
-        "d_idx": np.flatnonzero(dense),
-        "d_codes": np.stack([blob[s + 8:s + 8 + 2 * vocab_size] for s in starts[dense]]).view("<u2")
-        if dense.any() else None,
-        "s_idx": np.flatnonzero(~dense),
-        "bitmaps": blob[st[:, None] + 8 + np.arange(nb)],
-        "counts": (ln - 8 - nb) // 2,
-        "vals": np.concatenate([blob[s + 8 + nb:s + k] for s, k in zip(st, ln)] or [blob[:0]]).view("<u2"),
-    }
-
-
-def _check_counts(got: np.ndarray, p: dict, where: str) -> None:
-    if not np.array_equal(got, p["counts"]):
-        r = int(np.flatnonzero(got != p["counts"])[0])
-        raise ValueError(f"{where}: row {int(p['s_idx'][r])} has {int(got[r])} bits set in its bitmap but room "
-                         f"for {int(p['counts'][r])} codes: the dump is corrupt")
-
-
-def unpack_rows(blob: np.ndarray, starts: np.ndarray, lengths: np.ndarray, vocab_size: int,
-                where: str = "sparse rows") -> np.ndarray:
-    """Rows of the sparse layout (bytes `blob`, each row's start and length in it) -> the
-    dense rows, llama.cpp's layout, uint16 [n, nv]. A row whose bitmap disagrees with its
-    length is refused (ValueError naming `where` and the row)."""
-    p = _parse(blob, starts, lengths, vocab_size)
-    out = np.zeros((len(starts), row_uint16(vocab_size)), dtype=np.uint16)
-    out[:, :4] = p["hdr"].view(np.uint16)
-    out[p["d_idx"], 4:4 + vocab_size] = p["d_codes"] if len(p["d_idx"]) else 0
-    mask = np.unpackbits(p["bitmaps"], axis=1, bitorder="little").view(bool)
-    _check_counts(np.count_nonzero(mask, axis=1), p, where)
-    codes = np.zeros(mask.shape, dtype=np.uint16)
-    codes[mask] = p["vals"]
-    out[p["s_idx"], 4:4 + vocab_size] = codes[:, :vocab_size]
-    return out
-
-
-def decode_packed(blob: np.ndarray, starts: np.ndarray, lengths: np.ndarray, vocab_size: int,
-                  device=None, where: str = "sparse rows", host: bool | None = None) -> torch.Tensor:
-    """Rows of the sparse layout -> fp32 log-probs [n, V] on `device` (default CPU), the
-    same bits as `decode_rows` of the dense rows: the nonzero codes by its formula
-    (`code·scale + lo` in float64, one rounding), every other entry `lo` (what `0·scale + lo`
-    gives exactly). For an accelerator only the stored bytes travel and the bitmaps are
-    expanded there; on the CPU numpy does it (`host`, default: device is the CPU; several
-    times faster there than torch's masked_scatter)."""
-    p = _parse(blob, starts, lengths, vocab_size)
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    host = dev.type == "cpu" if host is None else host
-    hdr = torch.from_numpy(np.ascontiguousarray(p["hdr"])).to(dev)
-    out = torch.empty((len(starts), vocab_size), dtype=torch.float32, device=dev)
-    if len(p["d_idx"]):
-        di = torch.from_numpy(p["d_idx"]).to(dev)
-        out[di] = _decode_codes(torch.from_numpy(p["d_codes"].view(np.int16)).to(dev), hdr[di], vocab_size)
-    if not len(p["s_idx"]):
-        return out
-    h = p["hdr"][p["s_idx"]]
-    if host:
-        mask = np.unpackbits(p["bitmaps"], axis=1, bitorder="little").view(bool)
-        counts = np.count_nonzero(mask, axis=1)
-        _check_counts(counts, p, where)
-        h64 = h.astype(np.float64)
-        x = (p["vals"].astype(np.float64) * np.repeat(h64[:, 0], counts) + np.repeat(h64[:, 1], counts))
-        sparse = np.empty(mask.shape, dtype=np.float32)
-        sparse[...] = h[:, 1:2]  # lo everywhere ...
-        sparse[mask] = x.astype(np.float32)  # ... and the nonzero codes decoded
-        sparse = torch.from_numpy(sparse).to(dev)
-    else:
-        bm = torch.from_numpy(p["bitmaps"]).to(dev)
-        mask = ((bm.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=dev)) & 1).view(len(bm), -1).bool()
-        counts = mask.sum(1)
-        _check_counts(counts.cpu().numpy(), p, where)
-        h = torch.from_numpy(np.ascontiguousarray(h)).to(dev)
-        h64 = h.double()
-        vals = torch.from_numpy(p["vals"].view(np.int16)).to(dev).to(torch.int32) & 0xFFFF
-        x = vals.double().mul_(h64[:, 0].repeat_interleave(counts)).add_(h64[:, 1].repeat_interleave(counts))
-        sparse = h[:, 1:2].expand(mask.shape).contiguous()
-        sparse.masked_scatter_(mask, x.float())
-    if len(p["d_idx"]):
-        out[torch.from_numpy(p["s_idx"]).to(dev)] = sparse[:, :vocab_size]
-        return out
-    return sparse[:, :vocab_size]
 
 
 def array_sha256(a: np.ndarray) -> str:
@@ -408,7 +168,7 @@ class Dump:
     flat uint8 sparse) and `offsets` (sparse: row offsets into it; dense: None) are the
     file's own arrays, read-only."""
 
-    kind = "kvarn"  # vs "llama" (kvarn.llamacpp.llamakld.LlamaKld)
+    kind = "kvarn"  # vs "llama" (kvarn.llamacpp.llamakld.LlamaKld): both are a kvarn.baseline.protocol.Baseline
 
     def __init__(self, path: Path, header: dict, payload: np.memmap, verify: bool,
                  offsets: np.ndarray | None = None):

@@ -70,13 +70,14 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest
 
 
-def weights_id(source: str, revision: str | None) -> str:
+def weights_id(source: str, revision: str | None, content_pinned: bool) -> str:
     """A string that changes whenever the weights a source loads change.
 
-    Local directory: `sha256:` over its files' (name, size, sha256); local file (.gguf):
-    `sha256:` of the file; embedded and hub sources: their revision (content-pinned)."""
+    `content_pinned` (the source's handler says, `kvarn.weights.sources.base.SourceKind`: embedded,
+    hub and random sources): `source@revision`. Otherwise, a local directory: `sha256:` over its
+    files' (name, size, sha256); a local file (.gguf): `sha256:` of the file."""
     p = Path(source)
-    if source.startswith(("embedded:", "hf:")) or not p.exists():
+    if content_pinned or not p.exists():
         return f"{source}@{revision}"
     if p.is_file():
         return f"sha256:{file_sha256(p)}"
@@ -100,7 +101,7 @@ def run_identity(spec, info, text_sha256: str, n_ctx: int, n_chunks: int, attn_i
     return {
         "model": info.name,
         "revision": info.revision,
-        "weights": weights_id(spec.source, info.revision),
+        "weights": weights_id(spec.source, info.revision, spec.kind.content_pinned),
         "tokenizer_hash": info.tokenizer_hash,
         "text_sha256": text_sha256,
         "n_ctx": n_ctx,

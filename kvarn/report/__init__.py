@@ -1,6 +1,8 @@
 """Tables and figures of a kvarn run: pure functions of polars DataFrames.
 
-* `kvarn.report.data`    — shaping `results/summary.parquet` and per-token parquets
+* `kvarn.report.data`    — shaping `results/summary.parquet`, choosing the per-token parquets
+* `kvarn.report.migrate` — older summaries brought up to the columns the report reads
+* `kvarn.report.tokens`  — the per-token parquets read, binned by position and as an ECDF
 * `kvarn.report.tables`  — the per-model benchmark table (DataFrame, Markdown, HTML)
 * `kvarn.report.figures` — Altair charts and their offline rendering (Vega-Lite JSON, SVG, PNG)
 * `kvarn.report.claims`  — the study's claims as a computed ledger, and its decision tables
@@ -16,7 +18,8 @@ import importlib
 
 # name -> the kvarn.report module that defines it
 _EXPORTS = {
-    **dict.fromkeys(["load_tokens", "prepare", "select_token_paths", "standard_floor"], "data"),
+    **dict.fromkeys(["prepare", "select_token_paths", "standard_floor"], "data"),
+    "load_tokens": "tokens",
     **dict.fromkeys(["FIGURES", "SUMMARY_FIGURES", "TOKEN_FIGURES", "distribution", "heatmap", "pareto", "position",
                      "same_width", "save_chart", "summary_figure", "tail_effect", "tail_sweep", "token_figure"],
                     "figures"),

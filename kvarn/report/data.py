@@ -1,8 +1,10 @@
 """Shaping results for tables and figures: one prepared row per cell, and per-token data.
 
 Input is `results/summary.parquet` (one row per cell, the summary.json keys of
-docs/CONTRACTS.md plus what the aggregate rule adds) and the per-cell `tokens.parquet`
-files. Everything here is a pure function of polars DataFrames; nothing draws.
+docs/CONTRACTS.md plus what the aggregate rule adds; older summaries brought up to date by
+`kvarn.report.migrate`) and the paths of the per-cell `tokens.parquet` files (their rows are
+read by `kvarn.report.tokens`). Everything here is a pure function of polars DataFrames;
+nothing draws.
 
 Conventions the report follows (and the README states):
 * A pair is written `K-V` (`q4_0-q4_0`, `kvarn6-kvarn5`).
@@ -25,6 +27,7 @@ import polars as pl
 
 from kvarn.spec import facts
 from kvarn.spec.cell import CellSpec
+from kvarn.report.migrate import migrate_summary
 
 MIB = float(1 << 20)
 
@@ -107,18 +110,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
         df = df.with_columns(pl.col("k_type").map_elements(family_of, return_dtype=pl.String).alias("family"))
     if "tail_requested" not in df.columns:
         df = df.with_columns(pl.col("tail").alias("tail_requested"))
-    if "kv_delta_bytes" not in df.columns and "kv_delta_bytes_vs_tail0" in df.columns:
-        df = df.with_columns(pl.col("kv_delta_bytes_vs_tail0").alias("kv_delta_bytes"))
-    if "kv_delta_bytes" not in df.columns:
-        df = df.with_columns((pl.col("kv_total_bytes") - pl.col("kv_total_bytes_tail0")).alias("kv_delta_bytes"))
-    if "tail_eff_full" not in df.columns:
-        df = df.with_columns(pl.col("tail_requested").alias("tail_eff_full"))
-    if "memory_accounting" not in df.columns:  # summaries written before accountings were named
-        df = df.with_columns(pl.lit("packed").alias("memory_accounting"))
-    if "kv_staging_bytes" not in df.columns:
-        df = df.with_columns(pl.lit(0).alias("kv_staging_bytes"))
-    if "exact_share" not in df.columns:  # results written before the column existed
-        df = df.with_columns(pl.lit(None, dtype=pl.Float64).alias("exact_share"))
+    df = migrate_summary(df)
 
     rows = df.to_dicts()
     for r in rows:
@@ -455,64 +447,6 @@ def select_token_paths(
         return [p for p, _ in parsed if Path(p).parent.name in want]
     chosen = default_cells([d for _, d in parsed], widths=widths, tail=tail)
     return [p for p, d in parsed if d in chosen]
-
-
-def load_tokens(paths: Iterable[str | Path]) -> pl.DataFrame:
-    """Concatenate per-token parquets, tagged with their cell (parsed from the path)."""
-    frames = []
-    for p in paths:
-        d = parse_cell_path(p)
-        fam = family_of(d["k_type"])
-        frames.append(
-            pl.read_parquet(p, columns=["chunk", "pos", "kld"]).with_columns(
-                pl.lit(d["model"]).alias("model"),
-                pl.lit(d["n_ctx"]).alias("n_ctx"),
-                pl.lit(cell_name(d["k_type"], d["v_type"], d["tail_requested"], opts=d["opts"])).alias("cell"),
-                pl.lit(fam).alias("family"),
-                pl.lit(type_bits(d["k_type"])).alias("width"),
-            )
-        )
-    if not frames:
-        raise ValueError("no token parquets given; the position and distribution figures need at least one cell")
-    return pl.concat(frames, how="vertical_relaxed")
-
-
-def position_bins(tokens: pl.DataFrame, n_bins: int = 24, floor: float = 1e-8) -> pl.DataFrame:
-    """Mean per-token KLD per position bin and cell (equal-width bins over the scored range).
-
-    A bin mean below `floor` (an exact cell, or rounding noise) is clipped to it for a log axis.
-    """
-    lo, hi = tokens["pos"].min(), tokens["pos"].max()
-    width = max(1.0, (hi - lo + 1) / n_bins)
-    return (
-        tokens.with_columns(((pl.col("pos") - lo) / width).floor().cast(pl.Int32).clip(0, n_bins - 1).alias("bin"))
-        .group_by(["cell", "family", "width", "bin"])
-        .agg(
-            pl.col("kld").mean().clip(lower_bound=floor).alias("kld_mean"),
-            pl.col("kld").median().clip(lower_bound=floor).alias("kld_median"),
-            pl.len().alias("n"),
-            pl.col("pos").min().alias("pos_lo"),
-            pl.col("pos").max().alias("pos_hi"),
-        )
-        .with_columns(((pl.col("pos_lo") + pl.col("pos_hi")) / 2).alias("pos_mid"))
-        .sort(["cell", "bin"])
-    )
-
-
-def ecdf(tokens: pl.DataFrame, points: int = 200, floor: float = 1e-8) -> pl.DataFrame:
-    """Per-cell ECDF of per-token KLD, thinned to ~`points` quantiles (dense in the upper tail).
-
-    KLD below `floor` (0 or rounding noise) is clipped to it so a log axis can show it.
-    """
-    import numpy as np
-
-    probs = np.unique(np.concatenate([np.linspace(0, 0.99, points // 2), 1 - np.geomspace(1e-2, 1e-4, points // 2), [1.0]]))
-    out = []
-    for (cell, fam, width), g in tokens.group_by(["cell", "family", "width"], maintain_order=True):
-        v = np.sort(np.clip(g["kld"].to_numpy(), floor, None))
-        q = np.quantile(v, probs)
-        out.append(pl.DataFrame({"cell": cell, "family": fam, "width": width, "kld": q, "fraction": probs}))
-    return pl.concat(out).sort(["cell", "fraction"])
 
 
 # ---------------------------------------------------------------- free-running decode

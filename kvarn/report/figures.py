@@ -17,6 +17,7 @@ import polars as pl
 from kvarn.files.atomic import write_bytes
 from kvarn.report import data as D
 from kvarn.report import generation as GEN
+from kvarn.report import tokens as T
 
 # One colour per Pareto series; other tails (if a matrix has them) get the spare colours.
 SERIES_COLORS = {D.SERIES_STANDARD_T0: "#9a9a9a", D.SERIES_STANDARD_T128: "#4c78a8", D.SERIES_KVARN: "#e45756"}
@@ -578,7 +579,7 @@ def _cell_encodings(tokens_like: pl.DataFrame):
 def position(tokens: pl.DataFrame, n_bins: int = 24) -> alt.LayerChart:
     """Mean per-token KLD per position bin inside the context: does the error grow with depth?"""
     model = tokens["model"][0]
-    bins = D.position_bins(tokens, n_bins=n_bins)
+    bins = T.position_bins(tokens, n_bins=n_bins)
     color, dash = _cell_encodings(bins)
     tt = [alt.Tooltip("cell:N"), alt.Tooltip("pos_lo:Q", title="from pos"), alt.Tooltip("pos_hi:Q", title="to pos"),
           alt.Tooltip("kld_mean:Q", title="mean KLD", format=KLD_FMT),
@@ -602,7 +603,7 @@ def position(tokens: pl.DataFrame, n_bins: int = 24) -> alt.LayerChart:
 def distribution(tokens: pl.DataFrame) -> alt.LayerChart:
     """ECDF of per-token KLD (log x) per chosen cell: the whole distribution, tail included."""
     model = tokens["model"][0]
-    e = D.ecdf(tokens)
+    e = T.ecdf(tokens)
     color, dash = _cell_encodings(e)
     lines = alt.Chart(e, name="ecdf").mark_line(strokeWidth=2, interpolate="step-after").encode(
         x=alt.X("kld:Q", title="per-token KLD (log; values below 1e-8 shown at 1e-8)", scale=alt.Scale(type="log")),
@@ -633,7 +634,7 @@ def summary_figure(name: str, prep: pl.DataFrame, **options) -> alt.TopLevelMixi
 
 
 def token_figure(name: str, tokens: pl.DataFrame, **options) -> alt.TopLevelMixin:
-    """A figure drawn from per-token rows (kvarn.report.data.load_tokens)."""
+    """A figure drawn from per-token rows (kvarn.report.tokens.load_tokens)."""
     if name not in TOKEN_FIGURES:
         raise ValueError(f"unknown per-token figure {name!r}; expected one of {sorted(TOKEN_FIGURES)}")
     return TOKEN_FIGURES[name](tokens, **options)

@@ -22,15 +22,16 @@ import kvarn
 import kvarn.kvcache.attention as kattn
 from kvarn.spec import scoring
 from kvarn.baseline import data, dump
+from kvarn.baseline.protocol import Baseline
 from kvarn.budget import memory
 from kvarn.files import identity
 from kvarn.llamacpp import llamakld
 from kvarn.spec import facts
 from kvarn.stats import metrics
-from kvarn.weights import models
+from kvarn.weights import models, sources
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.kvcache.cache import KVarnCache
-from kvarn.llamacpp.compute import set_activation_rounding
+from kvarn.llamacpp.activations import set_activation_rounding
 from kvarn.spec.facts import KVARN_ITERS
 from kvarn.files.identity import job_key
 from kvarn.spec.options import COMPUTE_VERSION, check_compute
@@ -44,25 +45,14 @@ LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gem
 
 # --- loading --------------------------------------------------------------------------
 
-def gguf_path(spec, cache_dir) -> Path | None:
-    """The GGUF file a model's weights come from (a .gguf source, or the embedded model's), else None."""
-    p = Path(spec.source)
-    if p.suffix == ".gguf" and p.is_file():
-        return p
-    if spec.source.startswith("embedded:"):
-        hits = sorted((Path(cache_dir) / spec.source.split(":", 1)[1]).glob("*.gguf"))
-        return hits[0] if hits else None
-    return None
-
-
 def set_compute(model, spec, cache_dir, compute: str) -> None:
     """Switch the model's weight-matmul activation rounding for this run's compute path.
 
     With llamacpp-cpu and GGUF weights every Linear's input is rounded as llama.cpp rounds
-    activations for that weight's type (`kvarn.llamacpp.compute.set_activation_rounding`); exact
+    activations for that weight's type (`kvarn.llamacpp.activations.set_activation_rounding`); exact
     switches it off. Set at the start of every run, because a `Context` model serves many.
     """
-    set_activation_rounding(model, gguf_path(spec, cache_dir) if compute != "exact" else None,
+    set_activation_rounding(model, sources.gguf_path(spec, cache_dir) if compute != "exact" else None,
                             compute != "exact")
 
 
@@ -183,7 +173,7 @@ def attention_path(attention: str, device: str, compute: str) -> str | None:
     return path if compute == "exact" else None
 
 
-def check_baseline_compute(base, compute: str) -> None:
+def check_baseline_compute(base: Baseline, compute: str) -> None:
     """A cell scores only against a baseline of the same compute path and version
     (`kvarn.spec.options.COMPUTE_VERSION`; dumps before those fields existed were `exact`, 1)."""
     found = base.header.get("compute", "exact")
@@ -312,7 +302,8 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     memory.check_accounting(accounting)
     t0 = time.perf_counter()
     # A missing, foreign or truncated dump is refused before the model is even looked at.
-    base = None if llamakld.is_llama_kld(baseline) else (context.open_dump if context else dump.open_dump)(baseline)
+    base: Baseline | None = (None if llamakld.is_llama_kld(baseline)
+                             else (context.open_dump if context else dump.open_dump)(baseline))
     loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False)
     set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info

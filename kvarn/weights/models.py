@@ -115,7 +115,7 @@ def load(
 
     path, revision = resolve(spec, cache_dir)
     device, torch_dtype = pick_device_dtype(device, dtype)
-    if spec.source.startswith("random:"):
+    if spec.kind.random_weights:
         model, tokenizer = random_model.build(path, device, torch_dtype, attn_implementation)
     elif path.is_file():  # a .gguf
         model, tokenizer = gguf_weights.load(path, device, torch_dtype, attn_implementation)

@@ -330,10 +330,10 @@ def real_kv(n_tokens: int = 384, cache_dir: str = "resources/models", text: str 
     tokens (fewer than its 512-token sliding window, so every layer holds all of them), every
     layer's heads side by side: {"gemma3 K": [T, layers, 256], "gemma3 V": ...}."""
     from kvarn.weights import models
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
     from kvarn.baseline.data import load_text, tokenize
 
-    lm = models.load(model_spec("gemma3-270m"), cache_dir=cache_dir, device="cpu", dtype=torch.float32)
+    lm = models.load(sources.parse_model("gemma3-270m"), cache_dir=cache_dir, device="cpu", dtype=torch.float32)
     ids = tokenize(lm.tokenizer, load_text(text))[:n_tokens][None]
     with torch.no_grad():
         cache = lm.model(ids, use_cache=True).past_key_values

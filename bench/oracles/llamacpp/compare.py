@@ -48,9 +48,9 @@ def our_llama_kld(model: str, n_ctx: int, chunks: int, dump: Path, out: Path) ->
     if not out.is_file():
         from kvarn.llamacpp import llamakld
         from kvarn.run import engine
-        from kvarn.cli import model_spec
+        from kvarn.weights import sources
 
-        ctx = engine.Context(model_spec(model), n_ctx, chunks, text=str(TEXT),
+        ctx = engine.Context(sources.parse_model(model), n_ctx, chunks, text=str(TEXT),
                              cache_dir=str(REPO / "resources" / "models"), baseline=True)
         llamakld.write_from_dump(dump, ctx.chunk_ids, out)
     return out

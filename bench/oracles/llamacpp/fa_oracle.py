@@ -44,17 +44,17 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvarn.llamacpp import compute
+    from kvarn.llamacpp import channel_order, compute
 
     from kvarn.run import engine
 
     from kvarn.spec import options
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
 
     torch.set_num_threads(1)
     exe = build()
-    spec = model_spec(a.model)
+    spec = sources.parse_model(a.model)
     cache_dir = str(REPO / "resources" / "models")
     ctx = engine.Context(spec, 1024, 1, text=str(lc.TEXT), cache_dir=cache_dir, baseline=True)
     model = ctx.loaded.model
@@ -93,7 +93,7 @@ def main() -> None:
             if a.prescale:
                 qq, kscale = qq * scaling, 1.0
             if gguf:  # llama.cpp holds this architecture's Q and K in the GGUF's channel order
-                qq, kk = qq[..., compute.gguf_order(D)], kk[..., compute.gguf_order(D)]
+                qq, kk = qq[..., channel_order.gguf_order(D)], kk[..., channel_order.gguf_order(D)]
             if a.rot:
                 qq, kk = rotate_blocks(qq, k_rotation_block(D)), rotate_blocks(kk, k_rotation_block(D))
                 vv = rotate_blocks(vv, V_ROTATION_BLOCK)

@@ -40,12 +40,12 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvarn.llamacpp import compute
+    from kvarn.llamacpp import channel_order, compute
 
     from kvarn.run import engine
 
     from kvarn.spec import options
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, rotate_blocks
     from kvarn.formats.registry import get_format
 
@@ -56,7 +56,7 @@ def main() -> None:
     rot = rot_s == "rot"
     d = lc.run_dir(a.model, 1)
     n_ctx = lc.CTX[a.model]
-    spec = model_spec(a.model)
+    spec = sources.parse_model(a.model)
     cache_dir = str(REPO / "resources" / "models")
     ctx = engine.Context(spec, n_ctx, 1, text=str(lc.TEXT), cache_dir=cache_dir, baseline=True)
     model = ctx.loaded.model
@@ -69,12 +69,12 @@ def main() -> None:
 
     exe = sink.build()
     with tempfile.TemporaryDirectory() as tmp:
-        sink.dump_tensors(exe, engine.gguf_path(spec, cache_dir), d / "base.kld", t, rot, n_ctx, a.layers,
+        sink.dump_tensors(exe, sources.gguf_path(spec, cache_dir), d / "base.kld", t, rot, n_ctx, a.layers,
                           ("Qcur", "Kcur", "Vcur", "kqv_out"), a.threads, tmp)
         ll = {L: {x: sink.load_node(tmp, name, L).reshape(n_ctx, heads, D)
                   for x, name, heads in (("q", "Qcur", H), ("k", "Kcur", Hkv), ("v", "Vcur", Hkv), ("o", "kqv_out", H))}
               for L in a.layers}
-    if compute.gguf_qk_permuted(model.config.model_type):
+    if channel_order.gguf_qk_permuted(model.config.model_type):
         raise SystemExit(f"{a.model}: llama.cpp holds its Q/K in the GGUF's permuted order; not handled here")
     if get_format(t, "v", rot=rot).family != "float" and rot:  # kqv_out is in V's rotated frame
         for L in a.layers:

@@ -10,7 +10,7 @@ K's roundtrip done in the GGUF order (then permuted back), against an exact base
 
 A monkeypatch of kvarn.kvcache.cache.make_format, on purpose: an experiment, not a compute path
 (`exact` keeps transformers' order; `llamacpp-cpu` uses the GGUF order by itself, through
-the same `kvarn.llamacpp.compute.gguf_order`).
+the same `kvarn.llamacpp.channel_order.gguf_order`).
 """
 
 import json
@@ -21,10 +21,10 @@ import torch
 from bench import TEXT
 from kvarn.kvcache import cache
 
-from kvarn.llamacpp import compute
+from kvarn.llamacpp import channel_order
 
 from kvarn.run import engine
-from kvarn.cli import model_spec
+from kvarn.weights import sources
 from kvarn.spec.facts import KVARN_ITERS
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
@@ -35,7 +35,7 @@ def gguf_order(fmt):
     rt = fmt.roundtrip
 
     def roundtrip(x):
-        idx = compute.gguf_order(x.shape[-1])  # [0, d/2, 1, d/2+1, ...]
+        idx = channel_order.gguf_order(x.shape[-1])  # [0, d/2, 1, d/2+1, ...]
         return rt(x[..., idx].contiguous())[..., torch.argsort(idx)]
 
     fmt.roundtrip = roundtrip
@@ -50,7 +50,7 @@ def main():
     orig = cache.make_format
     cache.make_format = lambda name, role, rot=True, iters=KVARN_ITERS: (
         gguf_order(orig(name, role, rot, iters)) if role == "k" else orig(name, role, rot, iters))
-    engine.run_cell(model_spec("smollm2-135m"), n_ctx, chunks, k_type, k_type, 0, base, out, rot=rot, text=str(TEXT),
+    engine.run_cell(sources.parse_model("smollm2-135m"), n_ctx, chunks, k_type, k_type, 0, base, out, rot=rot, text=str(TEXT),
                     compute="exact", cache_dir=DEFAULT_CACHE_DIR)
     s = json.load(open(f"{out}/summary.json"))
     print(f"{k_type} rot={rot}: median {s['kld_median']:.6f} mean {s['kld_mean']:.6f}")

@@ -104,10 +104,10 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     from kvarn.run import engine
 
     from kvarn.spec import options
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
     from kvarn.formats.registry import get_format
 
-    spec = model_spec(model)
+    spec = sources.parse_model(model)
     layer_index: dict[int, int] = {}
     done: dict[int, int] = {}  # per layer: positions appended so far
     sums: dict[int, dict] = {}  # per layer: squared norms behind the stats
@@ -152,14 +152,14 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
 
 def from_llama(rows: list[tuple]):
     """The replacement by llama.cpp's rows (`llama_rows`)."""
-    from kvarn.llamacpp import compute
+    from kvarn.llamacpp import channel_order
 
     def replace(i, positions, ours_k, ours_v, gguf_order):  # ours [H_kv, n, D]; rows [n_dumped, H_kv·D]
         lk, lv = (r[positions].reshape(x.shape[1], x.shape[0], x.shape[2]).transpose(0, 1)
                   for r, x in zip(rows[i], (ours_k, ours_v)))
         if gguf_order:  # back to transformers' order: llama.cpp's channel j is ours gguf_order[j]
             hf = lk.clone()
-            hf[..., compute.gguf_order(lk.shape[-1])] = lk
+            hf[..., channel_order.gguf_order(lk.shape[-1])] = lk
             lk = hf
         return lk, lv
     return replace
@@ -201,14 +201,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(a.threads)
-    from kvarn.run import engine
-    from kvarn.cli import model_spec
+    from kvarn.weights import sources
 
     d = lc.run_dir(a.model, 1)  # the chunk-1 grid: the dumper runs chunk 1
     chunks = 1
     kv = d / "kvarn" / "llamacpp-cpu"
-    spec = model_spec(a.model)
-    gguf = engine.gguf_path(spec, str(REPO / "resources" / "models"))
+    spec = sources.parse_model(a.model)
+    gguf = sources.gguf_path(spec, str(REPO / "resources" / "models"))
     exe = build()
     baseline = lc.kvarn_baseline(a.model, n_ctx, chunks, "llamacpp-cpu", kv / "base.kvd", kv / "base.kld")
     lines = [f"### {a.model}, n_ctx {n_ctx}, {chunks} chunk(s): kvarn llamacpp-cpu with llama.cpp's K and V "
