@@ -50,12 +50,19 @@ def test_check_compute_refuses():
         options.check_compute("fast")
     with pytest.raises(ValueError, match="K type 'q3_0'"):
         options.check_compute("llamacpp-cpu", "q3_0", "q4_0")
-    with pytest.raises(ValueError, match="tail 128"):
-        options.check_compute("llamacpp-cpu", "q8_0", "q8_0", 128)
-    with pytest.raises(ValueError, match="kvarn4"):
-        options.check_compute("llamacpp-cpu", "kvarn4", "kvarn4")
-    with pytest.raises(ValueError, match="sink 1 not accepted"):  # the kernel reads every key rounded
+    with pytest.raises(ValueError, match="K type 'q6_0' has no llama.cpp CPU kernel to emulate at tail 0"):
+        options.check_compute("llamacpp-cpu", "q6_0", "q6_0", 0)
+    with pytest.raises(ValueError, match="K type 'quanto4' is not a llama.cpp or BeeLlama cache type"):
+        options.check_compute("llamacpp-cpu", "quanto4", "quanto4", 128)
+    with pytest.raises(ValueError, match="sink 1 not accepted"):  # llama.cpp keeps no sink of its own choosing
         options.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 1)
+    with pytest.raises(ValueError, match="sink 4 not accepted"):
+        options.check_compute("llamacpp-cpu", "q4_1", "q4_1", 128, 4)
+    # BeeLlama's scalar routes: a standard pair with a tail (any of its types), a KVarN pair
+    for k, v, tail in (("q8_0", "q8_0", 128), ("q6_0", "q3_1", 64), ("kvarn4", "kvarn4", 0), ("kvarn6", "kvarn5", 512)):
+        assert options.check_compute("llamacpp-cpu", k, v, tail) == "llamacpp-cpu"
+        assert options.scalar_route("llamacpp-cpu", k, v, tail) and not options.scalar_route("exact", k, v, tail)
+    assert not options.scalar_route("llamacpp-cpu", "q4_0", "q4_0", 0)
     assert options.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 0) == "llamacpp-cpu"
     assert options.check_compute("exact", "q4_1", "q4_1", 0, 1) == "exact"
 
@@ -345,6 +352,99 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
     assert not KVarnCache(LlamaConfig(**dims), kt, kt, 0, rot=rot).layers[0].qk_gguf_order
     gemma = KVarnCache(Gemma3TextConfig(**dims, sliding_window=8), kt, kt, 0, rot=rot, compute="llamacpp-cpu")
     assert not any(getattr(la, "qk_gguf_order", True) for la in gemma.layers)
+
+
+@pytest.mark.parametrize("kt,vt,tail", [("q4_0", "q4_0", 4), ("q8_0", "q4_1", 7), ("q3_0", "q6_0", 5)])
+def test_beellama_tail_route_matches_its_reference(kt, vt, tail, one_thread):
+    """llamacpp-cpu with a tail is BeeLlama's `ggml_compute_forward_flash_attn_ext_tail_ref`
+    (ggml/src/ggml-cpu/ops.cpp, v0.4.3): per query the body keys, then the tail's, each score a
+    double-precision dot of the fp32 Q with K dequantized to fp32, one fp32 online softmax; the
+    body's K rounded in the GGUF's channel order on a llama-arch model; the tail from bf16."""
+    from types import SimpleNamespace
+
+    from gguf.quants import GGMLQuantizationType as QTYPE
+    from transformers import LlamaConfig
+
+    from kvarn.kvcache.attention import attention_ref
+    from kvarn.kvcache.cache import KVarnCache
+
+    g = np.random.default_rng(11)
+    H, Hkv, n_q, L, D = 4, 2, 6, 14, 64
+    q = (g.standard_normal((H, n_q, D)) * np.where(np.arange(D) % 32 > 26, 6, 1)).astype(F32)
+    k = (g.standard_normal((Hkv, L, D)) * np.where(np.arange(D) % 32 > 26, 8, 1)).astype(F32)
+    v = g.standard_normal((Hkv, L, D)).astype(F32)
+    dims = dict(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
+                num_hidden_layers=1, intermediate_size=32, vocab_size=32)
+    cache = KVarnCache(LlamaConfig(**dims), kt, vt, tail, rot=False, compute="llamacpp-cpu")
+    layer, policy = cache.layers[0], cache.policies[0]
+    # the path under test: BeeLlama's scalar route, exact layers, K rounded in the GGUF order
+    assert cache.scalar_route and layer.compute == "exact" and layer.qk_gguf_order and policy.tail == tail
+    kk, vv = torch.from_numpy(k)[None], torch.from_numpy(v)[None]
+    layer.update(kk[:, :, :L - n_q], vv[:, :, :L - n_q])  # the earlier ubatch, then the queries' own
+    keys, values = layer.update(kk[:, :, L - n_q:], vv[:, :, L - n_q:])
+    mask = torch.from_numpy(np.tril(np.ones((n_q, L), bool), L - n_q))[None, None]
+    got = attention_ref(SimpleNamespace(layer_idx=0), torch.from_numpy(q)[None], keys, values, mask, 0.125,
+                        layer, policy)[0].transpose(0, 1).numpy()
+
+    # The reference, from the C code. Rounding of the body: gguf-py's own quantizers where it has the
+    # type, else kvarn's (the fork types, byte-exact to BeeLlama's: tests/test_beellama_oracle.py).
+    def body(x, t):
+        if hasattr(QTYPE, t.upper()):
+            qt = getattr(QTYPE, t.upper())
+            return dequantize(quantize(x, qt), qt).astype(F32)
+        return make_format(t, "k", False).roundtrip(torch.from_numpy(x)[None, None])[0, 0].numpy().astype(F32)
+
+    idx = channel_order.gguf_order(D).numpy()
+    ref = np.zeros((H, n_q, D), F32)
+    for hk in range(Hkv):
+        kb, vb = body(k[hk][:, idx], kt), body(v[hk], vt)  # K's blocks in the GGUF order
+        kt16 = torch.from_numpy(k[hk]).bfloat16().float().numpy()[:, idx]
+        vt16 = torch.from_numpy(v[hk]).bfloat16().float().numpy()
+        for h in range(hk * (H // Hkv), (hk + 1) * (H // Hkv)):
+            for i in range(n_q):
+                p = L - n_q + i
+                qg = q[h, i][idx]
+                order = [(kb, vb, j) for j in range(p + 1) if p - j >= tail] + \
+                        [(kt16, vt16, j) for j in range(p + 1) if p - j < tail]
+                M, S, acc = F32(-np.inf), F32(0), np.zeros(D, F32)
+                for ks, vs, j in order:
+                    s = F32(F32(np.dot(qg.astype(np.float64), ks[j].astype(np.float64))) * F32(0.125))
+                    nm = max(M, s)
+                    old = F32(0) if M == -np.inf else F32(np.exp(F32(M - nm)))
+                    w = F32(np.exp(F32(s - nm)))
+                    acc = (acc * old + vs[j] * w).astype(F32)
+                    S, M = F32(S * old + w), nm
+                ref[h, i] = acc / S
+    # the same route with K rounded in transformers' order (the exact path): the order is seen
+    exact_cache = KVarnCache(LlamaConfig(**dims), kt, vt, tail, rot=False)
+    el = exact_cache.layers[0]
+    el.update(kk[:, :, :L - n_q], vv[:, :, :L - n_q])
+    ek, ev = el.update(kk[:, :, L - n_q:], vv[:, :, L - n_q:])
+    in_hf = attention_ref(SimpleNamespace(layer_idx=0), torch.from_numpy(q)[None], ek, ev, mask, 0.125, el,
+                          exact_cache.policies[0])[0].transpose(0, 1).numpy()
+    order_effect = np.abs(in_hf - ref).max()
+    assert order_effect > 1e-3, order_effect
+    # fp32 sdpa against the C code's online softmax: summation order only (measured <= 4.3e-6)
+    assert np.abs(got - ref).max() < 1e-5 < order_effect / 100, np.abs(got - ref).max()
+
+
+def test_beellama_kvarn_route_refuses_what_beellama_refuses():
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from kvarn.kvcache.cache import KVarnCache
+
+    dims = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                intermediate_size=32, vocab_size=32)
+    with pytest.raises(ValueError, match="head dim 64; BeeLlama's KVarN takes head dims 128, 256, 512 only"):
+        KVarnCache(Gemma3TextConfig(**dims, head_dim=64, sliding_window=8), "kvarn4", "kvarn4", 0,
+                   compute="llamacpp-cpu")
+    with pytest.raises(ValueError, match="GGUF permutes Q/K channels"):
+        KVarnCache(LlamaConfig(**dims, head_dim=128), "kvarn4", "kvarn4", 0, compute="llamacpp-cpu")
+    ok = KVarnCache(Gemma3TextConfig(**dims, head_dim=128, sliding_window=8), "kvarn4", "kvarn4", 0,
+                    compute="llamacpp-cpu")
+    assert ok.scalar_route and {la.compute for la in ok.layers} == {"exact"}
+    # kvarn's own KVarN takes head dim 64 on the exact path
+    assert KVarnCache(Gemma3TextConfig(**dims, head_dim=64, sliding_window=8), "kvarn4", "kvarn4", 0).layers
 
 
 def test_baseline_compute_must_match(tmp_path):

@@ -34,13 +34,13 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 import kvarn.llamacpp.compute as kcompute
-from kvarn.llamacpp.channel_order import gguf_qk_permuted
+from kvarn.llamacpp.channel_order import gguf_order, gguf_qk_permuted
 from kvarn.spec.facts import KVARN_ITERS, TAIL_DTYPES
 from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
 from kvarn.formats.floats import FLOAT_DTYPES
 from kvarn.spec.geometry import Geometry, geometry_from_config, text_config
-from kvarn.spec.options import ATTENTION_PATHS, EXACT, LLAMACPP_CPU, check_compute
+from kvarn.spec.options import ATTENTION_PATHS, BEELLAMA_KVARN_HEAD_DIMS, EXACT, LLAMACPP_CPU, check_compute, scalar_route
 from kvarn.spec.policy import LayerPolicy, default_tail_dtype, layer_policy
 from kvarn.kvcache.rows import Rows
 
@@ -164,6 +164,15 @@ class KVarnLayer(CacheLayerMixin):
     def _exact(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.tail_dtype)
 
+    def _k_roundtrip(self, k: torch.Tensor) -> torch.Tensor:
+        """K's body rows: rounded in transformers' channel order, or (`qk_gguf_order`, BeeLlama's
+        scalar route on a llama-arch model) in the GGUF's, as llama.cpp's blocks see them, and
+        gathered back (the scores do not depend on a common order of Q and K)."""
+        if not self.qk_gguf_order:
+            return self.k_fmt.roundtrip(k)
+        order = gguf_order(k.shape[-1], k.device)
+        return self.k_fmt.roundtrip(k[..., order].contiguous())[..., torch.argsort(order)]
+
     def first_readable(self, q_offset: int) -> int:
         """The first key position a query at >= q_offset can read (0 on a full layer)."""
         if not self.is_sliding or not self.trim or self.compute != "exact":
@@ -197,7 +206,7 @@ class KVarnLayer(CacheLayerMixin):
             r["ev"].append(self._checked(f"V (exact, {tdn})", off, self._exact, v))
         if self.group == 1:
             # Standard and float types: every token is written to the body at once, from fp32.
-            r["k"].append(self._checked(f"K (body, {self.k_fmt.name})", off, self.k_fmt.roundtrip, k.contiguous()))
+            r["k"].append(self._checked(f"K (body, {self.k_fmt.name})", off, self._k_roundtrip, k.contiguous()))
             r["v"].append(self._checked(f"V (body, {self.v_fmt.name})", off, self.v_fmt.roundtrip, v.contiguous()))
             self.n_body = self.n_tokens
         else:
@@ -253,7 +262,9 @@ class KVarnCache(Cache):
 
     `compute="llamacpp-cpu"` emulates llama.cpp's CPU flash-attention arithmetic instead of
     exact fp32 attention (kvarn.llamacpp.compute; upstream llama.cpp types, tail 0), in llama.cpp's
-    channel order of Q and K (`kvarn.llamacpp.channel_order.gguf_qk_permuted` of the model_type).
+    channel order of Q and K (`kvarn.llamacpp.channel_order.gguf_qk_permuted` of the model_type). With
+    a KVarN pair or a tail it takes BeeLlama's scalar CPU route (`scalar_route`): exact layers,
+    a standard K's body rounded in that channel order.
 
     `layers[i]` is a `KVarnLayer` on attention layers and transformers' own state layer
     (e.g. `LinearAttentionLayer`) elsewhere; `policies[i]` is the layer's `LayerPolicy`,
@@ -270,8 +281,15 @@ class KVarnCache(Cache):
         self.attention = attention  # how `kvarn.kvcache.attention` computes the exact compute path
         # `exact` keeps transformers' order (DESIGN §6b's format damage); llamacpp-cpu llama.cpp's
         self.qk_gguf_order = compute == LLAMACPP_CPU and gguf_qk_permuted(text_config(config).model_type)
+        # llamacpp-cpu with a KVarN pair or a tail: BeeLlama's scalar route, whose arithmetic is the
+        # exact path's (kvarn.spec.options.scalar_route), so its layers store and attend as exact ones
+        self.scalar_route = scalar_route(compute, k_type, v_type, tail)
+        layer_compute = EXACT if self.scalar_route else self.compute
         self.k_fmt = make_format(k_type, "k", rot, iters)
         self.v_fmt = make_format(v_type, "v", rot, iters)
+        if self.scalar_route and self.k_fmt.group > 1 and self.qk_gguf_order:
+            raise ValueError(f"compute {LLAMACPP_CPU}: {k_type}/{v_type} on a {text_config(config).model_type} model, "
+                             "whose GGUF permutes Q/K channels: BeeLlama's KVarN tiles in that order are not emulated")
         self.tail_dtype_name = tail_dtype or default_tail_dtype(self.k_fmt, self.v_fmt)
         if self.tail_dtype_name not in TAIL_DTYPES:
             raise ValueError(f"tail dtype {self.tail_dtype_name!r} not accepted; use one of {', '.join(TAIL_DTYPES)}")
@@ -285,11 +303,14 @@ class KVarnCache(Cache):
                     fmt.check_head_dim(d)
                 except ValueError as e:
                     raise ValueError(f"layer {i} ({self.geometry.layers[i].kind}) has head dim {d}: {e}") from e
+                if self.scalar_route and fmt.group > 1 and d not in BEELLAMA_KVARN_HEAD_DIMS:
+                    raise ValueError(f"compute {LLAMACPP_CPU}: layer {i} has head dim {d}; BeeLlama's KVarN takes "
+                                     f"head dims {', '.join(map(str, BEELLAMA_KVARN_HEAD_DIMS))} only")
         self.policies: list[LayerPolicy | None] = [
             layer_policy(self.k_fmt, self.v_fmt, tail, g.window, sink) if g.has_kv else None for g in self.geometry.layers
         ]
         state = _state_layers(config, self.geometry)
-        layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, self.compute, self.qk_gguf_order)
+        layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, layer_compute, self.qk_gguf_order)
                   if p is not None else state[i]
                   for i, p in enumerate(self.policies)]
         super().__init__(layers=layers)

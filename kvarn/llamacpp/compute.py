@@ -52,8 +52,11 @@ itself is written with kvarn.formats.blocks (ggml's reference quantizers; x86's 
 differ on exact ties only).
 
 Supported: the upstream llama.cpp types (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0,
-iq4_nl) for K and V, tail 0 and no sink (llama.cpp keeps no token exact). Anything else is refused with
-an error naming it, rather than emulating a kernel we have not read.
+iq4_nl) for K and V, tail 0 and no sink (llama.cpp keeps no token exact). A KVarN pair, or any
+BeeLlama type with a tail, takes BeeLlama's scalar CPU route instead (`kvarn.spec.options.
+scalar_route`: `flash_attn_ext_kvarn` / `flash_attn_ext_tail_ref`, the exact path's arithmetic
+over the rounded cache, K rounded in the GGUF's order); this module's kernel is not used there.
+Anything else is refused with an error naming it, rather than emulating a kernel we have not read.
 """
 
 from __future__ import annotations

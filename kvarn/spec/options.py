@@ -11,6 +11,8 @@ read these lists here.
 
 from __future__ import annotations
 
+from kvarn.spec.facts import get
+
 EXACT = "exact"
 LLAMACPP_CPU = "llamacpp-cpu"
 COMPUTES = (EXACT, LLAMACPP_CPU)
@@ -38,22 +40,47 @@ ATTENTION_PATHS = ("ref", "flex")
 ATTENTIONS = (*ATTENTION_PATHS, "auto")
 
 
+# The head dims BeeLlama's KVarN accepts (`cannot enable kvarn_...: KVarN requires 128-, 256-, or
+# 512-dimensional key/value heads`); kvarn's own format also takes 64.
+BEELLAMA_KVARN_HEAD_DIMS = (128, 256, 512)
+
+
+def scalar_route(compute: str, k: str, v: str, tail: int) -> bool:
+    """Whether a llamacpp-cpu cell's attention takes BeeLlama's scalar CPU route rather than
+    ggml's flash-attention kernel (kvarn.llamacpp.compute): a KVarN pair
+    (`ggml_compute_forward_flash_attn_ext_kvarn`) or a standard pair with a tail
+    (`ggml_compute_forward_flash_attn_ext_tail_ref`). Both read Q in fp32 and K/V dequantized to
+    fp32, sum each dot product in double and run one fp32 online softmax over body and exact
+    rows: the exact path's arithmetic over the rounded cache, beside llama.cpp's rounding of the
+    weights' activations. Upstream llama.cpp has neither (no KVarN, no tail)."""
+    return compute == LLAMACPP_CPU and (bool(tail) or "kvarn" in (get(k).family, get(v).family))
+
+
 def check_compute(compute: str, k: str | None = None, v: str | None = None, tail: int = 0,
                   sink: int | None = None) -> str:
     """Validate a compute mode (and, for llamacpp-cpu, the cell it runs); return it.
 
-    llamacpp-cpu reads every key from the rounded cache, as llama.cpp does: a tail or a
-    sink (exact tokens) is refused, never silently dropped."""
+    llamacpp-cpu is llama.cpp's CPU arithmetic: ggml's flash-attention kernel for the types it
+    has a kernel for (`VEC_DOT_TYPE`) at tail 0, and BeeLlama's scalar routes (`scalar_route`) for
+    a KVarN pair or a standard pair with a tail, which dequantize any of BeeLlama's types. A sink
+    other than the pair's own (exact tokens llama.cpp does not keep) is refused, never dropped."""
     if compute not in COMPUTES:
         raise ValueError(f"compute {compute!r} not accepted; use one of {', '.join(COMPUTES)}")
     if compute == LLAMACPP_CPU:
-        for role, t in (("K", k), ("V", v)):
-            if t is not None and t not in VEC_DOT_TYPE:
-                raise ValueError(
-                    f"compute {LLAMACPP_CPU}: {role} type {t!r} has no llama.cpp CPU kernel to emulate; "
-                    f"accepted: {', '.join(VEC_DOT_TYPE)}")
-        if tail:
-            raise ValueError(f"compute {LLAMACPP_CPU}: tail {tail} not accepted; llama.cpp has no exact tail, use 0")
         if sink:
-            raise ValueError(f"compute {LLAMACPP_CPU}: sink {sink} not accepted; llama.cpp has no exact sink, use 0")
+            raise ValueError(f"compute {LLAMACPP_CPU}: sink {sink} not accepted; llama.cpp keeps no exact "
+                             "sink of its own choosing (KVarN's is its format's: leave --sink unset)")
+        if k is None or v is None:
+            return compute
+        if scalar_route(compute, k, v, tail):
+            for role, t in (("K", k), ("V", v)):
+                if get(t).family == "ecosystem":
+                    raise ValueError(f"compute {LLAMACPP_CPU}: {role} type {t!r} is not a llama.cpp or BeeLlama "
+                                     "cache type; its arithmetic is the exact path's only")
+            return compute
+        for role, t in (("K", k), ("V", v)):
+            if t not in VEC_DOT_TYPE:
+                raise ValueError(
+                    f"compute {LLAMACPP_CPU}: {role} type {t!r} has no llama.cpp CPU kernel to emulate at tail 0; "
+                    f"accepted: {', '.join(VEC_DOT_TYPE)} (any BeeLlama type with a tail > 0, or a KVarN pair)")
     return compute
