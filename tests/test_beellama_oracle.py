@@ -240,9 +240,13 @@ def test_table_row_reads_beellama_log_and_kvarn_summary(tmp_path):
     cell.mkdir()
     (cell / "summary.json").write_text(json.dumps({"kld_median": 0.005, "kld_mean": 0.009, "kld_p99": 0.04,
                                                    "same_top": 0.96}))
-    r = bee_table.row("kvarn4", log, cell)
-    assert r == ["kvarn4", "0.004000", "0.005000", "1.25", "0.010000", "0.009000", "0.90", "0.0500", "0.0400",
+    r = bee_table.row("kvarn4", log, cell)  # a summary without `compute` is an exact one
+    assert r == ["kvarn4", "exact", "0.004000", "0.005000", "1.25", "0.010000", "0.009000", "0.90", "0.0500", "0.0400",
                  "95.50", "96.00"]
+    (cell / "summary.json").write_text(json.dumps({"kld_median": 0.005, "kld_mean": 0.009, "kld_p99": 0.04,
+                                                   "same_top": 0.96, "compute": "llamacpp-cpu"}))
+    assert bee_table.row("kvarn4", log, cell)[1] == "llamacpp-cpu"
+    assert len(bee_table.HEADER) == len(r) and bee_table.HEADER[1] == "kvarn compute"
 
 
 
