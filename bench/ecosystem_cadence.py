@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvarn.kvcache.attention as kattn  # noqa: E402
 from kvarn.spec import facts  # noqa: E402
 from kvarn.kvcache.cache import KVarnCache  # noqa: E402
+from kvarn.spec.cell import CellSpec  # noqa: E402
 from kvarn.formats import get_format  # noqa: E402
 
 G = facts.ECOSYSTEM_GROUP
@@ -71,7 +72,7 @@ def main():
         for name, (backend, bits, ak, av, qg) in facts.ECOSYSTEM_TYPES.items():
             lib = run(m, ids, QuantizedCache(backend, m.config, nbits=bits, axis_key=ak, axis_value=av,
                                              q_group_size=qg, residual_length=G))
-            cache = KVarnCache(m.config, name, name, tail=G, tail_dtype="f32")
+            cache = KVarnCache(m.config, CellSpec(name, name, G, tail_dtype="f32"))
             for layer in cache.layers:
                 layer.k_fmt, layer.v_fmt = get_format(name, "k", dtype="f32"), get_format(name, "v", dtype="f32")
             ours = run(m, ids, cache, ours=True)

@@ -120,10 +120,11 @@ def kvarn_baseline(model, n_ctx, chunks, mode, out: Path, llama_out: Path | None
 def kvarn_cell(model, n_ctx, chunks, k, rot, mode, baseline: Path, out: Path) -> dict:
     from kvarn.run import engine
     from kvarn.cli import model_spec
+    from kvarn.spec.cell import CellSpec
 
     if not (out / "summary.json").is_file():
-        engine.run_cell(model_spec(model), n_ctx, chunks, k, k, 0, baseline, out, rot=rot, text=TEXT,
-                        compute=mode, cache_dir=str(REPO / "resources" / "models"))
+        engine.run_cell(model_spec(model), n_ctx, chunks, CellSpec(k, k, 0, rot=rot, compute=mode), baseline, out,
+                        text=TEXT, cache_dir=str(REPO / "resources" / "models"))
     return json.loads((out / "summary.json").read_text())
 
 

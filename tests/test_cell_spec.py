@@ -21,9 +21,11 @@ def test_every_planned_cell_reads_back_from_its_name(config):
 
 
 def test_options_by_hand():
-    s = CellSpec("q4_0", "q4_0", 128, rot=False, tail_dtype="f16", iters=8, sink=64, compute="llamacpp-cpu")
-    assert s.name == "q4_0-q4_0-t128-norot-tdf16-i8-s64-llamacpp_cpu"
+    s = CellSpec("q4_0", "q4_0", 128, rot=False, tail_dtype="f16", iters=8, sink=64)
+    assert s.name == "q4_0-q4_0-t128-norot-tdf16-i8-s64"
     assert CellSpec.from_name(s.name) == s
+    c = CellSpec("q4_0", "q8_0", 0, rot=False, compute="llamacpp-cpu")
+    assert c.name == "q4_0-q8_0-t0-norot-llamacpp_cpu" and CellSpec.from_name(c.name) == c
     assert CellSpec.from_name("kvarn4-kvarn4-t0") == CellSpec("kvarn4", "kvarn4", 0)
     assert parse_opts("") == {f.name: f.default for f in dataclasses.fields(CellSpec) if f.name not in ("k", "v", "tail")}
     assert kvm.CELL_DEFAULTS == parse_opts("")
@@ -47,3 +49,4 @@ def test_the_report_reads_cell_paths_with_the_same_encoding():
     with pytest.raises(ValueError, match="not a cell path"):
         rdata.parse_cell_path("results/m/ctx512-c4/cells/q4_0-q4_0-t0-s1-norot/tokens.parquet")
     assert rdata.parse_cell_path("results/m/ctx512-c4/cells/q4_0-q4_0-t0-norot-s1/tokens.parquet")["opts"] == "-norot-s1"
+

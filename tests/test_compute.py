@@ -11,6 +11,7 @@ import torch
 from gguf.quants import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
+from kvarn.spec.cell import CellSpec
 from kvarn.spec import scoring
 
 from kvarn.llamacpp import compute
@@ -201,7 +202,7 @@ def _ref_attention(q, k, v, kt, vt, rot, scale, mask):
 
 
 def _emulate(q, k, v, kt, vt, rot, scale, mask, compute_mode="llamacpp-cpu", layer=None):
-    kf, vf = make_format(kt, "k", rot), make_format(vt, "v", rot)
+    kf, vf = make_format(kt, "k", rot, CellSpec.iters), make_format(vt, "v", rot, CellSpec.iters)
     layer = layer or KVarnLayer(kf, vf, LayerPolicy(0, 0, None), torch.bfloat16, compute=compute_mode)
     kk, vv = torch.from_numpy(k)[None], torch.from_numpy(v)[None]
     layer.update(kk, vv)
@@ -331,7 +332,7 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
     mask = np.tril(np.ones((n_q, L), bool), L - n_q)
     dims = dict(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
                 num_hidden_layers=1, intermediate_size=32, vocab_size=32)
-    cache = KVarnCache(LlamaConfig(**dims), kt, kt, 0, rot=rot, compute="llamacpp-cpu")
+    cache = KVarnCache(LlamaConfig(**dims), CellSpec(kt, kt, 0, rot=rot, compute="llamacpp-cpu"))
     layer = cache.layers[0]
     assert layer.qk_gguf_order  # the path under test
     got, _ = _emulate(q, k, v, kt, kt, rot, 0.125, mask, layer=layer)
@@ -342,8 +343,8 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
     assert order_effect > 1e-3, order_effect  # the order changes the result: the test can fail
     assert np.abs(got - in_gguf).max() < order_effect / 50
     # exact keeps transformers' order (DESIGN §6b's format damage); neox architectures are not permuted
-    assert not KVarnCache(LlamaConfig(**dims), kt, kt, 0, rot=rot).layers[0].qk_gguf_order
-    gemma = KVarnCache(Gemma3TextConfig(**dims, sliding_window=8), kt, kt, 0, rot=rot, compute="llamacpp-cpu")
+    assert not KVarnCache(LlamaConfig(**dims), CellSpec(kt, kt, 0, rot=rot)).layers[0].qk_gguf_order
+    gemma = KVarnCache(Gemma3TextConfig(**dims, sliding_window=8), CellSpec(kt, kt, 0, rot=rot, compute="llamacpp-cpu"))
     assert not any(getattr(la, "qk_gguf_order", True) for la in gemma.layers)
 
 
@@ -387,7 +388,7 @@ def test_smollm2_paths():
                            ctx, 1, lm.info.bos_id)[0]
 
     def run(k, v, mode, ubatch=512):
-        cache = engine.new_cache(lm.model, k, v, 0, compute=mode)
+        cache = engine.new_cache(lm.model, CellSpec(k, v, 0, compute=mode))
         lp = torch.cat([x for _, x in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ctx))])
         return lp, {getattr(layer, "last_path", None) for layer in cache.layers}
 
