@@ -50,6 +50,7 @@ def layer_policy(k_fmt, v_fmt, tail: int, window: int | None = None, sink: int |
     Standard types: sink 0 (or `sink` when asked), tail as requested. KVarN: sink 128 on
     full-attention layers, tail max(128, roundup(tail, 128)) capped at the window. No
     sink on sliding-window layers (KVarN's rule, kept for a standard type's sink too).
+    The tail and sink are a cell's, already checked (`kvarn.spec.cell.CellSpec.validate`).
     """
     eff = max(k_fmt.effective_tail(tail), v_fmt.effective_tail(tail))
     sink = default_sink(k_fmt, v_fmt) if sink is None else sink
