@@ -11,16 +11,16 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from kvarn.stats import paired
 from kvarn.files.atomic import atomic_path
-from kvarn.spec.facts import KVARN_ITERS, TAIL_DTYPES, check_pair, names, tail_label
-from kvarn.spec.facts import get as type_facts
+from kvarn.spec.cell import CellError, CellSpec
+from kvarn.spec.facts import TAIL_DTYPES, tail_label
 from kvarn.spec.geometry import geometry_from_config
 from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, kv_bytes
 from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES  # one list each for the CLI and the matrix
-from kvarn.spec.policy import check_sink, pair_family
 from kvarn.budget.preflight import PreflightError, capacity, preflight
 from kvarn.weights.sources import DEFAULT_CACHE_DIR, EMBEDDED, config_json, fetch, kind_of, parse_model
 
@@ -85,13 +85,6 @@ def _device(s):
     raise argparse.ArgumentTypeError(f"--device must be auto, cpu, cuda or cuda:N, got {s!r}")
 
 
-def _cache_type(flag):
-    def parse(s):
-
-        if s not in names():
-            raise argparse.ArgumentTypeError(f"{flag}: unknown KV cache type {s!r}; accepted: {', '.join(names())}")
-        return s
-    return parse
 
 
 def _attention_arg(p):
@@ -156,22 +149,22 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="one cache cell against a baseline: tokens.parquet + summary.json, "
                                    "and the llama-perplexity statistics on stdout")
     _common(r, "cell directory to write (tokens.parquet, summary.json)")
-    r.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE",
+    r.add_argument("-ctk", "--k", "--cache-type-k", dest="k", required=True, metavar="TYPE",
                    help="K cache type (see `kvarn formats`)")
-    r.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE",
+    r.add_argument("-ctv", "--v", "--cache-type-v", dest="v", required=True, metavar="TYPE",
                    help="V cache type")
-    r.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N",
+    r.add_argument("--tail", type=int, default=0, metavar="N",
                    help="most recent tokens read exactly (KVarN: rounded up to 128, min 128, plus a 128-token sink; default 0)")
-    r.add_argument("--sink", type=_nonneg_int("--sink"), default=None, metavar="N",
+    r.add_argument("--sink", type=int, default=None, metavar="N",
                    help="exact leading tokens on full-attention layers (default: the pair's own, 0 for standard "
                         "types, 128 for KVarN, which accepts only 128); e.g. --sink 128 --tail 128 --tail-dtype f16 "
                         "gives a standard type KVarN's exact tokens, so only the quantizer differs")
-    r.add_argument("--tail-dtype", choices=TAIL_DTYPES, default=None,
+    r.add_argument("--tail-dtype", default=None, metavar="|".join(TAIL_DTYPES),
                    help="dtype of the exact copy (default bf16 for standard types, f16 for KVarN)")
     r.add_argument("--no-rot", dest="rot", action="store_false",
                    help="disable the Hadamard pre-rotation of quantized K/V (as LLAMA_ATTN_ROT_DISABLE=1)")
-    r.add_argument("--iters", type=_positive_int("--iters"), default=KVARN_ITERS, metavar="N",
-                   help="KVarN variance-normalization passes (default 16)")
+    r.add_argument("--iters", type=int, default=None, metavar="N",
+                   help=f"KVarN variance-normalization passes (default {CellSpec.iters})")
     r.add_argument("--baseline", required=True, metavar="FILE",
                    help="dump written by `kvarn baseline`, or llama-perplexity's --kl-divergence-base file")
     _accounting_arg(r)
@@ -184,12 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "model already fetched into --cache-dir, hf:org/repo[@rev] (its config.json alone) "
                         "or a .gguf file (its metadata)")
     m.add_argument("-c", "--ctx", type=_positive_int("--ctx"), required=True, metavar="N", help="context size n_ctx")
-    m.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE")
-    m.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE")
-    m.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N", help="requested exact tail (default 0)")
+    m.add_argument("-ctk", "--k", "--cache-type-k", dest="k", required=True, metavar="TYPE")
+    m.add_argument("-ctv", "--v", "--cache-type-v", dest="v", required=True, metavar="TYPE")
+    m.add_argument("--tail", type=int, default=0, metavar="N", help="requested exact tail (default 0)")
     m.add_argument("-ub", "--ubatch", type=_positive_int("--ubatch"), default=512, metavar="N",
                    help="micro-batch: sliding layers hold W + ubatch rows (default 512)")
-    m.add_argument("--tail-dtype", choices=TAIL_DTYPES, default=None,
+    m.add_argument("--tail-dtype", default=None, metavar="|".join(TAIL_DTYPES),
                    help="dtype of the exact copy (default bf16 for standard types, f16 for KVarN)")
     m.add_argument("--no-rot", dest="rot", action="store_false",
                    help="standard types without the Hadamard pre-rotation (accepts head dims that are multiples of 32)")
@@ -234,14 +227,14 @@ def _cell_probe_args(p):
     p.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
     p.add_argument("-c", "--ctx", type=_ctx, required=True, metavar="N",
                    help="context: each prompt is the first N - tokens tokens of an N-token Wikitext chunk")
-    p.add_argument("-ctk", "--k", "--cache-type-k", dest="k", type=_cache_type("--k"), required=True, metavar="TYPE")
-    p.add_argument("-ctv", "--v", "--cache-type-v", dest="v", type=_cache_type("--v"), required=True, metavar="TYPE")
-    p.add_argument("--tail", type=_nonneg_int("--tail"), default=0, metavar="N", help="requested exact tail (default 0)")
-    p.add_argument("--sink", type=_nonneg_int("--sink"), default=None, metavar="N",
+    p.add_argument("-ctk", "--k", "--cache-type-k", dest="k", required=True, metavar="TYPE")
+    p.add_argument("-ctv", "--v", "--cache-type-v", dest="v", required=True, metavar="TYPE")
+    p.add_argument("--tail", type=int, default=0, metavar="N", help="requested exact tail (default 0)")
+    p.add_argument("--sink", type=int, default=None, metavar="N",
                    help="exact leading tokens (default: the pair's own)")
-    p.add_argument("--tail-dtype", choices=TAIL_DTYPES, default=None)
+    p.add_argument("--tail-dtype", default=None, metavar="|".join(TAIL_DTYPES))
     p.add_argument("--no-rot", dest="rot", action="store_false")
-    p.add_argument("--iters", type=_positive_int("--iters"), default=KVARN_ITERS, metavar="N")
+    p.add_argument("--iters", type=int, default=None, metavar="N", help=f"(default {CellSpec.iters})")
     p.add_argument("-ub", "--ubatch", type=_positive_int("--ubatch"), default=512, metavar="N",
                    help="micro-batch of the prompt (generation is one token at a time)")
     p.add_argument("-f", "--text", metavar="PATH", default=None)
@@ -250,6 +243,22 @@ def _cell_probe_args(p):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, metavar="DIR")
     _attention_arg(p)
+
+
+# The command-line flag of each CellSpec field (and of the K/V pair), for CellError messages.
+CELL_FLAGS = {"k": "--k", "v": "--v", "pair": "--k/--v", "tail": "--tail", "rot": "--no-rot",
+              "tail_dtype": "--tail-dtype", "iters": "--iters", "sink": "--sink", "compute": "--compute"}
+
+
+def cell_spec(args) -> CellSpec:
+    """The one CellSpec of a command's cell flags (those the command has; the rest CellSpec's
+    defaults), validated by CellSpec: a refused option is a UsageError naming its flag."""
+    given = {"rot": "rot", "tail_dtype": "tail_dtype", "iters": "iters", "sink": "sink", "compute": "compute"}
+    opts = {f: getattr(args, a) for f, a in given.items() if getattr(args, a, None) is not None}
+    try:
+        return CellSpec(args.k, args.v, args.tail, **opts)
+    except CellError as e:
+        raise UsageError(f"{CELL_FLAGS[e.field]} {e.value}: {e}") from None
 
 
 def _accounting_arg(p):
@@ -299,10 +308,9 @@ def _memory(args) -> str:
         geom = geometry_from_config(config)
     except (ValueError, TypeError, KeyError) as e:
         raise UsageError(f"--model {where!r}: {e}") from None
-    b = kv_bytes(geom, args.ctx, args.k, args.v, args.tail, tail_dtype=args.tail_dtype, rot=args.rot,
-                 ubatch=args.ubatch, accounting=args.accounting)
-    b0 = kv_bytes(geom, args.ctx, args.k, args.v, 0, tail_dtype=args.tail_dtype, rot=args.rot,
-                  ubatch=args.ubatch, accounting=args.accounting)
+    cell = cell_spec(args)
+    b = kv_bytes(geom, args.ctx, cell, ubatch=args.ubatch, accounting=args.accounting)
+    b0 = kv_bytes(geom, args.ctx, replace(cell, tail=0), ubatch=args.ubatch, accounting=args.accounting)
 
     out = {
         "config": where, "geometry": geom.describe(), "n_ctx": args.ctx, "ubatch": args.ubatch,
@@ -341,7 +349,7 @@ def _formats() -> str:
 
 
 def _decode(spec, args) -> int:
-    check_pair(args.k, args.v, args.sink)
+    cell = cell_spec(args)
     if args.tokens > args.ctx - 2:
         raise UsageError(f"--tokens {args.tokens} leaves no prompt in --ctx {args.ctx}; at most {args.ctx - 2}")
     if args.threads:
@@ -350,8 +358,7 @@ def _decode(spec, args) -> int:
         torch.set_num_threads(args.threads)
     from kvarn.run.decode import run_decode
 
-    s = run_decode(spec, args.ctx, args.prompts, args.tokens, args.k, args.v, args.tail, Path(args.out),
-                   ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype, iters=args.iters, sink=args.sink,
+    s = run_decode(spec, args.ctx, args.prompts, args.tokens, cell, Path(args.out), ubatch=args.ubatch,
                    text=args.text, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
                    attention=args.attention)
     fd = s["first_divergence"]
@@ -363,7 +370,7 @@ def _decode(spec, args) -> int:
 
 
 def _layers(spec, args) -> int:
-    check_pair(args.k, args.v, args.sink)
+    cell = cell_spec(args)
     if args.threads:
         import torch
 
@@ -373,8 +380,7 @@ def _layers(spec, args) -> int:
     from kvarn.report.figures import layer_error, save_chart
 
     loaded, chunk_ids, _ = setup(spec, args.ctx, args.chunks, args.text, args.device, args.dtype, args.cache_dir)
-    table = layer_errors(loaded.model, chunk_ids, args.k, args.v, args.tail, tail_dtype=args.tail_dtype, rot=args.rot,
-                         iters=args.iters, sink=args.sink, ubatch=args.ubatch)
+    table = layer_errors(loaded.model, chunk_ids, cell, ubatch=args.ubatch)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out.with_name(out.name + ".parquet")) as tmp:
@@ -443,21 +449,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             from kvarn.stats.metrics import format_llama
 
-            pair_family(type_facts(args.k), type_facts(args.v))  # refuse KVarN mixed with standard early
-
-            try:
-                check_sink(type_facts(args.k), type_facts(args.v), args.sink)
-            except ValueError as e:
-                raise UsageError(f"--sink {args.sink}: {e}") from None
+            cell = cell_spec(args)  # every cell option checked before any work
             if args.tail >= args.ctx:
                 raise UsageError(f"--tail {args.tail} must be smaller than --ctx {args.ctx}")
             if not Path(args.baseline).is_file():
                 raise UsageError(f"--baseline {args.baseline}: no such file; make it with `kvarn baseline`")
-            s = engine.run_cell(spec, args.ctx, chunks, args.k, args.v, args.tail, Path(args.baseline),
-                                Path(args.out), ubatch=args.ubatch, rot=args.rot, tail_dtype=args.tail_dtype,
-                                iters=args.iters, text=args.text, device=args.device, dtype=args.dtype,
-                                cache_dir=args.cache_dir, compute=args.compute, accounting=args.accounting,
-                                sink=args.sink, attention=args.attention)
+            s = engine.run_cell(spec, args.ctx, chunks, cell, Path(args.baseline), Path(args.out),
+                                ubatch=args.ubatch, text=args.text, device=args.device, dtype=args.dtype,
+                                cache_dir=args.cache_dir, accounting=args.accounting, attention=args.attention)
             sys.stdout.write(format_llama(s))
             print(f"\nKV cache ({s['memory_accounting']} accounting): {s['kv_total_bytes'] / 2**20:.2f} MiB "
                   f"(body {s['kv_body_bytes'] / 2**20:.2f}, staging {s['kv_staging_bytes'] / 2**20:.2f}, "

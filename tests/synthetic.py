@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from kvarn.spec.cell import CellSpec
 from kvarn.spec import facts
 from kvarn.spec.geometry import Geometry
 from kvarn.budget.memory import summary_fields
@@ -125,8 +126,8 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
                 "chunk": chunk.astype(np.int32), "pos": pos.astype(np.int32), "kld": kld, "nll": nll,
                 "nll_base": nll_base, "dp": dp, "same_top": same_top,
             }).write_parquet(cell_dir / "tokens.parquet")
-            mem = summary_fields(geometry(model), n_ctx, k, v, tail, tail_dtype="f16" if sink else None,
-                                 sink=sink)  # the `packed` accounting
+            mem = summary_fields(geometry(model), n_ctx,
+                                 CellSpec(k, v, tail, tail_dtype="f16" if sink else None, sink=sink))  # `packed`
             mem.pop("kv_geometry")
             n = len(kld)
             st = same_top.mean()

@@ -38,7 +38,7 @@ def test_every_study_mib_comes_out_of_the_planned_cells():
         for key, mib in figures.items():
             assert key in cells, f"{model}: the study's {key} ({mib} MiB) is not planned"
             c = cells[key]
-            b = kv_bytes(geom, c.n_ctx, c.k, c.v, c.tail, ubatch=spec.ubatch, accounting=spec.memory_accounting)
+            b = kv_bytes(geom, c.n_ctx, c.spec, ubatch=spec.ubatch, accounting=spec.memory_accounting)
             assert f"{b.total / MIB:.2f}" == f"{mib:.2f}", (model, key)
             checked += 1
     assert checked == 18

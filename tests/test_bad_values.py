@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvarn.spec.cell import CellSpec
 from kvarn.kvcache.cache import KVarnLayer, make_format
 from kvarn.formats import get_format
 from kvarn.formats.blocks import QK, SPECS
@@ -54,7 +55,7 @@ def test_block_scale_overflow_is_named(name):
 
 
 def _layer(k, v, tail, tail_dtype=torch.bfloat16, idx=3):
-    kf, vf = make_format(k, "k"), make_format(v, "v")
+    kf, vf = make_format(k, "k", True, CellSpec.iters), make_format(v, "v", True, CellSpec.iters)
     return KVarnLayer(kf, vf, layer_policy(kf, vf, tail), tail_dtype, idx)
 
 

@@ -12,6 +12,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 from transformers.masking_utils import AttentionMaskInterface
 
 import attention_ref as AR
+from kvarn.spec.cell import CellSpec
 import kvarn.kvcache.attention as kattn
 from kvarn.kvcache.cache import KVarnCache, exact_selection, layer_windows
 from kvarn.formats import get_format
@@ -59,7 +60,7 @@ def plain_logits(model, ids, impl="sdpa"):
 def cache_logits(model, ids, k="f32", v="f32", tail=0, ubatch=512, **kw):
     """Logits through the cache model, fed `ubatch` tokens at a time."""
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = KVarnCache(model.config, k, v, tail, **kw)
+    cache = KVarnCache(model.config, CellSpec(k, v, tail, **kw))
     out = [model(ids[:, s : s + ubatch], cache=cache, kvarn_cache=cache, use_cache=True).logits[0]
            for s in range(0, ids.shape[1], ubatch)]
     return torch.cat(out)
@@ -118,7 +119,7 @@ def checked_run(model, ids, k, v, tail, ubatch, **kw):
     float64 reference (tests/attention_ref.py) on the same inputs; returns the Recorder."""
     with AR.checking() as rec:
         model.set_attn_implementation(AR.CHECK_NAME)
-        cache = KVarnCache(model.config, k, v, tail, **kw)
+        cache = KVarnCache(model.config, CellSpec(k, v, tail, **kw))
         for s in range(0, ids.shape[1], ubatch):
             model(ids[:, s : s + ubatch], cache=cache, kvarn_cache=cache, use_cache=True)
     assert rec.calls >= model.config.num_hidden_layers * -(-ids.shape[1] // ubatch)  # the checked path ran
@@ -157,7 +158,7 @@ def test_storage_is_ubatch_independent(k, v, tail, tdt):
 
     g = torch.Generator().manual_seed(3)
     K, V = torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g)
-    kf, vf = make_format(k, "k"), make_format(v, "v")
+    kf, vf = make_format(k, "k", True, CellSpec.iters), make_format(v, "v", True, CellSpec.iters)
     stored = []
     for ub in (300, 100, 7, 1):
         layer = KVarnLayer(kf, vf, layer_policy(kf, vf, tail), tdt)
@@ -285,7 +286,7 @@ def test_kvarn_groups_and_ubatch(model):
     # still be DESIGN §2 at fp32 noise.
     ids = _ids(model, 300)
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = KVarnCache(model.config, "kvarn4", "kvarn4", 0)
+    cache = KVarnCache(model.config, CellSpec("kvarn4", "kvarn4", 0))
     with torch.no_grad():
         model(ids, cache=cache, kvarn_cache=cache)
     for layer in cache.layers:
@@ -362,11 +363,11 @@ def test_standard_sink_is_read_exactly(model):
     # full-attention layers (none on sliding ones), checked call by call against the
     # reference; and it differs from the same cell without a sink.
     ids = _ids(model)
-    cache = KVarnCache(model.config, "q2_0", "q2_0", 4, sink=8)
+    cache = KVarnCache(model.config, CellSpec("q2_0", "q2_0", 4, sink=8))
     for pol, w in zip(cache.kv_policies, layer_windows(model.config)):
         assert pol.sink == (8 if w is None else 0) and pol.tail == 4
     for ub in (64, 5):
         assert_at_fp32_noise(checked_run(model, ids, "q2_0", "q2_0", 4, ub, sink=8), f"q2_0 sink 8 ub{ub}")
     assert not torch.equal(cache_logits(model, ids, "q2_0", "q2_0", 4, sink=8), cache_logits(model, ids, "q2_0", "q2_0", 4))
     with pytest.raises(ValueError, match="KVarN's sink is fixed at 128"):
-        KVarnCache(model.config, "kvarn4", "kvarn4", 0, sink=0)
+        CellSpec("kvarn4", "kvarn4", 0, sink=0)

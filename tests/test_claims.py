@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import synthetic  # noqa: E402
 
+from kvarn.spec.cell import CellSpec  # noqa: E402
 from kvarn.spec import facts  # noqa: E402
 from kvarn.spec.geometry import geometry_from_config  # noqa: E402
 from kvarn.budget.memory import MIB, kv_bytes  # noqa: E402
@@ -58,7 +59,7 @@ def geometry(name):
 def study_mib(study_model, k, v, tail):
     """A cell's MiB from kvarn.budget.memory at the study's geometry, context and accounting."""
     m = STUDY["models"][study_model]
-    return kv_bytes(geometry(study_model), m["n_ctx"], k, v, tail, ubatch=m["ubatch"],
+    return kv_bytes(geometry(study_model), m["n_ctx"], CellSpec(k, v, tail), ubatch=m["ubatch"],
                     accounting=m["memory_accounting"]).total / MIB
 
 

@@ -11,6 +11,7 @@ import torch
 from gguf.quants import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
+from kvarn.spec.cell import CellSpec
 from kvarn.spec import scoring
 
 from kvarn.llamacpp import activations, channel_order, compute, q8
@@ -208,7 +209,7 @@ def _ref_attention(q, k, v, kt, vt, rot, scale, mask):
 
 
 def _emulate(q, k, v, kt, vt, rot, scale, mask, compute_mode="llamacpp-cpu", layer=None):
-    kf, vf = make_format(kt, "k", rot), make_format(vt, "v", rot)
+    kf, vf = make_format(kt, "k", rot, CellSpec.iters), make_format(vt, "v", rot, CellSpec.iters)
     layer = layer or KVarnLayer(kf, vf, LayerPolicy(0, 0, None), torch.bfloat16, compute=compute_mode)
     kk, vv = torch.from_numpy(k)[None], torch.from_numpy(v)[None]
     layer.update(kk, vv)
@@ -338,7 +339,7 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
     mask = np.tril(np.ones((n_q, L), bool), L - n_q)
     dims = dict(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
                 num_hidden_layers=1, intermediate_size=32, vocab_size=32)
-    cache = KVarnCache(LlamaConfig(**dims), kt, kt, 0, rot=rot, compute="llamacpp-cpu")
+    cache = KVarnCache(LlamaConfig(**dims), CellSpec(kt, kt, 0, rot=rot, compute="llamacpp-cpu"))
     layer = cache.layers[0]
     assert layer.qk_gguf_order  # the path under test
     got, _ = _emulate(q, k, v, kt, kt, rot, 0.125, mask, layer=layer)
@@ -349,8 +350,8 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
     assert order_effect > 1e-3, order_effect  # the order changes the result: the test can fail
     assert np.abs(got - in_gguf).max() < order_effect / 50
     # exact keeps transformers' order (DESIGN §6b's format damage); neox architectures are not permuted
-    assert not KVarnCache(LlamaConfig(**dims), kt, kt, 0, rot=rot).layers[0].qk_gguf_order
-    gemma = KVarnCache(Gemma3TextConfig(**dims, sliding_window=8), kt, kt, 0, rot=rot, compute="llamacpp-cpu")
+    assert not KVarnCache(LlamaConfig(**dims), CellSpec(kt, kt, 0, rot=rot)).layers[0].qk_gguf_order
+    gemma = KVarnCache(Gemma3TextConfig(**dims, sliding_window=8), CellSpec(kt, kt, 0, rot=rot, compute="llamacpp-cpu"))
     assert not any(getattr(la, "qk_gguf_order", True) for la in gemma.layers)
 
 
@@ -375,7 +376,7 @@ def test_beellama_tail_route_matches_its_reference(kt, vt, tail, one_thread):
     v = g.standard_normal((Hkv, L, D)).astype(F32)
     dims = dict(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
                 num_hidden_layers=1, intermediate_size=32, vocab_size=32)
-    cache = KVarnCache(LlamaConfig(**dims), kt, vt, tail, rot=False, compute="llamacpp-cpu")
+    cache = KVarnCache(LlamaConfig(**dims), CellSpec(kt, vt, tail, rot=False, compute="llamacpp-cpu"))
     layer, policy = cache.layers[0], cache.policies[0]
     # the path under test: BeeLlama's scalar route, exact layers, K rounded in the GGUF order
     assert cache.scalar_route and layer.compute == "exact" and layer.qk_gguf_order and policy.tail == tail
@@ -392,7 +393,7 @@ def test_beellama_tail_route_matches_its_reference(kt, vt, tail, one_thread):
         if hasattr(QTYPE, t.upper()):
             qt = getattr(QTYPE, t.upper())
             return dequantize(quantize(x, qt), qt).astype(F32)
-        return make_format(t, "k", False).roundtrip(torch.from_numpy(x)[None, None])[0, 0].numpy().astype(F32)
+        return make_format(t, "k", False, CellSpec.iters).roundtrip(torch.from_numpy(x)[None, None])[0, 0].numpy().astype(F32)
 
     idx = channel_order.gguf_order(D).numpy()
     ref = np.zeros((H, n_q, D), F32)
@@ -416,7 +417,7 @@ def test_beellama_tail_route_matches_its_reference(kt, vt, tail, one_thread):
                     S, M = F32(S * old + w), nm
                 ref[h, i] = acc / S
     # the same route with K rounded in transformers' order (the exact path): the order is seen
-    exact_cache = KVarnCache(LlamaConfig(**dims), kt, vt, tail, rot=False)
+    exact_cache = KVarnCache(LlamaConfig(**dims), CellSpec(kt, vt, tail, rot=False))
     el = exact_cache.layers[0]
     el.update(kk[:, :, :L - n_q], vv[:, :, :L - n_q])
     ek, ev = el.update(kk[:, :, L - n_q:], vv[:, :, L - n_q:])
@@ -436,15 +437,15 @@ def test_beellama_kvarn_route_refuses_what_beellama_refuses():
     dims = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
                 intermediate_size=32, vocab_size=32)
     with pytest.raises(ValueError, match="head dim 64; BeeLlama's KVarN takes head dims 128, 256, 512 only"):
-        KVarnCache(Gemma3TextConfig(**dims, head_dim=64, sliding_window=8), "kvarn4", "kvarn4", 0,
-                   compute="llamacpp-cpu")
+        KVarnCache(Gemma3TextConfig(**dims, head_dim=64, sliding_window=8), CellSpec("kvarn4", "kvarn4", 0,
+                                                                                     compute="llamacpp-cpu"))
     with pytest.raises(ValueError, match="GGUF permutes Q/K channels"):
-        KVarnCache(LlamaConfig(**dims, head_dim=128), "kvarn4", "kvarn4", 0, compute="llamacpp-cpu")
-    ok = KVarnCache(Gemma3TextConfig(**dims, head_dim=128, sliding_window=8), "kvarn4", "kvarn4", 0,
-                    compute="llamacpp-cpu")
+        KVarnCache(LlamaConfig(**dims, head_dim=128), CellSpec("kvarn4", "kvarn4", 0, compute="llamacpp-cpu"))
+    ok = KVarnCache(Gemma3TextConfig(**dims, head_dim=128, sliding_window=8),
+                    CellSpec("kvarn4", "kvarn4", 0, compute="llamacpp-cpu"))
     assert ok.scalar_route and {la.compute for la in ok.layers} == {"exact"}
     # kvarn's own KVarN takes head dim 64 on the exact path
-    assert KVarnCache(Gemma3TextConfig(**dims, head_dim=64, sliding_window=8), "kvarn4", "kvarn4", 0).layers
+    assert KVarnCache(Gemma3TextConfig(**dims, head_dim=64, sliding_window=8), CellSpec("kvarn4", "kvarn4", 0)).layers
 
 
 def test_baseline_compute_must_match(tmp_path):
@@ -487,7 +488,7 @@ def test_smollm2_paths():
                            ctx, 1, lm.info.bos_id)[0]
 
     def run(k, v, mode, ubatch=512):
-        cache = engine.new_cache(lm.model, k, v, 0, compute=mode)
+        cache = engine.new_cache(lm.model, CellSpec(k, v, 0, compute=mode))
         lp = torch.cat([x for _, x in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ctx))])
         return lp, {getattr(layer, "last_path", None) for layer in cache.layers}
 

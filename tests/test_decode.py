@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvarn.spec.cell import CellSpec
 from kvarn.run import decode as KD
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
@@ -67,7 +68,7 @@ def test_f32_cache_reproduces_generate(smol):
         ref = lm.model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                                 max_new_tokens=TOKENS, min_new_tokens=TOKENS, pad_token_id=0)[:, prompts.shape[1]:]
     lm.model.set_attn_implementation("kvarn")
-    steps = KD.decode(lm.model, prompts, "f32", "f32", 0, TOKENS, ubatch=UBATCH)
+    steps = KD.decode(lm.model, prompts, CellSpec("f32", "f32", 0), TOKENS, ubatch=UBATCH)
     got = torch.as_tensor(steps["token"]).reshape(PROMPTS, TOKENS)
     assert ref.shape == got.shape and torch.equal(got, ref), (got, ref)
     # The f32 cell is within numerics noise of the baseline: same tokens, tiny KLD.
@@ -80,10 +81,10 @@ def test_bf16_cell_never_diverges_and_q2_does(smol):
 
     lm, prompts = smol
     lm.model.set_attn_implementation("kvarn")
-    b = KD.decode(lm.model, prompts, "bf16", "bf16", 0, TOKENS, ubatch=UBATCH)
+    b = KD.decode(lm.model, prompts, CellSpec("bf16", "bf16", 0), TOKENS, ubatch=UBATCH)
     s = KD.summarize_decode(b, PROMPTS, TOKENS)
     assert s["n_diverged"] == 0 and s["survival"][-1] == 1.0 and (b["kld"] == 0).all() and b["same_top"].all()
-    q = KD.decode(lm.model, prompts, "q2_0", "q2_0", 0, TOKENS, ubatch=UBATCH)
+    q = KD.decode(lm.model, prompts, CellSpec("q2_0", "q2_0", 0), TOKENS, ubatch=UBATCH)
     sq = KD.summarize_decode(q, PROMPTS, TOKENS)
     assert sq["n_diverged"] >= 1 and sq["decode_kld_mean"] > 0.01
     # before its first divergence a prompt's tokens are the bf16 run's tokens

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvarn.spec.cell import CellSpec
 import kvarn.kvcache.attention as KA
 from kvarn.run import decode as KD
 
@@ -61,8 +62,8 @@ def test_decode_shortcut_changes_no_bit(smol, cell, monkeypatch):
     decoding; every column equal with the shortcut off."""
     lm, prompts = smol
     assert prompts.shape[1] < SEAL < prompts.shape[1] + STEPS  # the seal falls inside the decode
-    fast = KD.decode(lm.model, prompts, *cell, STEPS, ubatch=128)
+    fast = KD.decode(lm.model, prompts, CellSpec(*cell), STEPS, ubatch=128)
     monkeypatch.setattr(KA, "DECODE_SPANS", False)
-    ref = KD.decode(lm.model, prompts, *cell, STEPS, ubatch=128)
+    ref = KD.decode(lm.model, prompts, CellSpec(*cell), STEPS, ubatch=128)
     for key in KD.STEP_KEYS:
         assert np.array_equal(fast[key], ref[key]), key

@@ -19,6 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import QuantizedCache
 
+from kvarn.spec.cell import CellSpec
 import kvarn.kvcache.attention as kattn
 from kvarn.spec import facts
 from kvarn import report as R
@@ -131,10 +132,10 @@ def test_memory_by_hand():
     scale/shift = 8192 + 1024 bytes, times 2 heads times K,V = 36864; overlay = 128 exact
     bf16 rows of K and V over 2 heads of 64 = 128 * 2 * 2 * 64 * 2 = 65536."""
     geom = Geometry.uniform(1, 2, 64, (None,))
-    b = kv_bytes(geom, 300, "quanto4", "quanto4", 0)
+    b = kv_bytes(geom, 300, CellSpec("quanto4", "quanto4", 0))
     assert (b.body, b.staging, b.overlay) == (36864, 0, 65536)
     # kivi2: 256*64*2/8 + 2 * 2 * 256*64/32 = 4096 + 2048 per head and role
-    assert kv_bytes(geom, 300, "kivi2", "kivi2", 0).body == 4 * 6144
+    assert kv_bytes(geom, 300, CellSpec("kivi2", "kivi2", 0)).body == 4 * 6144
 
 
 def test_library_version_is_pinned(monkeypatch):
@@ -195,7 +196,7 @@ def library_logits(model, ids, name, impl="sdpa"):
 def our_logits(model, ids, k, v):
     """Our cache model with the formats at fp32 (the tiny model's dtype, hence the library's)."""
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = KVarnCache(model.config, k, v, tail=G, tail_dtype="f32")
+    cache = KVarnCache(model.config, CellSpec(k, v, tail=G, tail_dtype="f32"))
     for layer in cache.layers:
         assert isinstance(layer, KVarnLayer) and layer.policy.tail == G
         if k != "f32":

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from kvarn.spec.cell import CellSpec
 from kvarn.spec import scoring
 
 from kvarn import cli
@@ -99,7 +100,7 @@ def _engine_logprobs(lm, ids, k, v, tail=0, ubatch=512):
     from kvarn.run import engine
 
     lm.model.set_attn_implementation("kvarn")
-    cache = engine.new_cache(lm.model, k, v, tail)
+    cache = engine.new_cache(lm.model, CellSpec(k, v, tail))
     return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(CTX))])
 
 
@@ -207,8 +208,8 @@ def _cell(base, k, v, tail, tmp_path_factory, context):
     from kvarn.weights import sources
 
     out = tmp_path_factory.mktemp(f"{k}-{v}-t{tail}")
-    s = engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, k, v, tail, base, out, text=TEXT, cache_dir=CACHE_DIR,
-                        context=context)
+    s = engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, CellSpec(k, v, tail), base, out, text=TEXT,
+                        cache_dir=CACHE_DIR, context=context)
     assert json.loads((out / "summary.json").read_text())["kld_median"] == s["kld_median"]
     # the memory keys: `packed` by default, with the geometry they came from (kvarn.budget.memory)
     from kvarn.spec.geometry import Geometry
@@ -216,7 +217,7 @@ def _cell(base, k, v, tail, tmp_path_factory, context):
 
     smol = Geometry.uniform(30, 3, 64)
     assert s["memory_accounting"] == "packed" and Geometry.from_list(s["kv_geometry"]) == smol
-    assert s["kv_total_bytes"] == kv_bytes(smol, CTX, k, v, tail).total and s["kv_staging_bytes"] == 0
+    assert s["kv_total_bytes"] == kv_bytes(smol, CTX, CellSpec(k, v, tail)).total and s["kv_staging_bytes"] == 0
     import polars as pl
 
     t = pl.read_parquet(out / "tokens.parquet")
@@ -234,7 +235,7 @@ def smol_bf16_cell(loaded, first_chunk):
     lm, ids = loaded("smollm2-135m"), first_chunk("smollm2-135m")
     lm.model.set_attn_implementation("kvarn")
     path = engine.attention_path("auto", lm.info.device, "exact")
-    cache = engine.new_cache(lm.model, "bf16", "bf16", 0, attention=path)
+    cache = engine.new_cache(lm.model, CellSpec("bf16", "bf16", 0), attention=path)
     lp = torch.cat([x.cpu() for _, x in engine.chunk_logprobs(lm.model, ids, cache, 512, scoring.scored_positions(CTX))])
     return lp, ids[CTX // 2 + 1 : CTX]
 
@@ -298,8 +299,8 @@ def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_facto
     got = {}
     for name, base in (("sparse", smol_baseline), ("dense", dense)):
         out = tmp_path_factory.mktemp(f"q8-{name}")
-        s = engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, "q8_0", "q8_0", 0, base, out, text=TEXT,
-                            cache_dir=CACHE_DIR, context=smol_context(CTX))
+        s = engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, CellSpec("q8_0", "q8_0", 0), base, out,
+                            text=TEXT, cache_dir=CACHE_DIR, context=smol_context(CTX))
         got[name] = (pl.read_parquet(out / "tokens.parquet"), s)
     assert got["sparse"][0].equals(got["dense"][0]) and got["sparse"][0]["kld"].max() > 0
     from kvarn.stats import metrics
@@ -341,8 +342,8 @@ def test_kvarn_end_to_end_reads_the_body(smol_baseline_512, tmp_path_factory, sm
     spec = ModelSpec(*SMOL)
     s = {}
     for k in ("kvarn2", "kvarn8"):
-        s[k] = engine.run_cell(spec, 512, 1, k, k, 0, smol_baseline_512, tmp_path_factory.mktemp(k), text=TEXT,
-                               cache_dir=CACHE_DIR, context=smol_context(512))
+        s[k] = engine.run_cell(spec, 512, 1, CellSpec(k, k, 0), smol_baseline_512, tmp_path_factory.mktemp(k),
+                               text=TEXT, cache_dir=CACHE_DIR, context=smol_context(512))
     for k, r in s.items():
         assert 0 < 1 - r["exact_share"] and r["exact_share"] == pytest.approx(2 / 3)  # body share 1/3
         print(f"{k}: median KLD {r['kld_median']:.3g}, mean {r['kld_mean']:.3g}, exact share {r['exact_share']:.3f}")
@@ -379,7 +380,7 @@ def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypa
 
     def run(k, v, tail):
         lm.model.set_attn_implementation("kvarn")
-        cache = engine.new_cache(lm.model, k, v, tail)
+        cache = engine.new_cache(lm.model, CellSpec(k, v, tail))
         return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ub, sc)]), cache
 
     plain = {impl: _plain_logprobs(lm, ids, impl) for impl in ("sdpa", "eager")}

@@ -78,19 +78,6 @@ def test_pair_rules():
         facts.get("kvarn4").nbytes(100, 128)
 
 
-def test_check_pair_checks_the_pair_and_the_sink():
-    """One check for a cell's K/V pair and sink: the sink a pair runs with (0 standard, 128
-    KVarN, or a standard pair's own), a mixed pair refused even without a sink."""
-    assert facts.check_pair("q4_0", "q8_0") == 0 and facts.check_pair("kvarn4", "kvarn2") == 128
-    assert facts.check_pair("q4_0", "q4_0", 128) == 128 and facts.check_pair("kvarn4", "kvarn4", 128) == 128
-    with pytest.raises(ValueError, match="mix KVarN with a standard type"):
-        facts.check_pair("kvarn4", "q4_0")
-    with pytest.raises(ValueError, match="KVarN's sink is fixed at 128"):
-        facts.check_pair("kvarn4", "kvarn4", 0)
-    with pytest.raises(ValueError, match="unknown KV cache type 'q9_0'"):
-        facts.check_pair("q4_0", "q9_0")
-
-
 def test_torch_free():
     """memory, facts, matrix and the report's data shaping import without torch."""
     code = ("import sys; import kvarn.spec.facts, kvarn.budget.memory, kvarn.plan.matrix, kvarn.spec.policy, kvarn.spec.geometry; "

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import attention_ref as AR
+from kvarn.spec.cell import CellSpec
 import kvarn.kvcache.attention as kattn
 import kvarn.kvcache.flex as kflex
 from kvarn.spec import scoring
@@ -70,7 +71,7 @@ def both_run(model, ids, k, v, tail, ubatch, sample=None, **kw):
     before = kflex.calls
     with both_paths(sample) as rec:
         model.set_attn_implementation(BOTH)
-        cache = KVarnCache(model.config, k, v, tail, attention="flex", **kw)
+        cache = KVarnCache(model.config, CellSpec(k, v, tail, **kw), attention="flex")
         for s in range(0, ids.shape[1], ubatch):
             model(ids[:, s : s + ubatch], cache=cache, kvarn_cache=cache, use_cache=True)
     n = model.config.num_hidden_layers * -(-ids.shape[1] // ubatch)
@@ -131,9 +132,9 @@ def test_decode_batch_on_flex():
     model.set_attn_implementation(kattn.ATTN_NAME)
     prompts = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(5))
     before = kflex.calls
-    a = decode(model, prompts, "f32", "f32", 0, 6, ubatch=16, attention="flex")
+    a = decode(model, prompts, CellSpec("f32", "f32", 0), 6, ubatch=16, attention="flex")
     assert kflex.calls - before == 2 * 2 * (3 + 5)  # 2 layers x 2 caches x (3 prompt ubatches + 5 steps)
-    b = decode(model, prompts, "f32", "f32", 0, 6, ubatch=16, attention="ref")
+    b = decode(model, prompts, CellSpec("f32", "f32", 0), 6, ubatch=16, attention="ref")
     assert np.array_equal(a["token"], b["token"]) and np.array_equal(a["base_token"], b["base_token"])
     np.testing.assert_allclose(a["nll_base"], b["nll_base"], rtol=1e-5)
 
@@ -154,7 +155,7 @@ def test_flex_refuses_a_mask_it_does_not_compute(monkeypatch):
     model = _gemma()
     monkeypatch.setattr(kflex, "allowed", lambda p, j, window: j <= p)
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = KVarnCache(model.config, "q4_0", "q4_0", 0, attention="flex")
+    cache = KVarnCache(model.config, CellSpec("q4_0", "q4_0", 0), attention="flex")
     with pytest.raises(RuntimeError, match="sliding-window"), torch.no_grad():
         model(_ids(model), cache=cache, kvarn_cache=cache, use_cache=True)
 
@@ -197,7 +198,7 @@ def test_attention_option_is_checked():
     with pytest.raises(ValueError, match="attention 'x' not accepted"):
         attention_path("x", "cpu", "llamacpp-cpu")
     with pytest.raises(ValueError, match="attention path 'auto' not accepted"):
-        KVarnCache(_llama().config, "q4_0", "q4_0", 0, attention="auto")
+        KVarnCache(_llama().config, CellSpec("q4_0", "q4_0", 0), attention="auto")
 
 
 # --- end to end on the embedded SmolLM2 ------------------------------------------------------
@@ -228,7 +229,7 @@ def _logprobs(lm, ids, k, v, tail, attention, ubatch=512):
     from kvarn.run import engine
 
     lm.model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = engine.new_cache(lm.model, k, v, tail, attention=attention)
+    cache = engine.new_cache(lm.model, CellSpec(k, v, tail), attention=attention)
     sc = scoring.scored_positions(ids.shape[0])
     return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, sc)])
 
@@ -300,8 +301,8 @@ def test_smollm2_bf16_cell_is_the_baseline_on_flex(smol, tmp_path):
                                attention="flex", context=context)
     assert base["attention"] == "flex" and dump.open_dump(tmp_path / "base.kvd").header["attention"] == "flex"
     before = kflex.calls
-    s = engine.run_cell(spec, ctx, 1, "bf16", "bf16", 0, tmp_path / "base.kvd", tmp_path / "cell", text=ENGINE_TEXT,
-                        cache_dir=CACHE_DIR, attention="flex", context=context)
+    s = engine.run_cell(spec, ctx, 1, CellSpec("bf16", "bf16", 0), tmp_path / "base.kvd", tmp_path / "cell",
+                        text=ENGINE_TEXT, cache_dir=CACHE_DIR, attention="flex", context=context)
     assert kflex.calls - before == 30
     assert (s["attention"], s["baseline_attention"]) == ("flex", "flex")
     assert json.loads((tmp_path / "cell" / "summary.json").read_text())["attention"] == "flex"

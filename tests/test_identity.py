@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvarn.spec.cell import CellSpec
 from kvarn.files import identity
 from paths import WIKI_TEXT
 
@@ -134,7 +135,7 @@ def tiny_run(tmp_path_factory, fetched):
 
 
 def _cell(engine, spec, base, kw, out, **over):
-    return engine.run_cell(spec, 32, 2, "q4_0", "q4_0", 0, base, out, **{**kw, **over})
+    return engine.run_cell(spec, 32, 2, CellSpec("q4_0", "q4_0", 0), base, out, **{**kw, **over})
 
 
 def test_dump_carries_every_identity_field(tiny_run):

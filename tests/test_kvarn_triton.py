@@ -133,7 +133,7 @@ def _tied_passes(tiles, bits, meta, iters):
     return a, b, ties
 
 
-def _assert_agree(tiles, bits, fast, iters=16):
+def _assert_agree(tiles, bits, fast, iters=K.ITERS):
     """fast: (payload, scale, zero, other) from the kernel, any device. Returns the
     kernel's and the reference's codes and [(tile, pass, relative imbalance gap)] of the
     tiles that kept a tied pass other than the reference's."""
@@ -172,7 +172,7 @@ def _assert_agree(tiles, bits, fast, iters=16):
     return q, q_ref, ties
 
 
-def _ref_with_pass(tiles, bits, i, k, iters=16):
+def _ref_with_pass(tiles, bits, i, k, iters=K.ITERS):
     """The reference's output with tile i quantized with pass k instead of its own."""
     a, b = (t.clone() for t in K.normalize_ref(tiles, iters))
     A, B, imb = _passes(tiles, iters)

@@ -4,6 +4,7 @@ in two plain engine runs (f32 cache vs the cell); the error is split into K and 
 
 import pytest
 import torch
+from kvarn.spec.cell import CellSpec
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
 # One xdist worker: the module fixture loads SmolLM2 once.
@@ -40,7 +41,7 @@ def _o_proj_input(lm, ids, k, v, layer=0):
 
     h = lm.model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(grab)
     try:
-        cache = engine.new_cache(lm.model, k, v, 0)
+        cache = engine.new_cache(lm.model, CellSpec(k, v, 0))
         with pytest.raises(_Captured):  # one ubatch (512 >= CTX): the whole chunk's rows
             list(engine.chunk_logprobs(lm.model, ids[0], cache, 512, scoring.scored_positions(CTX)))
     finally:
@@ -55,9 +56,9 @@ def test_layer_errors(smol):
     from kvarn.run.layer_error import layer_errors
 
     lm, ids = smol
-    zero = layer_errors(lm.model, ids, "f32", "f32", 0)
+    zero = layer_errors(lm.model, ids, CellSpec("f32", "f32", 0))
     assert zero.height == 30 and (zero["rel_err_kv"] == 0).all() and (zero["rel_err_k"] == 0).all()
-    q = layer_errors(lm.model, ids, "q4_0", "q4_0", 0, ubatch=100)
+    q = layer_errors(lm.model, ids, CellSpec("q4_0", "q4_0", 0), ubatch=100)
     assert (q["n_rows"] == CTX - 1 - CTX // 2).all() and set(q["kind"]) == {"full"}
     ref, cell = _o_proj_input(lm, ids, "f32", "f32"), _o_proj_input(lm, ids, "q4_0", "q4_0")
     direct = float(((cell - ref).norm() / ref.norm()))

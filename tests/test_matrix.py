@@ -65,7 +65,7 @@ def test_tail_label_and_family():
 
 
 def test_summary_row_adds_the_table_columns():
-    columns = kvm.cell_columns("kvarn4", "kvarn4", 0)
+    columns = kvm.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0))
     row = kvm.summary_row({"kv_total_bytes": 1000, "kv_total_bytes_tail0": 900, "kld_median": 0.1}, columns)
     assert row["family"] == "kvarn" and row["tail_label"] == "128*" and row["tail_requested"] == 0
     assert row["kv_delta_bytes_vs_tail0"] == 100 and row["cell"] == "kvarn4-kvarn4-t0"
@@ -89,12 +89,12 @@ def test_summary_row_recomputes_memory_under_the_models_accounting():
     geom = Geometry.uniform(16, 4, 256)  # Qwen 3.6 27B's attention layers
     summary = {"n_ctx": 65536, "k_type": "kvarn4", "v_type": "kvarn4", "tail": 0, "tail_dtype": "f16",
                "rot": True, "ubatch": 512, "kld_median": 0.1,
-               **summary_fields(geom, 65536, "kvarn4", "kvarn4", 0)}  # as run_cell writes it (packed)
-    row = kvm.summary_row(summary, kvm.cell_columns("kvarn4", "kvarn4", 0, "", "beellama-qwen"))
+               **summary_fields(geom, 65536, kvm.CellSpec("kvarn4", "kvarn4", 0))}  # as run_cell writes it (packed)
+    row = kvm.summary_row(summary, kvm.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0), "beellama-qwen"))
     assert row["memory_accounting"] == "beellama-qwen" and row["kv_total_bytes"] == 1184 * MIB
     assert row["kv_staging_bytes"] == 16 * MIB and row["kv_delta_bytes_vs_tail0"] == 0
     assert "kv_geometry" not in row  # per-layer lists stay in summary.json
-    row = kvm.summary_row(summary, kvm.cell_columns("kvarn4", "kvarn4", 0))
+    row = kvm.summary_row(summary, kvm.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0)))
     assert row["memory_accounting"] == "packed" and row["kv_total_bytes"] == 1136 * MIB
 
 
@@ -219,7 +219,7 @@ def test_compute_path_is_part_of_the_cell_and_its_baseline():
     ({"types": ["quanto4"], "tail": 128, "compute": "llamacpp-cpu"}, "not a llama.cpp or BeeLlama cache type"),
     ({"types": ["q4_0"], "tail": 0, "sink": 4, "compute": "llamacpp-cpu"}, "sink 4 not accepted"),
     ({"types": ["q3_0"], "tail": 0, "compute": "llamacpp-cpu"}, "K type 'q3_0' has no llama.cpp CPU kernel to emulate at tail 0"),
-    ({"types": ["q4_0"], "tail": 0, "compute": "fast"}, "cells[0].compute: 'fast'"),
+    ({"types": ["q4_0"], "tail": 0, "compute": "fast"}, "cells[0].compute: compute 'fast' not accepted"),
 ])
 def test_compute_refusals(entry, needle):
     cfg = copy.deepcopy(BASE)

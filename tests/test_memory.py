@@ -8,6 +8,7 @@ import torch
 
 from kvarn import cli
 from kvarn.formats import get_format
+from kvarn.spec.cell import CellSpec
 from kvarn.spec.geometry import Geometry, geometry_from_config
 from kvarn.budget.memory import (ACCOUNTINGS, MIB, KVBytes, bytes_table, kv_bytes, resummarize,
                           summary_fields)
@@ -48,17 +49,17 @@ def _real_body(geom, n_ctx, k_type, v_type, ubatch):
 def test_body_matches_real_buffers(pair, head_dim, one_thread):
     # a sliding layer of W 200 holds W + ubatch = 264 of the 300 tokens
     geom = Geometry.uniform(3, 2, head_dim, (None, 200, None))
-    got = kv_bytes(geom, 300, *pair, tail=0, ubatch=64)
+    got = kv_bytes(geom, 300, CellSpec(*pair, 0), ubatch=64)
     assert got.body == _real_body(geom, 300, *pair, ubatch=64) and got.staging == 0
 
 
 def test_q4_0_by_hand():
     # 300 tokens x 64/32 blocks x 18 bytes, K and V, 2 layers x 2 heads
-    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 0) == KVBytes(86400, 0, 0, 86400)
+    assert kv_bytes(TINY, 300, CellSpec("q4_0", "q4_0", 0)) == KVBytes(86400, 0, 0, 86400)
     # + 128 bf16 rows x 64 x 2 bytes, K and V, 2 layers x 2 heads
-    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 128) == KVBytes(86400, 0, 131072, 217472)
+    assert kv_bytes(TINY, 300, CellSpec("q4_0", "q4_0", 128)) == KVBytes(86400, 0, 131072, 217472)
     # f32 tail doubles the overlay
-    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 128, tail_dtype="f32").overlay == 262144
+    assert kv_bytes(TINY, 300, CellSpec("q4_0", "q4_0", 128, tail_dtype="f32")).overlay == 262144
 
 
 def test_kvarn4_by_hand():
@@ -69,11 +70,11 @@ def test_kvarn4_by_hand():
     # sink 128 + tail 128* rows at f16, K and V, 2 layers x 2 heads; the incomplete group
     # lies inside the tail, so `packed` has no staging
     overlay = 2 * 2 * 2 * (128 + 128) * 64 * 2
-    assert kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0) == KVBytes(body, 0, overlay, body + overlay)
+    assert kv_bytes(TINY, 300, CellSpec("kvarn4", "kvarn4", 0)) == KVBytes(body, 0, overlay, body + overlay)
     # tail 128* is KVarN's own baseline: asking for 0 or 128 gives the same bytes
-    assert kv_bytes(TINY, 300, "kvarn4", "kvarn4", 128) == kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0)
+    assert kv_bytes(TINY, 300, CellSpec("kvarn4", "kvarn4", 128)) == kv_bytes(TINY, 300, CellSpec("kvarn4", "kvarn4", 0))
     # tail 129 rounds up to 256
-    assert kv_bytes(TINY, 300, "kvarn4", "kvarn4", 129).overlay == 2 * 2 * 2 * (128 + 256) * 64 * 2
+    assert kv_bytes(TINY, 300, CellSpec("kvarn4", "kvarn4", 129)).overlay == 2 * 2 * 2 * (128 + 256) * 64 * 2
 
 
 def test_kvarn4_beellama_by_hand():
@@ -82,14 +83,14 @@ def test_kvarn4_beellama_by_hand():
     body = 2 * 2 * 3 * (4608 + 4736)
     staging = 256 * 2 * 2 * 64 * 2 * 2
     row = 2 * 2 * 64 * 2 * 2  # one token's K and V over both layers at f16
-    q = kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0, ubatch=64, accounting="beellama-qwen")
+    q = kv_bytes(TINY, 300, CellSpec("kvarn4", "kvarn4", 0), ubatch=64, accounting="beellama-qwen")
     assert q == KVBytes(body, staging, 256 * row, body + staging + 256 * row, "beellama-qwen")
-    g = kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0, ubatch=64, accounting="beellama-gemma")
+    g = kv_bytes(TINY, 300, CellSpec("kvarn4", "kvarn4", 0), ubatch=64, accounting="beellama-gemma")
     assert (g.body, g.staging, g.overlay) == (body, staging, 129 * row)
     # standard types: no staging; overlay N (Qwen version), N + 1 (Gemma), nothing at tail 0
-    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 100, accounting="beellama-qwen").overlay == 100 * row
-    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 100, accounting="beellama-gemma").overlay == 101 * row
-    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 0, accounting="beellama-gemma").overlay == 0
+    assert kv_bytes(TINY, 300, CellSpec("q4_0", "q4_0", 100), accounting="beellama-qwen").overlay == 100 * row
+    assert kv_bytes(TINY, 300, CellSpec("q4_0", "q4_0", 100), accounting="beellama-gemma").overlay == 101 * row
+    assert kv_bytes(TINY, 300, CellSpec("q4_0", "q4_0", 0), accounting="beellama-gemma").overlay == 0
 
 
 def test_beellama_v043_by_hand():
@@ -99,74 +100,69 @@ def test_beellama_v043_by_hand():
     tiles = 2 * (4608 + 4736)  # one 128-token group of kvarn4 records over 2 heads (test_kvarn4_by_hand)
     # kvarn4, tail 0 (128*): full layer 3 groups + 3 stage groups (sink + 2), sliding a ring of
     # ceil(264/128) = 3 groups + 2 stage groups; overlay 128 + 1 rows on each
-    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 0, ubatch=64, accounting="beellama-v043")
+    got = kv_bytes(geom, 300, CellSpec("kvarn4", "kvarn4", 0), ubatch=64, accounting="beellama-v043")
     assert got == KVBytes(2 * 3 * tiles, (3 + 2) * 128 * row, 2 * 129 * row,
                           2 * 3 * tiles + 5 * 128 * row + 2 * 129 * row, "beellama-v043")
     # tail 256: the sliding layer's tail is its window (200): no body, no stage, 201 rows;
     # the full layer keeps its records and stage, 257 rows
-    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 256, ubatch=64, accounting="beellama-v043")
+    got = kv_bytes(geom, 300, CellSpec("kvarn4", "kvarn4", 256), ubatch=64, accounting="beellama-v043")
     assert (got.body, got.staging, got.overlay) == (3 * tiles, 3 * 128 * row, (257 + 201) * row)
     # standard types: no stage; tail 0 nothing exact; a tail covering the window drops that body
     q4 = 2 * 36  # one token of q4_0 over 2 heads at D 64
-    assert kv_bytes(geom, 300, "q4_0", "q4_0", 0, ubatch=64, accounting="beellama-v043") == \
+    assert kv_bytes(geom, 300, CellSpec("q4_0", "q4_0", 0), ubatch=64, accounting="beellama-v043") == \
         KVBytes(2 * q4 * (300 + 264), 0, 0, 2 * q4 * (300 + 264), "beellama-v043")
-    got = kv_bytes(geom, 300, "q4_0", "q4_0", 128, ubatch=64, accounting="beellama-v043")
+    got = kv_bytes(geom, 300, CellSpec("q4_0", "q4_0", 128), ubatch=64, accounting="beellama-v043")
     assert (got.body, got.overlay) == (2 * q4 * (300 + 264), 2 * 129 * row)
-    got = kv_bytes(geom, 300, "q4_0", "q4_0", 200, ubatch=64, accounting="beellama-v043")
+    got = kv_bytes(geom, 300, CellSpec("q4_0", "q4_0", 200), ubatch=64, accounting="beellama-v043")
     assert (got.body, got.overlay) == (2 * q4 * 300, 2 * 201 * row)
 
 
 def test_sliding_layers_hold_window_plus_ubatch():
     geom = Geometry.uniform(2, 2, 64, (None, 200))
     # q4_0: layer 0 keeps 300 tokens, the sliding layer W + ubatch = 264
-    assert kv_bytes(geom, 300, "q4_0", "q4_0", 0, ubatch=64).body == 2 * 2 * 36 * (300 + 264)
+    assert kv_bytes(geom, 300, CellSpec("q4_0", "q4_0", 0), ubatch=64).body == 2 * 2 * 36 * (300 + 264)
     # ... or every token when n_ctx <= W + ubatch
-    assert kv_bytes(geom, 300, "q4_0", "q4_0", 0, ubatch=512).body == 2 * 2 * 36 * (300 + 300)
+    assert kv_bytes(geom, 300, CellSpec("q4_0", "q4_0", 0), ubatch=512).body == 2 * 2 * 36 * (300 + 300)
     # kvarn4: the sliding layer keeps 2 whole groups of its 264 rows, no sink, tail 128
-    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 0, ubatch=64)
+    got = kv_bytes(geom, 300, CellSpec("kvarn4", "kvarn4", 0), ubatch=64)
     assert got.body == 2 * (2 + 2) * (4608 + 4736)
     assert got.overlay == 2 * 2 * (256 + 128) * 64 * 2
     # beellama: a ring of ceil((200 + 64)/128) = 3 groups
-    assert kv_bytes(geom, 300, "kvarn4", "kvarn4", 0, ubatch=64, accounting="beellama-qwen").body == \
+    assert kv_bytes(geom, 300, CellSpec("kvarn4", "kvarn4", 0), ubatch=64, accounting="beellama-qwen").body == \
         2 * (3 + 3) * (4608 + 4736)
     # window smaller than the requested tail: the tail is capped at the window
     geom = Geometry.uniform(1, 1, 64, (100,))
-    assert kv_bytes(geom, 300, "q8_0", "q8_0", 512, ubatch=16).overlay == 2 * 100 * 64 * 2
-    got = kv_bytes(geom, 300, "kvarn4", "kvarn4", 0, ubatch=16)
+    assert kv_bytes(geom, 300, CellSpec("q8_0", "q8_0", 512), ubatch=16).overlay == 2 * 100 * 64 * 2
+    got = kv_bytes(geom, 300, CellSpec("kvarn4", "kvarn4", 0), ubatch=16)
     assert got.body == 0 and got.overlay == 2 * 100 * 64 * 2
 
 
 def test_tail_longer_than_context():
-    assert kv_bytes(TINY, 300, "q4_0", "q4_0", 1000).overlay == 2 * 2 * 2 * 300 * 64 * 2
+    assert kv_bytes(TINY, 300, CellSpec("q4_0", "q4_0", 1000)).overlay == 2 * 2 * 2 * 300 * 64 * 2
     # KVarN at 100 tokens: nothing in the body, sink and tail capped at 100 rows each
-    assert kv_bytes(TINY, 100, "kvarn4", "kvarn4", 0) == KVBytes(0, 0, 2 * 2 * 2 * 200 * 64 * 2, 2 * 2 * 2 * 200 * 64 * 2)
+    assert kv_bytes(TINY, 100, CellSpec("kvarn4", "kvarn4", 0)) == KVBytes(0, 0, 2 * 2 * 2 * 200 * 64 * 2, 2 * 2 * 2 * 200 * 64 * 2)
 
 
 def test_state_layers_count_nothing():
     # Qwen's 48 Gated DeltaNet layers have no KV cache: same bytes as 16 attention layers alone
     alone = Geometry.uniform(16, 4, 256)
     for acc in ACCOUNTINGS:
-        assert kv_bytes(QWEN, 4096, "kvarn4", "kvarn4", 0, accounting=acc) == \
-            kv_bytes(alone, 4096, "kvarn4", "kvarn4", 0, accounting=acc)
+        assert kv_bytes(QWEN, 4096, CellSpec("kvarn4", "kvarn4", 0), accounting=acc) == \
+            kv_bytes(alone, 4096, CellSpec("kvarn4", "kvarn4", 0), accounting=acc)
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="unknown KV cache type 'q9_0'"):
-        kv_bytes(TINY, 300, "q9_0", "q4_0", 0)
-    with pytest.raises(ValueError, match="mix KVarN"):
-        kv_bytes(TINY, 300, "kvarn4", "q4_0", 0)
-    with pytest.raises(ValueError, match="tail_dtype"):
-        kv_bytes(TINY, 300, "q4_0", "q4_0", 0, tail_dtype="q8_0")
-    with pytest.raises(ValueError, match="tail must be"):
-        kv_bytes(TINY, 300, "q4_0", "q4_0", -1)
+    # the cell's own options are refused by CellSpec (tests/test_cell_spec.py); a cell is all kv_bytes takes
+    with pytest.raises(TypeError, match="CellSpec"):
+        kv_bytes(TINY, 300, ("q4_0", "q4_0", 0))
     with pytest.raises(ValueError, match="n_ctx"):
-        kv_bytes(TINY, 0, "q4_0", "q4_0", 0)
+        kv_bytes(TINY, 0, CellSpec("q4_0", "q4_0", 0))
     with pytest.raises(ValueError, match="ubatch"):
-        kv_bytes(TINY, 10, "q4_0", "q4_0", 0, ubatch=0)
+        kv_bytes(TINY, 10, CellSpec("q4_0", "q4_0", 0), ubatch=0)
     with pytest.raises(ValueError, match="head dim 96"):
-        kv_bytes(Geometry.uniform(1, 1, 96, (None,)), 256, "kvarn4", "kvarn4", 0)
+        kv_bytes(Geometry.uniform(1, 1, 96, (None,)), 256, CellSpec("kvarn4", "kvarn4", 0))
     with pytest.raises(ValueError, match="unknown memory accounting 'beellama'.*packed, beellama-qwen, beellama-gemma, beellama-v043"):
-        kv_bytes(TINY, 300, "q4_0", "q4_0", 0, accounting="beellama")
+        kv_bytes(TINY, 300, CellSpec("q4_0", "q4_0", 0), accounting="beellama")
     with pytest.raises(ValueError, match="3 entries for 2 layers"):
         Geometry.uniform(2, 1, 64, (None, None, None))
 
@@ -200,7 +196,7 @@ GEMMA_FIGURES = [  # (K, V, tail, total, body as printed or None, overlay as pri
 
 @pytest.mark.parametrize("k, v, tail, total, body", QWEN_FIGURES)
 def test_study_qwen_figures_beellama(k, v, tail, total, body):
-    b = kv_bytes(QWEN, 65536, k, v, tail, ubatch=512, accounting="beellama-qwen")
+    b = kv_bytes(QWEN, 65536, CellSpec(k, v, tail), ubatch=512, accounting="beellama-qwen")
     assert b.total / MIB == pytest.approx(total, abs=0.005)
     if body is not None:
         assert (b.body + b.staging) / MIB == pytest.approx(body, abs=0.005)
@@ -208,7 +204,7 @@ def test_study_qwen_figures_beellama(k, v, tail, total, body):
 
 @pytest.mark.parametrize("k, v, tail, total, body, overlay", GEMMA_FIGURES)
 def test_study_gemma_figures_beellama(k, v, tail, total, body, overlay):
-    b = kv_bytes(GEMMA, 16384, k, v, tail, ubatch=512, accounting="beellama-gemma")
+    b = kv_bytes(GEMMA, 16384, CellSpec(k, v, tail), ubatch=512, accounting="beellama-gemma")
     assert b.total / MIB == pytest.approx(total, abs=0.005)
     if body is not None:
         assert (b.body + b.staging) / MIB == pytest.approx(body, abs=0.005)
@@ -219,24 +215,24 @@ def test_study_premiums_and_packed_reconciliation():
     """KVarN's premium over q4_0 + tail 128 (the study's section 7) under each accounting:
     the accounting decides its sign, which is why tables and figures name it."""
     def mib(geom, n, k, tail, acc):
-        return kv_bytes(geom, n, k, k, tail, accounting=acc).total / MIB
+        return kv_bytes(geom, n, CellSpec(k, k, tail), accounting=acc).total / MIB
 
     assert mib(QWEN, 65536, "kvarn4", 0, "beellama-qwen") - mib(QWEN, 65536, "q4_0", 128, "beellama-qwen") == 24
     assert mib(GEMMA, 16384, "kvarn4", 0, "beellama-gemma") - mib(GEMMA, 16384, "q4_0", 128, "beellama-gemma") \
         == pytest.approx(200.62, abs=0.005)
     # packed: no staging, sink + tail exact rows instead of BeeLlama's arenas (docs/notes/memory.md)
-    q = kv_bytes(QWEN, 65536, "kvarn4", "kvarn4", 0)
+    q = kv_bytes(QWEN, 65536, CellSpec("kvarn4", "kvarn4", 0))
     assert (q.body, q.staging, q.overlay) == (1120 * MIB, 0, 16 * MIB)  # records + 128 sink + 128 tail rows
     assert q.total == 1136 * MIB  # equals the study's *body* figure by coincidence only (16 MiB each)
     assert mib(QWEN, 65536, "kvarn4", 0, "packed") - mib(QWEN, 65536, "q4_0", 128, "packed") == -24
-    g = kv_bytes(GEMMA, 16384, "kvarn4", "kvarn4", 0)
+    g = kv_bytes(GEMMA, 16384, CellSpec("kvarn4", "kvarn4", 0))
     assert g.total / MIB == pytest.approx(798.12, abs=0.005)
-    assert kv_bytes(GEMMA, 16384, "q4_0", "q4_0", 128).total / MIB == 807.5
+    assert kv_bytes(GEMMA, 16384, CellSpec("q4_0", "q4_0", 128)).total / MIB == 807.5
 
 
 def test_summary_fields_and_recompute():
     s = {"n_ctx": 65536, "k_type": "kvarn4", "v_type": "kvarn4", "tail": 0, "tail_dtype": "f16", "rot": True,
-         "ubatch": 512, **summary_fields(QWEN, 65536, "kvarn4", "kvarn4", 0)}
+         "ubatch": 512, **summary_fields(QWEN, 65536, CellSpec("kvarn4", "kvarn4", 0))}
     assert s["memory_accounting"] == "packed" and s["kv_total_bytes"] == 1136 * MIB
     assert Geometry.from_list(json.loads(json.dumps(s["kv_geometry"]))) == QWEN  # survives summary.json
     other = resummarize(s, "beellama-qwen")
@@ -288,12 +284,12 @@ def test_cli_memory_config_dir(tmp_path, capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["-m", "no-such-model"], "--model 'no-such-model' is neither a config.json"),
     (["-m", "qwen3.6-27b", "-c", "0"], "--ctx must be a positive integer, got '0'"),
-    (["-m", "qwen3.6-27b", "-ctk", "q9_0"], "--k: unknown KV cache type 'q9_0'"),
+    (["-m", "qwen3.6-27b", "-ctk", "q9_0"], "--k q9_0: K type: unknown KV cache type 'q9_0'"),
     (["-m", "qwen3.6-27b", "-ctv", "kvarn4"], "mix KVarN with a standard type"),
-    (["-m", "qwen3.6-27b", "--tail", "-1"], "--tail must be an integer >= 0, got '-1'"),
+    (["-m", "qwen3.6-27b", "--tail", "-1"], "--tail -1: tail must be an integer >= 0, got -1"),
     (["-m", "qwen3.6-27b", "-ub", "0"], "--ubatch must be a positive integer, got '0'"),
     (["-m", "qwen3.6-27b", "--accounting", "beellama"], "invalid choice: 'beellama'"),
-    (["-m", "qwen3.6-27b", "-ctk", "kvarn4", "-ctv", "kvarn4", "--tail-dtype", "q8_0"], "invalid choice: 'q8_0'"),
+    (["-m", "qwen3.6-27b", "-ctk", "kvarn4", "-ctv", "kvarn4", "--tail-dtype", "q8_0"], "--tail-dtype q8_0: tail_dtype 'q8_0' is not accepted"),
 ])
 def test_cli_memory_bad_values_exit_2(argv, needle, capsys, tmp_path):
     base = {"-m": "qwen3.6-27b", "-c": "4096", "-ctk": "q4_0", "-ctv": "q4_0"}
@@ -320,10 +316,10 @@ def test_cli_memory_bad_config(tmp_path, capsys):
 def test_standard_sink_by_hand():
     # q4_0 with KVarN's exact tokens (sink 128, tail 128, f16): overlay = (128 + 128) rows x
     # 2 layers x 2 heads x 64 x 2 B x (K, V); a sliding layer keeps no sink.
-    b = kv_bytes(TINY, 300, "q4_0", "q4_0", 128, tail_dtype="f16", sink=128)
+    b = kv_bytes(TINY, 300, CellSpec("q4_0", "q4_0", 128, tail_dtype="f16", sink=128))
     assert b.overlay == (128 + 128) * 2 * 2 * 64 * 2 * 2 and b.body == 86400
-    assert b.overlay == kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0).overlay  # the same exact rows as KVarN's
+    assert b.overlay == kv_bytes(TINY, 300, CellSpec("kvarn4", "kvarn4", 0)).overlay  # the same exact rows as KVarN's
     slid = Geometry.uniform(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, 200))
-    assert kv_bytes(slid, 300, "q4_0", "q4_0", 128, sink=128).overlay == (256 + 128) * 2 * 64 * 2 * 2
+    assert kv_bytes(slid, 300, CellSpec("q4_0", "q4_0", 128, sink=128)).overlay == (256 + 128) * 2 * 64 * 2 * 2
     with pytest.raises(ValueError, match="KVarN's sink is fixed"):
-        kv_bytes(TINY, 300, "kvarn4", "kvarn4", 0, sink=0)
+        CellSpec("kvarn4", "kvarn4", 0, sink=0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+from kvarn.spec.cell import CellSpec
 import kvarn.kvcache.attention as kattn
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer
 from kvarn.kvcache.rows import Rows
@@ -61,7 +62,7 @@ def _gemma():
 @torch.no_grad()
 def _run(model, ids, cell, ubatch):
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = KVarnCache(model.config, *cell)
+    cache = KVarnCache(model.config, CellSpec(*cell))
     cache.reserve(ids.shape[1])
     out = [model(input_ids=ids[:, s : s + ubatch], cache=cache, kvarn_cache=cache, use_cache=True).logits[0]
            for s in range(0, ids.shape[1], ubatch)]

@@ -31,6 +31,7 @@ from transformers import (
 )
 from transformers.cache_utils import LinearAttentionLayer
 
+from kvarn.spec.cell import CellSpec
 import kvarn.kvcache.attention as kattn
 from kvarn.spec import scoring
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer
@@ -122,7 +123,7 @@ def own_logprobs(model, ids, ubatch=None):
 def cache_run(model, ids, k="f32", v="f32", tail=0, ubatch=N, hidden=False):
     """(log-probs, cache[, hidden states]) through the cache model, `ubatch` tokens at a time."""
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = KVarnCache(model.config, k, v, tail)
+    cache = KVarnCache(model.config, CellSpec(k, v, tail))
     logits, hs = [], []
     for s in range(0, ids.shape[1], ubatch):
         out = model(input_ids=ids[:, s : s + ubatch], cache=cache, kvarn_cache=cache, use_cache=True,
@@ -187,11 +188,11 @@ def test_cache_layers_follow_the_layer_types(pair):
 
 def test_summary_policy_fields():
     # No policy on linear layers; sliding layers cap the KVarN tail at their window.
-    q = KVarnCache(qwen35_config(), "kvarn4", "kvarn4", 0)
+    q = KVarnCache(qwen35_config(), CellSpec("kvarn4", "kvarn4", 0))
     assert policy_fields(q) == {"tail_eff_full": 128, "tail_eff_sliding": None, "sink": 128}
-    assert policy_fields(KVarnCache(qwen35_config(), "q4_0", "q4_0", 128)) == {
+    assert policy_fields(KVarnCache(qwen35_config(), CellSpec("q4_0", "q4_0", 128))) == {
         "tail_eff_full": 128, "tail_eff_sliding": None, "sink": 0}
-    g = KVarnCache(gemma4_config(), "kvarn4", "kvarn4", 0)
+    g = KVarnCache(gemma4_config(), CellSpec("kvarn4", "kvarn4", 0))
     assert policy_fields(g) == {"tail_eff_full": 128, "tail_eff_sliding": 32, "sink": 128}
 
 
@@ -209,7 +210,7 @@ def test_study_scale_configs_build_the_cache(name, want):
     layers, tail_sliding, shapes = want
     cfg = config_object(json.loads((REPO / "config" / "models" / f"{name}.json").read_text()))
     for k, tail in (("kvarn4", 0), ("q4_0", 128)):
-        cache = KVarnCache(cfg, k, k, tail)
+        cache = KVarnCache(cfg, CellSpec(k, k, tail))
         assert dict(Counter(type(x).__name__ for x in cache.layers)) == layers
         assert policy_fields(cache)["tail_eff_sliding"] == tail_sliding
         assert {(g.n_kv_heads, g.head_dim) for g in cache.geometry.layers if g.has_kv} == shapes
@@ -218,15 +219,15 @@ def test_study_scale_configs_build_the_cache(name, want):
 def test_image_text_configs_use_their_text_config():
     from transformers import Gemma4Config, Qwen3_5Config
 
-    q = KVarnCache(Qwen3_5Config(text_config=qwen35_config().to_dict()), "q4_0", "q4_0", 0)
+    q = KVarnCache(Qwen3_5Config(text_config=qwen35_config().to_dict()), CellSpec("q4_0", "q4_0", 0))
     assert [type(x).__name__ for x in q.layers] == (["LinearAttentionLayer"] * 3 + ["KVarnLayer"]) * 2
-    g = KVarnCache(Gemma4Config(text_config=gemma4_config().to_dict()), "q4_0", "q4_0", 0)
+    g = KVarnCache(Gemma4Config(text_config=gemma4_config().to_dict()), CellSpec("q4_0", "q4_0", 0))
     assert [p.window for p in g.policies] == [32] * 5 + [None]
 
 
 def test_head_dim_the_format_refuses_names_the_layer():
     with pytest.raises(ValueError, match=r"layer 5 \(full_attention\) has head dim 96"):
-        KVarnCache(gemma4_config(global_head_dim=96), "kvarn4", "kvarn4", 0)
+        KVarnCache(gemma4_config(global_head_dim=96), CellSpec("kvarn4", "kvarn4", 0))
 
 
 # --- (a) an f32 cache with no tail is the model's own forward -------------------------
@@ -269,7 +270,7 @@ def perturbed_logprobs(model, ids, cell, eps: float, seed: int):
     """One whole-sequence pass of `cell` with every K and V multiplied by 1 + eps * U(-1, 1)
     before the cache stores it: the cell's response to input noise of relative size eps."""
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = KVarnCache(model.config, *cell)
+    cache = KVarnCache(model.config, CellSpec(*cell))
     g = torch.Generator().manual_seed(seed)
 
     def noisy(x):
@@ -383,7 +384,7 @@ def test_reset_clears_the_linear_state(pair):
     model = pair[0]
     ids = _ids(100)
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = KVarnCache(model.config, "q4_0", "q4_0", 8)
+    cache = KVarnCache(model.config, CellSpec("q4_0", "q4_0", 8))
     with torch.no_grad():
         a = model(input_ids=ids, cache=cache, kvarn_cache=cache).logits
         cache.reset()
@@ -463,8 +464,8 @@ def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread, f
     def logprobs(cache, c):
         return torch.cat([lp for _, lp in engine.chunk_logprobs(model, ids[c], cache, 512, scored)])
 
-    fresh = logprobs(engine.new_cache(model, "bf16", "bf16", 0), 1)
-    stale_cache = engine.new_cache(model, "bf16", "bf16", 0)
+    fresh = logprobs(engine.new_cache(model, CellSpec("bf16", "bf16", 0)), 1)
+    stale_cache = engine.new_cache(model, CellSpec("bf16", "bf16", 0))
     logprobs(stale_cache, 0)
     for layer in stale_cache.layers:  # carry only the state layers over: the KV layers restart
         if isinstance(layer, KVarnLayer):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvarn.spec.cell import CellSpec
 from kvarn.run import worker
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT, REPO
 
@@ -102,8 +103,8 @@ def runs(tmp_path_factory):
             cells = {}
             for k, v, tail in CELLS:
                 d = root / mode / f"{k}-{v}-t{tail}"
-                cells[(k, v, tail)] = worker.run("cell", _spec(), CTX, 1, text=TEXT, cache_dir=CACHE_DIR, k=k, v=v,
-                                                 tail=tail, baseline=base, out_dir=d, use_worker=use)
+                cells[(k, v, tail)] = worker.run("cell", _spec(), CTX, 1, text=TEXT, cache_dir=CACHE_DIR,
+                                                 cell=CellSpec(k, v, tail), baseline=base, out_dir=d, use_worker=use)
             out[mode] = (base, b, cells)
         yield root, out
     finally:
@@ -161,7 +162,7 @@ def test_killed_worker_leaves_nothing_and_the_rerun_succeeds(runs, tmp_path, mon
     key = worker.job_key(_spec(), CTX, 1, TEXT, "auto", "auto", CACHE_DIR)
     log = worker.socket_path(worker.identity(key)).with_suffix(".log")
     monkeypatch.setenv(worker.IDLE_ENV, "60")
-    cell = dict(text=TEXT, cache_dir=CACHE_DIR, k="kvarn4", v="kvarn4", tail=0, baseline=base)
+    cell = dict(text=TEXT, cache_dir=CACHE_DIR, cell=CellSpec("kvarn4", "kvarn4", 0), baseline=base)
     result = {}
 
     def job():

@@ -99,6 +99,7 @@ def measure(name: str, source: str, n_ctx: int, device: str, dtype: str, text, d
     import torch
 
     from kvarn.run import engine
+    from kvarn.spec.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     spec = ModelSpec(name, source)
@@ -133,8 +134,7 @@ def measure(name: str, source: str, n_ctx: int, device: str, dtype: str, text, d
                     if cell is None:
                         out = engine.run_baseline(spec, n_ctx, 1, base, **common, context=ctx, attention=path)
                     else:
-                        k, v, tail = cell
-                        out = engine.run_cell(spec, n_ctx, 1, k, v, tail, base, work / f"{name}-{path}-{label}",
+                        out = engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), base, work / f"{name}-{path}-{label}",
                                               **common, context=ctx, attention=path)
                     if cuda:
                         torch.cuda.synchronize()

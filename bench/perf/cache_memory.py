@@ -65,6 +65,7 @@ def worker(spec: dict) -> dict:
     from kvarn.baseline import data
 
     from kvarn.run import engine
+    from kvarn.spec.cell import CellSpec
 
     from kvarn.weights import models, sources
 
@@ -75,7 +76,7 @@ def worker(spec: dict) -> dict:
     ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(str(TEXT))), spec["n_ctx"], 1,
                            lm.info.bos_id)[0]
     rss_loaded = _rss()
-    cache = engine.new_cache(lm.model, spec["k"], spec["v"], spec["tail"])
+    cache = engine.new_cache(lm.model, CellSpec(spec["k"], spec["v"], spec["tail"]))
     gen = engine.chunk_logprobs(lm.model, ids, cache, spec["ubatch"], scoring.scored_positions(spec["n_ctx"]))
     h, forward_s = hashlib.sha256(), 0.0
     # Its own timing loop, not kvarn.run.engine.timed: it also runs against older kvarn checkouts.

@@ -40,6 +40,7 @@ from bench import REPO, TEXT
 import kvarn.kvcache.attention as kattn  # noqa: E402
 from kvarn.baseline import data
 from kvarn.run import engine
+from kvarn.spec.cell import CellSpec  # noqa: E402
 from kvarn.weights import models, sources  # noqa: E402
 from kvarn.run import decode as kdecode  # noqa: E402
 from kvarn.files.atomic import write_text  # noqa: E402
@@ -76,7 +77,7 @@ def run_generate(model, prompts, n):
 def run_one_cache(model, prompts, n, k, v, tail, ubatch):
     """(prefill s, per-step s, tokens [P, n]) of a greedy loop through one KVarnCache."""
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = engine.new_cache(model, k, v, tail)
+    cache = engine.new_cache(model, CellSpec(k, v, tail))
     t0 = time.perf_counter()
     logits = kdecode.feed(model, prompts, cache, ubatch)
     t1 = time.perf_counter()
@@ -91,7 +92,7 @@ def run_job(model, prompts, n, k, v, tail, ubatch):
     """(prefill s of both caches, per-step s, steps) of kvarn.run.decode.decode."""
     model.set_attn_implementation(kattn.ATTN_NAME)
     timing = {}
-    steps = kdecode.decode(model, prompts, k, v, tail, n, ubatch=ubatch, timing=timing)
+    steps = kdecode.decode(model, prompts, CellSpec(k, v, tail), n, ubatch=ubatch, timing=timing)
     return timing["prefill_s"], timing["steps_s"] / (n - 1), steps
 
 

@@ -20,6 +20,7 @@ import torch
 
 from bench import TEXT
 from kvarn.spec import scoring
+from kvarn.spec.cell import CellSpec
 
 from kvarn.baseline import data, dump, encoding
 
@@ -113,15 +114,15 @@ def measure_q8_error(name: str, n_ctx: int, chunks: int, text_path: str | None, 
                          cache_dir=cache_dir)
     model, pos = ctx.loaded.model, scoring.scored_positions(n_ctx)
 
-    def run(ids, k):  # one chunk with a k/k cache at tail 0, as the engine runs a cell
+    def run(ids, cell):  # one chunk with the cell's cache, as the engine runs a cell
         with torch.inference_mode():
-            cache = engine.new_cache(model, k, k, 0)
+            cache = engine.new_cache(model, cell)
             return torch.cat([lp for _, lp in engine.chunk_logprobs(model, ids, cache, 512, pos)])
 
     ref, got = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for ids in ctx.chunk_ids:
-            base, q = run(ids, engine.BASELINE_K), run(ids, "q8_0")
+            base, q = run(ids, engine.BASELINE), run(ids, CellSpec("q8_0", "q8_0", 0))
             t = ids[pos.start + 1:pos.stop + 1]
             p = Path(tmp) / "base.kvd"
             dump.write_dump(p, {**ctx.ident, "n_chunks": 1}, [base])

@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicCache, QuantizedCache
 import kvarn.kvcache.attention as kattn
 from kvarn.spec import facts
 from kvarn.kvcache.cache import KVarnCache
+from kvarn.spec.cell import CellSpec
 from kvarn.formats import get_format
 
 G = facts.ECOSYSTEM_GROUP
@@ -69,7 +70,7 @@ def main():
         for name, (backend, bits, ak, av, qg) in facts.ECOSYSTEM_TYPES.items():
             lib = run(m, ids, QuantizedCache(backend, m.config, nbits=bits, axis_key=ak, axis_value=av,
                                              q_group_size=qg, residual_length=G))
-            cache = KVarnCache(m.config, name, name, tail=G, tail_dtype="f32")
+            cache = KVarnCache(m.config, CellSpec(name, name, G, tail_dtype="f32"))
             for layer in cache.layers:
                 layer.k_fmt, layer.v_fmt = get_format(name, "k", dtype="f32"), get_format(name, "v", dtype="f32")
             ours = run(m, ids, cache, ours=True)

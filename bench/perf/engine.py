@@ -36,6 +36,7 @@ from kvarn.spec import scoring
 from kvarn.baseline import data
 
 from kvarn.run import engine
+from kvarn.spec.cell import CellSpec  # noqa: E402
 
 from kvarn.weights import models, sources  # noqa: E402
 from kvarn.files.atomic import write_text  # noqa: E402
@@ -55,7 +56,7 @@ def cell_arg(text: str) -> tuple[str, str, int]:
 
 def forward_s(lm, ids, k, v, tail, ubatch=512, ref_norm=False) -> float:
     lm.model.set_attn_implementation("kvarn")
-    cache = engine.new_cache(lm.model, k, v, tail)
+    cache = engine.new_cache(lm.model, CellSpec(k, v, tail))
     fast = kvarn_format.normalize_fast
     if ref_norm:
         kvarn_format.normalize_fast = kvarn_format.normalize_ref

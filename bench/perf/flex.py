@@ -46,6 +46,7 @@ def _graphs() -> int:
 
 def measure(name: str, n_ctx: int, work: Path) -> dict:
     from kvarn.run import engine
+    from kvarn.spec.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     spec = ModelSpec(name, f"embedded:{name}")
@@ -63,7 +64,7 @@ def measure(name: str, n_ctx: int, work: Path) -> dict:
             if cell is None:
                 r = engine.run_baseline(spec, n_ctx, 1, base, **common, context=ctx, attention=path)
             else:
-                r = engine.run_cell(spec, n_ctx, 1, *cell, base, work / f"{name}-{path}-{label}", **common,
+                r = engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), base, work / f"{name}-{path}-{label}", **common,
                                     context=ctx, attention=path)
                 assert r["attention"] == path and r["baseline_attention"] == path
             out["runs"][(path, label)] = {"s_per_chunk": n_ctx / r["tokens_per_s"], "wall_s": r["wall_s"],
@@ -73,12 +74,12 @@ def measure(name: str, n_ctx: int, work: Path) -> dict:
     import kvarn.kvcache.attention as kattn
 
     for label, cell in RUNS[1:]:
-        r = engine.run_cell(spec, n_ctx, 1, *cell, work / f"{name}-ref.kvd", work / f"{name}-ref200-{label}",
+        r = engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), work / f"{name}-ref.kvd", work / f"{name}-ref200-{label}",
                             **common, context=ctx, attention="ref", ubatch=200)
         out["spread"][label] = {k: r[k] for k in STATS}
         block, kattn.QUERY_BLOCK = kattn.QUERY_BLOCK, 96  # every sdpa call reduces over other spans
         try:
-            r = engine.run_cell(spec, n_ctx, 1, *cell, work / f"{name}-ref.kvd", work / f"{name}-refqb96-{label}",
+            r = engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), work / f"{name}-ref.kvd", work / f"{name}-refqb96-{label}",
                                 **common, context=ctx, attention="ref")
         finally:
             kattn.QUERY_BLOCK = block

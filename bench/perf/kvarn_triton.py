@@ -122,7 +122,7 @@ def main():
         f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs (torch default {cpu_threads} threads), "
         f"CUDA: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}.",
-        "MB/s = fp32 input bytes (4 per K or V value) per second. G = 128 tokens, iters = 16.",
+        f"MB/s = fp32 input bytes (4 per K or V value) per second. G = {K.GROUP} tokens, iters = {K.ITERS}.",
         "",
         "## Torch reference (CPU)",
         "",

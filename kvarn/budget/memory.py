@@ -62,9 +62,10 @@ rerunning them (`kvarn.plan.matrix.summary_row`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvarn.spec import facts
+from kvarn.spec.cell import CellSpec
 from kvarn.spec.geometry import Geometry
 from kvarn.spec.policy import default_tail_dtype, layer_policy, pair_family
 
@@ -115,18 +116,18 @@ def _int_at_least(name: str, v, lo: int) -> int:
     return v
 
 
-def kv_bytes(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
-             tail_dtype: str | None = None, rot: bool = True, ubatch: int = 512,
-             accounting: str = DEFAULT_ACCOUNTING, sink: int | None = None) -> KVBytes:
-    """Bytes of the K and V cache of one sequence of n_ctx tokens (see the module docstring)."""
+def kv_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
+             accounting: str = DEFAULT_ACCOUNTING) -> KVBytes:
+    """Bytes of the K and V cache of one sequence of n_ctx tokens for `cell` (its types, tail,
+    tail dtype, rotation and sink; see the module docstring)."""
+    if not isinstance(cell, CellSpec):
+        raise TypeError(f"kv_bytes takes a kvarn.spec.cell.CellSpec, got {cell!r}")
     _int_at_least("n_ctx", n_ctx, 1)
     _int_at_least("ubatch", ubatch, 1)
     check_accounting(accounting)
-    k, v = facts.get(k_type), facts.get(v_type)
+    k, v, rot = facts.get(cell.k), facts.get(cell.v), cell.rot
     family = pair_family(k, v)
-    tail_dtype = tail_dtype or default_tail_dtype(k, v)
-    if tail_dtype not in facts.TAIL_DTYPES:
-        raise ValueError(f"tail_dtype must be a float type ({', '.join(facts.TAIL_DTYPES)}), got {tail_dtype!r}")
+    tail_dtype = cell.tail_dtype or default_tail_dtype(k, v)
     exact, f16 = facts.get(tail_dtype), facts.get("f16")
     group = max(k.group, v.group)
     body = staging = overlay = 0
@@ -134,7 +135,7 @@ def kv_bytes(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
         if not layer.has_kv:
             continue
         h, d, w = layer.n_kv_heads, layer.head_dim, layer.window
-        pol = layer_policy(k, v, tail, w, sink)
+        pol = layer_policy(k, v, cell.tail, w, cell.sink)
         stored = n_ctx if w is None else min(n_ctx, w + ubatch)
         row = 2 * h * exact.nbytes(1, d)  # one token's K and V over this layer's heads
         if accounting == "packed":
@@ -175,9 +176,10 @@ def bytes_table(geom: Geometry, n_ctx: int, pairs, tails=(0, 128), tail_dtype: s
     """One row per (K type, V type, tail): body/staging/overlay/total MiB and the Δ vs tail 0."""
     out = []
     for k_type, v_type in pairs:
-        base = kv_bytes(geom, n_ctx, k_type, v_type, 0, tail_dtype, rot, ubatch, accounting)
+        base = kv_bytes(geom, n_ctx, CellSpec(k_type, v_type, 0, rot=rot, tail_dtype=tail_dtype), ubatch, accounting)
         for tail in tails:
-            b = kv_bytes(geom, n_ctx, k_type, v_type, tail, tail_dtype, rot, ubatch, accounting)
+            b = kv_bytes(geom, n_ctx, CellSpec(k_type, v_type, tail, rot=rot, tail_dtype=tail_dtype), ubatch,
+                         accounting)
             out.append({
                 "k_type": k_type, "v_type": v_type, "tail": tail,
                 "tail_label": facts.tail_label(k_type, v_type, tail), "accounting": accounting,
@@ -186,13 +188,12 @@ def bytes_table(geom: Geometry, n_ctx: int, pairs, tails=(0, 128), tail_dtype: s
     return out
 
 
-def summary_fields(geom: Geometry, n_ctx: int, k_type: str, v_type: str, tail: int,
-                   tail_dtype: str | None = None, rot: bool = True, ubatch: int = 512,
-                   accounting: str = DEFAULT_ACCOUNTING, sink: int | None = None) -> dict:
+def summary_fields(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
+                   accounting: str = DEFAULT_ACCOUNTING) -> dict:
     """The memory keys of a cell's summary.json: the accounting, body/staging/overlay/total
     bytes, the total at tail 0 (for Δ) and the geometry they were computed from."""
-    b = kv_bytes(geom, n_ctx, k_type, v_type, tail, tail_dtype, rot, ubatch, accounting, sink)
-    b0 = kv_bytes(geom, n_ctx, k_type, v_type, 0, tail_dtype, rot, ubatch, accounting, sink)
+    b = kv_bytes(geom, n_ctx, cell, ubatch, accounting)
+    b0 = kv_bytes(geom, n_ctx, replace(cell, tail=0), ubatch, accounting)
     return {
         "memory_accounting": accounting,
         "kv_body_bytes": b.body,
@@ -217,8 +218,7 @@ def resummarize(summary: dict, accounting: str, where: str = "summary.json") -> 
                 f"be recomputed under {accounting!r}; rerun the cell"
             )
         return {"memory_accounting": recorded}
-    return summary_fields(
-        Geometry.from_list(summary["kv_geometry"]), int(summary["n_ctx"]), summary["k_type"], summary["v_type"],
-        int(summary["tail"]), summary.get("tail_dtype"), bool(summary.get("rot", True)),
-        int(summary.get("ubatch", 512)), accounting, summary.get("sink_requested"),
-    )
+    cell = CellSpec(summary["k_type"], summary["v_type"], int(summary["tail"]), rot=bool(summary.get("rot", True)),
+                    tail_dtype=summary.get("tail_dtype"), sink=summary.get("sink_requested"))
+    return summary_fields(Geometry.from_list(summary["kv_geometry"]), int(summary["n_ctx"]), cell,
+                          int(summary.get("ubatch", 512)), accounting)

@@ -22,7 +22,7 @@ def get_format(name: str, role: str = "k", rot: bool = True, **params):
 
     rot: llama.cpp's Hadamard pre-rotation for quantized standard types (default on, as
     llama.cpp); ignored by float types; KVarN always rotates (DESIGN §4).
-    params: format-specific knobs, e.g. iters=16 for KVarN.
+    params: format-specific knobs, e.g. iters (normalization passes) for KVarN.
     """
     if not isinstance(name, str) or name not in _FACTORIES:
         raise ValueError(f"unknown KV cache type {name!r}; accepted: {', '.join(_FACTORIES)}")

@@ -35,12 +35,12 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 import kvarn.llamacpp.compute as kcompute
 from kvarn.llamacpp.channel_order import gguf_order, gguf_qk_permuted
-from kvarn.spec.facts import KVARN_ITERS, TAIL_DTYPES
+from kvarn.spec.cell import CellSpec
 from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
 from kvarn.formats.floats import FLOAT_DTYPES
 from kvarn.spec.geometry import Geometry, geometry_from_config, text_config
-from kvarn.spec.options import ATTENTION_PATHS, BEELLAMA_KVARN_HEAD_DIMS, EXACT, LLAMACPP_CPU, check_compute, scalar_route
+from kvarn.spec.options import ATTENTION_PATHS, BEELLAMA_KVARN_HEAD_DIMS, EXACT, LLAMACPP_CPU, scalar_route
 from kvarn.spec.policy import LayerPolicy, default_tail_dtype, layer_policy
 from kvarn.kvcache.rows import Rows
 
@@ -71,7 +71,7 @@ def exact_selection(q_pos: torch.Tensor, kv_len: int, policy: LayerPolicy, kv_of
     return reads_exact(q_pos[:, None], j[None, :], policy.sink, policy.tail)
 
 
-def make_format(name: str, role: str, rot: bool = True, iters: int = KVARN_ITERS):
+def make_format(name: str, role: str, rot: bool, iters: int):
     """get_format, passing `iters` only to the formats that take it (KVarN)."""
     fmt = get_format(name, role=role, rot=rot)
     if fmt.family == "kvarn":
@@ -252,9 +252,9 @@ class KVarnLayer(CacheLayerMixin):
 
 
 class KVarnCache(Cache):
-    """A transformers Cache implementing DESIGN §2 for one model and one (K type, V type, tail) cell.
+    """A transformers Cache implementing DESIGN §2 for one model and one cell (`kvarn.spec.cell.CellSpec`).
 
-        cache = KVarnCache(model.config, "q4_0", "q4_0", tail=128)
+        cache = KVarnCache(model.config, CellSpec("q4_0", "q4_0", tail=128))
         model(ids, cache=cache, kvarn_cache=cache)   # with attn_implementation "kvarn"
 
     `attention`: "ref" (kvarn.kvcache.attention's blocked sdpa) or "flex" (kvarn.kvcache.flex, one
@@ -271,28 +271,27 @@ class KVarnCache(Cache):
     or None on a layer without a KV cache.
     """
 
-    def __init__(self, config, k_type: str, v_type: str, tail: int = 0, tail_dtype: str | None = None,
-                 rot: bool = True, iters: int = KVARN_ITERS, compute: str = EXACT, sink: int | None = None,
-                 attention: str = "ref"):
-        self.compute = check_compute(compute, k_type, v_type, tail, sink)
+    def __init__(self, config, cell: CellSpec, attention: str = "ref"):
+        if not isinstance(cell, CellSpec):
+            raise TypeError(f"KVarnCache takes a kvarn.spec.cell.CellSpec (validated once there), got {cell!r}")
+        self.cell = cell
+        self.compute = cell.compute
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention path {attention!r} not accepted; use one of {', '.join(ATTENTION_PATHS)} "
                              "(kvarn.kvcache.attention.resolve_attention turns 'auto' into one)")
         self.attention = attention  # how `kvarn.kvcache.attention` computes the exact compute path
         # `exact` keeps transformers' order (DESIGN §6b's format damage); llamacpp-cpu llama.cpp's
-        self.qk_gguf_order = compute == LLAMACPP_CPU and gguf_qk_permuted(text_config(config).model_type)
+        self.qk_gguf_order = cell.compute == LLAMACPP_CPU and gguf_qk_permuted(text_config(config).model_type)
         # llamacpp-cpu with a KVarN pair or a tail: BeeLlama's scalar route, whose arithmetic is the
         # exact path's (kvarn.spec.options.scalar_route), so its layers store and attend as exact ones
-        self.scalar_route = scalar_route(compute, k_type, v_type, tail)
+        self.scalar_route = scalar_route(cell.compute, cell.k, cell.v, cell.tail)
         layer_compute = EXACT if self.scalar_route else self.compute
-        self.k_fmt = make_format(k_type, "k", rot, iters)
-        self.v_fmt = make_format(v_type, "v", rot, iters)
+        self.k_fmt = make_format(cell.k, "k", cell.rot, cell.iters)
+        self.v_fmt = make_format(cell.v, "v", cell.rot, cell.iters)
         if self.scalar_route and self.k_fmt.group > 1 and self.qk_gguf_order:
-            raise ValueError(f"compute {LLAMACPP_CPU}: {k_type}/{v_type} on a {text_config(config).model_type} model, "
+            raise ValueError(f"compute {LLAMACPP_CPU}: {cell.k}/{cell.v} on a {text_config(config).model_type} model, "
                              "whose GGUF permutes Q/K channels: BeeLlama's KVarN tiles in that order are not emulated")
-        self.tail_dtype_name = tail_dtype or default_tail_dtype(self.k_fmt, self.v_fmt)
-        if self.tail_dtype_name not in TAIL_DTYPES:
-            raise ValueError(f"tail dtype {self.tail_dtype_name!r} not accepted; use one of {', '.join(TAIL_DTYPES)}")
+        self.tail_dtype_name = cell.tail_dtype or default_tail_dtype(self.k_fmt, self.v_fmt)
         td = FLOAT_DTYPES[self.tail_dtype_name]
         self.geometry: Geometry = geometry_from_config(config)
         self.windows = list(self.geometry.windows)
@@ -307,7 +306,7 @@ class KVarnCache(Cache):
                     raise ValueError(f"compute {LLAMACPP_CPU}: layer {i} has head dim {d}; BeeLlama's KVarN takes "
                                      f"head dims {', '.join(map(str, BEELLAMA_KVARN_HEAD_DIMS))} only")
         self.policies: list[LayerPolicy | None] = [
-            layer_policy(self.k_fmt, self.v_fmt, tail, g.window, sink) if g.has_kv else None for g in self.geometry.layers
+            layer_policy(self.k_fmt, self.v_fmt, cell.tail, g.window, cell.sink) if g.has_kv else None for g in self.geometry.layers
         ]
         state = _state_layers(config, self.geometry)
         layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, layer_compute, self.qk_gguf_order)

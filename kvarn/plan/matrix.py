@@ -37,12 +37,10 @@ from dataclasses import dataclass, field, fields, replace
 
 from kvarn.spec import facts
 from kvarn.budget.memory import ACCOUNTINGS, resummarize
-from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
-from kvarn.spec.options import ATTENTIONS, COMPUTES, DTYPES, check_compute
+from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
+from kvarn.spec.options import ATTENTIONS, DTYPES
 from kvarn.weights.sources import unpinned
 
-DEFAULT_ITERS = facts.KVARN_ITERS  # KVarN variance-normalization passes (DESIGN §4)
-TAIL_DTYPES = facts.TAIL_DTYPES
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
 SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
 ALL_CHUNKS = "all"
@@ -59,6 +57,28 @@ DECODE_RUN_DIR = "results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}"
 DECODE_DIR = DECODE_RUN_DIR + "/" + CELL_NAME
 
 MODEL_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+# What each field of the layout matches; a run directory is read back only through these.
+_RUN_DIR_RE = re.compile(r"(?:^|/)" + RUN_DIR.replace(".", r"\.").format(
+    model=f"(?P<model>{MODEL_PATTERN})", n_ctx=r"(?P<n_ctx>\d+)", chunks=f"(?P<chunks>{CHUNKS_PATTERN})") + "$")
+
+
+def parse_run_dir(path) -> dict:
+    """model, n_ctx and chunks (a count or "all") of a run directory laid out as RUN_DIR (any
+    prefix before `results/`); a path not in that layout raises ValueError naming it."""
+    m = _RUN_DIR_RE.search(str(path))
+    if m is None:
+        raise ValueError(f"{str(path)!r} is not a run directory; expected {RUN_DIR}")
+    return {"model": m["model"], "n_ctx": int(m["n_ctx"]),
+            "chunks": m["chunks"] if m["chunks"] == ALL_CHUNKS else int(m["chunks"])}
+
+
+def parse_cell_dir(path) -> tuple[dict, CellSpec]:
+    """(parse_run_dir of its run, the cell) of a cell directory laid out as CELL_DIR."""
+    p = str(path).rstrip("/")
+    run, sep, name = p.rpartition("/cells/")
+    if not sep:
+        raise ValueError(f"{p!r} is not a cell directory; expected {CELL_DIR}")
+    return parse_run_dir(run), CellSpec.from_name(name)
 
 
 class MatrixError(ValueError):
@@ -267,30 +287,28 @@ def _decode(where: str, raw, n_ctx: tuple[int, ...]) -> Decode | None:
     return d
 
 
-def _pairs(where: str, entry: dict, known: list[str]) -> list[tuple[str, str, str]]:
-    """(k, v, field) for one cells entry, checking each name against the format registry."""
-
-    def check(field_, name):
-        if name not in known:
-            raise MatrixError(f"{field_}: unknown KV cache type {name!r}; accepted: {', '.join(known)}")
-        return name
-
+def _pairs(where: str, entry: dict) -> list[tuple[str, str, dict]]:
+    """(k, v, fields) for one cells entry: `fields` names the config field of the K type ("k"),
+    the V type ("v") and the pair ("pair"), for the messages of `_cell_spec`."""
     kinds = [key for key in ("types", "k", "pairs") if key in entry]
     if kinds == ["k"] and "v" in entry:
-        ks = [check(f"{where}.k[{i}]", n) for i, n in enumerate(_as_list(entry["k"]))]
-        vs = [check(f"{where}.v[{i}]", n) for i, n in enumerate(_as_list(entry["v"]))]
-        return [(k, v, f"{where}.k/v") for k in ks for v in vs]
+        ks, vs = _as_list(entry["k"]), _as_list(entry["v"])
+        return [(k, v, {"k": f"{where}.k[{i}]", "v": f"{where}.v[{j}]", "pair": f"{where}.k/v"})
+                for i, k in enumerate(ks) for j, v in enumerate(vs)]
     if kinds == ["types"] and "v" not in entry:
-        fields = [f"{where}.types[{i}]" for i in range(len(_as_list(entry["types"])))]
-        return [(check(f, t), t, f) for f, t in zip(fields, _as_list(entry["types"]))]
+        out = []
+        for i, t in enumerate(_as_list(entry["types"])):
+            f = f"{where}.types[{i}]"
+            out.append((t, t, {"k": f, "v": f, "pair": f}))
+        return out
     if kinds == ["pairs"] and "v" not in entry:
         out = []
         for i, p in enumerate(_as_list(entry["pairs"])):
             parts = p.split("/") if isinstance(p, str) else p
+            f = f"{where}.pairs[{i}]"
             if not isinstance(parts, (list, tuple)) or len(parts) != 2:
-                raise MatrixError(f"{where}.pairs[{i}]: {p!r} is not a pair; write it 'K/V', e.g. q8_0/q4_0")
-            out.append((check(f"{where}.pairs[{i}]", parts[0]), check(f"{where}.pairs[{i}]", parts[1]),
-                        f"{where}.pairs[{i}]"))
+                raise MatrixError(f"{f}: {p!r} is not a pair; write it 'K/V', e.g. q8_0/q4_0")
+            out.append((parts[0], parts[1], {"k": f, "v": f, "pair": f}))
         return out
     raise MatrixError(f"{where}: give exactly one of 'types' (K = V), 'k' and 'v' (their product) or 'pairs' ('K/V')")
 
@@ -299,7 +317,6 @@ def expand(config: dict) -> Matrix:
     """The checked, de-duplicated cell list of a (schema-validated or raw) config."""
     models = _models(config)
     check_pinned(models, config.get("allow_unpinned", False), plan_only=True)
-    known = facts.names()
     cells: dict[Cell, None] = {}
     raw = config.get("cells")
     if not isinstance(raw, list) or not raw:
@@ -308,43 +325,21 @@ def expand(config: dict) -> Matrix:
         where = f"cells[{i}]"
         if not isinstance(entry, dict):
             raise MatrixError(f"{where}: expected a mapping, got {entry!r}")
-        opts = {**CELL_DEFAULTS, **{k: entry[k] for k in CELL_DEFAULTS if k in entry}}
-        tails = [_int(f"{where}.tail", t, 0) for t in _as_list(entry.get("tail", 0))]
-        if not isinstance(opts["rot"], bool):
-            raise MatrixError(f"{where}.rot: {opts['rot']!r} must be true or false")
-        if opts["tail_dtype"] is not None and opts["tail_dtype"] not in TAIL_DTYPES:
-            raise MatrixError(f"{where}.tail_dtype: {opts['tail_dtype']!r}; accepted: {', '.join(TAIL_DTYPES)}")
-        _int(f"{where}.iters", opts["iters"], 1)
-        if opts["sink"] is not None:
-            _int(f"{where}.sink", opts["sink"], 0)
-        if opts["compute"] not in COMPUTES:
-            raise MatrixError(f"{where}.compute: {opts['compute']!r}; accepted: {', '.join(COMPUTES)}")
+        opts = {k: entry[k] for k in CELL_DEFAULTS if k in entry}
+        tails = _as_list(entry.get("tail", 0))
         names = _as_list(entry.get("models", list(models)))
         for n in names:
             if n not in models:
                 raise MatrixError(f"{where}.models: unknown model {n!r}; defined: {', '.join(models)}")
-        for k, v, fld in _pairs(where, entry, known):
-            try:
-                fam = facts.pair_family(k, v)
-            except ValueError as e:
-                raise MatrixError(f"{fld}: {e}") from None
-            if opts["sink"] is not None:
-                try:
-                    facts.check_pair(k, v, opts["sink"])
-                except ValueError as e:
-                    raise MatrixError(f"{where}.sink: {e}") from None
-            for tail in tails:
-                try:
-                    check_compute(opts["compute"], k, v, tail, opts["sink"])
-                except ValueError as e:
-                    raise MatrixError(f"{fld}: {e}") from None
+        for k, v, flds in _pairs(where, entry):
+            specs = [_cell_spec(where, flds, k, v, tail, opts) for tail in tails]  # each checked once
             for name in names:
                 m = models[name]
                 for n_ctx in m.n_ctx:
-                    for tail in tails:
-                        if tail >= n_ctx:
-                            raise MatrixError(f"{where}.tail: {tail} must be < n_ctx {n_ctx} of model {name!r}")
-                        cells[_normalize(Cell(k, v, tail, **opts, model=name, n_ctx=n_ctx, chunks=m.chunks), fam)] = None
+                    for spec in specs:
+                        if spec.tail >= n_ctx:
+                            raise MatrixError(f"{where}.tail: {spec.tail} must be < n_ctx {n_ctx} of model {name!r}")
+                        cells[_normalize(Cell(**vars(spec), model=name, n_ctx=n_ctx, chunks=m.chunks))] = None
     for i, m in enumerate(models.values()):
         if m.decode is not None and m.decode.cells is not None:
             have = [c.name for c in cells if c.model == m.name]
@@ -355,7 +350,16 @@ def expand(config: dict) -> Matrix:
     return Matrix(models, list(cells), check_attention(config.get("attention", "auto")))
 
 
-def _normalize(cell: Cell, fam: str) -> Cell:
+def _cell_spec(where: str, flds: dict, k, v, tail, opts: dict) -> CellSpec:
+    """The CellSpec of one config cell; a refused option is a MatrixError naming its config field
+    (`flds`: the fields the K type, the V type and the pair came from)."""
+    try:
+        return CellSpec(k, v, tail, **opts)
+    except CellError as e:
+        raise MatrixError(f"{flds.get(e.field, f'{where}.{e.field}')}: {e}") from None
+
+
+def _normalize(cell: Cell) -> Cell:
     """One path per distinct run: options that cannot change the numbers are dropped.
 
     KVarN always rotates and iters only matter to KVarN; a tail dtype or sink equal to
@@ -363,28 +367,30 @@ def _normalize(cell: Cell, fam: str) -> Cell:
     """
     default_td = facts.pair_default_tail_dtype(cell.k, cell.v)
     own_sink = max(facts.get(cell.k).sink, facts.get(cell.v).sink)
+    kvarn = cell.family == "kvarn"
     return replace(cell,
                    sink=None if cell.sink == own_sink else cell.sink,
-                   rot=True if fam == "kvarn" else cell.rot,
-                   iters=cell.iters if fam == "kvarn" else DEFAULT_ITERS,
+                   rot=True if kvarn else cell.rot,
+                   iters=cell.iters if kvarn else CELL_DEFAULTS["iters"],
                    tail_dtype=None if cell.tail_dtype == default_td else cell.tail_dtype)
 
 
-def cell_columns(k: str, v: str, tail: int, opts: str = "", memory_accounting: str = "packed") -> dict:
+def cell_columns(cell: CellSpec, memory_accounting: str = "packed") -> dict:
     """What the tables need about a cell and the engine does not write.
 
     The pair's family, the requested tail and its printed label (`128*`), the cell's path
     name, the K and V numerics versions and the model's memory accounting. The workflow
-    computes these at planning time and hands them to the row job as params.
+    computes these at planning time (from the cell's path, `CellSpec.from_wildcards`) and
+    hands them to the row job as params.
     """
     return {
         "memory_accounting": memory_accounting,
-        "family": facts.pair_family(k, v),
-        "tail_requested": tail,
-        "tail_label": facts.tail_label(k, v, tail),
-        "cell": CELL_NAME.format(k=k, v=v, tail=tail, opts=opts),
-        "k_version": format_version(k, "k"),
-        "v_version": format_version(v, "v"),
+        "family": cell.family,
+        "tail_requested": cell.tail,
+        "tail_label": facts.tail_label(cell.k, cell.v, cell.tail),
+        "cell": cell.name,
+        "k_version": format_version(cell.k, "k"),
+        "v_version": format_version(cell.v, "v"),
     }
 
 

@@ -27,6 +27,7 @@ import polars as pl
 
 from kvarn.spec import facts
 from kvarn.spec.cell import CellSpec
+from kvarn.plan.matrix import parse_cell_dir
 from kvarn.report.migrate import migrate_summary
 
 MIB = float(1 << 20)
@@ -41,7 +42,6 @@ FORMAT_ONLY_OPTS = f"-td{facts.get('kvarn4').default_tail_dtype}-s{facts.KVARN_S
 SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
 SERIES_ECOSYSTEM = "QuantizedCache backends"  # transformers' quanto, HQQ, KIVI layout (kvarn.formats.ecosystem)
 
-_RUN_RE = re.compile(r"^ctx(?P<n_ctx>\d+)-c(?P<chunks>\d+|all)$")
 
 
 def type_bits(name: str) -> int | None:
@@ -372,24 +372,16 @@ def heatmap_standard_tail(prep: pl.DataFrame) -> int | None:
 
 
 def parse_cell_path(path: str | Path) -> dict:
-    """`results/{model}/ctx{n}-c{c}/cells/{k}-{v}-t{tail}/tokens.parquet` -> the cell's keys."""
-    p = Path(path)
-    cell, run, model = p.parent.name, p.parent.parent.parent.name, p.parent.parent.parent.parent.name
-    mr = _RUN_RE.match(run)
+    """`results/{model}/ctx{n}-c{c}/cells/{k}-{v}-t{tail}{opts}/tokens.parquet` -> the cell's keys,
+    read through the matrix's one results layout (`kvarn.plan.matrix.parse_cell_dir`)."""
     try:
-        spec = CellSpec.from_name(cell)
+        run, spec = parse_cell_dir(Path(path).parent.as_posix())
     except ValueError:
-        spec = None
-    if not (spec and mr and p.parent.parent.name == "cells"):
         raise ValueError(
             f"{str(path)!r} is not a cell path; expected results/{{model}}/ctx{{n_ctx}}-c{{chunks}}/"
             "cells/{k}-{v}-t{tail}{opts}/tokens.parquet"
-        )
-    return {
-        "model": model, "n_ctx": int(mr["n_ctx"]),
-        "chunks": mr["chunks"] if mr["chunks"] == "all" else int(mr["chunks"]),
-        "k_type": spec.k, "v_type": spec.v, "tail_requested": spec.tail, "opts": spec.opts,
-    }
+        ) from None
+    return {**run, "k_type": spec.k, "v_type": spec.v, "tail_requested": spec.tail, "opts": spec.opts}
 
 
 def cell_name(k_type: str, v_type: str, tail_requested: int, tail_eff: int | None = None, opts: str = "") -> str:

@@ -16,6 +16,7 @@ import html
 import polars as pl
 
 from kvarn.report.data import accounting_of, prepare
+from kvarn.spec.cell import CellSpec
 
 #: Columns of the numeric table (the parquet), in order.
 TABLE_COLUMNS = [
@@ -62,7 +63,8 @@ def band_text(r: dict) -> str:
     parts = [r["band"]] if r.get("band") else []
     if r.get("sw_cell"):
         sign = "≈" if not r["sw_significant"] else "<" if r["sw_delta"] < 0 else ">"
-        std = r["sw_cell"].rsplit("-t", 1)[0]
+        sw = CellSpec.from_name(r["sw_cell"])
+        std = f"{sw.k}-{sw.v}{sw.opts}"  # the pair as the tables name it (kvarn.report.data.prepare's `pair`)
         parts.append(f"{sign} {std} (Δ {r['sw_delta']:+.2g} [{r['sw_lo']:+.2g}, {r['sw_hi']:+.2g}])")
     return "; ".join(parts)
 

@@ -37,8 +37,8 @@ import torch
 import kvarn
 from kvarn.stats import metrics
 from kvarn.files.atomic import atomic_path, write_text
-from kvarn.run.engine import BASELINE_K, BASELINE_V, attention_path, new_cache, setup
-from kvarn.spec.facts import KVARN_ITERS
+from kvarn.run.engine import attention_path, baseline_cell, new_cache, set_compute, setup
+from kvarn.spec.cell import CellSpec
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 STEP_KEYS = ("prompt", "step", "token", "base_token", "kld", "same_top", "nll_base")
@@ -64,10 +64,9 @@ def feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def decode(model, prompts: torch.Tensor, k: str, v: str, tail: int, n_tokens: int, tail_dtype=None, rot=True,
-           iters=KVARN_ITERS, ubatch=512, sink=None, compute="exact", attention="ref",
+def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=512, attention="ref",
            timing: dict | None = None) -> dict[str, np.ndarray]:
-    """Greedy-generate `n_tokens` per prompt with the (k, v, tail) cache, the BF16 baseline
+    """Greedy-generate `n_tokens` per prompt with the cell's cache, the BF16 baseline (on the cell's compute path)
     re-scoring the cell's text in lock step. Returns the STEP_KEYS columns, [P · n_tokens] rows
     ordered by (prompt, step). `model` must use attn_implementation "kvarn"; `attention`: the
     attention path of both caches ("ref" or "flex", `kvarn.run.engine.attention_path`).
@@ -75,8 +74,8 @@ def decode(model, prompts: torch.Tensor, k: str, v: str, tail: int, n_tokens: in
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     n_p = prompts.shape[0]
-    cell = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, attention)
-    base = new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=attention)
+    base = new_cache(model, baseline_cell(cell.compute), attention=attention)
+    cell = new_cache(model, cell, attention=attention)
     t0 = time.perf_counter()
     lc, lb = feed(model, prompts, cell, ubatch), feed(model, prompts, base, ubatch)
     t1 = time.perf_counter()
@@ -131,30 +130,31 @@ def summarize_decode(steps: dict[str, np.ndarray], n_prompts: int, n_tokens: int
     }
 
 
-def run_decode(spec, n_ctx, prompts, tokens, k, v, tail, out_dir, ubatch=512, rot=True, tail_dtype=None, iters=KVARN_ITERS,
-               sink=None, text=None, device="auto", dtype="auto", cache_dir=DEFAULT_CACHE_DIR,
-               attention="auto") -> dict:
+def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512, text=None, device="auto",
+               dtype="auto", cache_dir=DEFAULT_CACHE_DIR, attention="auto") -> dict:
     """One (cell, decode) result: out_dir/steps.parquet (STEP_KEYS) and out_dir/summary.json.
 
     `attention`: ref | flex | auto (`kvarn.kvcache.attention.resolve_attention`), recorded in the summary."""
     out_dir = Path(out_dir)
-    attention_path(attention, "cpu", "exact")  # a bad option is refused before any work
+    if not isinstance(cell, CellSpec):
+        raise TypeError(f"run_decode takes a kvarn.spec.cell.CellSpec, got {cell!r}")
+    attention_path(attention, "cpu", cell.compute)  # a bad option is refused before any work
     t0 = time.perf_counter()
     loaded, chunk_ids, ident = setup(spec, n_ctx, prompts, text, device, dtype, cache_dir)
     if chunk_ids.shape[0] < prompts:
         raise ValueError(f"decode prompts {prompts}: the text holds only {chunk_ids.shape[0]} chunks of {n_ctx} tokens")
     p_ids = decode_prompts(chunk_ids, tokens)
-    path = attention_path(attention, loaded.info.device, "exact")
+    set_compute(loaded.model, spec, cache_dir, cell.compute)
+    path = attention_path(attention, loaded.info.device, cell.compute)
     td = time.perf_counter()
-    steps = decode(loaded.model, p_ids, k, v, tail, tokens, tail_dtype=tail_dtype, rot=rot, iters=iters,
-                   ubatch=ubatch, sink=sink, attention=path)
+    steps = decode(loaded.model, p_ids, cell, tokens, ubatch=ubatch, attention=path or "ref")
     decode_s = time.perf_counter() - td
     summary = summarize_decode(steps, prompts, tokens)
     info = loaded.info
     summary.update({
         "model": info.name, "source": info.source, "revision": info.revision, "n_ctx": n_ctx,
-        "prompt_tokens": int(p_ids.shape[1]), "k_type": k, "v_type": v, "tail": tail, "rot": bool(rot),
-        "tail_dtype": tail_dtype, "iters": iters, "sink": sink, "ubatch": ubatch, "attention": path,
+        "prompt_tokens": int(p_ids.shape[1]), "k_type": cell.k, "v_type": cell.v, "tail": cell.tail,
+        "rot": cell.rot, "tail_dtype": cell.tail_dtype, "iters": cell.iters, "sink": cell.sink, "compute": cell.compute, "ubatch": ubatch, "attention": path,
         "text_sha256": ident.get("text_sha256"), "tokenizer_hash": ident.get("tokenizer_hash"), "decode_s": decode_s, "wall_s": time.perf_counter() - t0,
         "kvarn_version": kvarn.__version__, "device": info.device, "dtype": info.dtype,
     })

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,20 +27,19 @@ from kvarn.baseline.protocol import Baseline
 from kvarn.budget import memory
 from kvarn.files import identity
 from kvarn.llamacpp import llamakld
-from kvarn.spec import facts
 from kvarn.stats import metrics
 from kvarn.weights import models, sources
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.kvcache.cache import KVarnCache
 from kvarn.llamacpp.activations import set_activation_rounding
-from kvarn.spec.facts import KVARN_ITERS
+from kvarn.spec.cell import CellSpec
 from kvarn.files.identity import job_key
-from kvarn.spec.options import COMPUTE_VERSION, check_compute
+from kvarn.spec.options import COMPUTE_VERSION
 from kvarn.spec.policy import exact_share
 from kvarn.budget.preflight import preflight
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
-BASELINE_K = BASELINE_V = "bf16"
+BASELINE = CellSpec("bf16", "bf16", 0)  # the baseline is the bf16/bf16 cell at tail 0 (its compute aside)
 LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gemma's vocabulary
 
 
@@ -158,12 +158,15 @@ def timed(gen, timing: dict, key: str = "forward_s"):
         yield item
 
 
-def new_cache(model, k, v, tail, tail_dtype=None, rot=True, iters=KVARN_ITERS, compute="exact", sink=None,
-              attention="ref") -> KVarnCache:
-    """A fresh `KVarnCache` for `model` with one cell's options: what the engine makes per
-    chunk, and what the decode, layer-error and bench paths feed a model with."""
-    return KVarnCache(model.config, k, v, tail, tail_dtype=tail_dtype, rot=rot, iters=iters, compute=compute,
-                      sink=sink, attention=attention)
+def new_cache(model, cell: CellSpec, attention: str = "ref") -> KVarnCache:
+    """A fresh `KVarnCache` for `model` and one cell: what the engine makes per chunk, and
+    what the decode, layer-error and bench paths feed a model with."""
+    return KVarnCache(model.config, cell, attention=attention)
+
+
+def baseline_cell(compute: str = "exact") -> CellSpec:
+    """The baseline's cell (bf16 K and V, tail 0) on a compute path."""
+    return replace(BASELINE, compute=compute)
 
 
 def attention_path(attention: str, device: str, compute: str) -> str | None:
@@ -209,7 +212,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     file (kvarn.llamacpp.llamakld), so llama-perplexity can score against our baseline.
     Returns the dump header (identity fields, vocab size, timing).
     """
-    check_compute(compute, BASELINE_K, BASELINE_V, 0)
+    cell = baseline_cell(compute)  # validates the compute path
     kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
 
     out = Path(out)
@@ -226,7 +229,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         # The chunk's log-probs a LOGIT_ROWS slice at a time, straight to the writer: the host
         # never holds a whole chunk (32 GB at Qwen 3.6's 64k). Only the forward (and the copy
         # to the host, which waits for it) is timed, not the writer.
-        cache = new_cache(model, BASELINE_K, BASELINE_V, 0, compute=compute, attention=path or "ref")
+        cache = new_cache(model, cell, attention=path or "ref")
         return timed((lp.cpu() for _, lp in chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)), timing)
 
     def blocks():
@@ -239,9 +242,9 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         "vocab_size": info.vocab_size,
         "scored_start": scored.start,
         "scored_stop": scored.stop,
-        "k_type": BASELINE_K,
-        "v_type": BASELINE_V,
-        "tail": 0,
+        "k_type": cell.k,
+        "v_type": cell.v,
+        "tail": cell.tail,
         "ubatch": ubatch,
         "compute": compute,
         "compute_version": COMPUTE_VERSION[compute],
@@ -273,13 +276,10 @@ def policy_fields(cache: KVarnCache) -> dict:
     }
 
 
-def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot=True, tail_dtype=None,
-             iters=KVARN_ITERS, text=None, device="auto", dtype="auto", cache_dir=DEFAULT_CACHE_DIR,
-             compute="exact", accounting="packed", sink=None, context=None, attention="auto") -> dict:
-    """One cache config against the baseline dump; writes out_dir/tokens.parquet and summary.json.
-
-    `sink`: exact leading tokens on full-attention layers; None = the pair's own (0
-    standard, 128 KVarN); a standard pair may take another (kvarn.spec.policy.check_sink).
+def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512, text=None, device="auto",
+             dtype="auto", cache_dir=DEFAULT_CACHE_DIR, accounting="packed", context=None, attention="auto") -> dict:
+    """One cell (`kvarn.spec.cell.CellSpec`: types, tail, options, all validated there) against
+    the baseline dump; writes out_dir/tokens.parquet and summary.json.
 
     `context`: a loaded `Context` of the same job arguments (kvarn.run.worker), else loads now.
 
@@ -287,7 +287,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     compute path's attention is computed: the same numbers at fp32 noise, so not part of
     the cell's path; the summary records the path taken (`attention`) and the baseline's.
 
-    `compute` (kvarn.llamacpp.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
+    `cell.compute` (kvarn.llamacpp.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
     with the same. `baseline` may also be llama-perplexity's --kl-divergence-base file
     (kvarn.llamacpp.llamakld), checked against our tokens.
 
@@ -295,9 +295,10 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     the KV bytes under the memory `accounting` of kvarn.budget.memory, with the geometry they
     came from, so another accounting can be computed later without a rerun).
     """
-    check_compute(compute, k, v, tail, sink)
+    if not isinstance(cell, CellSpec):
+        raise TypeError(f"run_cell takes a kvarn.spec.cell.CellSpec, got {cell!r}")
+    compute = cell.compute
     kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
-    facts.check_pair(k, v, sink)  # a mixed pair or a bad sink is refused before any work
     out_dir = Path(out_dir)
     memory.check_accounting(accounting)
     t0 = time.perf_counter()
@@ -308,8 +309,8 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
     path = attention_path(attention, info.device, compute)
-    # Validates the types, the tail and the pair before any work is done.
-    probe = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink)
+    # Checks the types' head dims against the model before any work is done.
+    probe = new_cache(model, cell)
     if base is None:
         base = llamakld.open_llama_kld(baseline, chunk_ids, n_ctx, info.vocab_size)
     else:
@@ -323,8 +324,8 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
     cols = {key: [] for key in metrics.PER_TOKEN_KEYS}
     chunk_col, pos_col = [], []
     timing = {"forward_s": 0.0}
-    for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {k}/{v} tail {tail}", chunk_ids.shape[0]):
-        cache = new_cache(model, k, v, tail, tail_dtype, rot, iters, compute, sink, path or "ref")
+    for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {cell.k}/{cell.v} tail {cell.tail}", chunk_ids.shape[0]):
+        cache = new_cache(model, cell, path or "ref")
         targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
         for a, lp in timed(chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored), timing):
             b = a + lp.shape[0]
@@ -341,8 +342,7 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         **{key: np.concatenate(cols[key]) for key in metrics.PER_TOKEN_KEYS},
     })
     summary = metrics.summarize(frame)
-    kv = memory.summary_fields(info.geometry, n_ctx, k, v, tail, tail_dtype=probe.tail_dtype_name, rot=rot,
-                               ubatch=ubatch, accounting=accounting, sink=sink)
+    kv = memory.summary_fields(info.geometry, n_ctx, cell, ubatch=ubatch, accounting=accounting)
     n_tok = int(chunk_ids.numel())
     summary.update({
         "model": info.name,
@@ -351,15 +351,15 @@ def run_cell(spec, n_ctx, chunks, k, v, tail, baseline, out_dir, ubatch=512, rot
         "n_ctx": n_ctx,
         "chunks": int(chunk_ids.shape[0]),
         "ubatch": ubatch,
-        "k_type": k,
-        "v_type": v,
-        "rot": bool(rot),
-        "tail": tail,
-        "sink_requested": sink,
+        "k_type": cell.k,
+        "v_type": cell.v,
+        "rot": cell.rot,
+        "tail": cell.tail,
+        "sink_requested": cell.sink,
         **policy_fields(probe),
         "exact_share": exact_share(probe.kv_policies, n_ctx),
         "tail_dtype": probe.tail_dtype_name,
-        "iters": iters,
+        "iters": cell.iters,
         "compute": compute,
         "compute_version": COMPUTE_VERSION[compute],
         "attention": path,

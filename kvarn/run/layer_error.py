@@ -21,9 +21,11 @@ import torch
 import kvarn.kvcache.attention as kattn
 from kvarn.spec import scoring
 from kvarn.run.engine import new_cache
-from kvarn.spec.facts import KVARN_ITERS
+from kvarn.spec.cell import CellSpec
+from kvarn.spec.options import EXACT
 
 VARIANTS = ("kv", "k", "v")  # both quantized (the cell), K only, V only
+REFERENCE = CellSpec("f32", "f32", 0)  # the fp32 copy every variant is compared with
 
 
 class _Probe:
@@ -83,10 +85,15 @@ def _tee(cell, ref):
 
 
 @torch.inference_mode()
-def layer_errors(model, chunk_ids: torch.Tensor, k: str, v: str, tail: int, tail_dtype=None, rot=True, iters=KVARN_ITERS,
-                 sink=None, ubatch=512):
+def layer_errors(model, chunk_ids: torch.Tensor, cell: CellSpec, ubatch=512):
     """polars DataFrame, one row per attention layer: layer, kind ("sliding"/"full"), window,
-    rel_err_kv, rel_err_k, rel_err_v (relative L2 error of the attention output), n_rows."""
+    rel_err_kv, rel_err_k, rel_err_v (relative L2 error of the attention output), n_rows.
+    The probe compares exact attention outputs: the cell's compute path must be exact."""
+    if not isinstance(cell, CellSpec):
+        raise TypeError(f"layer_errors takes a kvarn.spec.cell.CellSpec, got {cell!r}")
+    if cell.compute != EXACT:
+        raise ValueError(f"layer errors are measured on the exact compute path; cell {cell.name} has compute "
+                         f"{cell.compute!r}")
     _register()
     model.set_attn_implementation(PROBE_NAME)
     try:
@@ -95,16 +102,16 @@ def layer_errors(model, chunk_ids: torch.Tensor, k: str, v: str, tail: int, tail
         device = next(model.parameters()).device
         probe = None
         for c in range(chunk_ids.shape[0]):
-            cell = new_cache(model, k, v, tail, tail_dtype, rot, iters, sink=sink)
-            ref = new_cache(model, "f32", "f32", 0)
-            _tee(cell, ref)
+            cache = new_cache(model, cell)
+            ref = new_cache(model, REFERENCE)
+            _tee(cache, ref)
             if probe is None:
-                probe = _Probe(ref, len(cell.layers), scored)
-                windows = cell.windows
+                probe = _Probe(ref, len(cache.layers), scored)
+                windows = cache.windows
             probe.ref = ref
             ids = chunk_ids[c].to(device)
             for start in range(0, n_ctx, ubatch):
-                model(input_ids=ids[None, start : start + ubatch], cache=cell, kvarn_cache=cell, kvarn_probe=probe,
+                model(input_ids=ids[None, start : start + ubatch], cache=cache, kvarn_cache=cache, kvarn_probe=probe,
                       use_cache=True, logits_to_keep=1)
     finally:
         model.set_attn_implementation(kattn.ATTN_NAME)

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import kvarn
 from kvarn.files.identity import job_key
+from kvarn.spec.cell import CellSpec
 from kvarn.weights.sources import DEFAULT_CACHE_DIR, ModelSpec
 from kvarn.files.workerfiles import DIR_ENV, SOCKET_ENV, held_path, socket_dir
 
@@ -128,8 +129,10 @@ def run(kind: str, spec, n_ctx: int, chunks: int, *, text=None, device="auto", d
         return fn(spec, n_ctx, chunks, **common, **kwargs)
     key = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     ident = identity(key, files)
-    # paths absolute: the worker may have been started from another working directory
-    request = {"kind": kind, "identity": ident, "kwargs": {k: (str(Path(v).resolve()) if isinstance(v, Path) else v)
+    # paths absolute: the worker may have been started from another working directory; a cell
+    # travels as its one encoding (CellSpec.name), read back with CellSpec.from_name
+    request = {"kind": kind, "identity": ident, "kwargs": {k: (str(Path(v).resolve()) if isinstance(v, Path)
+                                                              else v.name if isinstance(v, CellSpec) else v)
                                                           for k, v in kwargs.items()}}
     return request_reply(socket_path(ident), ident, request)
 
@@ -386,6 +389,8 @@ def _handle(conn, f, ident: dict, context):
         args = (spec, k["n_ctx"], k["chunks"])
         common = dict(text=k["text"], device=k["device"], dtype=k["dtype"], cache_dir=k["cache_dir"])
         kwargs = dict(req["kwargs"])
+        if "cell" in kwargs:
+            kwargs["cell"] = CellSpec.from_name(kwargs["cell"])
         if context is None:
             t0 = time.perf_counter()
             context = _load_context(engine, args, common, kwargs.get("ubatch", 512))
@@ -394,7 +399,7 @@ def _handle(conn, f, ident: dict, context):
         fn = engine.run_cell if req["kind"] == "cell" else engine.run_baseline
         t0 = time.perf_counter()
         result = fn(*args, **common, context=context, **kwargs)
-        what = " ".join(str(kwargs[k]) for k in ("k", "v", "tail") if k in kwargs)
+        what = kwargs["cell"].name if "cell" in kwargs else ""
         print(f"served {req['kind']} {what} in {time.perf_counter() - t0:.1f}s", flush=True)
         reply = {"ok": True, "result": result}
     except Exception as e:  # the job script raises it; the worker stays up for the next request

@@ -1,11 +1,16 @@
-"""A cell's identity and its one path encoding, torch-free (DESIGN §7).
+"""A cell's identity, its one check and its one path encoding, torch-free (DESIGN §7).
 
 A cell is a K type, a V type, a requested tail and the run options that change its numbers
 (rotation, the exact copy's dtype, KVarN's normalization passes, a sink, the compute path).
+`CellSpec` holds them; constructing one validates every option (`CellSpec.validate`, the
+one place each is checked: the CLI, the matrix, the workflow, the engine, the cache,
+decode, layer error and memory take a CellSpec instead of re-checking keyword lists).
+
 Its directory name is `{k}-{v}-t{tail}{opts}` with the options that differ from the
 defaults as path tokens, in one order: `-norot`, `-td{dtype}`, `-i{iters}`, `-s{sink}`,
-`-llamacpp_cpu`. `CellSpec.name` writes it and `CellSpec.from_name` reads it back: the
-matrix, the workflow's wildcards and the report use these, nothing else parses a cell name.
+`-llamacpp_cpu`. `CellSpec.name` writes it and `CellSpec.from_name` (or `from_wildcards`,
+the workflow's {k}, {v}, {tail}, {opts}) reads it back: the matrix, the workflow, the
+worker's requests and the report use these, nothing else builds or parses a cell name.
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import MISSING, dataclass, fields
 
-from kvarn.spec.facts import KVARN_ITERS
-from kvarn.spec.options import COMPUTES, DEFAULT_COMPUTE
+from kvarn.spec import facts, policy
+from kvarn.spec.options import COMPUTES, DEFAULT_COMPUTE, check_compute
 
 CELL_NAME = "{k}-{v}-t{tail}{opts}"
 # Wildcard patterns: a type name has no "-", so a cell name parses one way.
@@ -24,11 +29,26 @@ _NAME_RE = re.compile(rf"(?P<k>{TYPE_PATTERN})-(?P<v>{TYPE_PATTERN})-t(?P<tail>[
 _OPT_RE = re.compile(r"-(?:(?P<norot>norot)|td(?P<td>[a-z0-9]+)|i(?P<iters>[0-9]+)|s(?P<sink>[0-9]+)|(?P<cpu>llamacpp_cpu))")
 
 
+class CellError(ValueError):
+    """A cell option that `CellSpec.validate` refuses. `field` is the CellSpec field (or
+    "pair" for the K/V combination), `value` the value given; the message names the value
+    and what is accepted. Entry points prefix their own name for the field (the matrix
+    `cells[i].sink`, the CLI `--sink`)."""
+
+    def __init__(self, field: str, value, message: str):
+        super().__init__(message)
+        self.field, self.value = field, value
+
+
 def compute_suffix(compute: str) -> str:
     """The path token of a compute path: '' for exact, '-llamacpp_cpu' for llamacpp-cpu."""
     if compute not in COMPUTES:
         raise ValueError(f"compute {compute!r} is not one of {', '.join(COMPUTES)}")
     return "" if compute == DEFAULT_COMPUTE else "-" + compute.replace("-", "_")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -38,22 +58,65 @@ class CellSpec:
     tail: int
     rot: bool = True
     tail_dtype: str | None = None  # None: the family's default (bf16 standard, f16 KVarN)
-    iters: int = KVARN_ITERS
+    iters: int = facts.KVARN_ITERS  # KVarN's variance-normalization passes
     sink: int | None = None  # None: the pair's own (0 standard, 128 KVarN)
     compute: str = DEFAULT_COMPUTE  # kvarn.llamacpp.compute: "exact" | "llamacpp-cpu"
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Every check of a cell's options, in one place; a CellError names the value and
+        what is accepted. Called on construction, so a CellSpec in hand is a valid one."""
+        for role, t in (("k", self.k), ("v", self.v)):
+            if not isinstance(t, str) or t not in facts.FACTS:
+                raise CellError(role, t, f"{role.upper()} type: unknown KV cache type {t!r}; accepted: "
+                                         f"{', '.join(facts.FACTS)}")
+        kf, vf = facts.get(self.k), facts.get(self.v)
+        try:
+            policy.pair_family(kf, vf)
+        except ValueError as e:
+            raise CellError("pair", f"{self.k}/{self.v}", str(e)) from None
+        if not _is_int(self.tail) or self.tail < 0:
+            raise CellError("tail", self.tail, f"tail must be an integer >= 0, got {self.tail!r}")
+        if not isinstance(self.rot, bool):
+            raise CellError("rot", self.rot, f"rot must be true or false, got {self.rot!r}")
+        if self.tail_dtype is not None and self.tail_dtype not in facts.TAIL_DTYPES:
+            raise CellError("tail_dtype", self.tail_dtype, f"tail_dtype {self.tail_dtype!r} is not accepted; use "
+                                                           f"one of {', '.join(facts.TAIL_DTYPES)} (or none: the pair's own)")
+        if not _is_int(self.iters) or self.iters < 1:
+            raise CellError("iters", self.iters, f"iters must be an integer >= 1 (KVarN's normalization "
+                                                 f"passes; default {facts.KVARN_ITERS}), got {self.iters!r}")
+        if self.sink is not None:
+            own = policy.default_sink(kf, vf)
+            if not _is_int(self.sink) or self.sink < 0:
+                raise CellError("sink", self.sink, f"sink must be an integer >= 0 (or none: the pair's own, "
+                                                   f"{own}), got {self.sink!r}")
+            if policy.pair_family(kf, vf) == "kvarn" and self.sink != own:
+                raise CellError("sink", self.sink, f"sink {self.sink} for {self.k}/{self.v}: KVarN's sink is fixed at "
+                                                   f"{own} (a sink is an option of the standard types only)")
+        try:
+            check_compute(self.compute, self.k, self.v, self.tail, self.sink)
+        except ValueError as e:
+            raise CellError("compute", self.compute, str(e)) from None
+
+    @property
+    def family(self) -> str:
+        """The pair's family: 'kvarn', 'ecosystem' or 'standard' (kvarn.spec.policy.pair_family)."""
+        return facts.pair_family(self.k, self.v)
 
     @property
     def opts(self) -> str:
         """The non-default options as path tokens, in their one order."""
         return (("" if self.rot else "-norot")
                 + (f"-td{self.tail_dtype}" if self.tail_dtype else "")
-                + (f"-i{self.iters}" if self.iters != KVARN_ITERS else "")
+                + (f"-i{self.iters}" if self.iters != facts.KVARN_ITERS else "")
                 + (f"-s{self.sink}" if self.sink is not None else "")
                 + compute_suffix(self.compute))
 
     @property
     def name(self) -> str:
-        """The cell's directory name, `{k}-{v}-t{tail}{opts}`."""
+        """The cell's directory name, `{k}-{v}-t{tail}{opts}`: the one encoding of a cell."""
         return CELL_NAME.format(k=self.k, v=self.v, tail=self.tail, opts=self.opts)
 
     @classmethod
@@ -64,10 +127,19 @@ class CellSpec:
             raise ValueError(f"{name!r} is not a cell name; expected {{k}}-{{v}}-t{{tail}}{{opts}}, e.g. "
                              "q4_0-q4_0-t128 or kvarn4-kvarn4-t0-s64 (opts: -norot, -td<dtype>, -i<n>, -s<n>, "
                              "-llamacpp_cpu, in that order)")
-        spec = cls(m["k"], m["v"], int(m["tail"]), **parse_opts(m["opts"]))
+        try:
+            spec = cls(m["k"], m["v"], int(m["tail"]), **parse_opts(m["opts"]))
+        except CellError as e:
+            raise CellError(e.field, e.value, f"{name!r} is not the cell name of a valid cell: {e}") from None
         if spec.name != name:
             raise ValueError(f"{name!r} is not a cell name as the matrix writes it; the same cell is {spec.name!r}")
         return spec
+
+    @classmethod
+    def from_wildcards(cls, wildcards) -> CellSpec:
+        """The cell of a workflow job from its path wildcards {k}, {v}, {tail}, {opts} (`from_name`)."""
+        return cls.from_name(CELL_NAME.format(k=wildcards.k, v=wildcards.v, tail=wildcards.tail,
+                                              opts=wildcards.opts))
 
 
 def parse_opts(opts: str) -> dict:

@@ -212,15 +212,6 @@ def pair_family(k: str, v: str) -> str:
     return policy.pair_family(get(k), get(v))
 
 
-def check_pair(k: str, v: str, sink: int | None = None) -> int:
-    """Validate a cell's K/V pair (known types, KVarN not mixed with a standard type) and its
-    sink (`kvarn.spec.policy.check_sink`); return the sink it runs with. The one check the CLI,
-    the matrix and the engine make before any work."""
-    kf, vf = get(k), get(v)
-    policy.pair_family(kf, vf)
-    return policy.check_sink(kf, vf, sink)
-
-
 def pair_default_tail_dtype(k: str, v: str) -> str:
     return policy.default_tail_dtype(get(k), get(v))
 

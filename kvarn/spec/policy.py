@@ -44,33 +44,16 @@ def default_sink(k_fmt, v_fmt) -> int:
     return max(k_fmt.sink, v_fmt.sink)
 
 
-def check_sink(k_fmt, v_fmt, sink) -> int:
-    """The sink a cell asks for: None = the pair's default. Standard types take any
-    integer >= 0 (e.g. 128, KVarN's, for a comparison that changes only the quantizer);
-    KVarN's sink is part of the format, so only its own value is accepted."""
-    own = default_sink(k_fmt, v_fmt)
-    if sink is None:
-        return own
-    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
-        raise ValueError(f"sink must be an integer >= 0, got {sink!r}")
-    if pair_family(k_fmt, v_fmt) == "kvarn" and sink != own:
-        raise ValueError(f"sink {sink} for {k_fmt.name}/{v_fmt.name}: KVarN's sink is fixed at {own} "
-                         "(a sink is an option of the standard types only)")
-    return sink
-
-
 def layer_policy(k_fmt, v_fmt, tail: int, window: int | None = None, sink: int | None = None) -> LayerPolicy:
     """The sink and effective tail one layer uses for a requested tail (and sink).
 
     Standard types: sink 0 (or `sink` when asked), tail as requested. KVarN: sink 128 on
     full-attention layers, tail max(128, roundup(tail, 128)) capped at the window. No
     sink on sliding-window layers (KVarN's rule, kept for a standard type's sink too).
+    The tail and sink are a cell's, already checked (`kvarn.spec.cell.CellSpec.validate`).
     """
-    if not isinstance(tail, int) or tail < 0:
-        raise ValueError(f"tail must be an integer >= 0, got {tail!r}")
-    pair_family(k_fmt, v_fmt)
     eff = max(k_fmt.effective_tail(tail), v_fmt.effective_tail(tail))
-    sink = check_sink(k_fmt, v_fmt, sink)
+    sink = default_sink(k_fmt, v_fmt) if sink is None else sink
     if window is not None:
         sink = 0
         eff = min(eff, window)

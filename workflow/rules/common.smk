@@ -97,13 +97,15 @@ def model_param(key):
 
 
 def cell_opt(key):
-    return lambda wildcards: kvm.parse_opts(wildcards.opts)[key]
+    """A field of the job's cell (kvarn.spec.cell.CellSpec, read from its path): a param, so a
+    changed option reruns the job."""
+    return lambda wildcards: getattr(kvm.CellSpec.from_wildcards(wildcards), key)
 
 
 def cell_baseline(wildcards):
     """The cell's baseline dump: results/.../baseline.kvd, or baseline-llamacpp_cpu.kvd for that compute path."""
     run = RUN.format(model=wildcards.model, n_ctx=wildcards.n_ctx, chunks=wildcards.chunks)
-    return kvm.baseline_path(run, kvm.parse_opts(wildcards.opts)["compute"])
+    return kvm.baseline_path(run, kvm.CellSpec.from_wildcards(wildcards).compute)
 
 
 def format_version(role):
@@ -114,8 +116,7 @@ def format_version(role):
 def cell_columns(wildcards):
     """family, tail label, versions, ... of a cell (kvarn.plan.matrix.cell_columns), from its path,
     and its model's memory accounting: changing that reruns the row jobs, not the cells."""
-    return kvm.cell_columns(wildcards.k, wildcards.v, int(wildcards.tail), wildcards.opts,
-                            MODELS[wildcards.model]["memory_accounting"])
+    return kvm.cell_columns(kvm.CellSpec.from_wildcards(wildcards), MODELS[wildcards.model]["memory_accounting"])
 
 
 # fetch_model and wikitext run these in `run:` blocks without params, not scripts: their

@@ -11,14 +11,14 @@ from _wf import model_spec, scratch, start
 start(snakemake)  # noqa: F821
 from kvarn.run import worker  # noqa: E402
 from kvarn.plan.matrix import chunks_arg  # noqa: E402
+from kvarn.spec.cell import CellSpec  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
 with scratch(out.tokens, out.summary) as tmp:  # summary.json last: its presence means done
     summary = worker.run(
-        "cell", model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), k=w.k, v=w.v, tail=int(w.tail),  # noqa: F821
-        baseline=Path(snakemake.input.baseline), out_dir=tmp, ubatch=p.ubatch, rot=p.rot,  # noqa: F821
-        tail_dtype=p.tail_dtype, iters=p.iters, sink=p.sink, text=snakemake.input.text, dtype=p.dtype,  # noqa: F821
-        compute=p.compute, attention=snakemake.config.get("attention", "auto"),  # noqa: F821  (no rerun trigger)
+        "cell", model_spec(snakemake), int(w.n_ctx), chunks_arg(w.chunks), cell=CellSpec.from_wildcards(w),  # noqa: F821
+        baseline=Path(snakemake.input.baseline), out_dir=tmp, ubatch=p.ubatch, text=snakemake.input.text,  # noqa: F821
+        dtype=p.dtype, attention=snakemake.config.get("attention", "auto"),  # noqa: F821  (no rerun trigger)
         cache_dir=Path(snakemake.input.model).parent, files=[snakemake.input.model],  # noqa: F821
     )
 print(json.dumps(summary, indent=1, default=str))

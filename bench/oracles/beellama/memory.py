@@ -155,9 +155,10 @@ def gguf_geometry(gguf: Path, cache: Path | None = None):
 def kvarn_total(geom, n_ctx: int, cell: Cell, accounting: str) -> float | str:
     """`kvarn memory -m GGUF -c N -ub 512 --tail T --accounting A`'s total MiB (or its refusal)."""
     from kvarn.budget.memory import MIB, kv_bytes
+    from kvarn.spec.cell import CellSpec
 
     try:
-        b = kv_bytes(geom, n_ctx, cell.k, cell.v, cell.tail, ubatch=512, accounting=accounting)
+        b = kv_bytes(geom, n_ctx, CellSpec(cell.k, cell.v, cell.tail), ubatch=512, accounting=accounting)
     except ValueError as e:
         return f"refused: {e}"
     return b.total / MIB

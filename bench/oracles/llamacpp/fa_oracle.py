@@ -49,6 +49,7 @@ def main() -> None:
     from kvarn.run import engine
 
     from kvarn.spec import options
+    from kvarn.spec.cell import CellSpec
     from kvarn.weights import sources
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
 
@@ -76,7 +77,7 @@ def main() -> None:
 
     compute.append_kv, compute.attention = append_spy, attention_spy
     try:
-        cache = engine.new_cache(model, a.k, a.k, 0, rot=a.rot, compute=options.LLAMACPP_CPU)
+        cache = engine.new_cache(model, CellSpec(a.k, a.k, 0, rot=a.rot, compute=options.LLAMACPP_CPU))
         with torch.inference_mode():
             model(input_ids=ctx.chunk_ids[0][None, :512], cache=cache, kvarn_cache=cache, use_cache=True,
                   logits_to_keep=torch.arange(1))

@@ -45,6 +45,7 @@ def main() -> None:
     from kvarn.run import engine
 
     from kvarn.spec import options
+    from kvarn.spec.cell import CellSpec
     from kvarn.weights import sources
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, rotate_blocks
     from kvarn.formats.registry import get_format
@@ -109,7 +110,7 @@ def main() -> None:
 
     compute.append_kv, compute.attention = append_fed, attention_fed
     try:
-        cache = engine.new_cache(model, t, t, 0, rot=rot, compute=options.LLAMACPP_CPU)
+        cache = engine.new_cache(model, CellSpec(t, t, 0, rot=rot, compute=options.LLAMACPP_CPU))
         cache.reserve(n_ctx)
         with torch.inference_mode():
             for s in range(0, n_ctx, UBATCH):

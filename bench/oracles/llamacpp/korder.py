@@ -25,7 +25,7 @@ from kvarn.llamacpp import channel_order
 
 from kvarn.run import engine
 from kvarn.weights import sources
-from kvarn.spec.facts import KVARN_ITERS
+from kvarn.spec.cell import CellSpec
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 
@@ -48,10 +48,10 @@ def main():
     chunks = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     torch.set_num_threads(1)
     orig = cache.make_format
-    cache.make_format = lambda name, role, rot=True, iters=KVARN_ITERS: (
+    cache.make_format = lambda name, role, rot, iters: (
         gguf_order(orig(name, role, rot, iters)) if role == "k" else orig(name, role, rot, iters))
-    engine.run_cell(sources.parse_model("smollm2-135m"), n_ctx, chunks, k_type, k_type, 0, base, out, rot=rot, text=str(TEXT),
-                    compute="exact", cache_dir=DEFAULT_CACHE_DIR)
+    engine.run_cell(sources.parse_model("smollm2-135m"), n_ctx, chunks, CellSpec(k_type, k_type, 0, rot=rot), base, out,
+                    text=str(TEXT), cache_dir=DEFAULT_CACHE_DIR)
     s = json.load(open(f"{out}/summary.json"))
     print(f"{k_type} rot={rot}: median {s['kld_median']:.6f} mean {s['kld_mean']:.6f}")
 

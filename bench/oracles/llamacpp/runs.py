@@ -96,11 +96,12 @@ def kvarn_baseline(model, n_ctx, chunks, mode, out: Path, llama_out: Path | None
 
 def kvarn_cell(model, n_ctx, chunks, k, rot, mode, baseline: Path, out: Path) -> dict:
     from kvarn.run import engine
+    from kvarn.spec.cell import CellSpec
     from kvarn.weights.sources import parse_model
 
     if not (out / "summary.json").is_file():
-        engine.run_cell(parse_model(model), n_ctx, chunks, k, k, 0, baseline, out, rot=rot, text=str(TEXT),
-                        compute=mode, cache_dir=str(REPO / "resources" / "models"))
+        engine.run_cell(parse_model(model), n_ctx, chunks, CellSpec(k, k, 0, rot=rot, compute=mode), baseline, out,
+                        text=str(TEXT), cache_dir=str(REPO / "resources" / "models"))
     return json.loads((out / "summary.json").read_text())
 
 

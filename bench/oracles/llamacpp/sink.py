@@ -104,6 +104,7 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     from kvarn.run import engine
 
     from kvarn.spec import options
+    from kvarn.spec.cell import CellSpec
     from kvarn.weights import sources
     from kvarn.formats.registry import get_format
 
@@ -138,8 +139,8 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     if not (out / "summary.json").is_file():
         compute.append_kv = swap
         try:
-            engine.run_cell(spec, n_ctx, chunks, k_type, k_type, 0, baseline, out, rot=rot, text=str(lc.TEXT),
-                            compute=options.LLAMACPP_CPU, cache_dir=str(REPO / "resources" / "models"))
+            engine.run_cell(spec, n_ctx, chunks, CellSpec(k_type, k_type, 0, rot=rot, compute=options.LLAMACPP_CPU),
+                            baseline, out, text=str(lc.TEXT), cache_dir=str(REPO / "resources" / "models"))
         finally:
             compute.append_kv = append_kv
         if sorted(sums) != list(range(n_layers)) or len(layer_index) != n_layers:
