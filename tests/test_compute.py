@@ -355,12 +355,16 @@ def test_llamacpp_cpu_quantizes_a_llama_models_k_in_gguf_order(kt, rot, one_thre
     assert not any(getattr(la, "qk_gguf_order", True) for la in gemma.layers)
 
 
+@pytest.mark.parametrize("rot", [False, True])
 @pytest.mark.parametrize("kt,vt,tail", [("q4_0", "q4_0", 4), ("q8_0", "q4_1", 7), ("q3_0", "q6_0", 5)])
-def test_beellama_tail_route_matches_its_reference(kt, vt, tail, one_thread):
+def test_beellama_tail_route_matches_its_reference(kt, vt, tail, rot, one_thread):
     """llamacpp-cpu with a tail is BeeLlama's `ggml_compute_forward_flash_attn_ext_tail_ref`
     (ggml/src/ggml-cpu/ops.cpp, v0.4.3): per query the body keys, then the tail's, each score a
     double-precision dot of the fp32 Q with K dequantized to fp32, one fp32 online softmax; the
-    body's K rounded in the GGUF's channel order on a llama-arch model; the tail from bf16."""
+    body's K rounded in the GGUF's channel order on a llama-arch model; the tail from bf16. With
+    rot, llama.cpp rotates Q and K (64-blocks here, in the GGUF order) and V before the cache stores
+    them (`llama-graph.cpp`), so body and tail are rounded in the rotated frame, and the output
+    is rotated back."""
     from types import SimpleNamespace
 
     from gguf.quants import GGMLQuantizationType as QTYPE
@@ -376,10 +380,11 @@ def test_beellama_tail_route_matches_its_reference(kt, vt, tail, one_thread):
     v = g.standard_normal((Hkv, L, D)).astype(F32)
     dims = dict(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D,
                 num_hidden_layers=1, intermediate_size=32, vocab_size=32)
-    cache = KVarnCache(LlamaConfig(**dims), CellSpec(kt, vt, tail, rot=False, compute="llamacpp-cpu"))
+    cache = KVarnCache(LlamaConfig(**dims), CellSpec(kt, vt, tail, rot=rot, compute="llamacpp-cpu"))
     layer, policy = cache.layers[0], cache.policies[0]
     # the path under test: BeeLlama's scalar route, exact layers, K rounded in the GGUF order
     assert cache.scalar_route and layer.compute == "exact" and layer.qk_gguf_order and policy.tail == tail
+    assert layer.exact_rotation == ({"k": 64, "v": 64} if rot else {"k": None, "v": None})
     kk, vv = torch.from_numpy(k)[None], torch.from_numpy(v)[None]
     layer.update(kk[:, :, :L - n_q], vv[:, :, :L - n_q])  # the earlier ubatch, then the queries' own
     keys, values = layer.update(kk[:, :, L - n_q:], vv[:, :, L - n_q:])
@@ -398,13 +403,16 @@ def test_beellama_tail_route_matches_its_reference(kt, vt, tail, one_thread):
     idx = channel_order.gguf_order(D).numpy()
     ref = np.zeros((H, n_q, D), F32)
     for hk in range(Hkv):
-        kb, vb = body(k[hk][:, idx], kt), body(v[hk], vt)  # K's blocks in the GGUF order
-        kt16 = torch.from_numpy(k[hk]).bfloat16().float().numpy()[:, idx]
-        vt16 = torch.from_numpy(v[hk]).bfloat16().float().numpy()
+        kg, vr = k[hk][:, idx], v[hk]  # K in the GGUF order
+        if rot:
+            kg, vr = _rot(kg, 64), _rot(vr, 64)
+        kb, vb = body(kg, kt), body(vr, vt)
+        kt16 = torch.from_numpy(kg).bfloat16().float().numpy()
+        vt16 = torch.from_numpy(vr).bfloat16().float().numpy()
         for h in range(hk * (H // Hkv), (hk + 1) * (H // Hkv)):
             for i in range(n_q):
                 p = L - n_q + i
-                qg = q[h, i][idx]
+                qg = _rot(q[h, i][idx][None], 64)[0] if rot else q[h, i][idx]
                 order = [(kb, vb, j) for j in range(p + 1) if p - j >= tail] + \
                         [(kt16, vt16, j) for j in range(p + 1) if p - j < tail]
                 M, S, acc = F32(-np.inf), F32(0), np.zeros(D, F32)
@@ -416,8 +424,10 @@ def test_beellama_tail_route_matches_its_reference(kt, vt, tail, one_thread):
                     acc = (acc * old + vs[j] * w).astype(F32)
                     S, M = F32(S * old + w), nm
                 ref[h, i] = acc / S
+    if rot:
+        ref = _rot(ref, 64)  # V's rotation undone on the output
     # the same route with K rounded in transformers' order (the exact path): the order is seen
-    exact_cache = KVarnCache(LlamaConfig(**dims), CellSpec(kt, vt, tail, rot=False))
+    exact_cache = KVarnCache(LlamaConfig(**dims), CellSpec(kt, vt, tail, rot=rot))
     el = exact_cache.layers[0]
     el.update(kk[:, :, :L - n_q], vv[:, :, :L - n_q])
     ek, ev = el.update(kk[:, :, L - n_q:], vv[:, :, L - n_q:])

@@ -39,6 +39,7 @@ from kvarn.spec.cell import CellSpec
 from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
 from kvarn.formats.floats import FLOAT_DTYPES
+from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
 from kvarn.spec.geometry import Geometry, geometry_from_config, text_config
 from kvarn.spec.options import ATTENTION_PATHS, BEELLAMA_KVARN_HEAD_DIMS, EXACT, LLAMACPP_CPU, scalar_route
 from kvarn.spec.policy import LayerPolicy, default_tail_dtype, layer_policy
@@ -107,7 +108,7 @@ class KVarnLayer(CacheLayerMixin):
     trim = True  # sliding layers forget keys no query can read (False: keep all, the tests' reference)
 
     def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype, layer_idx: int = 0,
-                 compute: str = "exact", qk_gguf_order: bool = False):
+                 compute: str = "exact", qk_gguf_order: bool = False, exact_rotation: dict | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.k_fmt, self.v_fmt, self.policy, self.tail_dtype = k_fmt, v_fmt, policy, tail_dtype
@@ -115,6 +116,9 @@ class KVarnLayer(CacheLayerMixin):
         # with Q and K in the GGUF's channel order when `qk_gguf_order` (llama arch)
         self.compute = compute
         self.qk_gguf_order = qk_gguf_order
+        # {"k": block | None, "v": block | None}: the exact copy rounded in the rotated frame
+        # (`_exact_copy`; BeeLlama's scalar route over a rotated standard cache), else None
+        self.exact_rotation = exact_rotation or {"k": None, "v": None}
         self.k_op = self.v_op = None
         self.is_sliding = policy.window is not None
         if k_fmt.group != v_fmt.group:
@@ -151,7 +155,9 @@ class KVarnLayer(CacheLayerMixin):
             hint = min(hint, self.n_ctx)
         self.rows = {"k": Rows(self._body_dtype(self.k_fmt), hint), "v": Rows(self._body_dtype(self.v_fmt), hint)}
         if self.keep_exact:
-            self.rows.update(ek=Rows(self.tail_dtype, hint), ev=Rows(self.tail_dtype, hint))
+            # rows rounded in the rotated frame and rotated back are fp32 values, no longer the tail dtype's
+            self.rows.update(**{f"e{r}": Rows(torch.float32 if self.exact_rotation[r] else self.tail_dtype, hint)
+                                for r in ("k", "v")})
 
     def _checked(self, what: str, offset: int, fn, *args) -> torch.Tensor:
         """fn(*args), a finite [b, H, n, D] tensor; a value that cannot be stored, or a
@@ -161,8 +167,22 @@ class KVarnLayer(CacheLayerMixin):
         except ValueRangeError as e:
             raise ValueError(f"{e.where(self.layer_idx, offset, what)}: {e.detail} [{e.name}]") from None
 
-    def _exact(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.tail_dtype)
+    def _exact_copy(self, role: str):
+        """The exact copy of K or V rows: the tail dtype's values. Over a rotated standard cache on
+        BeeLlama's scalar route (`exact_rotation`), the tail dtype's rounding of the rotated rows
+        (in the GGUF's channel order for a llama-arch K), rotated back in fp32: llama.cpp rotates
+        K and V before its cache stores them, the exact copy included."""
+        block = self.exact_rotation[role]
+        if block is None:
+            return lambda x: x.to(self.tail_dtype)
+
+        def rounded_rotated(x):
+            order = gguf_order(x.shape[-1], x.device) if role == "k" and self.qk_gguf_order else None
+            y = x if order is None else x[..., order]
+            y = rotate_blocks(rotate_blocks(y, block).to(self.tail_dtype).float(), block)
+            return y if order is None else y[..., torch.argsort(order)]
+
+        return rounded_rotated
 
     def _k_roundtrip(self, k: torch.Tensor) -> torch.Tensor:
         """K's body rows: rounded in transformers' channel order, or (`qk_gguf_order`, BeeLlama's
@@ -202,8 +222,8 @@ class KVarnLayer(CacheLayerMixin):
         for buf in r.values():
             buf.forget_before(min(lo, self.n_body))
         if self.keep_exact:
-            r["ek"].append(self._checked(f"K (exact, {tdn})", off, self._exact, k))
-            r["ev"].append(self._checked(f"V (exact, {tdn})", off, self._exact, v))
+            r["ek"].append(self._checked(f"K (exact, {tdn})", off, self._exact_copy("k"), k))
+            r["ev"].append(self._checked(f"V (exact, {tdn})", off, self._exact_copy("v"), v))
         if self.group == 1:
             # Standard and float types: every token is written to the body at once, from fp32.
             r["k"].append(self._checked(f"K (body, {self.k_fmt.name})", off, self._k_roundtrip, k.contiguous()))
@@ -309,10 +329,21 @@ class KVarnCache(Cache):
             layer_policy(self.k_fmt, self.v_fmt, cell.tail, g.window, cell.sink) if g.has_kv else None for g in self.geometry.layers
         ]
         state = _state_layers(config, self.geometry)
-        layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, layer_compute, self.qk_gguf_order)
+        layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, layer_compute, self.qk_gguf_order,
+                             self._exact_rotation(self.geometry.layers[i].head_dim))
                   if p is not None else state[i]
                   for i, p in enumerate(self.policies)]
         super().__init__(layers=layers)
+
+    def _exact_rotation(self, head_dim: int) -> dict | None:
+        """On BeeLlama's scalar route, the rotation blocks llama.cpp applies to a quantized K and V
+        before storing them (`attn_rot_k` / `attn_rot_v`: block types with rot), which its exact
+        copy keeps in the rotated frame; None elsewhere (the exact copy is the tail dtype's)."""
+        if not self.scalar_route:
+            return None
+        rotated = {r: f.family == "block" and f.rot for r, f in (("k", self.k_fmt), ("v", self.v_fmt))}
+        return {"k": k_rotation_block(head_dim) if rotated["k"] else None,
+                "v": V_ROTATION_BLOCK if rotated["v"] else None}
 
     @property
     def kv_policies(self) -> list[LayerPolicy]:
