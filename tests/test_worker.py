@@ -1,9 +1,9 @@
 """kvarn.run.worker: one model load for many cells, the same numbers as in-process.
 
 Fast: the switch, the identity (a changed file means another worker), the job script's
-side imports no torch. Slow (real SmolLM2 at n_ctx 384, one chunk): the baseline and
-cells through one worker equal the in-process ones bit for bit (timing fields aside), the
-model loads once; a worker killed mid-cell leaves no output and the rerun succeeds; a
+side imports no torch. Slow (real SmolLM2 at n_ctx 384, one chunk): the baseline, the
+cells and a free-running decode through one worker equal the in-process ones bit for bit
+(timing fields aside), the model loads once; a worker killed mid-cell leaves no output and the rerun succeeds; a
 request of another identity is refused.
 """
 
@@ -31,6 +31,7 @@ CTX = 384  # KVarN's body is read from p = 256 on (sink 128 + tail 128); at 256 
 TIMING = ("tokens_per_s", "wall_s")
 # a block format with a tail, KVarN (its body read: asserted), and bf16 (the baseline's own cache)
 CELLS = [("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0), ("bf16", "bf16", 0)]
+DECODE_TOKENS = 6  # a kvarn4 decode from a 378-token prompt: its body (sealed from p = 256 on) is read
 
 
 def _spec():
@@ -105,7 +106,10 @@ def runs(tmp_path_factory):
                 d = root / mode / f"{k}-{v}-t{tail}"
                 cells[(k, v, tail)] = worker.run("cell", _spec(), CTX, 1, text=TEXT, cache_dir=CACHE_DIR,
                                                  cell=CellSpec(k, v, tail), baseline=base, out_dir=d, use_worker=use)
-            out[mode] = (base, b, cells)
+            # a free-running decode of the same chunk (prompts = chunks: the same worker)
+            dec = worker.run("decode", _spec(), CTX, 1, tokens=DECODE_TOKENS, text=TEXT, cache_dir=CACHE_DIR,
+                             cell=CellSpec("kvarn4", "kvarn4", 0), out_dir=root / mode / "decode", use_worker=use)
+            out[mode] = (base, b, cells, dec)
         yield root, out
     finally:
         os.environ.pop(worker.DIR_ENV, None)
@@ -128,7 +132,7 @@ def test_worker_gives_the_same_numbers_with_one_load(runs):
     from kvarn.baseline import dump
 
     root, out = runs
-    (b0, h0, c0), (b1, h1, c1) = out["inproc"][:3], out["worker"][:3]
+    (b0, _, c0), (b1, _, c1) = out["inproc"][:3], out["worker"][:3]
     assert dump.open_dump(b0).header["chunk_sha256"] == dump.open_dump(b1).header["chunk_sha256"]
     for cell in CELLS:
         assert _strip(c0[cell]) == _strip(c1[cell]), cell
@@ -140,6 +144,21 @@ def test_worker_gives_the_same_numbers_with_one_load(runs):
     log = _worker_log(root)  # the worker path was taken: one load served the baseline and every cell
     assert log.count("loaded smollm2-135m") == 1 and log.count("served cell ") == len(CELLS), log
     assert log.count("served baseline") == 1
+
+
+@pytest.mark.slow
+def test_decode_through_the_worker_gives_the_same_numbers(runs):
+    import polars as pl
+
+    root, out = runs
+    d0, d1 = out["inproc"][3], out["worker"][3]
+    timing = ("wall_s", "decode_s")
+    assert {k: v for k, v in d0.items() if k not in timing} == {k: v for k, v in d1.items() if k not in timing}
+    assert d1["n_prompts"] == 1 and d1["n_tokens"] == DECODE_TOKENS and d1["prompt_tokens"] == CTX - DECODE_TOKENS
+    steps = [pl.read_parquet(root / m / "decode" / "steps.parquet") for m in ("inproc", "worker")]
+    assert steps[0].equals(steps[1]) and steps[0].height == DECODE_TOKENS
+    log = _worker_log(root)  # served by the worker that had loaded the model for the cells
+    assert log.count("served decode kvarn4-kvarn4-t0") == 1 and log.count("loaded smollm2-135m") == 1, log
 
 
 @pytest.mark.slow

@@ -131,16 +131,22 @@ def summarize_decode(steps: dict[str, np.ndarray], n_prompts: int, n_tokens: int
 
 
 def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512, text=None, device="auto",
-               dtype="auto", cache_dir=DEFAULT_CACHE_DIR, attention="auto") -> dict:
+               dtype="auto", cache_dir=DEFAULT_CACHE_DIR, attention="auto", context=None) -> dict:
     """One (cell, decode) result: out_dir/steps.parquet (STEP_KEYS) and out_dir/summary.json.
 
-    `attention`: ref | flex | auto (`kvarn.kvcache.attention.resolve_attention`), recorded in the summary."""
+    `attention`: ref | flex | auto (`kvarn.kvcache.attention.resolve_attention`), recorded in the summary.
+    `context`: a loaded `kvarn.run.engine.Context` of (model, n_ctx, chunks = prompts, text, ...)
+    (kvarn.run.worker: the teacher-forced cells of the same chunks share it), else loads now."""
     out_dir = Path(out_dir)
     if not isinstance(cell, CellSpec):
         raise TypeError(f"run_decode takes a kvarn.spec.cell.CellSpec, got {cell!r}")
     attention_path(attention, "cpu", cell.compute)  # a bad option is refused before any work
     t0 = time.perf_counter()
-    loaded, chunk_ids, ident = setup(spec, n_ctx, prompts, text, device, dtype, cache_dir)
+    if context is None:
+        loaded, chunk_ids, ident = setup(spec, n_ctx, prompts, text, device, dtype, cache_dir)
+    else:
+        context.check(spec, n_ctx, prompts, text, device, dtype, cache_dir)  # another job's context is refused
+        loaded, chunk_ids, ident = context.loaded, context.chunk_ids, context.ident
     if chunk_ids.shape[0] < prompts:
         raise ValueError(f"decode prompts {prompts}: the text holds only {chunk_ids.shape[0]} chunks of {n_ctx} tokens")
     p_ids = decode_prompts(chunk_ids, tokens)

@@ -1,11 +1,13 @@
 """One model load for many cells: a worker process per job identity that the workflow's
-baseline and cell scripts talk to over a unix socket.
+baseline, cell and decode scripts talk to over a unix socket.
 
 Owns `run` (what a job script calls: through a worker, or in this process) and the worker
 itself (`python -m kvarn.run.worker SOCKET IDENTITY_JSON`). Each cell stays its own Snakemake
 job and target; only the model load, the text's tokenization and the baseline's checksum
 move into the worker, which does them once (`kvarn.run.engine.Context`) and then runs the same
-`run_cell` / `run_baseline` for every request: the same code path, the same numbers.
+`run_cell` / `run_baseline` / `run_decode` for every request: the same code path, the same
+numbers. A decode of P prompts has the identity of the cells of P chunks (its prompts are
+those chunks), so the generation setting's decodes share their teacher-forced cells' worker.
 
 * The job script stays thin (this module imports no torch at top level): it finds the
   worker of its identity, or spawns one (detached, its own session, log beside the
@@ -58,7 +60,7 @@ RELEASE_TIMEOUT_S = 120.0  # waiting for a released worker to exit
 IDLE_S = 120.0
 SPAWN_TIMEOUT_S = 600.0  # the worker's own start (imports), not the model load
 PROTOCOL = 1
-KINDS = ("cell", "baseline")
+KINDS = ("cell", "baseline", "decode")
 
 
 class WorkerDied(RuntimeError):
@@ -116,17 +118,15 @@ def socket_path(ident: dict, directory=None) -> Path:
 
 def run(kind: str, spec, n_ctx: int, chunks: int, *, text=None, device="auto", dtype="auto",
         cache_dir=DEFAULT_CACHE_DIR, files=(), use_worker: bool | None = None, **kwargs) -> dict:
-    """kvarn.run.engine.run_cell (kind "cell") or run_baseline ("baseline") with these arguments,
-    through this identity's worker (KVARN_WORKER, see the module doc) or in this process.
+    """kvarn.run.engine.run_cell (kind "cell"), run_baseline ("baseline") or kvarn.run.decode.
+    run_decode ("decode"; `chunks` is its prompts) with these arguments, through this identity's
+    worker (KVARN_WORKER, see the module doc) or in this process.
     `files`: more files whose change must mean a fresh load (the model's fetch marker)."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: expected one of {KINDS}")
     common = dict(text=text, device=device, dtype=dtype, cache_dir=cache_dir)
     if not (enabled() if use_worker is None else use_worker):
-        from kvarn.run import engine
-
-        fn = engine.run_cell if kind == "cell" else engine.run_baseline
-        return fn(spec, n_ctx, chunks, **common, **kwargs)
+        return _runner(kind)(spec, n_ctx, chunks, **common, **kwargs)
     key = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     ident = identity(key, files)
     # paths absolute: the worker may have been started from another working directory; a cell
@@ -135,6 +135,17 @@ def run(kind: str, spec, n_ctx: int, chunks: int, *, text=None, device="auto", d
                                                               else v.name if isinstance(v, CellSpec) else v)
                                                           for k, v in kwargs.items()}}
     return request_reply(socket_path(ident), ident, request)
+
+
+def _runner(kind: str):
+    """The function a request of `kind` runs (imported on first use: the job script's side imports no torch)."""
+    if kind == "decode":
+        from kvarn.run.decode import run_decode
+
+        return run_decode
+    from kvarn.run import engine
+
+    return engine.run_cell if kind == "cell" else engine.run_baseline
 
 
 def request_reply(path: Path, ident: dict, request: dict, attempts: int = 3) -> dict:
@@ -396,9 +407,8 @@ def _handle(conn, f, ident: dict, context):
             context = _load_context(engine, args, common, kwargs.get("ubatch", 512))
             print(f"loaded {spec.name} ({spec.source}@{spec.revision}) in {time.perf_counter() - t0:.1f}s "
                   f"at {time.time():.3f}", flush=True)
-        fn = engine.run_cell if req["kind"] == "cell" else engine.run_baseline
         t0 = time.perf_counter()
-        result = fn(*args, **common, context=context, **kwargs)
+        result = _runner(req["kind"])(*args, **common, context=context, **kwargs)
         what = kwargs["cell"].name if "cell" in kwargs else ""
         print(f"served {req['kind']} {what} in {time.perf_counter() - t0:.1f}s", flush=True)
         reply = {"ok": True, "result": result}
