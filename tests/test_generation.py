@@ -309,10 +309,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_generation_config_plans_its_jobs_counted_by_hand(tmp_path):
     # 2 models x 7 cells: a teacher-forced cell and a decode each; per model one baseline, one
-    # statistics job and 4 figures; both models fetched into the empty model cache.
+    # statistics job and one job for its 4 figures; both models fetched into the empty model cache.
     wd = _workflow(tmp_path, ROOT / "config" / "generation.yaml")
     assert _plan(wd, "generation") == {"fetch_model": 2, "wikitext": 1, "baseline": 2, "cell": 14, "decode": 14,
-                                       "generation_stats": 2, "report_generation": 8, "generation": 1}
+                                       "generation_stats": 2, "report_generation": 2, "generation": 1}
 
 
 def test_default_run_has_no_decode_or_generation_job(tmp_path):

@@ -8,12 +8,16 @@ imports this module.
 from __future__ import annotations
 
 from kvarn.report.data import parse_cell_path, select_token_paths
+from kvarn.report.generation import FIGURE_DIR, GENERATION_FIGURES
 
 SUMMARY_FIGURES = ["pareto", "same_width", "tail_effect", "tail_sweep", "heatmap"]
 TOKEN_FIGURES = ["position", "distribution"]
 PAIRED_FIGURES = ["ranked"]  # from results/paired/{model}.parquet (kvarn.report.paired_table.run_table)
 # from the summary's rows of both compute paths (kvarn.report.data.compute_split), not `prepare`'s
 SPLIT_FIGURES = ["kernel_share"]
+# Every model's figures, drawn by one job (rule report_figures): one interpreter and one Vega
+# renderer for all of them, where a job per figure started both nine times.
+MODEL_FIGURES = SUMMARY_FIGURES + TOKEN_FIGURES + PAIRED_FIGURES + SPLIT_FIGURES
 FIGURE_FORMATS = ["svg", "png", "vl.json"]
 TABLE_FORMATS = ["md", "html", "parquet"]
 FIGURE_TITLES = {
@@ -47,8 +51,7 @@ def targets(models) -> list[str]:
     out = [*CLAIMS_OUTPUTS.values(), *decision_tables(models)]
     for m in models:
         out += [f"results/tables/{m}.{ext}" for ext in TABLE_FORMATS]
-        out += [f"results/figures/{m}/{f}.{ext}" for f in SUMMARY_FIGURES + TOKEN_FIGURES + PAIRED_FIGURES + SPLIT_FIGURES
-                for ext in FIGURE_FORMATS]
+        out += [f"results/figures/{m}/{f}.{ext}" for f in MODEL_FIGURES for ext in FIGURE_FORMATS]
     return out
 
 
@@ -72,14 +75,40 @@ def report_run_tokens(token_paths) -> list[str]:
     return [p for p, d in parsed if (d["n_ctx"], d["chunks"]) == best]
 
 
-def figure_outputs(figure: str) -> dict:
-    """svg (in `snakemake --report`, with workflow/report/{figure}.rst), png, Vega-Lite spec."""
+def figure_outputs(figures) -> dict:
+    """The named outputs of a job drawing `figures`: per figure `{figure}_svg` (in `snakemake
+    --report`, with workflow/report/{figure}.rst), `{figure}_png` and `{figure}_vl` (Vega-Lite)."""
     from snakemake.io import report
 
-    stem = f"results/figures/{{model}}/{figure}"
-    return {
-        "svg": report(f"{stem}.svg", caption=f"../report/{figure}.rst", category="{model}",
-                      subcategory=FIGURE_TITLES[figure], labels={"model": "{model}", "figure": FIGURE_TITLES[figure]}),
-        "png": f"{stem}.png",
-        "vl": f"{stem}.vl.json",
-    }
+    out = {}
+    for figure in figures:
+        stem = f"results/figures/{{model}}/{figure}"
+        out[f"{figure}_svg"] = report(f"{stem}.svg", caption=f"../report/{figure}.rst", category="{model}",
+                                      subcategory=FIGURE_TITLES[figure],
+                                      labels={"model": "{model}", "figure": FIGURE_TITLES[figure]})
+        out[f"{figure}_png"] = f"{stem}.png"
+        out[f"{figure}_vl"] = f"{stem}.vl.json"
+    return out
+
+
+def generation_figure_outputs() -> dict:
+    """rule report_generation's outputs: per figure of a decode run (`GENERATION_FIGURES`)
+    `{figure}_svg` (in the report, with workflow/report/generation.rst), `{figure}_png`, `{figure}_vl`."""
+    from snakemake.io import report
+
+    out = {}
+    for figure in GENERATION_FIGURES:
+        stem = f"{FIGURE_DIR}/{figure}"
+        out[f"{figure}_svg"] = report(f"{stem}.svg", caption="../report/generation.rst", category="{model}",
+                                      subcategory="long generation",
+                                      labels={"model": "{model}",
+                                              "figure": f"generation {figure}, n_ctx {{n_ctx}}, G {{tokens}}"})
+        out[f"{figure}_png"] = f"{stem}.png"
+        out[f"{figure}_vl"] = f"{stem}.vl.json"
+    return out
+
+
+def figure_options(config: dict) -> dict:
+    """Each model figure's options from the config's `report:` section (the rest take none)."""
+    return {f: {"same_width": {"tail": option(config, "tail")},
+                "position": {"n_bins": option(config, "position_bins")}}.get(f, {}) for f in MODEL_FIGURES}

@@ -4,12 +4,11 @@
 # figure per such model (survival curves and KLD per decode step).
 #
 # Uses from common.smk: MATRIX, decode_targets (rule all), model_marker, model_param, cell_opt, format_version;
-# from report.smk: figure_outputs, kvr.
+# from report.smk: figure_outputs, kvr (kvr.generation_figure_outputs).
 from kvarn.report import generation as kvgen
 
 DECODE = kvm.DECODE_DIR
 GENERATION = f"{kvm.DECODE_RUN_DIR}/{kvgen.GENERATION_DIR}"
-GENERATION_FIGURE = kvgen.FIGURE_DIR
 DECODE_LOG = "logs/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{k}-{v}-t{tail}{opts}"
 DECODE_BENCH = "benchmarks/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{k}-{v}-t{tail}{opts}"
 
@@ -49,10 +48,10 @@ rule report_decode:
     input:
         decode=lambda wildcards: [f"{d}/summary.json" for d in MATRIX.decode_dirs(wildcards.model)],
     output:
-        **figure_outputs("decode"),
+        **figure_outputs(["decode"]),
     params:
-        figure="decode",
-        options={},
+        figures=["decode"],
+        options={"decode": {}},
     log:
         "logs/report/{model}/decode.log",
     conda:
@@ -98,19 +97,9 @@ rule report_generation:
         survival=f"{GENERATION}/survival.parquet",
         curves=f"{GENERATION}/curves.parquet",
     output:
-        svg=report(
-            f"{GENERATION_FIGURE}/{{gfig}}.svg",
-            caption="../report/generation.rst",
-            category="{model}",
-            subcategory="long generation",
-            labels={"model": "{model}", "figure": "generation {gfig}, n_ctx {n_ctx}, G {tokens}"},
-        ),
-        png=f"{GENERATION_FIGURE}/{{gfig}}.png",
-        vl=f"{GENERATION_FIGURE}/{{gfig}}.vl.json",
-    wildcard_constraints:
-        gfig="|".join(kvgen.GENERATION_FIGURES),
+        **kvr.generation_figure_outputs(),
     log:
-        "logs/report/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{gfig}.log",
+        "logs/report/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/figures.log",
     conda:
         "../../envs/kvarn.yaml"
     script:

@@ -1,9 +1,9 @@
 # Paired statistics of the run each model's table shows (kvarn.report.paired_table.run_table): every
 # cell's median KLD interval, Δ median vs the standard floor, KVarN vs the same-width
 # standard type, all from a seeded circular block bootstrap over the cells' tokens.parquet.
-# They feed the table's `band` column and the ranked figure.
+# They feed the table's `band` column and the ranked figure (rule report_figures).
 #
-# Uses from common.smk: token_parquets(model); from report.smk: kvr, figure_outputs.
+# Uses from common.smk: token_parquets(model); from report.smk: kvr.
 # Optional config: report: {boot: 2000, seed: 0}.
 
 
@@ -25,20 +25,3 @@ rule paired:
         "../../envs/kvarn.yaml"
     script:
         "../scripts/paired.py"
-
-
-rule report_ranked:
-    input:
-        summary="results/summary.parquet",
-        paired="results/paired/{model}.parquet",
-    output:
-        **figure_outputs("ranked"),
-    params:
-        figure="ranked",
-        options={},
-    log:
-        "logs/report/{model}/ranked.log",
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/figures.py"

@@ -68,128 +68,21 @@ rule report_table:
         "../scripts/tables.py"
 
 
-rule report_pareto:
+# Every figure of one model in one job (kvarn.report.workflow.MODEL_FIGURES): the summary
+# figures, the per-token figures of the chosen cells, the ranked intervals (rule paired) and
+# the llama.cpp kernel share; each svg in the report with workflow/report/{figure}.rst.
+rule report_figures:
     input:
         summary="results/summary.parquet",
-    output:
-        **figure_outputs("pareto"),
-    params:
-        figure="pareto",
-        options={},
-    log:
-        "logs/report/{model}/pareto.log",
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/figures.py"
-
-
-rule report_same_width:
-    input:
-        summary="results/summary.parquet",
-    output:
-        **figure_outputs("same_width"),
-    params:
-        figure="same_width",
-        options={"tail": kvr.option(config, "tail")},
-    log:
-        "logs/report/{model}/same_width.log",
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/figures.py"
-
-
-rule report_tail_effect:
-    input:
-        summary="results/summary.parquet",
-    output:
-        **figure_outputs("tail_effect"),
-    params:
-        figure="tail_effect",
-        options={},
-    log:
-        "logs/report/{model}/tail_effect.log",
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/figures.py"
-
-
-rule report_tail_sweep:
-    input:
-        summary="results/summary.parquet",
-    output:
-        **figure_outputs("tail_sweep"),
-    params:
-        figure="tail_sweep",
-        options={},
-    log:
-        "logs/report/{model}/tail_sweep.log",
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/figures.py"
-
-
-rule report_heatmap:
-    input:
-        summary="results/summary.parquet",
-    output:
-        **figure_outputs("heatmap"),
-    params:
-        figure="heatmap",
-        options={},
-    log:
-        "logs/report/{model}/heatmap.log",
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/figures.py"
-
-
-rule report_kernel_share:
-    input:
-        summary="results/summary.parquet",
-    output:
-        **figure_outputs("kernel_share"),
-    params:
-        figure="kernel_share",
-        options={},
-    log:
-        "logs/report/{model}/kernel_share.log",
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/figures.py"
-
-
-rule report_position:
-    input:
+        paired="results/paired/{model}.parquet",
         tokens=figure_tokens,
     output:
-        **figure_outputs("position"),
+        **figure_outputs(kvr.MODEL_FIGURES),
     params:
-        figure="position",
-        options={"n_bins": kvr.option(config, "position_bins")},
+        figures=kvr.MODEL_FIGURES,
+        options=kvr.figure_options(config),
     log:
-        "logs/report/{model}/position.log",
-    conda:
-        "../../envs/kvarn.yaml"
-    script:
-        "../scripts/figures.py"
-
-
-rule report_distribution:
-    input:
-        tokens=figure_tokens,
-    output:
-        **figure_outputs("distribution"),
-    params:
-        figure="distribution",
-        options={},
-    log:
-        "logs/report/{model}/distribution.log",
+        "logs/report/{model}/figures.log",
     conda:
         "../../envs/kvarn.yaml"
     script:

@@ -1,9 +1,13 @@
-"""Rules report_<figure>: one figure of one model -> .vl.json (Vega-Lite), .svg, .png.
+"""Rules report_figures and report_decode: the figures of one model -> per figure .vl.json
+(Vega-Lite), .svg, .png, in one job (one interpreter and one Vega renderer for all of them).
 
-Summary figures read results/summary.parquet (kernel_share: its rows of both compute
-paths, through kvarn.report.data.compute_split); the position and distribution figures read
-the chosen cells' tokens.parquet (chosen in workflow/rules/report.smk from their paths).
+Summary figures read results/summary.parquet (kernel_share: its rows of both compute paths,
+through kvarn.report.data.compute_split; ranked: with results/paired/{model}.parquet); the
+position and distribution figures read the chosen cells' tokens.parquet (chosen in
+workflow/rules/report.smk from their paths); decode reads the model's decode summaries.
 """
+
+from functools import cache
 
 import polars as pl
 from _wf import start
@@ -12,19 +16,35 @@ start(snakemake)  # noqa: F821
 from kvarn.report import load_tokens, prepare, save_chart, summary_figure, token_figure  # noqa: E402
 from kvarn.report.data import compute_split, decode_frame  # noqa: E402
 from kvarn.report.figures import decode, kernel_share, ranked  # noqa: E402
+from kvarn.report.workflow import PAIRED_FIGURES, SPLIT_FIGURES, TOKEN_FIGURES  # noqa: E402
 
 sm = snakemake  # noqa: F821
-figure, options, model = sm.params.figure, dict(sm.params.options), sm.wildcards.model
-if "decode" in sm.input.keys():
-    chart = decode(decode_frame(sm.input.decode), **options)
-elif "paired" in sm.input.keys():
-    chart = ranked(prepare(pl.read_parquet(sm.input.summary), model), pl.read_parquet(sm.input.paired), **options)
-elif figure == "kernel_share":
-    chart = kernel_share(compute_split(pl.read_parquet(sm.input.summary), model), model)
-elif "tokens" in sm.input.keys():
-    chart = token_figure(figure, load_tokens(sm.input.tokens), **options)
-else:
-    chart = summary_figure(figure, prepare(pl.read_parquet(sm.input.summary), model), **options)
-stem = str(sm.output.vl)[: -len(".vl.json")]
-for path in save_chart(chart, stem):
-    print(f"{model}/{figure}: wrote {path}")
+model = sm.wildcards.model
+
+
+@cache
+def summary() -> pl.DataFrame:
+    return pl.read_parquet(sm.input.summary)
+
+
+@cache
+def tokens():
+    return load_tokens(sm.input.tokens)
+
+
+def chart(figure: str, options: dict):
+    if figure == "decode":
+        return decode(decode_frame(sm.input.decode), **options)
+    if figure in PAIRED_FIGURES:
+        return ranked(prepare(summary(), model), pl.read_parquet(sm.input.paired), **options)
+    if figure in SPLIT_FIGURES:
+        return kernel_share(compute_split(summary(), model), model)
+    if figure in TOKEN_FIGURES:
+        return token_figure(figure, tokens(), **options)
+    return summary_figure(figure, prepare(summary(), model), **options)
+
+
+for figure in sm.params.figures:
+    stem = str(sm.output[f"{figure}_vl"])[: -len(".vl.json")]
+    for path in save_chart(chart(figure, dict(sm.params.options[figure])), stem):
+        print(f"{model}/{figure}: wrote {path}")

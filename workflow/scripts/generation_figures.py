@@ -1,5 +1,5 @@
-"""Rule report_generation: one figure of one decode run's statistics (rule generation_stats)
--> .vl.json (Vega-Lite), .svg, .png (kvarn.report.figures.generation_figure)."""
+"""Rule report_generation: the figures of one decode run's statistics (rule generation_stats)
+-> per figure .vl.json (Vega-Lite), .svg, .png (kvarn.report.figures.generation_figure), in one job."""
 
 import polars as pl
 from _wf import start
@@ -7,9 +7,10 @@ from _wf import start
 start(snakemake)  # noqa: F821
 from kvarn.report import save_chart  # noqa: E402
 from kvarn.report.figures import generation_figure  # noqa: E402
+from kvarn.report.generation import GENERATION_FIGURES  # noqa: E402
 
 sm = snakemake  # noqa: F821
 tables = {key: pl.read_parquet(sm.input[key]) for key in ("cells", "paired", "survival", "curves")}
-chart = generation_figure(sm.wildcards.gfig, tables)
-for path in save_chart(chart, str(sm.output.vl)[: -len(".vl.json")]):
-    print(f"{sm.wildcards.model}/{sm.wildcards.gfig}: wrote {path}")
+for figure in GENERATION_FIGURES:
+    for path in save_chart(generation_figure(figure, tables), str(sm.output[f"{figure}_vl"])[: -len(".vl.json")]):
+        print(f"{sm.wildcards.model}/{figure}: wrote {path}")
