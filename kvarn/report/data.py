@@ -69,10 +69,9 @@ def accounting_of(prep: pl.DataFrame) -> str:
 
 
 def tail_label(family: str, tail_requested: int, tail_eff: int | None) -> str:
-    """`128*` for a KVarN (or ecosystem) request whose effective tail differs from the request."""
-    if family in ("kvarn", "ecosystem") and tail_eff is not None and tail_eff != tail_requested:
-        return f"{tail_eff}*"
-    return str(tail_requested)
+    """`128*` for a KVarN (or ecosystem) request whose effective tail differs from the request
+    (`kvarn.spec.facts.label_tail`, read from a summary's columns); a standard request as given."""
+    return facts.label_tail(tail_requested, tail_eff if family in ("kvarn", "ecosystem") else None)
 
 
 def series_of(family: str, tail_requested: int, tail_eff: int | None) -> str:

@@ -223,5 +223,9 @@ def pair_effective_tail(k: str, v: str, tail: int) -> int:
 
 def tail_label(k: str, v: str, tail: int) -> str:
     """The tail as tables print it: '128*' where KVarN raised the request to its minimum."""
-    eff = pair_effective_tail(k, v, tail)
-    return f"{eff}*" if eff != tail else str(tail)
+    return label_tail(tail, pair_effective_tail(k, v, tail))
+
+
+def label_tail(requested: int, effective: int | None) -> str:
+    """'{effective}*' where the format raised the request, else the request (effective None: unknown)."""
+    return f"{effective}*" if effective is not None and effective != requested else str(requested)
