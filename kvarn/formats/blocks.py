@@ -280,11 +280,12 @@ class BlockFormat(KVFormat):
                 + ("; rot=False accepts any multiple of 32" if self.rot else "")
             )
 
-    def _rot_block(self, head_dim: int) -> int:
+    def rotation_block(self, head_dim: int) -> int:
+        """The Hadamard block llama.cpp rotates this role by (K: `k_rotation_block`, V: 64)."""
         return k_rotation_block(head_dim) if self.role == "k" else V_ROTATION_BLOCK
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        return rotate_blocks(x, self._rot_block(x.shape[-1])) if self.rot else x
+        return rotate_blocks(x, self.rotation_block(x.shape[-1])) if self.rot else x
 
     def nbytes(self, n_tokens: int, head_dim: int) -> int:
         return n_tokens * (head_dim // QK) * self.spec.block_bytes

@@ -39,7 +39,7 @@ from kvarn.spec.cell import CellSpec
 from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
 from kvarn.formats.floats import FLOAT_DTYPES
-from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
+from kvarn.formats.hadamard import rotate_blocks
 from kvarn.spec.geometry import Geometry, geometry_from_config, text_config
 from kvarn.spec.options import ATTENTION_PATHS, BEELLAMA_KVARN_HEAD_DIMS, EXACT, LLAMACPP_CPU, scalar_route
 from kvarn.spec.policy import LayerPolicy, default_tail_dtype, layer_policy
@@ -177,21 +177,22 @@ class KVarnLayer(CacheLayerMixin):
             return lambda x: x.to(self.tail_dtype)
 
         def rounded_rotated(x):
-            order = gguf_order(x.shape[-1], x.device) if role == "k" and self.qk_gguf_order else None
-            y = x if order is None else x[..., order]
-            y = rotate_blocks(rotate_blocks(y, block).to(self.tail_dtype).float(), block)
-            return y if order is None else y[..., torch.argsort(order)]
+            return rotate_blocks(rotate_blocks(x, block).to(self.tail_dtype).float(), block)
 
-        return rounded_rotated
+        return (lambda x: self._in_k_order(rounded_rotated, x)) if role == "k" else rounded_rotated
 
     def _k_roundtrip(self, k: torch.Tensor) -> torch.Tensor:
-        """K's body rows: rounded in transformers' channel order, or (`qk_gguf_order`, BeeLlama's
-        scalar route on a llama-arch model) in the GGUF's, as llama.cpp's blocks see them, and
-        gathered back (the scores do not depend on a common order of Q and K)."""
+        """K's body rows, rounded in the channel order llama.cpp's blocks see (`_in_k_order`)."""
+        return self._in_k_order(self.k_fmt.roundtrip, k)
+
+    def _in_k_order(self, fn, k: torch.Tensor) -> torch.Tensor:
+        """fn(k) in transformers' channel order, or (`qk_gguf_order`, BeeLlama's scalar route on a
+        llama-arch model) applied in the GGUF's order and gathered back (the scores do not depend
+        on a common order of Q and K)."""
         if not self.qk_gguf_order:
-            return self.k_fmt.roundtrip(k)
+            return fn(k)
         order = gguf_order(k.shape[-1], k.device)
-        return self.k_fmt.roundtrip(k[..., order].contiguous())[..., torch.argsort(order)]
+        return fn(k[..., order].contiguous())[..., torch.argsort(order)]
 
     def first_readable(self, q_offset: int) -> int:
         """The first key position a query at >= q_offset can read (0 on a full layer)."""
@@ -341,9 +342,8 @@ class KVarnCache(Cache):
         copy keeps in the rotated frame; None elsewhere (the exact copy is the tail dtype's)."""
         if not self.scalar_route:
             return None
-        rotated = {r: f.family == "block" and f.rot for r, f in (("k", self.k_fmt), ("v", self.v_fmt))}
-        return {"k": k_rotation_block(head_dim) if rotated["k"] else None,
-                "v": V_ROTATION_BLOCK if rotated["v"] else None}
+        return {r: f.rotation_block(head_dim) if f.family == "block" and f.rot else None
+                for r, f in (("k", self.k_fmt), ("v", self.v_fmt))}
 
     @property
     def kv_policies(self) -> list[LayerPolicy]:
