@@ -144,9 +144,8 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
     t0 = time.perf_counter()
     if context is None:
         loaded, chunk_ids, ident = setup(spec, n_ctx, prompts, text, device, dtype, cache_dir)
-    else:
-        context.check(spec, n_ctx, prompts, text, device, dtype, cache_dir)  # another job's context is refused
-        loaded, chunk_ids, ident = context.loaded, context.chunk_ids, context.ident
+    else:  # another job's context is refused
+        loaded, chunk_ids, ident = context.for_job(spec, n_ctx, prompts, text, device, dtype, cache_dir)
     if chunk_ids.shape[0] < prompts:
         raise ValueError(f"decode prompts {prompts}: the text holds only {chunk_ids.shape[0]} chunks of {n_ctx} tokens")
     p_ids = decode_prompts(chunk_ids, tokens)

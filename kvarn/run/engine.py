@@ -91,11 +91,13 @@ class Context:
         self.loaded, self.chunk_ids, self.ident = setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
         self._dumps: dict = {}
 
-    def check(self, spec, n_ctx, chunks, text, device, dtype, cache_dir) -> None:
+    def for_job(self, spec, n_ctx, chunks, text, device, dtype, cache_dir):
+        """(loaded model, chunk ids, identity) for a job of these arguments; another job's are refused."""
         want = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
         diff = [f"{k}: loaded {self.key[k]!r}, requested {want[k]!r}" for k in want if want[k] != self.key[k]]
         if diff:
             raise ValueError("this kvarn.run.engine.Context was loaded for another job; " + "; ".join(diff))
+        return self.loaded, self.chunk_ids, self.ident
 
     def open_dump(self, path):
         """dump.open_dump, once per (file, size, mtime): a rewritten file is opened (and verified) anew."""
@@ -113,8 +115,7 @@ def _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch
     if context is None:
         preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline)  # before any weights load
         return setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
-    context.check(spec, n_ctx, chunks, text, device, dtype, cache_dir)
-    return context.loaded, context.chunk_ids, context.ident
+    return context.for_job(spec, n_ctx, chunks, text, device, dtype, cache_dir)
 
 
 # --- the forward ----------------------------------------------------------------------
