@@ -78,34 +78,32 @@ def report_run_tokens(token_paths) -> list[str]:
 def figure_outputs(figures) -> dict:
     """The named outputs of a job drawing `figures`: per figure `{figure}_svg` (in `snakemake
     --report`, with workflow/report/{figure}.rst), `{figure}_png` and `{figure}_vl` (Vega-Lite)."""
-    from snakemake.io import report
-
     out = {}
     for figure in figures:
-        stem = f"results/figures/{{model}}/{figure}"
-        out[f"{figure}_svg"] = report(f"{stem}.svg", caption=f"../report/{figure}.rst", category="{model}",
-                                      subcategory=FIGURE_TITLES[figure],
-                                      labels={"model": "{model}", "figure": FIGURE_TITLES[figure]})
-        out[f"{figure}_png"] = f"{stem}.png"
-        out[f"{figure}_vl"] = f"{stem}.vl.json"
+        out.update(_figure_files(figure, f"results/figures/{{model}}/{figure}", caption=f"../report/{figure}.rst",
+                                 subcategory=FIGURE_TITLES[figure], label=FIGURE_TITLES[figure]))
     return out
 
 
 def generation_figure_outputs() -> dict:
     """rule report_generation's outputs: per figure of a decode run (`GENERATION_FIGURES`)
     `{figure}_svg` (in the report, with workflow/report/generation.rst), `{figure}_png`, `{figure}_vl`."""
-    from snakemake.io import report
-
     out = {}
     for figure in GENERATION_FIGURES:
-        stem = f"{FIGURE_DIR}/{figure}"
-        out[f"{figure}_svg"] = report(f"{stem}.svg", caption="../report/generation.rst", category="{model}",
-                                      subcategory="long generation",
-                                      labels={"model": "{model}",
-                                              "figure": f"generation {figure}, n_ctx {{n_ctx}}, G {{tokens}}"})
-        out[f"{figure}_png"] = f"{stem}.png"
-        out[f"{figure}_vl"] = f"{stem}.vl.json"
+        out.update(_figure_files(figure, f"{FIGURE_DIR}/{figure}", caption="../report/generation.rst",
+                                 subcategory="long generation",
+                                 label=f"generation {figure}, n_ctx {{n_ctx}}, G {{tokens}}"))
     return out
+
+
+def _figure_files(figure: str, stem: str, caption: str, subcategory: str, label: str) -> dict:
+    """One figure's three named outputs: the svg flagged for the report, the png, the Vega-Lite spec."""
+    from snakemake.io import report
+
+    return {f"{figure}_svg": report(f"{stem}.svg", caption=caption, category="{model}", subcategory=subcategory,
+                                    labels={"model": "{model}", "figure": label}),
+            f"{figure}_png": f"{stem}.png",
+            f"{figure}_vl": f"{stem}.vl.json"}
 
 
 def figure_options(config: dict) -> dict:
