@@ -12,6 +12,7 @@ import polars as pl
 import pytest
 
 from kvarn.run import decode as KD
+from kvarn.plan import generation as PG
 from kvarn.report import generation as G
 
 
@@ -274,8 +275,8 @@ def test_generation_figures_draw_every_table(hand_run):
 
     _, dec, cells, idents = hand_run
     t = G.compute_run(dec, cells, idents, n_boot=50)
-    assert list(GENERATION_FIGURES) == list(G.GENERATION_FIGURES)
-    for name in G.GENERATION_FIGURES:
+    assert list(GENERATION_FIGURES) == list(PG.GENERATION_FIGURES)
+    for name in PG.GENERATION_FIGURES:
         spec = generation_figure(name, t).to_dict()
         assert "m: " in str(spec["title"]), name
     with pytest.raises(ValueError, match="unknown generation figure 'x'"):
@@ -360,6 +361,6 @@ def test_generation_runs_on_a_tiny_matrix(tmp_path):
         assert r["tf_kld_mean"] == pytest.approx(tf.filter(pl.col("pos") >= 55)["kld"].mean(), rel=1e-12)
     assert pl.read_parquet(run / "generation/paired.parquet").height == 1
     assert "free / teacher-forced" in (run / "generation/generation.md").read_text()
-    for f in G.GENERATION_FIGURES:
+    for f in PG.GENERATION_FIGURES:
         for ext in ("svg", "png", "vl.json"):
             assert (wd / f"results/figures/smollm2-135m/decode-ctx96-p2-g40/{f}.{ext}").stat().st_size > 0

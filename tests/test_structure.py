@@ -111,18 +111,20 @@ def test_private_use_is_seen(tmp_path):
 def test_torch_free_modules_run_without_torch(tmp_path):
     """What claims to be torch-free works where torch cannot be imported: the type facts, the
     memory accounting, the run options, the matrix expanded from config/matrix.yaml, the
-    worker's client side and the report's workflow lists."""
+    generation plan of config/generation.yaml, the worker's client side and the report's
+    workflow lists."""
     code = textwrap.dedent('''
         import json, yaml
         from kvarn.budget import memory
-        from kvarn.plan import matrix
+        from kvarn.plan import generation, matrix
         from kvarn.run import worker
         from kvarn.spec import facts, options
         from kvarn.report import workflow
         m = matrix.expand(yaml.safe_load(open("config/matrix.yaml")))
+        g = generation.targets(matrix.expand(yaml.safe_load(open("config/generation.yaml"))))
         geo = json.load(open("config/models/qwen3.6-27b.json"))
         options.check_compute("llamacpp-cpu", "q8_0", "q8_0", 0)
-        out = {"cells": len(m.cells), "kvarn4_bits": facts.get("kvarn4").bits_per_value(128),
+        out = {"cells": len(m.cells), "generation": len(g), "kvarn4_bits": facts.get("kvarn4").bits_per_value(128),
                "label": facts.tail_label("kvarn4", "kvarn4", 0), "accountings": sorted(memory.ACCOUNTINGS),
                "torch": [k for k in __import__("sys").modules if k.split(".")[0] in ("torch", "transformers")]}
         print(json.dumps(out))
@@ -131,7 +133,7 @@ def test_torch_free_modules_run_without_torch(tmp_path):
                        env=_no_torch_env(tmp_path))
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["cells"] > 0 and out["torch"] == []
+    assert out["cells"] > 0 and out["generation"] > 0 and out["torch"] == []
     assert out["label"] == "128*" and out["kvarn4_bits"] == 4.375  # (2048*4 + 768) * 8 / (128 * 128)
 
 

@@ -16,7 +16,7 @@ import polars as pl
 
 from kvarn.files.atomic import write_bytes
 from kvarn.report import data as D
-from kvarn.report import generation as GEN
+from kvarn.plan import generation as GEN
 from kvarn.report import tokens as T
 
 # One colour per Pareto series; other tails (if a matrix has them) get the spare colours.

@@ -35,12 +35,14 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from kvarn.report.data import same_width_partner
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.scoring import scored_range
 
 DEFAULT_BOOT = 2000
 DEFAULT_SEED = 0
 DEFAULT_ALPHA = 0.05
+CURVE_BINS = 32  # the KLD curves are drawn in about this many bins of generated steps
 # The cache settings a decode summary and a teacher-forced summary both record, by name:
 # (decode key, teacher-forced key).
 SAME_CELL_KEYS = (("model", "model"), ("source", "source"), ("revision", "revision"), ("n_ctx", "n_ctx"),
@@ -256,74 +258,12 @@ def tf_vs_free(free: np.ndarray, tf: np.ndarray, n_boot: int = DEFAULT_BOOT, see
             "ratio": float(free.mean() / tf.mean()), "ratio_lo": float(lo), "ratio_hi": float(hi)}
 
 
-# ---------------------------------------------------------------- the workflow's plan
-
-CURVE_BINS = 32  # the KLD curves are drawn in about this many bins of generated steps
-GENERATION_DIR = "generation"  # inside the decode run's directory (kvarn.plan.matrix.DECODE_RUN_DIR)
-GENERATION_TABLES = ("cells.parquet", "paired.parquet", "survival.parquet", "curves.parquet", "generation.md")
-GENERATION_FIGURES = ("survival", "kld_steps", "slopes", "tf_vs_free")
-FIGURE_DIR = "results/figures/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}"
-
-
-def runs(matrix) -> dict[tuple[str, int, int, int], dict]:
-    """Each decode run (model, n_ctx, prompts, tokens) of a `kvarn.plan.matrix.Matrix` -> {"decode":
-    [decode dirs], "cells": [teacher-forced cell dirs], "baselines": [their baseline dumps],
-    "chunks": the cells' chunks}, one entry per decoded cell, in matrix order."""
-    from kvarn.plan.matrix import decode_dir
-
-    out: dict[tuple[str, int, int, int], dict] = {}
-    for c in matrix.cells:
-        d = matrix.models[c.model].decode
-        if d is None or (d.cells is not None and c.name not in d.cells):
-            continue
-        r = out.setdefault((c.model, c.n_ctx, d.prompts, d.tokens),
-                           {"decode": [], "cells": [], "baselines": [], "chunks": c.chunks})
-        r["decode"].append(decode_dir(c.model, c.n_ctx, d.prompts, d.tokens, c.name))
-        r["cells"].append(c.dir)
-        r["baselines"].append(c.baseline)
-    return out
-
-
-def run_dir(model: str, n_ctx, prompts, tokens) -> str:
-    """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/generation: the run's statistics."""
-    from kvarn.plan.matrix import DECODE_RUN_DIR
-
-    return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens)}/{GENERATION_DIR}"
-
-
-def run_inputs(matrix, model: str, n_ctx, prompts, tokens) -> dict[str, list[str]]:
-    """The generation statistics' inputs of one decode run; refuses a run whose teacher-forced
-    cells score fewer chunks than the decode has prompts (their positions would be missing)."""
-    key = (model, int(n_ctx), int(prompts), int(tokens))
-    plan = runs(matrix)
-    if key not in plan:
-        raise ValueError(f"{run_dir(*key)}: not a decode run of this matrix; its runs: "
-                         f"{', '.join(run_dir(*k) for k in plan) or 'none'}")
-    r = plan[key]
-    if r["chunks"] != "all" and r["chunks"] < key[2]:
-        raise ValueError(f"models.{model}: chunks {r['chunks']} < decode prompts {key[2]}: the teacher-forced "
-                         f"cells must score every chunk the decode prompts come from (set chunks >= prompts)")
-    return {"decode": [f"{d}/summary.json" for d in r["decode"]], "steps": [f"{d}/steps.parquet" for d in r["decode"]],
-            "cells": [f"{d}/summary.json" for d in r["cells"]], "tokens": [f"{d}/tokens.parquet" for d in r["cells"]],
-            "baselines": list(r["baselines"])}
-
-
-def targets(matrix, formats=("svg", "png", "vl.json")) -> list[str]:
-    """Every generation table and figure of the matrix's decode runs (rule generation's input)."""
-    out = []
-    for key in runs(matrix):
-        out += [f"{run_dir(*key)}/{t}" for t in GENERATION_TABLES]
-        fig = FIGURE_DIR.format(model=key[0], n_ctx=key[1], prompts=key[2], tokens=key[3])
-        out += [f"{fig}/{f}.{ext}" for f in GENERATION_FIGURES for ext in formats]
-    return out
-
+# ---------------------------------------------------------------- the pairs a run compares
 
 def pairs(cells: dict[str, dict]) -> list[tuple[str, str]]:
     """(KVarN cell, standard cell) of the same width to compare, from {cell name: decode summary}:
     every kvarnN-kvarnN cell against every qN_0-qN_0 cell (any tail, sink or tail dtype), the
     partner of kvarn.report.data.same_width_partner."""
-    from kvarn.report.data import same_width_partner
-
     return [(a, b) for a, sa in cells.items() if sa["k_type"] == sa["v_type"]
             for b, sb in cells.items()
             if sb["k_type"] == sb["v_type"] and sb["k_type"] == same_width_partner(sa["k_type"])]

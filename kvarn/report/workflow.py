@@ -8,7 +8,7 @@ imports this module.
 from __future__ import annotations
 
 from kvarn.report.data import parse_cell_path, select_token_paths
-from kvarn.report.generation import FIGURE_DIR, GENERATION_FIGURES
+from kvarn.plan.generation import FIGURE_DIR, GENERATION_FIGURES
 
 SUMMARY_FIGURES = ["pareto", "same_width", "tail_effect", "tail_sweep", "heatmap"]
 TOKEN_FIGURES = ["position", "distribution"]

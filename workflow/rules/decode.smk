@@ -5,7 +5,7 @@
 #
 # Uses from common.smk: MATRIX, decode_targets (rule all), model_marker, model_param, cell_opt, format_version;
 # from report.smk: figure_outputs, kvr (kvr.generation_figure_outputs).
-from kvarn.report import generation as kvgen
+from kvarn.plan import generation as kvgen
 
 DECODE = kvm.DECODE_DIR
 GENERATION = f"{kvm.DECODE_RUN_DIR}/{kvgen.GENERATION_DIR}"

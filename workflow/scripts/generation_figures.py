@@ -7,7 +7,7 @@ from _wf import start
 start(snakemake)  # noqa: F821
 from kvarn.report import save_chart  # noqa: E402
 from kvarn.report.figures import generation_figure  # noqa: E402
-from kvarn.report.generation import GENERATION_FIGURES  # noqa: E402
+from kvarn.plan.generation import GENERATION_FIGURES  # noqa: E402
 
 sm = snakemake  # noqa: F821
 tables = {key: pl.read_parquet(sm.input[key]) for key in ("cells", "paired", "survival", "curves")}
