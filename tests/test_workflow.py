@@ -218,11 +218,25 @@ def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path, tiny_d
     wd = done_copy(tiny_done, tmp_path)
     # Simulate `q4_0.version += 1` as the workflow sees it: through the format_version param.
     common = wd / "workflow" / "rules" / "common.smk"
+    line = "return {role: kvm.format_version(wildcards[role], role) for role in (\"k\", \"v\")}"
+    assert line in common.read_text()  # else the patch below would change nothing
     common.write_text(common.read_text().replace(
-        "return lambda wildcards: kvm.format_version(wildcards[role], role)",
-        "return lambda wildcards: kvm.format_version(wildcards[role], role)"
-        " + (wildcards[role] == 'q4_0')"))
+        line, line.replace("kvm.format_version(wildcards[role], role)",
+                           "kvm.format_version(wildcards[role], role) + (wildcards[role] == 'q4_0')")))
     assert plan(wd) == {"cell": 1, "cell_row": 1, "summary": 1}
+
+
+def test_a_changed_default_option_reruns_the_cells(tmp_path, tiny_done):
+    """A cell's path leaves its default options out (iters 16 is no `-i16`): changing a default
+    must still rerun the cells it applies to, through the cell's fields param."""
+    wd = done_copy(tiny_done, tmp_path)
+    common = wd / "workflow" / "rules" / "common.smk"
+    line = "return dataclasses.asdict(kvm.CellSpec.from_wildcards(wildcards))"
+    assert line in common.read_text()
+    common.write_text(common.read_text().replace(
+        line, "f = dataclasses.asdict(kvm.CellSpec.from_wildcards(wildcards)); "
+              "return {**f, 'iters': f['iters'] + (f['k'].startswith('kvarn'))}"))
+    assert plan(wd) == {"cell": 1, "cell_row": 1, "summary": 1}  # TINY's one KVarN cell
 
 
 def test_a_memory_accounting_change_reruns_rows_not_cells(tmp_path, tiny_done):

@@ -11,13 +11,8 @@ rule cell:
         revision=model_param("revision"),
         ubatch=model_param("ubatch"),
         dtype=model_param("dtype"),
-        rot=cell_opt("rot"),
-        tail_dtype=cell_opt("tail_dtype"),
-        iters=cell_opt("iters"),
-        sink=cell_opt("sink"),
-        compute=cell_opt("compute"),
-        k_version=format_version("k"),
-        v_version=format_version("v"),
+        cell=cell_fields,
+        versions=format_versions,
     threads: MODEL_THREADS
     resources:
         gpu=1,

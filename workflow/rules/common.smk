@@ -11,6 +11,7 @@
 # The matrix is expanded and checked once, here, before any job is planned (kvarn.plan.matrix).
 # Per-cell parameters are read back from the wildcards of the cell path, never from the
 # whole config, so adding or editing one cell plans only that cell.
+import dataclasses
 import os
 
 from snakemake.exceptions import WorkflowError
@@ -96,10 +97,10 @@ def model_param(key):
     return lookup(dpath=f"{{model}}/{key}", within=MODELS)
 
 
-def cell_opt(key):
-    """A field of the job's cell (kvarn.spec.cell.CellSpec, read from its path): a param, so a
-    changed option reruns the job."""
-    return lambda wildcards: getattr(kvm.CellSpec.from_wildcards(wildcards), key)
+def cell_fields(wildcards) -> dict:
+    """The job's cell (kvarn.spec.cell.CellSpec, read from its path), every field, as one param:
+    a changed option reruns the job, and so does a changed default, which the path leaves out."""
+    return dataclasses.asdict(kvm.CellSpec.from_wildcards(wildcards))
 
 
 def cell_baseline(wildcards):
@@ -108,9 +109,9 @@ def cell_baseline(wildcards):
     return kvm.baseline_path(run, kvm.CellSpec.from_wildcards(wildcards).compute)
 
 
-def format_version(role):
-    """The numerics version of the cell's K or V type: bumping it reruns the cells using it."""
-    return lambda wildcards: kvm.format_version(wildcards[role], role)
+def format_versions(wildcards) -> dict:
+    """The numerics versions of the cell's K and V types: bumping one reruns the cells using it."""
+    return {role: kvm.format_version(wildcards[role], role) for role in ("k", "v")}
 
 
 def cell_columns(wildcards):

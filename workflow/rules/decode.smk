@@ -3,7 +3,7 @@
 # for the models whose config has `decode: {prompts: P, tokens: G, cells: [...]}`, and one
 # figure per such model (survival curves and KLD per decode step).
 #
-# Uses from common.smk: MATRIX, decode_targets (rule all), model_marker, model_param, cell_opt, format_version;
+# Uses from common.smk: MATRIX, decode_targets (rule all), model_marker, model_param, cell_fields, format_versions;
 # from report.smk: figure_outputs, kvr (kvr.generation_figure_outputs).
 from kvarn.plan import generation as kvgen
 
@@ -25,12 +25,8 @@ rule decode:
         revision=model_param("revision"),
         ubatch=model_param("ubatch"),
         dtype=model_param("dtype"),
-        rot=cell_opt("rot"),
-        tail_dtype=cell_opt("tail_dtype"),
-        iters=cell_opt("iters"),
-        sink=cell_opt("sink"),
-        k_version=format_version("k"),
-        v_version=format_version("v"),
+        cell=cell_fields,
+        versions=format_versions,
     threads: MODEL_THREADS
     resources:
         gpu=1,
