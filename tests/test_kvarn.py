@@ -173,6 +173,27 @@ def test_rotation_back_preserves_per_token_error():
         assert torch.allclose(err.norm(dim=-1), err_rot.norm(dim=-1), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [2, 4, 64, 128])
+def test_butterfly_bitwise_equals_the_stacked_loop(n):
+    """`_butterfly` (two buffers written in turn) against `_butterfly_ref` (a stack per stage),
+    bit for bit: random values over many magnitudes, a strided (transposed) input, a constant
+    row, a zero row and one outlier; the input is left untouched."""
+    g = _gen(n)
+    x = torch.randn(3, 5, n, generator=g) * torch.exp(4 * torch.randn(3, 5, 1, generator=g))
+    x[0, 0] = 1.5
+    x[0, 1] = 0.0
+    x[1, 2, n // 2] = 3e7
+    before = x.clone()
+    assert torch.equal(K._butterfly(x), K._butterfly_ref(x))
+    assert torch.equal(x, before)
+    xt = x.transpose(0, 1)  # [5, 3, n], not contiguous
+    assert torch.equal(K._butterfly(xt), K._butterfly_ref(xt))
+    # and it is the unnormalized Walsh-Hadamard transform (Sylvester order) up to fp32 rounding
+    h = hadamard(n, dtype=torch.float64) * math.sqrt(n)
+    ref = x.double() @ h
+    assert torch.allclose(K._butterfly(x).double(), ref, rtol=0, atol=n * F32_EPS * float(x.abs().max()) * 4)
+
+
 def test_log_update_clamps():
     big, tiny = torch.tensor([8.0]), torch.tensor([1e-5])
     assert torch.allclose(K._log_update(big, tiny), 8.0 + torch.log(torch.tensor([1e-3])))

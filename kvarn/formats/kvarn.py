@@ -89,7 +89,26 @@ def from_tiles(tiles: torch.Tensor, role: str) -> torch.Tensor:
 
 def _butterfly(y: torch.Tensor) -> torch.Tensor:
     """Unnormalized Walsh-Hadamard transform of the last dim (a power of two), BeeLlama's
-    in-place loop: for stride 1, 2, 4, ...: (a, b) -> (a + b, a - b) at (i, i + stride)."""
+    in-place loop: for stride 1, 2, 4, ...: (a, b) -> (a + b, a - b) at (i, i + stride).
+
+    Each stage writes its sums and differences straight into the halves of a second buffer
+    (two buffers in turn), without a stack or copy per stage: the same fp32 additions as
+    `_butterfly_ref`, bit for bit (tests/test_kvarn.py)."""
+    n = y.shape[-1]
+    src = y.reshape(-1, n).contiguous()
+    bufs = [torch.empty_like(src) for _ in range(2 if n > 2 else 1)]
+    stride, k = 1, 0
+    while stride < n:
+        dst = bufs[k % len(bufs)]
+        v, o = src.view(-1, n // (2 * stride), 2, stride), dst.view(-1, n // (2 * stride), 2, stride)
+        torch.add(v[:, :, 0], v[:, :, 1], out=o[:, :, 0])
+        torch.sub(v[:, :, 0], v[:, :, 1], out=o[:, :, 1])
+        src, stride, k = dst, stride * 2, k + 1
+    return src.view(y.shape)
+
+
+def _butterfly_ref(y: torch.Tensor) -> torch.Tensor:
+    """`_butterfly` as the plain loop (a stack per stage): the reference it is tested against."""
     n, stride = y.shape[-1], 1
     while stride < n:
         v = y.reshape(*y.shape[:-1], n // (2 * stride), 2, stride)
