@@ -416,3 +416,25 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="mid-conversion"), embedded._parsed_once(a):
         raise RuntimeError("mid-conversion")
     assert gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+    # Two conversions in two threads (snakemake's `run:` jobs): one at a time, so the second does
+    # not take the first one's stand-in for gguf-py's own and restore it after the first has left.
+    import threading
+
+    inside_a, inside_b, leave_a = threading.Event(), threading.Event(), threading.Event()
+
+    def convert(path, inside, leave=None):
+        with embedded._parsed_once(path):
+            inside.set()
+            if leave is not None:
+                leave.wait(30)
+
+    ta = threading.Thread(target=convert, args=(a, inside_a, leave_a))
+    ta.start()
+    assert inside_a.wait(30)
+    tb = threading.Thread(target=convert, args=(b, inside_b))
+    tb.start()
+    assert not inside_b.wait(1.0)  # b waits while a converts
+    leave_a.set()
+    ta.join(30)
+    tb.join(30)
+    assert inside_b.is_set() and gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,6 +183,11 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
     raise RuntimeError(f"could not fetch a verified copy of embedded model {name!r}: {err}") from err
 
 
+# Snakemake runs rule fetch_model's `run:` block in a thread of its own process: two models'
+# conversions may overlap there, and `_parsed_once` swaps two names of the gguf module.
+_CONVERTING = threading.Lock()
+
+
 @contextlib.contextmanager
 def _parsed_once(path: Path):
     """While converting `path`, transformers' GGUF loader gets its one parsed reader
@@ -194,17 +200,18 @@ def _parsed_once(path: Path):
 
     from kvarn.weights.gguf_file import reader
 
-    parsed, target = reader(path), Path(path).resolve()
-    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _CONVERTING:  # the two names are the process's: one conversion at a time
+        parsed, target = reader(path), Path(path).resolve()
+        saved = gguf.GGUFReader, gguf.get_tensor_name_map
 
-    def shared_reader(p, mode="r"):
-        return parsed if mode == "r" and Path(p).resolve() == target else saved[0](p, mode)
+        def shared_reader(p, mode="r"):
+            return parsed if mode == "r" and Path(p).resolve() == target else saved[0](p, mode)
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(saved[1])
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+        gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(saved[1])
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
 def _convert(gguf: Path, out: Path) -> None:
