@@ -364,7 +364,7 @@ def test_registry_one_handler_per_prefix():
 
 
 def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
-    """embedded._parsed_once, around the conversion of a fetched GGUF: transformers' loader, which
+    """embedded.parsed_once, around the conversion of a fetched GGUF: transformers' loader, which
     parses the file once per call (config, tokenizer, weights), gets the process's one parsed
     reader of that file (kvarn.weights.gguf_file.reader); another file still gets its own; gguf-py's
     tensor-name map is built once per (architecture, layers), equal to gguf-py's own; both
@@ -402,7 +402,7 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf, "GGUFReader", Reader)
     monkeypatch.setattr(gguf, "get_tensor_name_map", name_map)
     a, b = write(tmp_path / "a.gguf"), write(tmp_path / "b.gguf")
-    with embedded._parsed_once(a):
+    with embedded.parsed_once(a):
         configs = [load_gguf_checkpoint(str(a), return_tensors=False)["config"] for _ in range(3)]
         assert gguf.GGUFReader(a) is gguf_file.reader(a) and gguf.GGUFReader(b) is not gguf_file.reader(a)
         maps = [gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) for _ in range(3)]
@@ -413,7 +413,7 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     assert built == [(gguf.MODEL_ARCH.LLAMA, 2), (gguf.MODEL_ARCH.LLAMA, 3)]
     assert maps[0] is maps[2] and maps[0].mapping == gguf.tensor_mapping.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2).mapping
     assert gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
-    with pytest.raises(RuntimeError, match="mid-conversion"), embedded._parsed_once(a):
+    with pytest.raises(RuntimeError, match="mid-conversion"), embedded.parsed_once(a):
         raise RuntimeError("mid-conversion")
     assert gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
     # Two conversions in two threads (snakemake's `run:` jobs): one at a time, so the second does
@@ -423,7 +423,7 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     inside_a, inside_b, leave_a = threading.Event(), threading.Event(), threading.Event()
 
     def convert(path, inside, leave=None):
-        with embedded._parsed_once(path):
+        with embedded.parsed_once(path):
             inside.set()
             if leave is not None:
                 leave.wait(30)

@@ -184,12 +184,12 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
 
 
 # Snakemake runs rule fetch_model's `run:` block in a thread of its own process: two models'
-# conversions may overlap there, and `_parsed_once` swaps two names of the gguf module.
+# conversions may overlap there, and `parsed_once` swaps two names of the gguf module.
 _CONVERTING = threading.Lock()
 
 
 @contextlib.contextmanager
-def _parsed_once(path: Path):
+def parsed_once(path: Path):
     """While converting `path`, transformers' GGUF loader gets its one parsed reader
     (`kvarn.weights.gguf_file.reader`, kept for the process's later reads) and gguf-py's
     tensor-name map once per (architecture, layers): left alone it parses the file three times
@@ -219,7 +219,7 @@ def _convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _parsed_once(gguf):
+    with parsed_once(gguf):
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are dequantized on load; save_pretrained refuses until the GGUF
