@@ -8,7 +8,7 @@ takes its share of the cores for torch's intra-op threads, a module whose tests 
 expensive module- or session-scoped fixture (a real model loaded, a workflow run) names an
 `xdist_group` so that fixture is built on one worker only. xdist hands out work units (a group,
 or one ungrouped test) by their number of tests, most first (pytest-xdist 3.8's default
-`--loadscope-reorder`; a unit of one test keeps its collection place): the groups of several tests
+`--loadscope-reorder`; units of one test keep their collection order): the groups of several tests
 first, then the rest in collection order, which `pytest_collection_modifyitems` below sorts so
 that the modules with a test marked `slow` (a real model loaded, a snakemake run) come first and
 the run ends on short tests that fill both workers.
