@@ -6,6 +6,7 @@
 # Uses from common.smk: MATRIX, decode_targets (rule all), model_marker, model_param, cell_opt, format_version;
 # from report.smk: figure_outputs, kvr (kvr.generation_figure_outputs).
 from kvarn.report import generation as kvgen
+from kvarn.spec.options import DECODE_VERSION
 
 DECODE = kvm.DECODE_DIR
 GENERATION = f"{kvm.DECODE_RUN_DIR}/{kvgen.GENERATION_DIR}"
@@ -31,6 +32,7 @@ rule decode:
         sink=cell_opt("sink"),
         k_version=format_version("k"),
         v_version=format_version("v"),
+        decode_version=DECODE_VERSION,  # the decode's arithmetic: a bump reruns every decode
     threads: MODEL_THREADS
     resources:
         gpu=1,
