@@ -193,7 +193,8 @@ def main() -> int:
             r, g = job_steps[k, 1], job_steps[k, other]
             same = all((r[x] == g[x]).all() for x in ("token", "base_token", "same_top"))
             L.append(f"{k}: tokens, base tokens and same-top {'all equal' if same else 'DIFFER'}; "
-                     f"max |Δ KLD| {abs(r['kld'] - g['kld']).max():.2g} (lock-step KLD mean {r['kld'].mean():.3g}), "
+                     f"|Δ KLD| mean {abs(r['kld'] - g['kld']).mean():.2g}, max {abs(r['kld'] - g['kld']).max():.2g} "
+                     f"(KLD mean {r['kld'].mean():.3g} in lock step, {g['kld'].mean():.3g} in blocks), "
                      f"max |Δ nll_base| {abs(r['nll_base'] - g['nll_base']).max():.2g}.")
     write_text(args.out, "\n".join(L) + "\n")
     print("\n".join(L))

@@ -1,13 +1,13 @@
 """Free-running greedy decode through a quantized cache: where generation leaves the baseline.
 
-Owns: the decode prompts (`decode_prompts`), the lock-step greedy decode of a cell against
-the BF16-cache baseline (`decode`), its per-prompt summary (`summarize_decode`) and the
+Owns: the decode prompts (`decode_prompts`), the greedy decode of a cell scored by the
+BF16-cache baseline (`decode`, in blocks of `block_steps` steps), its per-prompt summary (`summarize_decode`) and the
 runner that writes one (cell, decode) result (`run_decode`).
 
 The teacher-forced KLD of `kvarn.run.engine` never lets an error feed back: every position sees
 the true text. Here the cell generates its own text, one token at a time through its own
 cache (so KVarN groups seal during generation, as in deployment), and the baseline re-scores
-that same text in lock step through its own BF16 cache:
+that same text through its own BF16 cache (in blocks, below):
 
 * prompts: the first `n_ctx − tokens` tokens of P consecutive Wikitext chunks of `n_ctx`
   tokens (BOS at position 0 as in the teacher-forced run), so prompt + generation fills
