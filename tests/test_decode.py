@@ -1,8 +1,9 @@
 """kvarn.run.decode: free-running greedy decode through the cache model.
 
 Slow (real models): an f32 cache reproduces the model's own `generate(do_sample=False)` token
-for token; the bf16 cell is the baseline (never diverges, KLD exactly 0); a 2-bit cache
-diverges and its KLD along its own text is positive. Fast: the summary on hand-made steps.
+for token; the bf16 cell is the baseline (never diverges, KLD exactly 0 in lock step); a 2-bit
+cache diverges and its KLD along its own text is positive. Fast: the summary on hand-made steps,
+the block size from the memory budget. (The block path against lock step: tests/test_decode_speed.py.)
 """
 
 from pathlib import Path
@@ -35,6 +36,31 @@ def test_summary_on_hand_made_steps():
     assert s["survival"] == pytest.approx([1.0, 2 / 3, 2 / 3, 1 / 3, 1 / 3])
     assert s["decode_kld_step_mean"] == pytest.approx([0.4, 0.5, 0.6, 0.7])
     assert s["decode_same_top"] == pytest.approx(10 / 12)
+
+
+def test_block_steps_from_the_memory_budget():
+    # 128 MiB / (4 B x 16 prompts x 49152) = 42.67 -> 42 (SmolLM2); x 262144 -> 8 exactly (Gemma 3)
+    assert KD.BLOCK_BYTES == 128 * 2**20
+    assert KD.block_steps(16, 49152, 1024, 512) == 42
+    assert KD.block_steps(16, 262144, 2048, 512) == 8
+    assert KD.block_steps(4, 49152, 1024, 512) == 170
+    assert KD.block_steps(4, 49152, 100, 512) == 100  # never more than the steps
+    assert KD.block_steps(4, 49152, 1024, 64) == 64  # nor the ubatch
+    assert KD.block_steps(64, 262144, 1024, 512) == 2  # 128 MiB / 64 MiB
+    assert KD.block_steps(256, 262144, 1024, 512) == 1  # 0.5 -> at least one step
+    assert KD.block_steps(2, 10, 1000, 1000, budget=800) == 10  # 800 // (4 x 2 x 10)
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(ValueError, match=r"block_steps: n_prompts must be a positive integer, got "):
+            KD.block_steps(bad, 10, 10, 10)
+    with pytest.raises(ValueError, match=r"block_steps: ubatch must be a positive integer, got 0"):
+        KD.block_steps(1, 10, 10, 0)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "8"])
+def test_decode_refuses_a_bad_block(bad):
+    with pytest.raises(ValueError, match=r"decode block must be a positive integer .* or None, got "):
+        KD.decode(torch.nn.Linear(1, 1), torch.zeros(1, 4, dtype=torch.long), CellSpec("bf16", "bf16", 0), 2,
+                  block=bad)
 
 
 def test_prompt_length_is_checked():
@@ -81,7 +107,8 @@ def test_bf16_cell_never_diverges_and_q2_does(smol):
 
     lm, prompts = smol
     lm.model.set_attn_implementation("kvarn")
-    b = KD.decode(lm.model, prompts, CellSpec("bf16", "bf16", 0), TOKENS, ubatch=UBATCH)
+    # In lock step (block=1) the baseline repeats the bf16 cell's arithmetic exactly: KLD 0.
+    b = KD.decode(lm.model, prompts, CellSpec("bf16", "bf16", 0), TOKENS, ubatch=UBATCH, block=1)
     s = KD.summarize_decode(b, PROMPTS, TOKENS)
     assert s["n_diverged"] == 0 and s["survival"][-1] == 1.0 and (b["kld"] == 0).all() and b["same_top"].all()
     q = KD.decode(lm.model, prompts, CellSpec("q2_0", "q2_0", 0), TOKENS, ubatch=UBATCH)

@@ -1,7 +1,7 @@
 """Decode speed: transformers' own `generate` vs kvarn's cache, per generated token, in one run.
 
     python -m bench.perf.decode -t 1 [--model smollm2-135m] [--prompts 4]
-        [--prompt-len 1000] [--tokens 128] [--reps 1] [--out bench/perf/results/decode.md]
+        [--prompt-len 1000] [--tokens 128] [--blocks 1,auto] [--reps 1] [--out bench/perf/results/decode.md]
 
 Same model (fp32 on CPU), same P prompts (the first `--prompt-len` tokens of P consecutive
 Wikitext chunks, BOS first, as `kvarn decode` builds them), same batch, greedy:
@@ -14,10 +14,13 @@ Wikitext chunks, BOS first, as `kvarn decode` builds them), same batch, greedy:
    bf16 tail 0 (the baseline's cache) and kvarn4 tail 0 (KVarN's sink and 128-token tail);
    per-step time = the steps' wall time / (G - 1);
 3. **the job**: `kvarn.run.decode.decode` (what `kvarn decode` runs: the cell and the BF16
-   baseline in lock step, two caches, plus per-step log-softmax and metrics) for the bf16
-   cell and kvarn4; per-step time from its own timing (steps / (G - 1)).
+   baseline, two caches, plus log-softmax and metrics) for the bf16 cell and kvarn4, once per
+   `--blocks` entry: 1 is the lock-step reference (the baseline one token per step), auto the
+   block path (`kvarn.run.decode.block_steps`: the baseline scores B steps in one forward);
+   per-step time from its own timing (steps / (G - 1)), split into the cell's steps, the
+   baseline's forwards and the metrics in a second table.
 
-Runs interleave (generate, one cache bf16, kvarn4, job bf16, kvarn4) `--reps` times; each
+Runs interleave (generate, one cache bf16, kvarn4, job bf16, kvarn4 per block) `--reps` times; each
 row is the min over reps. Ratios are per-step time / generate's per-step time. The tokens
 of the bf16 one-cache run are compared with generate's (bf16 K/V rounding may move a token
 on a near-tie; tests/test_decode.py checks an f32 cache token for token).
@@ -88,12 +91,12 @@ def run_one_cache(model, prompts, n, k, v, tail, ubatch):
     return t1 - t0, (time.perf_counter() - t1) / (n - 1), torch.stack(toks, 1)
 
 
-def run_job(model, prompts, n, k, v, tail, ubatch):
-    """(prefill s of both caches, per-step s, steps) of kvarn.run.decode.decode."""
+def run_job(model, prompts, n, k, v, tail, ubatch, block):
+    """(prefill s of both caches, per-step s, timing, steps) of kvarn.run.decode.decode."""
     model.set_attn_implementation(kattn.ATTN_NAME)
     timing = {}
-    steps = kdecode.decode(model, prompts, CellSpec(k, v, tail), n, ubatch=ubatch, timing=timing)
-    return timing["prefill_s"], timing["steps_s"] / (n - 1), steps
+    steps = kdecode.decode(model, prompts, CellSpec(k, v, tail), n, ubatch=ubatch, timing=timing, block=block)
+    return timing["prefill_s"], timing["steps_s"] / (n - 1), timing, steps
 
 
 def main() -> int:
@@ -103,6 +106,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--blocks", default="1,auto",
+                    help="the job's blocks, comma-separated: 1 = lock step, auto = kvarn.run.decode.block_steps")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--cache-dir", default=str(REPO / sources.DEFAULT_CACHE_DIR))
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "decode.md"))
@@ -112,6 +117,10 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     if args.tokens < 2:
         raise SystemExit(f"--tokens must be at least 2 (per-step time needs two steps), got {args.tokens}")
+    blocks = [None if b == "auto" else int(b) if b.isdigit() and int(b) > 0 else SystemExit(
+        f"--blocks: {b!r} is not a positive integer or auto") for b in args.blocks.split(",")]
+    if bad := [b for b in blocks if isinstance(b, SystemExit)]:
+        raise bad[0]
 
     load0 = os.getloadavg()[0]
     t_start = time.perf_counter()
@@ -124,6 +133,8 @@ def main() -> int:
     n = args.tokens
 
     rows: dict[str, list] = {}
+    parts: dict[str, list] = {}
+    job_steps: dict[tuple, dict] = {}
     gen_tokens = one_tokens = None
     for _ in range(args.reps):
         pre, step, gen_tokens = run_generate(lm.model, prompts, n)
@@ -135,11 +146,14 @@ def main() -> int:
                 one_tokens = toks
             rows.setdefault(f"one KVarnCache {k}/{v} tail {tail}", []).append((pre, step))
             print(k, "one cache", pre, step, flush=True)
-        for k, v, tail in CELLS:
-            pre, step, _ = run_job(lm.model, prompts, n, k, v, tail, args.ubatch)
-            rows.setdefault(f"kvarn decode job {k}/{v} tail {tail} (cell + bf16 baseline, metrics)", []).append(
-                (pre, step))
-            print(k, "job", pre, step, flush=True)
+        for block in blocks:
+            for k, v, tail in CELLS:
+                pre, step, timing, job_steps[k, block] = run_job(lm.model, prompts, n, k, v, tail, args.ubatch, block)
+                how = "lock step" if timing["block"] == 1 else f"blocks of {timing['block']}"
+                name = f"kvarn decode job {k}/{v} tail {tail}, baseline in {how}"
+                rows.setdefault(name, []).append((pre, step))
+                parts.setdefault(name, []).append(tuple(timing[x] / (n - 1) for x in ("cell_s", "base_s", "metrics_s")))
+                print(k, "job", block, pre, step, timing, flush=True)
     best = {name: (min(p for p, _ in r), min(s for _, s in r)) for name, r in rows.items()}
     ref_step = next(iter(best.values()))[1]
     same = (one_tokens == gen_tokens)
@@ -166,6 +180,22 @@ def main() -> int:
     L += [f"| {name} | {p:.2f} | {1000 * s:.1f} | {s / ref_step:.2f}x |" for name, (p, s) in best.items()]
     L += ["", "bf16 one-cache tokens equal to generate's: "
           + ", ".join(f"prompt {i}: " + ("all" if d is None else f"up to step {d}") for i, d in enumerate(first_diff))]
+    L += ["", "The job's step, split (ms per step, from the run of the min step time):", "",
+          "| job | cell's step | baseline | metrics |", "|---|---:|---:|---:|"]
+    for name, r in rows.items():
+        if name in parts:
+            c, b, m = parts[name][min(range(len(r)), key=lambda i: r[i][1])]
+            L.append(f"| {name} | {1000 * c:.1f} | {1000 * b:.1f} | {1000 * m:.1f} |")
+    if 1 in blocks and len(blocks) > 1:  # the block path against the lock-step reference, same run
+        other = next(b for b in blocks if b != 1)
+        L += ["", f"Block path ({other or 'auto'}) against lock step, same prompts: "]
+        for k, _, _ in CELLS:
+            r, g = job_steps[k, 1], job_steps[k, other]
+            same = all((r[x] == g[x]).all() for x in ("token", "base_token", "same_top"))
+            L.append(f"{k}: tokens, base tokens and same-top {'all equal' if same else 'DIFFER'}; "
+                     f"|Δ KLD| mean {abs(r['kld'] - g['kld']).mean():.2g}, max {abs(r['kld'] - g['kld']).max():.2g} "
+                     f"(KLD mean {r['kld'].mean():.3g} in lock step, {g['kld'].mean():.3g} in blocks), "
+                     f"max |Δ nll_base| {abs(r['nll_base'] - g['nll_base']).max():.2g}.")
     write_text(args.out, "\n".join(L) + "\n")
     print("\n".join(L))
     return 0

@@ -1,13 +1,13 @@
 """Free-running greedy decode through a quantized cache: where generation leaves the baseline.
 
-Owns: the decode prompts (`decode_prompts`), the lock-step greedy decode of a cell against
-the BF16-cache baseline (`decode`), its per-prompt summary (`summarize_decode`) and the
+Owns: the decode prompts (`decode_prompts`), the greedy decode of a cell scored by the
+BF16-cache baseline (`decode`, in blocks of `block_steps` steps), its per-prompt summary (`summarize_decode`) and the
 runner that writes one (cell, decode) result (`run_decode`).
 
 The teacher-forced KLD of `kvarn.run.engine` never lets an error feed back: every position sees
 the true text. Here the cell generates its own text, one token at a time through its own
 cache (so KVarN groups seal during generation, as in deployment), and the baseline re-scores
-that same text in lock step through its own BF16 cache:
+that same text through its own BF16 cache (in blocks, below):
 
 * prompts: the first `n_ctx − tokens` tokens of P consecutive Wikitext chunks of `n_ctx`
   tokens (BOS at position 0 as in the teacher-forced run), so prompt + generation fills
@@ -22,6 +22,15 @@ that same text in lock step through its own BF16 cache:
 
 All P prompts go as one batch (no padding is needed: equal lengths). Greedy ties break to the
 lowest token id (torch.argmax), the same in both runs.
+
+The baseline does not steer the text, it only scores it, so it need not run in lock step: the
+cell generates a block of B steps alone, one token at a time (its tokens are those of a
+lock-step run, bit for bit), keeping its fp32 log-probs; then the baseline takes the block's B
+tokens in ONE forward (teacher-forced, as every teacher-forced cell's baseline is computed) and
+the block's metrics are computed at once. B comes from a memory budget (`block_steps`); block=1
+is the lock-step run (the slow reference). A B-token forward and B one-token forwards agree at
+fp32 noise (docs/notes/decode.md "Speed" has the measured difference); `DECODE_VERSION` tells
+results of the two apart.
 """
 
 from __future__ import annotations
@@ -39,9 +48,24 @@ from kvarn.stats import metrics
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.run.engine import attention_path, baseline_cell, new_cache, set_compute, setup
 from kvarn.spec.cell import CellSpec
+from kvarn.spec.options import DECODE_VERSION
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 STEP_KEYS = ("prompt", "step", "token", "base_token", "kld", "same_top", "nll_base")
+# One block's fp32 vocabulary rows, each of the three arrays alive at once (the cell's log-probs,
+# the baseline's logits and log-probs, P x B x V x 4 bytes each), stay within this: at most
+# 3 x 128 MiB, below one teacher-forced ubatch of 512 positions at Gemma 3's 262k vocabulary (512 MiB).
+BLOCK_BYTES = 128 * 2**20
+
+
+def block_steps(n_prompts: int, vocab: int, n_tokens: int, ubatch: int, budget: int = BLOCK_BYTES) -> int:
+    """Decode steps per block: the most whose fp32 log-probs [P, B, V] fit `budget` bytes, at least 1,
+    at most `n_tokens` and `ubatch` (the baseline takes a block in one forward of B tokens)."""
+    for name, x in (("n_prompts", n_prompts), ("vocab", vocab), ("n_tokens", n_tokens), ("ubatch", ubatch),
+                    ("budget", budget)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"block_steps: {name} must be a positive integer, got {x!r}")
+    return max(1, min(budget // (4 * n_prompts * vocab), n_tokens, ubatch))
 
 
 def decode_prompts(chunk_ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -65,38 +89,72 @@ def feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=512, attention="ref",
-           timing: dict | None = None) -> dict[str, np.ndarray]:
+           timing: dict | None = None, block: int | None = None) -> dict[str, np.ndarray]:
     """Greedy-generate `n_tokens` per prompt with the cell's cache, the BF16 baseline (on the cell's compute path)
-    re-scoring the cell's text in lock step. Returns the STEP_KEYS columns, [P · n_tokens] rows
-    ordered by (prompt, step). `model` must use attn_implementation "kvarn"; `attention`: the
-    attention path of both caches ("ref" or "flex", `kvarn.run.engine.attention_path`).
-    `timing`: if given, gets prefill_s (both prompts) and steps_s (the rest) added."""
+    re-scoring the cell's text in blocks of `block` steps (None: `block_steps`; 1: lock step).
+    Returns the STEP_KEYS columns, [P · n_tokens] rows ordered by (prompt, step). `model` must use
+    attn_implementation "kvarn"; `attention`: the attention path of both caches ("ref" or "flex",
+    `kvarn.run.engine.attention_path`). `timing`: if given, gets prefill_s (both prompts), steps_s
+    (the rest; of it: cell_s the cell's steps, base_s the baseline's block forwards, metrics_s)
+    added, and block (the steps per block) set."""
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"decode block must be a positive integer (steps per baseline forward) or None, got {block!r}")
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     n_p = prompts.shape[0]
     base = new_cache(model, baseline_cell(cell.compute), attention=attention)
     cell = new_cache(model, cell, attention=attention)
+    n_ctx = prompts.shape[1] + n_tokens
+    base.reserve(n_ctx)
+    cell.reserve(n_ctx)
+    clock = {"cell_s": 0.0, "base_s": 0.0, "metrics_s": 0.0}
     t0 = time.perf_counter()
     lc, lb = feed(model, prompts, cell, ubatch), feed(model, prompts, base, ubatch)
     t1 = time.perf_counter()
-    cols = {key: [] for key in STEP_KEYS}
-    for s in range(n_tokens):
-        lq, lp = torch.log_softmax(lc, dim=-1), torch.log_softmax(lb, dim=-1)
-        tok = lq.argmax(dim=-1)
-        tm = metrics.token_metrics(lq.cpu(), lp.cpu(), tok.cpu())
-        cols["prompt"].append(np.arange(n_p, dtype=np.int32))
-        cols["step"].append(np.full(n_p, s, dtype=np.int32))
-        cols["token"].append(tok.cpu().numpy().astype(np.int64))
-        cols["base_token"].append(lp.argmax(dim=-1).cpu().numpy().astype(np.int64))
-        cols["kld"].append(tm["kld"])
-        cols["same_top"].append(tm["same_top"])
-        cols["nll_base"].append(tm["nll_base"])
-        if s + 1 < n_tokens:
-            lc, lb = feed(model, tok[:, None], cell, 1), feed(model, tok[:, None], base, 1)
-    out = {key: np.stack(cols[key], axis=1).reshape(-1) for key in STEP_KEYS}  # [P, G] -> (prompt, step)
+    B = block or block_steps(n_p, lc.shape[-1], n_tokens, ubatch)
+    toks, blocks = [], []
+    for a in range(0, n_tokens, B):
+        b = min(a + B, n_tokens)
+        t = time.perf_counter()
+        lq = torch.empty(n_p, b - a, lc.shape[-1], dtype=torch.float32, device=device)
+        for s in range(a, b):  # the cell alone, one token at a time: the tokens of a lock-step run
+            lq[:, s - a] = torch.log_softmax(lc, dim=-1)
+            toks.append(lq[:, s - a].argmax(dim=-1))
+            if s + 1 < n_tokens:
+                lc = feed(model, toks[-1][:, None], cell, 1)
+        t2 = time.perf_counter()
+        # The baseline's log-probs of steps a..b-1: it has read the prompt and tokens ..a-2; one
+        # forward of tokens a-1..b-2 (block 0: the prefill gave step 0; tokens 0..b-2).
+        fed = torch.stack(toks[max(a - 1, 0) : b - 1], dim=1) if b - 1 > max(a - 1, 0) else None
+        rows = [lb[:, None]] if a == 0 else []
+        if fed is not None:
+            out = model(input_ids=fed, cache=base, kvarn_cache=base, use_cache=True, logits_to_keep=0)
+            rows.append(out.logits.float())
+            del out
+        lp = torch.log_softmax(torch.cat(rows, dim=1) if len(rows) > 1 else rows[0], dim=-1)
+        del rows
+        t3 = time.perf_counter()
+        tok = torch.stack(toks[a:b], dim=1)
+        tm = metrics.token_metrics(lq.reshape(-1, lq.shape[-1]), lp.reshape(-1, lp.shape[-1]), tok.reshape(-1))
+        blocks.append({
+            "token": tok.cpu().numpy().astype(np.int64),
+            "base_token": lp.argmax(dim=-1).cpu().numpy().astype(np.int64),
+            **{key: tm[key].reshape(n_p, b - a) for key in ("kld", "same_top", "nll_base")},
+        })
+        del lq, lp
+        t4 = time.perf_counter()
+        for key, dt in (("cell_s", t2 - t), ("base_s", t3 - t2), ("metrics_s", t4 - t3)):
+            clock[key] += dt
+    steps = np.arange(n_tokens, dtype=np.int32)
+    out = {"prompt": np.repeat(np.arange(n_p, dtype=np.int32), n_tokens), "step": np.tile(steps, n_p)}
+    for key in STEP_KEYS[2:]:  # [P, G] -> (prompt, step)
+        out[key] = np.concatenate([blk[key] for blk in blocks], axis=1).reshape(-1)
     if timing is not None:
         timing["prefill_s"] = timing.get("prefill_s", 0.0) + t1 - t0
         timing["steps_s"] = timing.get("steps_s", 0.0) + time.perf_counter() - t1
+        for key, v in clock.items():
+            timing[key] = timing.get(key, 0.0) + v
+        timing["block"] = B
     return out
 
 
@@ -152,7 +210,8 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
     set_compute(loaded.model, spec, cache_dir, cell.compute)
     path = attention_path(attention, loaded.info.device, cell.compute)
     td = time.perf_counter()
-    steps = decode(loaded.model, p_ids, cell, tokens, ubatch=ubatch, attention=path or "ref")
+    timing: dict = {}
+    steps = decode(loaded.model, p_ids, cell, tokens, ubatch=ubatch, attention=path or "ref", timing=timing)
     decode_s = time.perf_counter() - td
     summary = summarize_decode(steps, prompts, tokens)
     info = loaded.info
@@ -160,7 +219,8 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
         "model": info.name, "source": info.source, "revision": info.revision, "n_ctx": n_ctx,
         "prompt_tokens": int(p_ids.shape[1]), "k_type": cell.k, "v_type": cell.v, "tail": cell.tail,
         "rot": cell.rot, "tail_dtype": cell.tail_dtype, "iters": cell.iters, "sink": cell.sink, "compute": cell.compute, "ubatch": ubatch, "attention": path,
-        "text_sha256": ident.get("text_sha256"), "tokenizer_hash": ident.get("tokenizer_hash"), "decode_s": decode_s, "wall_s": time.perf_counter() - t0,
+        "text_sha256": ident.get("text_sha256"), "tokenizer_hash": ident.get("tokenizer_hash"), "decode_s": decode_s,
+        "decode_version": DECODE_VERSION, "block": timing["block"], "wall_s": time.perf_counter() - t0,
         "kvarn_version": kvarn.__version__, "device": info.device, "dtype": info.dtype,
     })
     out_dir.mkdir(parents=True, exist_ok=True)

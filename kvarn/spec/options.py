@@ -22,6 +22,12 @@ DEFAULT_COMPUTE = EXACT
 # version (kvarn.run.engine.check_baseline_compute). llamacpp-cpu 2: ggml's fp16-table GELU.
 COMPUTE_VERSION = {EXACT: 1, LLAMACPP_CPU: 2}
 
+# The arithmetic of a free-running decode result (kvarn.run.decode), recorded in its summary and
+# a parameter of the workflow's decode rule (a bump reruns every decode). 1: the baseline re-scored
+# the cell's text one token at a time in lock step; 2: in blocks of steps, one forward per block
+# (the baseline's numbers move at fp32 noise, docs/notes/decode.md "Speed").
+DECODE_VERSION = 2
+
 # ggml-cpu type_traits_cpu[type].vec_dot_type: what Q is converted to for K of that type.
 VEC_DOT_TYPE = {
     "f32": "f32", "f16": "f16", "bf16": "bf16",

@@ -6,6 +6,7 @@
 # Uses from common.smk: MATRIX, decode_targets (rule all), model_marker, model_param, cell_fields, format_versions;
 # from report.smk: figure_outputs, kvr (kvr.generation_figure_outputs).
 from kvarn.plan import generation as kvgen
+from kvarn.spec.options import DECODE_VERSION
 
 DECODE = kvm.DECODE_DIR
 GENERATION = f"{kvm.DECODE_RUN_DIR}/{kvgen.GENERATION_DIR}"
@@ -27,6 +28,7 @@ rule decode:
         dtype=model_param("dtype"),
         cell=cell_fields,
         versions=format_versions,
+        decode_version=DECODE_VERSION,  # the decode's arithmetic: a bump reruns every decode
     threads: MODEL_THREADS
     resources:
         gpu=1,
