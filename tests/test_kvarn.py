@@ -175,7 +175,7 @@ def test_rotation_back_preserves_per_token_error():
 
 @pytest.mark.parametrize("n", [2, 4, 64, 128])
 def test_butterfly_bitwise_equals_the_stacked_loop(n):
-    """`_butterfly` (two buffers written in turn) against `_butterfly_ref` (a stack per stage),
+    """`butterfly` (two buffers written in turn) against `butterfly_ref` (a stack per stage),
     bit for bit: random values over many magnitudes, a strided (transposed) input, a constant
     row, a zero row and one outlier; the input is left untouched."""
     g = _gen(n)
@@ -184,14 +184,14 @@ def test_butterfly_bitwise_equals_the_stacked_loop(n):
     x[0, 1] = 0.0
     x[1, 2, n // 2] = 3e7
     before = x.clone()
-    assert torch.equal(K._butterfly(x), K._butterfly_ref(x))
+    assert torch.equal(K.butterfly(x), K.butterfly_ref(x))
     assert torch.equal(x, before)
     xt = x.transpose(0, 1)  # [5, 3, n], not contiguous
-    assert torch.equal(K._butterfly(xt), K._butterfly_ref(xt))
+    assert torch.equal(K.butterfly(xt), K.butterfly_ref(xt))
     # and it is the unnormalized Walsh-Hadamard transform (Sylvester order) up to fp32 rounding
     h = hadamard(n, dtype=torch.float64) * math.sqrt(n)
     ref = x.double() @ h
-    assert torch.allclose(K._butterfly(x).double(), ref, rtol=0, atol=n * F32_EPS * float(x.abs().max()) * 4)
+    assert torch.allclose(K.butterfly(x).double(), ref, rtol=0, atol=n * F32_EPS * float(x.abs().max()) * 4)
 
 
 def test_log_update_clamps():

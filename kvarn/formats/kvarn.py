@@ -87,13 +87,13 @@ def from_tiles(tiles: torch.Tensor, role: str) -> torch.Tensor:
     return y.transpose(-3, -2).reshape(*lead, g * gs, s * ch)
 
 
-def _butterfly(y: torch.Tensor) -> torch.Tensor:
+def butterfly(y: torch.Tensor) -> torch.Tensor:
     """Unnormalized Walsh-Hadamard transform of the last dim (a power of two), BeeLlama's
     in-place loop: for stride 1, 2, 4, ...: (a, b) -> (a + b, a - b) at (i, i + stride).
 
     Each stage writes its sums and differences straight into the halves of a second buffer
     (two buffers in turn), without a stack or copy per stage: the same fp32 additions as
-    `_butterfly_ref`, bit for bit (tests/test_kvarn.py)."""
+    `butterfly_ref`, bit for bit (tests/test_kvarn.py)."""
     n = y.shape[-1]
     src = y.reshape(-1, n).contiguous()
     bufs = [torch.empty_like(src) for _ in range(2 if n > 2 else 1)]
@@ -107,8 +107,8 @@ def _butterfly(y: torch.Tensor) -> torch.Tensor:
     return src.view(y.shape)
 
 
-def _butterfly_ref(y: torch.Tensor) -> torch.Tensor:
-    """`_butterfly` as the plain loop (a stack per stage): the reference it is tested against."""
+def butterfly_ref(y: torch.Tensor) -> torch.Tensor:
+    """`butterfly` as the plain loop (a stack per stage): the reference it is tested against."""
     n, stride = y.shape[-1], 1
     while stride < n:
         v = y.reshape(*y.shape[:-1], n // (2 * stride), 2, stride)
@@ -128,9 +128,9 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     Equal to `x @ hadamard(D)` up to fp32 rounding (tested); x is float32."""
     d = x.shape[-1]
     ch = min(d, SLICE)
-    y = _butterfly(x.reshape(*x.shape[:-1], d // ch, ch)) * _f32(1 / math.sqrt(ch), x)
+    y = butterfly(x.reshape(*x.shape[:-1], d // ch, ch)) * _f32(1 / math.sqrt(ch), x)
     if d > ch:
-        y = (_butterfly(y.transpose(-1, -2)) * _f32(1 / math.sqrt(d // ch), x)).transpose(-1, -2)
+        y = (butterfly(y.transpose(-1, -2)) * _f32(1 / math.sqrt(d // ch), x)).transpose(-1, -2)
     return y.reshape(x.shape)
 
 
