@@ -28,8 +28,10 @@ def test_loadgroup_keeps_a_group_on_one_worker(tmp_path):
         (tmp_path / name).write_text(body)
     (tmp_path / "test_free.py").write_text("import pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_free(i):\n    pass\n")
     log = tmp_path / "dur.jsonl"
-    env = {**os.environ, "DURLOG": str(log), "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
-                                                                           os.environ.get("PYTHONPATH", "")])}
+    # not PYTEST_XDIST_*: run by `make test`, this test is itself on a worker, and the inner run's
+    # controller must not take that worker's name
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}, "DURLOG": str(log),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
                         "-v", "-o", "addopts=", "-o", "pythonpath=", "-p", "durlog", "--rootdir", str(tmp_path),
                         str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
