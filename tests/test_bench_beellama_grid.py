@@ -215,3 +215,6 @@ def test_grid_tables_on_fake_logs(tmp_path):
     cost = [ln for ln in lines if ln.startswith("| kvarn4-t0 | 480.0 |")]
     assert cost == ["| kvarn4-t0 | 480.0 | 6.00 | 600 | 120.0 | 6.00 | 120 | 240.0 | 6.00 | 120 | 1.5–4.2 |"]
     assert any(ln.startswith("| bf16-t0 | 80.0 | 1.00 |") for ln in lines)
+    assert "baseline" not in out  # no base.log here
+    _log(tmp_path / "base.log", "", 294.24, "17:04.93")
+    assert G.grid_tables(tmp_path, ["bf16-t0"]).rstrip().endswith("294.2 user CPU s, 1025 s wall.")

@@ -304,7 +304,13 @@ def grid_tables(run: Path, names: list[str]) -> str:
     return (f"### KLD against the same base file ({run.name})\n\n" + "\n".join(kld)
             + "\n\n### Per-chunk mean KLD and PPL\n\n" + md(chunk_head, chunks)
             + "\n\n### CPU cost per row relative to the bf16 row (CPU figures, 1 thread, under the load shown)\n\n"
-            + md(cost_head, cost) + "\n")
+            + md(cost_head, cost) + "\n" + baseline_cost(run))
+
+
+def baseline_cost(run: Path) -> str:
+    t = table.time_v(run / "base.log")
+    return "" if t is None else (f"\nkvarn's baseline (`exact`, fp32, written as base.kld): {t['user_s']:.1f} user CPU s, "
+                                 f"{t['wall_s']:.0f} s wall.\n")
 
 
 # ---------------------------------------------------------------- main
