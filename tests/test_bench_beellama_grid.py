@@ -211,6 +211,8 @@ def test_grid_tables_on_fake_logs(tmp_path):
     # per-chunk means: BeeLlama's from its running means (0.010, then (0.010 + 0.014) / 2), kvarn's from tokens
     ch = [ln for ln in lines if ln.startswith("| kvarn4-t0 | llamacpp-cpu | 0.010000 / 0.010000 | 0.014000 / 0.014700 |")]
     assert len(ch) == 1 and "| 17.4846 | 17.5000 | 17.2599 | 17.2599 |" in ch[0]
+    head = [ln for ln in lines if ln.startswith("| row | kvarn compute | chunk 1")]
+    assert len(head) == 1 and head[0].count("| chunk ") == 2 and len(head[0].split("|")) == len(ch[0].split("|"))
     # cost: each process against the bf16 row's same process: 480 / 80 = 6.00, 120 / 20, 240 / 40
     cost = [ln for ln in lines if ln.startswith("| kvarn4-t0 | 480.0 |")]
     assert cost == ["| kvarn4-t0 | 480.0 | 6.00 | 600 | 120.0 | 6.00 | 120 | 240.0 | 6.00 | 120 | 1.5–4.2 |"]

@@ -292,7 +292,7 @@ def grid_tables(run: Path, names: list[str]) -> str:
         loads = [x for t in times.values() if t for x in t["load"]]
         cost.append([name, *(c for k in ("beellama", *MODES) for c in table.cost_cells(times[k], floor.get(k))),
                      f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"])
-    n = max((len(r) - 7 for r in chunks), default=0)
+    n = max((len(r) - 6 for r in chunks), default=0)  # name, compute, the chunks, 4 PPLs
     chunk_head = ["row", "kvarn compute", *(f"chunk {i + 1} mean KLD BeeLlama / kvarn" for i in range(n)),
                   "BeeLlama PPL(Q)", "kvarn PPL(Q)", "BeeLlama base PPL", "kvarn base PPL"]
     cost_head = ["row", "BeeLlama user CPU s", "× bf16", "wall s", "kvarn exact user CPU s", "× bf16", "wall s",
