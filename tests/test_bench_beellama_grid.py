@@ -208,6 +208,9 @@ def test_grid_tables_on_fake_logs(tmp_path):
     assert "| 0.50 |" in ex and ex.endswith("|  |")  # the target is judged on llamacpp-cpu only
     assert any("q4_0-t0 | BeeLlama failed: /src/ggml-impl.h:319: fatal error (rc=134)" in ln for ln in lines)
     assert any(ln.startswith("| q2_0-t128 | not run |") for ln in lines)
+    (tmp_path / "kvarn4-t0" / "exact" / "summary.json").unlink()  # BeeLlama's side alone is still shown
+    only = [ln for ln in G.grid_tables(tmp_path, ["kvarn4-t0"]).splitlines() if ln.startswith("| kvarn4-t0 | exact")][0]
+    assert only == "| kvarn4-t0 | exact not run | 0.008000 | — | — | 0.012000 | — | — | 0.0580 | — | 93.94 | — |  |"
     # per-chunk means: BeeLlama's from its running means (0.010, then (0.010 + 0.014) / 2), kvarn's from tokens
     ch = [ln for ln in lines if ln.startswith("| kvarn4-t0 | llamacpp-cpu | 0.010000 / 0.010000 | 0.014000 / 0.014700 |")]
     assert len(ch) == 1 and "| 17.4846 | 17.5000 | 17.2599 | 17.2599 |" in ch[0]

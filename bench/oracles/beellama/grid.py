@@ -279,7 +279,10 @@ def grid_tables(run: Path, names: list[str]) -> str:
             times[mode] = table.time_v(d / f"{mode}.log")
             if not (cell / "summary.json").is_file():
                 note = "failed: " + failure(d / f"{mode}.log") if rc_of(d / f"{mode}.log") else "not run"
-                kld.append(f"| {name} | {mode} {note} |" + " |" * (len(table.HEADER) - 1))
+                pct = table.fmt(100 * bee["same_top"], 2) if "same_top" in bee else "—"
+                kld.append("| " + " | ".join([name, f"{mode} {note}", table.fmt(bee.get("kld_median")), "—", "—",
+                                              table.fmt(bee.get("kld_mean")), "—", "—", table.fmt(bee.get("kld_p99"), 4),
+                                              "—", pct, "—", ""]) + " |")
                 continue
             ours = json.loads((cell / "summary.json").read_text())
             kld.append("| " + " | ".join(table.row(name, d / "beellama.log", cell)
