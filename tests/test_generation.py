@@ -334,6 +334,39 @@ def test_generation_refuses_fewer_chunks_than_prompts(tmp_path):
     assert p.returncode and "chunks 1 < decode prompts 2" in p.stdout + p.stderr
 
 
+def test_generation_plan_of_the_shipped_config():
+    """kvarn.plan.generation in this process (the rules call it in snakemake's): config/generation.yaml
+    has one decode run per model with its seven cells; each run's inputs are the decode, steps,
+    teacher-forced and baseline files of those cells; the targets are each run's tables and
+    figures; a run the matrix does not have, or cells that score fewer chunks than the decode has
+    prompts, are refused by name."""
+    import yaml
+
+    from kvarn.plan import matrix
+
+    cfg = yaml.safe_load((ROOT / "config" / "generation.yaml").read_text())
+    m = matrix.expand(cfg)
+    plan = PG.runs(m)
+    assert sorted(plan) == [("gemma3-270m", 4096, 16, 2048), ("smollm2-135m", 2048, 16, 1024)]
+    r = plan[("smollm2-135m", 2048, 16, 1024)]
+    assert len(r["decode"]) == len(r["cells"]) == len(r["baselines"]) == 7 and r["chunks"] == 16
+    assert r["decode"][0] == matrix.decode_dir("smollm2-135m", 2048, 16, 1024, m.cells[0].name)
+    got = PG.run_inputs(m, "smollm2-135m", "2048", "16", "1024")  # wildcards arrive as strings
+    assert got == {"decode": [f"{d}/summary.json" for d in r["decode"]], "steps": [f"{d}/steps.parquet" for d in r["decode"]],
+                   "cells": [f"{d}/summary.json" for d in r["cells"]], "tokens": [f"{d}/tokens.parquet" for d in r["cells"]],
+                   "baselines": r["baselines"]}
+    targets = PG.targets(m)
+    per_run = len(PG.GENERATION_TABLES) + 3 * len(PG.GENERATION_FIGURES)
+    assert len(targets) == len(set(targets)) == 2 * per_run
+    assert f"{PG.run_dir('smollm2-135m', 2048, 16, 1024)}/generation.md" in targets
+    assert "results/figures/gemma3-270m/decode-ctx4096-p16-g2048/survival.png" in targets
+    with pytest.raises(ValueError, match="not a decode run of this matrix"):
+        PG.run_inputs(m, "smollm2-135m", 2048, 8, 1024)
+    few = {**cfg, "models": [{**cfg["models"][0], "chunks": 4}]}
+    with pytest.raises(ValueError, match="chunks 4 < decode prompts 16"):
+        PG.run_inputs(matrix.expand(few), "smollm2-135m", 2048, 16, 1024)
+
+
 TINY_GEN = {"models": [{"name": "smollm2-135m", "source": "embedded:smollm2-135m", "n_ctx": [96], "chunks": 2,
                         "decode": {"prompts": 2, "tokens": 40}}],
             "cells": [{"types": ["q2_0"], "tail": 0}, {"types": ["kvarn2"], "tail": 0}]}
