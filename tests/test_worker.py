@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -243,3 +244,28 @@ def test_release_others_makes_each_other_worker_exit(tmp_path):
     finally:
         worker.release_others(None, tmp_path)
         procs["own"].wait(30)
+
+
+def test_a_dead_peer_before_acceptance_is_retried(monkeypatch):
+    """A worker killed (or exiting idle) just as a client connects: the request cannot even be
+    written (broken pipe). The client must try again — here the second connection is a live
+    worker that accepts and answers — not fail on the unsent bytes when the file closes."""
+    dead, gone = socket.socketpair()
+    gone.close()  # writing to `dead` now fails with EPIPE, as to a worker that died after connect
+    live, server = socket.socketpair()
+
+    def serve():
+        with server, server.makefile("rwb") as f:
+            req = json.loads(f.readline())
+            f.write(json.dumps({"accepted": True, "pid": 0}).encode() + b"\n")
+            f.write(json.dumps({"ok": True, "result": {"kind": req["kind"]}}).encode() + b"\n")
+            f.flush()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    conns = [dead, live]
+    monkeypatch.setattr(worker, "_connect_or_spawn", lambda path, ident: conns.pop(0))
+    monkeypatch.setattr(worker, "RETRY_S", 0.0)
+    assert worker.request_reply(Path("w.sock"), {}, {"kind": "cell"}) == {"kind": "cell"}
+    t.join(10)
+    assert conns == []  # both connections were used: the dead one, then the live one

@@ -39,6 +39,7 @@ its allocation ends with the job. KVARN_WORKER_DIR: the sockets' directory (defa
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -59,6 +60,7 @@ ENV, IDLE_ENV = "KVARN_WORKER", "KVARN_WORKER_IDLE"
 RELEASE_TIMEOUT_S = 120.0  # waiting for a released worker to exit
 IDLE_S = 120.0
 SPAWN_TIMEOUT_S = 600.0  # the worker's own start (imports), not the model load
+RETRY_S = 0.2  # between connection attempts, times the attempt
 PROTOCOL = 1
 KINDS = ("cell", "baseline", "decode")
 
@@ -148,18 +150,32 @@ def _runner(kind: str):
     return engine.run_cell if kind == "cell" else engine.run_baseline
 
 
+@contextlib.contextmanager
+def _closing_quietly(f):
+    """`f`, closed on the way out; the broken pipe of a flush on close (a dead peer) is dropped."""
+    try:
+        yield f
+    finally:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            f.close()
+
+
 def request_reply(path: Path, ident: dict, request: dict, attempts: int = 3) -> dict:
     """Send `request` to the worker at `path` (spawned if none answers) and return its result."""
     for attempt in range(attempts):
+        if attempt:
+            time.sleep(RETRY_S * attempt)  # a worker that just died may still hold its socket open
         conn = _connect_or_spawn(path, ident)
-        with conn, conn.makefile("rwb") as f:
+        # closing the file must not raise: after a broken pipe its buffer still holds the request,
+        # and a failed flush on close would replace the retry (or the WorkerDied) with that error
+        with conn, _closing_quietly(conn.makefile("rwb")) as f:
             try:
                 f.write(json.dumps(request).encode() + b"\n")
                 f.flush()
                 first = f.readline()
             except (ConnectionResetError, BrokenPipeError):
                 first = b""
-            if not first:  # closed before accepting: an idle exit racing our connect; nothing started
+            if not first:  # closed before accepting: an idle exit (or a kill) racing our connect; nothing started
                 continue
             msg = json.loads(first)
             if msg.get("accepted"):
