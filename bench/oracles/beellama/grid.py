@@ -52,7 +52,7 @@ from bench.oracles.beellama import memory, table
 MODES = ("exact", "llamacpp-cpu")
 FLOOR = "bf16"
 TYPES = (FLOOR, *memory.STANDARD, *memory.KVARN)
-# the brief's priority (issue 21 items 3/5): the rows that answer the open questions first
+# the rows that answer issue 21's open questions first (items 3 and 5)
 PRIORITY = ("bf16-t0", "kvarn4-t0", "q4_0-t128", "q4_0-t0", "q4_0-t0-norot", "kvarn2-t0", "q2_0-t128",
             "kvarn8-t0", "q8_0-t128")
 DONE = "# done rc="
