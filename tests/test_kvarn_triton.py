@@ -305,6 +305,44 @@ def test_bad_tiles():
         T.quantize_pack(torch.zeros(1, 64, 128), 9)
 
 
+_COMPILE_FOR_SM90 = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvarn.formats import kvarn_triton as T
+sig = {"x_ptr": "*fp32", "words_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*fp16",
+       "other_ptr": "*fp16", "iters": "i32", "R": "constexpr", "C": "constexpr",
+       "BITS": "constexpr", "PRECISE": "constexpr"}
+src = ASTSource(T._quantize_pack_kernel, sig, constexprs={"R": 64, "C": 64, "BITS": 4, "PRECISE": True})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": 8, "enable_fp_fusion": False}).asm["ptx"]
+code = ptx.split(".section")[0]  # the instructions, without the debug sections
+print(json.dumps({"libdevice": bool(T.LIBDEVICE), **{op: code.count(op) for op in
+      ("ex2.approx", "lg2.approx", "div.rn.f32", "div.full.f32", "sqrt.rn.f64", "fma.rn.f32")}}))
+"""
+
+
+def test_precise_kernel_compiles_for_a_gpu_with_exact_ops(tmp_path):
+    """The GPU path of the precise kernel, compiled for sm_90 here without a GPU (Triton's
+    own compiler and ptxas, outside the interpreter, so libdevice is linked): no
+    approximate exp/log (ex2/lg2.approx), no approximate division, no fused multiply-add
+    in fp32 -- what the docstring of kvarn_triton promises and the interpreter cannot see."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ops = json.loads(done.stdout.strip().splitlines()[-1])
+    assert ops["libdevice"], "libdevice not found: the precise path would use approximate exp/log"
+    assert ops["ex2.approx"] == ops["lg2.approx"] == 0, ops
+    assert ops["div.full.f32"] == 0 and ops["div.rn.f32"] > 0, ops
+    assert ops["sqrt.rn.f64"] > 0 and ops["fma.rn.f32"] == 0, ops
+
+
 # --- GPU only: full shapes ------------------------------------------------------------
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

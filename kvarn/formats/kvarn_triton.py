@@ -76,27 +76,26 @@ def _div(x, y, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    """fp32 exp; PRECISE: in float64, rounded to fp32, as the reference (`kvarn.exp32`)."""
+def _fp32_fn(x, FN: tl.constexpr, PRECISE: tl.constexpr):
+    """fp32 exp or log (FN "exp" / "log"); PRECISE: in float64, rounded to fp32, as the
+    reference (`kvarn.exp32` / `kvarn.log32`): libdevice's, or tl's under the interpreter."""
     if PRECISE:
-        if LIBDEVICE:
-            return libdevice.exp(x.to(tl.float64)).to(tl.float32)
-        else:
-            return tl.exp(x.to(tl.float64)).to(tl.float32)
+        x = x.to(tl.float64)
+    if PRECISE and LIBDEVICE:
+        y = libdevice.exp(x) if FN == "exp" else libdevice.log(x)
     else:
-        return tl.exp(x)
+        y = tl.exp(x) if FN == "exp" else tl.log(x)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    return _fp32_fn(x, "exp", PRECISE)
 
 
 @triton.jit
 def _log(x, PRECISE: tl.constexpr):
-    """fp32 log; PRECISE: in float64, rounded to fp32, as the reference (`kvarn.log32`)."""
-    if PRECISE:
-        if LIBDEVICE:
-            return libdevice.log(x.to(tl.float64)).to(tl.float32)
-        else:
-            return tl.log(x.to(tl.float64)).to(tl.float32)
-    else:
-        return tl.log(x)
+    return _fp32_fn(x, "log", PRECISE)
 
 
 @triton.jit
@@ -127,6 +126,15 @@ def _log_update(log_scale, std, PRECISE: tl.constexpr):
 @triton.jit
 def _scaled(x, a, b, PRECISE: tl.constexpr):
     return _div(x, _exp(b, PRECISE)[:, None] * _exp(a, PRECISE)[None, :], PRECISE)
+
+
+@triton.jit
+def _chunk_layout(BITS: tl.constexpr):
+    """Where code k of a chunk of 32 sits (module docstring): its word (k*BITS)//32, its shift
+    (k*BITS)%32, and whether it spills into the next word."""
+    start = tl.arange(0, 32).to(tl.int64) * BITS
+    s_k = start % 32
+    return start // 32, s_k, (s_k + BITS) > 32
 
 
 @triton.jit
@@ -177,11 +185,7 @@ def _quantize_pack_kernel(x_ptr, words_ptr, scale_ptr, zero_ptr, other_ptr, iter
     # dense LSB-first packing, 32 codes -> BITS words
     NCH: tl.constexpr = R * C // 32
     q = tl.reshape(q, [NCH, 32])
-    k = tl.arange(0, 32).to(tl.int64)
-    start = k * BITS
-    w_k = start // 32
-    s_k = start % 32
-    spill = (s_k + BITS) > 32
+    w_k, s_k, spill = _chunk_layout(BITS)
     chunks = tl.arange(0, NCH).to(tl.int64)
     for m in tl.static_range(BITS):
         low = tl.where((w_k == m)[None, :], q << s_k[None, :], 0)
@@ -196,11 +200,7 @@ def _unpack_dequantize_kernel(words_ptr, scale_ptr, zero_ptr, other_ptr, out_ptr
                               R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     NCH: tl.constexpr = R * C // 32
-    k = tl.arange(0, 32).to(tl.int64)
-    start = k * BITS
-    w_k = start // 32
-    s_k = start % 32
-    spill = (s_k + BITS) > 32
+    w_k, s_k, spill = _chunk_layout(BITS)
     chunks = tl.arange(0, NCH).to(tl.int64)
     codes = tl.zeros([NCH, 32], dtype=tl.int64)
     for m in tl.static_range(BITS):
