@@ -25,6 +25,7 @@ from kvarn.spec import facts
 from kvarn import report as R
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer
 from kvarn.formats import get_format
+from kvarn.formats.ecosystem import use_quanto_python_unpack
 from kvarn.spec.geometry import Geometry
 from kvarn.budget.memory import kv_bytes
 from kvarn.report import data as D
@@ -186,6 +187,8 @@ def _calls(ids):
 @torch.no_grad()
 def library_logits(model, ids, name, impl="sdpa"):
     backend, bits, axis_k, axis_v, qg = facts.ECOSYSTEM_TYPES[name]
+    if backend == "quanto":
+        use_quanto_python_unpack()  # as kvarn runs it, not a minute compiling the C++ unpack
     model.set_attn_implementation(impl)
     cache = QuantizedCache(backend, model.config, nbits=bits, axis_key=axis_k, axis_value=axis_v,
                            q_group_size=qg, residual_length=G)
