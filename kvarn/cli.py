@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts (consecutive chunks), decoded as one batch (default 8)")
     d.add_argument("--tokens", type=_positive_int("--tokens"), default=128, metavar="G",
                    help="tokens generated per prompt (default 128)")
+    d.add_argument("--block", type=_positive_int("--block"), default=None, metavar="B",
+                   help="decode steps the BF16 baseline scores in one forward of the cell's text (default: as many "
+                        "as a 128 MiB budget of log-probs allows; 1: lock step, one forward per step)")
     d.add_argument("-o", "--out", required=True, metavar="DIR", help="directory to write (steps.parquet, summary.json)")
 
     le = sub.add_parser("layers", help="per-layer attention error of a cell: relative L2 error of each attention "
@@ -360,7 +363,7 @@ def _decode(spec, args) -> int:
 
     s = run_decode(spec, args.ctx, args.prompts, args.tokens, cell, Path(args.out), ubatch=args.ubatch,
                    text=args.text, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
-                   attention=args.attention)
+                   attention=args.attention, block=args.block)
     fd = s["first_divergence"]
     print(f"{args.k}-{args.v} tail {args.tail}: {s['n_prompts']} prompts x {s['n_tokens']} tokens; first divergence "
           f"median {s['first_divergence_median']:g} ({s['n_diverged']} of {len(fd)} diverged: {fd}); "

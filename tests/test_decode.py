@@ -126,6 +126,7 @@ def test_cli_refuses_bad_decode_values(capsys):
         (["--tokens", "600"], "--tokens 600 leaves no prompt in --ctx 512"),
         (["--k", "kvarn4", "--v", "q4_0"], "kvarn4"),
         (["--prompts", "0"], "--prompts must be a positive integer"),
+        (["--block", "0"], "--block must be a positive integer"),
     ]:
         base = {"--k": "q4_0", "--v": "q4_0"}
         args = ["decode", "-m", "smollm2-135m", "-c", "512", "-o", "/tmp/never"]
@@ -136,6 +137,34 @@ def test_cli_refuses_bad_decode_values(capsys):
             main(args)
         assert e.value.code == 2
         assert needle in capsys.readouterr().err
+
+
+def test_cli_block_reaches_the_decode(tmp_path, monkeypatch, fetched):
+    """`kvarn decode --block B` is the steps per baseline forward of `decode` (default: None,
+    `block_steps` decides)."""
+    from kvarn.baseline import data
+    from kvarn.cli import main
+    from paths import WIKI_TEXT
+
+    fetched("smollm2-135m")
+    load_text = data.load_text  # (verified) one chunk needs only the head of the test split
+    monkeypatch.setattr(data, "load_text", lambda *a, **kw: load_text(*a, **kw)[:4000])
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(model, p_ids, cell, tokens, **kw):
+        seen.append(kw["block"])
+        raise Stop
+
+    monkeypatch.setattr(KD, "decode", fake)
+    args = ["decode", "-m", "smollm2-135m", "-c", "64", "--prompts", "1", "--tokens", "8", "-f", str(WIKI_TEXT),
+            "--k", "q4_0", "--v", "q4_0", "-o", str(tmp_path / "d")]
+    for extra in (["--block", "3"], []):
+        with pytest.raises(Stop):
+            main(args + extra)
+    assert seen == [3, None]
 
 
 def _fake_summary(tmp_path, cell, k, v, tail, fd, g=8):

@@ -189,12 +189,14 @@ def summarize_decode(steps: dict[str, np.ndarray], n_prompts: int, n_tokens: int
 
 
 def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512, text=None, device="auto",
-               dtype="auto", cache_dir=DEFAULT_CACHE_DIR, attention="auto", context=None) -> dict:
+               dtype="auto", cache_dir=DEFAULT_CACHE_DIR, attention="auto", context=None, block=None) -> dict:
     """One (cell, decode) result: out_dir/steps.parquet (STEP_KEYS) and out_dir/summary.json.
 
     `attention`: ref | flex | auto (`kvarn.kvcache.attention.resolve_attention`), recorded in the summary.
     `context`: a loaded `kvarn.run.engine.Context` of (model, n_ctx, chunks = prompts, text, ...)
-    (kvarn.run.worker: the teacher-forced cells of the same chunks share it), else loads now."""
+    (kvarn.run.worker: the teacher-forced cells of the same chunks share it), else loads now.
+    `block`: decode steps the baseline scores in one forward (`decode`: None from `block_steps`,
+    1 lock step), recorded in the summary."""
     out_dir = Path(out_dir)
     if not isinstance(cell, CellSpec):
         raise TypeError(f"run_decode takes a kvarn.spec.cell.CellSpec, got {cell!r}")
@@ -211,7 +213,8 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
     path = attention_path(attention, loaded.info.device, cell.compute)
     td = time.perf_counter()
     timing: dict = {}
-    steps = decode(loaded.model, p_ids, cell, tokens, ubatch=ubatch, attention=path or "ref", timing=timing)
+    steps = decode(loaded.model, p_ids, cell, tokens, ubatch=ubatch, attention=path or "ref", timing=timing,
+                   block=block)
     decode_s = time.perf_counter() - td
     summary = summarize_decode(steps, prompts, tokens)
     info = loaded.info
