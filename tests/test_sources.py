@@ -400,6 +400,7 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
         return gguf.tensor_mapping.get_tensor_name_map(arch, n_blocks)
 
     monkeypatch.setattr(gguf, "GGUFReader", Reader)
+    monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", Reader)  # gguf_file.array_reader's base
     monkeypatch.setattr(gguf, "get_tensor_name_map", name_map)
     a, b = write(tmp_path / "a.gguf"), write(tmp_path / "b.gguf")
     with embedded.parsed_once(a):
@@ -438,3 +439,72 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     ta.join(30)
     tb.join(30)
     assert inside_b.is_set() and gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+
+
+def _tiny_gguf(path: Path, vocab: int = 6) -> Path:
+    """A small llama GGUF written with gguf-py: every kind of metadata value transformers' GGUF
+    loader reads (a string, integers, floats, a bool, string and number arrays) and a float32
+    and a Q8_0 tensor."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_block_count(2)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_bool("tiny.flag", True)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"tok{i}é" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_scores([-float(i) for i in range(vocab)])
+    w.add_token_merges(["t o", "to k"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, 32), dtype=np.float32))
+    q = gguf.quants.quantize(rng.standard_normal((4, 32), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_array_reader_reads_what_gguf_py_reads(tmp_path):
+    """kvarn.weights.gguf_file.array_reader: gguf-py's own parse over a plain ndarray view of the
+    memory map (np.memmap's Python-level slicing made most of the parse's time): every field and
+    tensor equal to gguf-py's GGUFReader's, none of them an np.memmap, all read-only."""
+    import gguf
+    import numpy as np
+
+    from kvarn.weights import gguf_file
+
+    path = _tiny_gguf(tmp_path / "t.gguf")
+    want, got = gguf.GGUFReader(path), gguf_file.array_reader(path)
+    assert isinstance(got, gguf.GGUFReader) and list(got.fields) == list(want.fields)
+    assert "tokenizer.ggml.tokens" in got.fields and len(got.fields) > 20
+    for name, f in want.fields.items():
+        g = got.fields[name]
+        assert (g.offset, g.name, g.types, g.data) == (f.offset, f.name, f.types, f.data), name
+        assert len(g.parts) == len(f.parts), name
+        for gp, fp in zip(g.parts, f.parts):
+            assert gp.dtype == fp.dtype and gp.tobytes() == fp.tobytes(), name
+        assert g.contents() == f.contents(), name
+    assert got.fields["tokenizer.ggml.tokens"].contents()[5] == "tok5é"
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in got.tensors] \
+        == [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in want.tensors]
+    for t, u in zip(got.tensors, want.tensors):
+        assert t.data.dtype == u.data.dtype and t.data.tobytes() == u.data.tobytes()
+        assert np.array_equal(gguf.dequantize(t.data, t.tensor_type), gguf.dequantize(u.data, u.tensor_type))
+    parts = [p for f in got.fields.values() for p in f.parts] + [t.data for t in got.tensors]
+    assert isinstance(want.fields["tokenizer.ggml.tokens"].parts[-1], np.memmap)
+    assert not any(isinstance(p, np.memmap) for p in parts) and not any(p.flags.writeable for p in parts)
+    assert gguf_file.reader(path).fields.keys() == want.fields.keys()  # the process's reader is one
+    assert type(gguf_file.reader(path)) is type(got)
