@@ -366,12 +366,14 @@ def test_registry_one_handler_per_prefix():
 def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     """embedded.parsed_once, around the conversion of a fetched GGUF: transformers' loader, which
     parses the file once per call (config, tokenizer, weights), gets the process's one parsed
-    reader of that file (kvarn.weights.gguf_file.reader); another file still gets its own; gguf-py's
-    tensor-name map is built once per (architecture, layers), equal to gguf-py's own; both
-    functions are gguf-py's own again afterwards, also after an error."""
+    reader of that file (kvarn.weights.gguf_file.reader); another file still gets its own; its
+    metadata read without tensors (the tokenizer's and the model's config) is done once, each
+    caller given its own copy; gguf-py's tensor-name map is built once per (architecture,
+    layers), equal to gguf-py's own; the three functions are their libraries' own again
+    afterwards, also after an error."""
     import gguf
     import numpy as np
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    import transformers.modeling_gguf_pytorch_utils as loader
 
     from kvarn.weights import gguf_file
 
@@ -402,21 +404,36 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf, "GGUFReader", Reader)
     monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", Reader)  # gguf_file.array_reader's base
     monkeypatch.setattr(gguf, "get_tensor_name_map", name_map)
+    read = []
+
+    def load(path, return_tensors=False, *args, **kwargs):
+        read.append((Path(path).name, return_tensors))
+        return loader_own(path, return_tensors, *args, **kwargs)
+
+    loader_own = loader.load_gguf_checkpoint
+    monkeypatch.setattr(loader, "load_gguf_checkpoint", load)
     a, b = write(tmp_path / "a.gguf"), write(tmp_path / "b.gguf")
     with embedded.parsed_once(a):
-        configs = [load_gguf_checkpoint(str(a), return_tensors=False)["config"] for _ in range(3)]
+        # as transformers calls it: through the module, looked up at each call
+        metas = [loader.load_gguf_checkpoint(str(a), return_tensors=False) for _ in range(3)]
+        metas[0]["config"]["num_hidden_layers"] = -1  # a caller's edit stays in its own copy
+        other = loader.load_gguf_checkpoint(str(b))
         assert gguf.GGUFReader(a) is gguf_file.reader(a) and gguf.GGUFReader(b) is not gguf_file.reader(a)
         maps = [gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) for _ in range(3)]
         gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3)
-    assert parsed == ["a.gguf", "b.gguf"]  # a once (entering), b for its own reader
-    assert configs[0] == configs[2] == load_gguf_checkpoint(str(a), return_tensors=False)["config"]
-    assert configs[0]["num_hidden_layers"] == 2 and parsed[-1] == "a.gguf"  # outside: parsed again
+    assert parsed == ["a.gguf", "b.gguf", "b.gguf"]  # a once (entering), b by its own readers
+    assert read == [("a.gguf", False), ("b.gguf", False)]  # a's metadata read once
+    fresh = loader.load_gguf_checkpoint(str(a), return_tensors=False)
+    assert metas[1] == metas[2] == fresh == other and metas[1] is not metas[2]
+    assert metas[1]["config"] is not metas[2]["config"] and metas[1]["tokenizer"] is not metas[2]["tokenizer"]
+    assert fresh["config"]["num_hidden_layers"] == 2 and parsed[-1] == "a.gguf"  # outside: parsed again
     assert built == [(gguf.MODEL_ARCH.LLAMA, 2), (gguf.MODEL_ARCH.LLAMA, 3)]
     assert maps[0] is maps[2] and maps[0].mapping == gguf.tensor_mapping.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2).mapping
-    assert gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+    own = (Reader, name_map, load)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint) == own
     with pytest.raises(RuntimeError, match="mid-conversion"), embedded.parsed_once(a):
         raise RuntimeError("mid-conversion")
-    assert gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint) == own
     # Two conversions in two threads (snakemake's `run:` jobs): one at a time, so the second does
     # not take the first one's stand-in for gguf-py's own and restore it after the first has left.
     import threading
@@ -438,7 +455,7 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     leave_a.set()
     ta.join(30)
     tb.join(30)
-    assert inside_b.is_set() and gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+    assert inside_b.is_set() and (gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint) == own
 
 
 def _tiny_gguf(path: Path, vocab: int = 6) -> Path:

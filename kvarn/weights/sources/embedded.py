@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import csv
 import functools
 import hashlib
@@ -185,34 +186,47 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
 
 
 # Snakemake runs rule fetch_model's `run:` block in a thread of its own process: two models'
-# conversions may overlap there, and `parsed_once` swaps two names of the gguf module.
+# conversions may overlap there, and `parsed_once` swaps two names of the gguf module and one
+# of transformers'.
 _CONVERTING = threading.Lock()
 
 
 @contextlib.contextmanager
 def parsed_once(path: Path):
     """While converting `path`, transformers' GGUF loader gets its one parsed reader
-    (`kvarn.weights.gguf_file.reader`, kept for the process's later reads) and gguf-py's
-    tensor-name map once per (architecture, layers): left alone it parses the file three times
-    (config, tokenizer, weights) and builds that map once per module of the model, about 400
-    times. The same objects, fewer times: the converted files are byte-identical
-    (tests/test_sources.py)."""
+    (`kvarn.weights.gguf_file.reader`, kept for the process's later reads), its metadata read
+    once (`load_gguf_checkpoint` without tensors: the tokenizer's and the model's config, each a
+    walk over every field's values; a deep copy per call) and gguf-py's tensor-name map once per
+    (architecture, layers): left alone it parses the file three times (config, tokenizer,
+    weights), reads its metadata twice more than needed and builds that map once per module of
+    the model, about 400 times. The same values, fewer times: the converted files are
+    byte-identical (tests/test_sources.py)."""
     import gguf
+    import transformers.modeling_gguf_pytorch_utils as loader
 
     from kvarn.weights.gguf_file import reader
 
-    with _CONVERTING:  # the two names are the process's: one conversion at a time
+    with _CONVERTING:  # the three names are the process's: one conversion at a time
         parsed, target = reader(path), Path(path).resolve()
-        saved = gguf.GGUFReader, gguf.get_tensor_name_map
+        saved = gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint
+        metadata = []  # the one metadata read of `path`
 
         def shared_reader(p, mode="r"):
             return parsed if mode == "r" and Path(p).resolve() == target else saved[0](p, mode)
 
-        gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(saved[1])
+        def metadata_once(p, return_tensors=False, *args, **kwargs):
+            if return_tensors or Path(p).resolve() != target:
+                return saved[2](p, return_tensors, *args, **kwargs)
+            if not metadata:
+                metadata.append(saved[2](p, False, *args, **kwargs))
+            return copy.deepcopy(metadata[0])  # the callers' own, as a fresh read's would be
+
+        gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint = (
+            shared_reader, functools.lru_cache(maxsize=None)(saved[1]), metadata_once)
         try:
             yield
         finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = saved
+            gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint = saved
 
 
 def _convert(gguf: Path, out: Path) -> None:
