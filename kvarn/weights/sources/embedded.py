@@ -209,7 +209,7 @@ def parsed_once(path: Path):
     once (`load_gguf_checkpoint` without tensors: the tokenizer's and the model's config, each a
     walk over every field's values; a deep copy per call) and gguf-py's tensor-name map once per
     (architecture, layers): left alone it parses the file three times (config, tokenizer,
-    weights), reads its metadata twice more than needed and builds that map once per module of
+    weights), reads the metadata for the config twice and builds that map once per module of
     the model, about 400 times. The same values, fewer times: the converted files are
     byte-identical (tests/test_sources.py)."""
     import gguf
