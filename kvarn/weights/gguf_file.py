@@ -22,19 +22,45 @@ UNROTATED = 1e29
 
 
 def reader(path: Path):
-    """The file's `gguf.GGUFReader`, parsed once per process: gguf-py parses every metadata
-    field eagerly, ~18 s for Gemma 3's 262k-token vocabulary on a 2-core machine, and loading,
-    the tokenizer and llamacpp-cpu's weight types each read the same file. Keyed on the
-    file's size and mtime as well, so a rewritten file is parsed again. Read-only (a memmap)."""
+    """The file's `gguf.GGUFReader` (an `array_reader`), parsed once per process: gguf-py parses
+    every metadata field eagerly (Gemma 3's 262k-token vocabulary) and loading, the tokenizer
+    and llamacpp-cpu's weight types each read the same file. Keyed on the file's size and mtime
+    as well, so a rewritten file is parsed again. Read-only (a memory map)."""
     st = os.stat(path)
     return _reader(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
 def _reader(path: str, size: int, mtime_ns: int):
-    from gguf import GGUFReader
+    return array_reader(path)
 
-    return GGUFReader(path)
+
+def array_reader(path, mode: str = "r"):
+    """gguf-py's own `GGUFReader` of `path`, its parse run over a plain ndarray view of the file's
+    memory map instead of the `np.memmap` itself: the parse slices the map once or twice per value
+    (Gemma 3's vocabulary: about a million slices), and every slice of an `np.memmap` runs its
+    Python-level `__getitem__` and `__array_finalize__`, most of the parse's time. The same code
+    reads the same bytes: the fields and tensors hold equal values (tests/test_sources.py), as
+    views of the same read-only map."""
+    from gguf.gguf_reader import GGUFReader  # the class itself: `gguf.GGUFReader` may be swapped (parsed_once)
+
+    return _array_reader_class(GGUFReader)(path, mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _array_reader_class(base):
+    import numpy as np
+
+    class ArrayReader(base):
+        @property
+        def data(self):
+            return self._array
+
+        @data.setter
+        def data(self, mapped):  # GGUFReader.__init__ assigns its np.memmap here before parsing
+            self._array = mapped.view(np.ndarray)
+
+    return ArrayReader
 
 
 def architecture(path: Path) -> str:

