@@ -289,13 +289,13 @@ def test_gguf_order_is_the_converters_permutation():
 
 # On the worker of tests/test_models.py's group, which loads Gemma 3 (fetching it in a fresh clone,
 # and so parsing its GGUF): these read the same GGUF, parsed once per process
-# (kvarn.weights.gguf_file.reader: 18 s for its 262k-token vocabulary).
+# (kvarn.weights.gguf_file.reader: ~4.5 s of CPU for its 262k-token vocabulary).
 GEMMA_GGUF = pytest.mark.xdist_group("models")
 
 
 @pytest.mark.parametrize("model,model_type,permuted", [
     ("smollm2-135m", "llama", True),
-    # 18 s: a 262k-token vocabulary to parse, once per process (GEMMA_GGUF above)
+    # a 262k-token vocabulary to parse, once per process (GEMMA_GGUF above)
     pytest.param("gemma3-270m", "gemma3_text", False, marks=[pytest.mark.slow, GEMMA_GGUF]),
 ])
 def test_gguf_files_hold_qk_in_that_order(model, model_type, permuted, fetched):
