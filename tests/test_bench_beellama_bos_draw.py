@@ -117,3 +117,33 @@ def test_spread_and_the_summary_on_a_hand_worked_case():
     assert [line.rstrip(" |")[-3:] for line in above.splitlines() if line.startswith("| 0 | 2 | median")] == [" no"]
     assert row[("0", "2", "mean")].split("|")[8].strip() == f"{statistics.stdev([0.022, 0.027]):.6f}"
     assert row[("0", "2", "mean")].split("|")[9].strip() == f"{0.027 / 0.022:.3f}"
+
+
+# bench/oracles/beellama/bos_rows.py: its pure parts
+
+
+def test_bos_rows_parse_keeps_each_names_last_node_and_checks_counts():
+    from bench.oracles.beellama import bos_rows as R
+
+    got = R.parse_rows("Kcur-0 2 1 2\nVcur-0 1 5\nKcur-0 2 3 4.5\n")
+    assert got == {"Kcur-0": [3.0, 4.5], "Vcur-0": [5.0]}
+    with pytest.raises(ValueError, match="node Kcur-1: 3 values announced, 2 found"):
+        R.parse_rows("Kcur-1 3 1 2\n")
+
+
+def test_bos_rows_compare_counts_the_blocks_and_codes_a_change_moves():
+    from bench.oracles.beellama import bos_rows as R
+
+    fmt = make_format("q4_0", "k", False, 0)
+    a = torch.tensor([[float(i % 16 - 8) for i in range(64)]])  # exact q4_0 codes, d = 1 in both blocks
+    same = R.compare(a, a.clone(), fmt)
+    assert (same["rel_l2"], same["blocks"], same["codes"], same["n_blocks"], same["n_codes"]) == (0.0, 0, 0, 2, 64)
+    b = a.clone()
+    b[0, 40] += 0.75  # one value of block 1 rounds to the next code; d (set by -8) unchanged
+    c = R.compare(a, b, fmt)
+    assert (c["blocks"], c["codes"], c["max_abs"], c["deq_max_abs"]) == (1, 1, 0.75, 1.0)
+    assert c["rel_l2"] == pytest.approx(0.75 / float(b.norm()))
+    b[0, 41] += 0.75  # a second code of block 1 (another byte of it)
+    b[0, :32] *= 1.5  # block 0: d 1.5, the same codes
+    c = R.compare(a, b, fmt)
+    assert (c["blocks"], c["codes"], c["max_abs"], c["deq_max_abs"]) == (2, 2, 4.0, 4.0)
