@@ -147,3 +147,15 @@ def test_bos_rows_compare_counts_the_blocks_and_codes_a_change_moves():
     b[0, :32] *= 1.5  # block 0: d 1.5, the same codes
     c = R.compare(a, b, fmt)
     assert (c["blocks"], c["codes"], c["max_abs"], c["deq_max_abs"]) == (2, 2, 4.0, 4.0)
+
+
+def test_bos_rows_q8_flips_finds_a_changed_code_not_a_changed_step():
+    from bench.oracles.beellama import bos_rows as R
+
+    x = torch.tensor([254.0, 0.998, -6.4] + [2.0] * 29)  # q8_0: d = 254/127 = 2
+    ours = (x / 2).round() * 2  # the same codes (0.998 / 2 = 0.499 -> 0)
+    assert R.q8_flips(x, ours * (1 + 1e-6), "q8_0") == []  # another d by fp32 noise: no flip
+    ours[1] = 2.0  # the other side of the tie
+    assert R.q8_flips(x, ours, "q8_0") == [(1, pytest.approx(0.499))]
+    with pytest.raises(ValueError, match="'f16'"):
+        R.q8_flips(x, ours, "f16")

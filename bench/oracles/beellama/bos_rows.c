@@ -1,6 +1,6 @@
 // BeeLlama's (llama.cpp's) post-RoPE K and V rows of one position, as its graph computes them before
 // the cache rotates and rounds them: the `Kcur-L` / `Vcur-L` nodes, read with the scheduler's eval
-// callback on the first ubatch of a text. Used by bos_rows.py (issue 21, round 5); built by it with
+// callback on the first ubatch of a text; and that position's MLP nodes (NODES). Used by bos_rows.py (issue 21, round 5); built by it with
 //   cc -O2 bos_rows.c -I$BEELLAMA_SRC/include -I$BEELLAMA_SRC/ggml/include -L$BEELLAMA_BUILD/bin -lllama -lggml -lggml-base
 // Usage: bos_rows MODEL.gguf TEXT N_TOKENS POSITION OUT.txt CACHE_TYPE TAIL
 //   CACHE_TYPE: f16 | bf16 | q4_0 (K and V, rotated as llama.cpp rotates a quantized cache), TAIL: as
@@ -17,11 +17,27 @@
 static FILE * out;
 static int position;
 
-static int wanted(const char * name) {  // exactly "Kcur-<layer>" or "Vcur-<layer>" (not their views)
-    if (strncmp(name, "Kcur-", 5) != 0 && strncmp(name, "Vcur-", 5) != 0) {
-        return 0;
+// gemma3's names (src/models/gemma3.cpp, llama-graph.cpp build_ffn): post-RoPE K and V, and BOS's
+// path through the MLP (its input, gate and up projections, GELU·up before the down projection
+// rounds it, the MLP's output, the layer's output)
+static const char * NODES[] = {"Kcur-", "Vcur-", "ffn_norm-", "ffn_gate-", "ffn_up-", "ffn_geglu-", "ffn_out-", "l_out-", NULL};
+
+static int wanted(const char * name) {  // exactly "<node>-<layer>" (not a view of it)
+    for (int i = 0; NODES[i]; ++i) {
+        const size_t l = strlen(NODES[i]);
+        if (strncmp(name, NODES[i], l) == 0 && name[l] != '\0' && strspn(name + l, "0123456789") == strlen(name + l)) {
+            return 1;
+        }
     }
-    return name[5] != '\0' && strspn(name + 5, "0123456789") == strlen(name + 5);
+    return 0;
+}
+
+static void write_row(const char * name, const float * row, size_t n) {
+    fprintf(out, "%s %zu", name, n);
+    for (size_t i = 0; i < n; ++i) {
+        fprintf(out, " %.9g", row[i]);
+    }
+    fprintf(out, "\n");
 }
 
 static bool cb(struct ggml_tensor * t, bool ask, void * user) {
@@ -29,21 +45,24 @@ static bool cb(struct ggml_tensor * t, bool ask, void * user) {
     if (ask) {
         return wanted(t->name);
     }
-    if (!wanted(t->name) || t->type != GGML_TYPE_F32 || t->ne[2] <= position) {
-        return true;  // Kcur/Vcur are [head_dim, n_head_kv, n_tokens] f32 in gemma3's graph
+    if (!wanted(t->name) || t->type != GGML_TYPE_F32 || t->ne[3] != 1) {
+        return true;
     }
-    const size_t n = (size_t) t->ne[0] * t->ne[1];
-    float * row = malloc(n * sizeof(float));
-    for (int64_t h = 0; h < t->ne[1]; ++h) {
-        ggml_backend_tensor_get(t, row + h * t->ne[0], h * t->nb[1] + (size_t) position * t->nb[2],
-                                t->ne[0] * sizeof(float));
+    if (t->ne[2] == 1 && t->ne[1] > position) {  // [n, n_tokens]: one row per token
+        float * row = malloc(t->ne[0] * sizeof(float));
+        ggml_backend_tensor_get(t, row, (size_t) position * t->nb[1], t->ne[0] * sizeof(float));
+        write_row(t->name, row, t->ne[0]);
+        free(row);
+    } else if (t->ne[2] > position) {  // Kcur/Vcur: [head_dim, n_head_kv, n_tokens]
+        const size_t n = (size_t) t->ne[0] * t->ne[1];
+        float * row = malloc(n * sizeof(float));
+        for (int64_t h = 0; h < t->ne[1]; ++h) {
+            ggml_backend_tensor_get(t, row + h * t->ne[0], h * t->nb[1] + (size_t) position * t->nb[2],
+                                    t->ne[0] * sizeof(float));
+        }
+        write_row(t->name, row, n);
+        free(row);
     }
-    fprintf(out, "%s %zu", t->name, n);
-    for (size_t i = 0; i < n; ++i) {
-        fprintf(out, " %.9g", row[i]);
-    }
-    fprintf(out, "\n");
-    free(row);
     return true;
 }
 
@@ -113,12 +132,24 @@ int main(int argc, char ** argv) {
         cp.kv_tail_request = tail;
     }
     struct llama_context * ctx = llama_init_from_model(model, cp);
-    if (!ctx || llama_decode(ctx, llama_batch_get_one(tok, n_tokens))) {
+    // logits for every token, as llama-perplexity asks: the last layer then computes every row
+    // (with one output, llama.cpp keeps only the last token's rows there)
+    struct llama_batch batch = llama_batch_init(n_tokens, 0, 1);
+    for (int i = 0; i < n_tokens; ++i) {
+        batch.token[i] = tok[i];
+        batch.pos[i] = i;
+        batch.n_seq_id[i] = 1;
+        batch.seq_id[i][0] = 0;
+        batch.logits[i] = 1;
+    }
+    batch.n_tokens = n_tokens;
+    if (!ctx || llama_decode(ctx, batch)) {
         fprintf(stderr, "decode failed\n");
         return 1;
     }
     fprintf(stderr, "token[0] = %d, %d tokens decoded\n", tok[0], n_tokens);
     fclose(out);
+    llama_batch_free(batch);
     llama_kv_tail_request_free(tail);
     llama_free(ctx);
     llama_model_free(model);

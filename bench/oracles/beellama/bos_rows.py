@@ -12,6 +12,9 @@ the two programs round the same pair of rows in every chunk. This compares them 
 and reports per layer the relative L2 difference and, rounded as the rotated q4_0 cache rounds
 them (`kvarn.formats` q4_0 with rot, the bytes BeeLlama's own quantizer writes: results
 file), how many of the row's 32-value blocks and 4-bit codes differ between the two programs.
+Then BOS's path through each layer's MLP (Gemma 3's: `MLP_NODES`) under llamacpp-cpu against
+BeeLlama's nodes, with the codes of the down projection's q8 input that the two programs round
+differently (`q8_flips`): where the two programs' BOS first part.
 
     BEELLAMA_SRC=... BEELLAMA_BUILD=... OMP_NUM_THREADS=1 python -m bench.oracles.beellama.bos_rows \\
         --model gemma3-270m [--tokens 512] [--position 0] [--type q4_0] [--out OUT.md]
@@ -64,10 +67,18 @@ def beellama_rows(gguf: Path, n_tokens: int, position: int, cache_type: str, tai
         return parse_rows(out.read_text())
 
 
+# BeeLlama's MLP nodes (bos_rows.c) and where kvarn's Gemma 3 decoder layer has them: (submodule of
+# the layer, "out" its output | "in" its input after kvarn's activation rounding, a pre-hook)
+MLP_NODES = {"ffn_norm": ("pre_feedforward_layernorm", "out"), "ffn_gate": ("mlp.gate_proj", "out"),
+             "ffn_up": ("mlp.up_proj", "out"), "ffn_geglu": ("mlp.down_proj", "in"), "ffn_out": ("mlp", "out"),
+             "l_out": ("", "out")}
+
+
 def kvarn_rows(spec, loaded, chunk_ids, n_tokens: int, position: int, compute: str, cache_dir: str, cell):
-    """{("k"|"v", layer): fp32 rows [heads, dim]} that KVarnLayer.update receives at `position` on
-    the first n_tokens tokens of chunk_ids[0] (`kvarn.run.engine.setup`), one ubatch, in the cache of
-    `cell` (a CellSpec) under `compute`."""
+    """What kvarn computes at `position` on the first n_tokens tokens of chunk_ids[0]
+    (`kvarn.run.engine.setup`), one ubatch, in the cache of `cell` (a CellSpec) under `compute`:
+    {("k"|"v", layer): fp32 rows [heads, dim] KVarnLayer.update receives} and {"<node>-<layer>":
+    fp32 row} for MLP_NODES (`ffn_geglu`: the down projection's input as rounded for its weight)."""
     from dataclasses import replace
 
     import torch
@@ -85,6 +96,15 @@ def kvarn_rows(spec, loaded, chunk_ids, n_tokens: int, position: int, compute: s
                 rows[role, self.layer_idx] = x[0, :, position - off, :].float().clone()
         return original(self, k, v, *args, **kwargs)
 
+    def hook(name, which):
+        def keep(mod, args, out):
+            x = args[0] if which == "in" else (out[0] if isinstance(out, tuple) else out)
+            rows[name] = x[0, position].float().reshape(-1).clone()
+        return keep
+
+    decoder = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.ModuleList))
+    handles = [(layer.get_submodule(mod) if mod else layer).register_forward_hook(hook(f"{node}-{i}", which))
+               for i, layer in enumerate(decoder) for node, (mod, which) in MLP_NODES.items()]
     KVarnLayer.update = update
     try:
         cache = engine.new_cache(loaded.model, replace(cell, compute=compute))
@@ -93,7 +113,27 @@ def kvarn_rows(spec, loaded, chunk_ids, n_tokens: int, position: int, compute: s
                          logits_to_keep=1)
     finally:
         KVarnLayer.update = original
+        for h in handles:
+            h.remove()
     return rows
+
+
+def q8_flips(x, rounded, kind: str) -> list[tuple[int, float]]:
+    """Where `rounded` (one program's input to a weight, as llama.cpp rounds it for `kind`: q8_0,
+    q8_1, q8_K) holds another code than x (the other program's value before rounding) rounded the
+    same way: [(index, x / d)], d the block's step; a difference of less than d/2 (the two programs'
+    d differing by fp32 noise) is not a flip."""
+    import torch
+
+    from kvarn.llamacpp.activations import round_activations
+
+    if kind not in ("q8_0", "q8_1", "q8_K"):
+        raise ValueError(f"activation type {kind!r}: accepted q8_0, q8_1, q8_K")
+    n = 256 if kind == "q8_K" else 32
+    rx = round_activations(x[None], kind)[0]
+    d = (x.reshape(-1, n).abs().amax(-1, keepdim=True) / 127).expand(-1, n).reshape(-1)
+    flips = ((rx - rounded).abs() > d / 2).nonzero().flatten().tolist()
+    return [(i, float(x[i] / d[i])) for i in flips]
 
 
 def compare(a, b, fmt) -> dict:
@@ -121,7 +161,7 @@ def table(rows_bee, rows_cpp, rows_exact, type_name: str) -> str:
     lines = [f"| layer | role | llamacpp-cpu vs BeeLlama: rel. L2 | max abs | {type_name} blocks differing | codes "
              "differing | exact vs BeeLlama: rel. L2 | blocks differing | codes differing |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for (role, layer) in sorted(rows_cpp, key=lambda rl: (rl[1], rl[0])):
+    for (role, layer) in sorted((k for k in rows_cpp if isinstance(k, tuple)), key=lambda rl: (rl[1], rl[0])):
         name = f"{'K' if role == 'k' else 'V'}cur-{layer}"
         if name not in rows_bee:
             continue
@@ -133,6 +173,31 @@ def table(rows_bee, rows_cpp, rows_exact, type_name: str) -> str:
         lines.append(f"| {layer} | {role.upper()} | {c['rel_l2']:.2e} | {c['max_abs']:.2e} | {c['blocks']} / "
                      f"{c['n_blocks']} | {c['codes']} / {c['n_codes']} | {e['rel_l2']:.2e} | {e['blocks']} / "
                      f"{e['n_blocks']} | {e['codes']} / {e['n_codes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def mlp_table(rows_bee, rows_cpp, kinds: dict[int, str]) -> str:
+    """Per layer, BOS's MLP nodes llamacpp-cpu vs BeeLlama (relative L2), and the codes of the down
+    projection's rounded input that differ (`q8_flips`; kinds: layer -> its activation type), the
+    first with its x/d and whether fp16(gate) (what ggml's GELU table reads) differs there."""
+    import torch
+
+    nodes = [n for n in MLP_NODES if n != "ffn_geglu"]
+    lines = ["| layer | " + " | ".join(f"{n} rel. L2" for n in nodes) + " | down input codes differing | first: "
+             "index, BeeLlama x/d, fp16(gate) BeeLlama / kvarn |", "|" + "---|" * (len(nodes) + 3)]
+    layers = sorted({int(k.rsplit("-", 1)[1]) for k in rows_cpp if isinstance(k, str)})
+    for i in layers:
+        if f"l_out-{i}" not in rows_bee:
+            continue
+        bee = {n: torch.tensor(rows_bee[f"{n}-{i}"]) for n in MLP_NODES}
+        cells = [f"{float((rows_cpp[f'{n}-{i}'] - bee[n]).norm() / bee[n].norm()):.1e}" for n in nodes]
+        flips = q8_flips(bee["ffn_geglu"], rows_cpp[f"ffn_geglu-{i}"], kinds[i])
+        first = "—"
+        if flips:
+            j, t = flips[0]
+            gb, go = float(bee["ffn_gate"][j].half()), float(rows_cpp[f"ffn_gate-{i}"][j].half())
+            first = f"{j}, {t:.6f}, {gb:.9g} / {go:.9g}"
+        lines.append(f"| {i} | " + " | ".join(cells) + f" | {len(flips)} / {bee['ffn_geglu'].numel()} | {first} |")
     return "\n".join(lines) + "\n"
 
 
@@ -164,6 +229,10 @@ def main(argv=None) -> int:
     cpp, exact = (kvarn_rows(spec, loaded, chunk_ids, args.tokens, args.position, c, cache_dir, cell)
                   for c in ("llamacpp-cpu", "exact"))
     text = table(bee, cpp, exact, "q4_0" if args.type in ("f16", "bf16") else args.type)
+    engine.set_compute(loaded.model, spec, cache_dir, "llamacpp-cpu")
+    types = loaded.model._kvarn_activation_types  # kvarn.llamacpp.activations: module name -> its input's rounding
+    kinds = {int(n.split("layers.")[1].split(".")[0]): k for n, k in types.items() if n.endswith("mlp.down_proj")}
+    text += "\nBOS's MLP, llamacpp-cpu against BeeLlama:\n\n" + mlp_table(bee, cpp, kinds)
     if args.out:
         args.out.write_text(text)
     sys.stdout.write(text)
