@@ -119,6 +119,46 @@ def test_spread_and_the_summary_on_a_hand_worked_case():
     assert row[("0", "2", "mean")].split("|")[9].strip() == f"{0.027 / 0.022:.3f}"
 
 
+def test_a_replacement_sets_the_chosen_rows_to_the_other_programs_and_nothing_else():
+    x = _x(6, 3)  # [1, heads 2, 6 positions, dim 32]
+    k5 = torch.arange(64, dtype=torch.float32).tolist()  # ggml's order: head 0's 32 values, then head 1's
+    r = B.Replacement(515, {"Kcur-5": k5, "Vcur-5": [-v for v in k5]})
+    assert r.label == "p515-beellama" and r.eps is None and r.seed is None
+    y = B.replace_rows(x, 512, r, layer=5, role="k")
+    assert torch.equal(y[0, 0, 3], torch.arange(32.0)) and torch.equal(y[0, 1, 3], torch.arange(32.0, 64.0))
+    assert torch.equal(y[..., [0, 1, 2, 4, 5], :], x[..., [0, 1, 2, 4, 5], :]) and torch.equal(x, _x(6, 3))
+    assert torch.equal(B.replace_rows(x, 512, r, 5, "v")[0, 1, 3], -torch.arange(32.0, 64.0))
+    assert torch.equal(B.replace_rows(x, 0, r, 5, "k"), x)  # position 515 not in this ubatch
+    with pytest.raises(KeyError):
+        B.replace_rows(x, 512, r, 6, "k")  # no row of layer 6: never silently left as it was
+    original = KVarnLayer.update
+    with B.patched(B.Replacement(1, {"Kcur-2": k5, "Vcur-2": k5})):
+        layer = _layer()
+        layer.update(_x(4, 1), _x(4, 2))
+    assert KVarnLayer.update is original
+    assert torch.equal(layer.keys[0, :, 1].reshape(-1), torch.arange(64.0))
+    assert torch.equal(layer.keys[..., [0, 2, 3], :], _x(4, 1)[..., [0, 2, 3], :])
+
+
+def test_an_injected_run_is_listed_not_counted_in_the_spread():
+    def rec(label, pos, eps, med):
+        return {"label": label, "position": pos, "eps": eps, "seed": None if eps is None else 0, "kld_median": med,
+                "kld_mean": med, "kld_p99": 0.1, "same_top": 0.9, "ppl_q": 15.0, "cpu_s": 1.0}
+
+    text = B.report([rec("none", None, None, 0.016), rec("p0-beellama", 0, None, 0.001), rec("p0-s0", 0, 1e-3, 0.014)])
+    assert "| p0-beellama | 0 | — | — | 0.001000 |" in text
+    spread = [line for line in text.splitlines() if line.startswith("| 0 | ")]
+    assert len(spread) == 2 and all(line.startswith("| 0 | 1 |") for line in spread)  # one seed, not two runs
+    assert "0.001000" not in "".join(spread)
+
+
+def test_injection_refuses_a_type_the_harness_does_not_run(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        B.main(["--baseline", "x", "--out", str(tmp_path / "o"), "--inject-beellama", "-ctk", "q8_0", "-ctv", "q8_0"])
+    assert e.value.code == 2 and "--inject-beellama: -ctk/-ctv must be one of f16, bf16, q4_0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 # bench/oracles/beellama/bos_rows.py: its pure parts
 
 

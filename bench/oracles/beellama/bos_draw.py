@@ -14,7 +14,9 @@ row, as they would see another program's slightly different row. Done by wrappin
 `kvarn.kvcache.cache.KVarnLayer.update` in this process (`patched`), not by an option of kvarn's.
 Positions: `--position` (default 0, BOS) and `--control` (default 1, the first text token, read
 by as many queries); runs: the unperturbed cell, then for each seed the BOS run and the control
-run. Every run scores against the same base file; results are appended to
+run, and with `--inject-beellama` one run with the position's rows replaced by BeeLlama's own
+(`bos_rows`: the direct test of whether BeeLlama's draw is what separates the two programs). Every
+run scores against the same base file; results are appended to
 `OUT/runs.jsonl` as they finish (a rerun skips the runs it finds there) and summarized in
 `OUT/bos_draw.md` and on stdout, beside BeeLlama's figures when `--beellama-log` is given.
 
@@ -43,6 +45,7 @@ from bench import REPO, TEXT
 
 MAX_EPS = 0.05  # a larger relative change is no longer "the same model, another rounding draw"
 ROLES = ("k", "v")
+INJECT_TYPES = ("f16", "bf16", "q4_0")  # the cache types bos_rows.c runs BeeLlama with
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,39 @@ class Perturbation:
     @property
     def label(self) -> str:
         return f"p{self.position}-s{self.seed}"
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """Replace the K and V rows of absolute position `position` by another program's: `rows` maps
+    the `bos_rows` node names `Kcur-L` / `Vcur-L` to the values of layer L's row (heads x dim, as
+    ggml lays out one token of `Kcur`: each head's dim values in turn)."""
+
+    position: int
+    rows: dict
+    eps = None
+    seed = None
+
+    @property
+    def label(self) -> str:
+        return f"p{self.position}-beellama"
+
+
+def replace_rows(x, offset: int, r: Replacement, layer: int, role: str):
+    """x [batch, heads, n, dim] holding positions offset..offset+n-1: x in fp32 with the row of
+    position r.position (if among them) set to r's row of (layer, role) in every batch entry;
+    KeyError if r has none. x is not modified."""
+    import torch
+
+    x = x.float()
+    i = r.position - offset
+    if not 0 <= i < x.shape[-2]:
+        return x
+    name = f"{'K' if role == 'k' else 'V'}cur-{layer}"
+    row = torch.tensor(r.rows[name], dtype=torch.float32).reshape(x.shape[1], x.shape[-1])
+    out = x.clone()
+    out[..., i, :] = row.to(out.device)
+    return out
 
 
 def check_args(seeds: int, eps: float, position: int, control: int, n_ctx: int) -> None:
@@ -97,17 +133,20 @@ def perturb_rows(x, offset: int, p: Perturbation, layer: int, role: str):
 
 
 @contextlib.contextmanager
-def patched(p: Perturbation | None):
-    """KVarnLayer.update perturbing position p's K and V rows (`perturb_rows`) before they are
-    stored; nothing when p is None. The original method is restored on exit."""
+def patched(p: Perturbation | Replacement | None):
+    """KVarnLayer.update perturbing (`perturb_rows`) or replacing (`replace_rows`) position p's K
+    and V rows before they are stored; nothing when p is None. The original method is restored
+    on exit."""
     from kvarn.kvcache.cache import KVarnLayer
 
     original = KVarnLayer.update
     if p is not None:
+        change = replace_rows if isinstance(p, Replacement) else perturb_rows
+
         def update(self, key_states, value_states, *args, **kwargs):
             off = self.n_tokens
-            return original(self, perturb_rows(key_states, off, p, self.layer_idx, "k"),
-                            perturb_rows(value_states, off, p, self.layer_idx, "v"), *args, **kwargs)
+            return original(self, change(key_states, off, p, self.layer_idx, "k"),
+                            change(value_states, off, p, self.layer_idx, "v"), *args, **kwargs)
 
         KVarnLayer.update = update
     try:
@@ -151,8 +190,8 @@ def report(records: list[dict], bee: dict | None = None) -> str:
     base = next((r for r in records if r["position"] is None), None)
     lines += ["", "| perturbed position | seeds | statistic | unperturbed | seeds min | seeds max | seeds mean | seeds sd "
               "| max/min | BeeLlama | BeeLlama inside min..max |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for pos in sorted({r["position"] for r in records if r["position"] is not None}):
-        runs = [r for r in records if r["position"] == pos]
+    for pos in sorted({r["position"] for r in records if r["eps"] is not None}):
+        runs = [r for r in records if r["position"] == pos and r["eps"] is not None]
         for key in ("kld_median", "kld_mean"):
             s = spread([r[key] for r in runs])
             b = (bee or {}).get(key)
@@ -191,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--control", type=int, default=1, help="the control position (default 1)")
     ap.add_argument("--beellama-log", type=Path, help="BeeLlama's llama-perplexity --kl-divergence log of the same row")
     ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--inject-beellama", action="store_true",
+                    help="one more run: --position's K and V rows on every layer replaced by BeeLlama's "
+                         "(bos_rows: its graph's Kcur-L / Vcur-L on the first 512 tokens, one ubatch, this cache "
+                         "type and tail; needs BEELLAMA_SRC and BEELLAMA_BUILD)")
     ap.add_argument("--table-only", action="store_true", help="run nothing: the summary from OUT/runs.jsonl")
     return ap
 
@@ -202,6 +245,9 @@ def main(argv=None) -> int:
         check_args(args.seeds, args.eps, args.position, args.control, args.ctx)
     except ValueError as e:
         ap.error(str(e))
+    if args.inject_beellama and (args.k != args.v or args.k not in INJECT_TYPES):
+        ap.error(f"--inject-beellama: -ctk/-ctv must be one of {', '.join(INJECT_TYPES)} for both "
+                 f"(bos_rows' harness), got {args.k} / {args.v}")
     jsonl = args.out / "runs.jsonl"
     records = load_records(jsonl)
     if not args.table_only:
@@ -218,7 +264,14 @@ def main(argv=None) -> int:
         ctx = engine.Context(spec, args.ctx, args.chunks, str(TEXT), "cpu", "auto", cache_dir)
         args.out.mkdir(parents=True, exist_ok=True)
         done = {r["label"] for r in records}
-        for p in plan(args.seeds, args.eps, args.position, args.control):
+        runs = plan(args.seeds, args.eps, args.position, args.control)
+        if args.inject_beellama and Replacement(args.position, {}).label not in done:
+            from bench.oracles.beellama.bos_rows import beellama_rows
+            from kvarn.weights.sources import gguf_path
+
+            rows = beellama_rows(gguf_path(spec, cache_dir), 512, args.position, args.k, args.tail)
+            runs.insert(1, Replacement(args.position, rows))
+        for p in runs:
             label = p.label if p else "none"
             if label in done:
                 continue
