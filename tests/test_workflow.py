@@ -323,7 +323,11 @@ def test_jobscript_submission_gives_the_same_numbers(tiny_run, tmp_path):
     seed(tiny_run, wd)
     target = f"results/smollm2-135m/ctx{CTX}-c1/cells/kvarn4-kvarn4-t0/row.parquet"
     # The profile addresses its scripts relative to the working directory: run from wd.
-    p = subprocess.run([*SNAKEMAKE, "--workflow-profile", "workflow/profiles/local-submit", target],
+    # One thread for the job, as every model job of the suite gets: left to the profile, the jobscript's
+    # Snakemake takes every core (--cores all) and the cell ran 20x slower beside the other xdist worker
+    # (OpenMP threads waiting on a descheduled peer).
+    p = subprocess.run([*SNAKEMAKE, "--workflow-profile", "workflow/profiles/local-submit", target,
+                        "--set-threads", "cell=1"],
                        cwd=wd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     # the cell; cell_row is a local rule (workflow/rules/slurm.smk) and runs in the main process
