@@ -2,6 +2,7 @@
 lines a row runs, the resume rule on a fake folder, and the tables on fake logs."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -126,6 +127,17 @@ def test_the_environment_of_a_step(tmp_path, monkeypatch):
     off.env = {"LLAMA_ATTN_ROT_DISABLE": "1"}
     G.run_steps([on, off], jobs=1, nice=0, say=lambda m: None, wrap=())
     assert "rot=unset" in on.log.read_text() and "rot=1" in off.log.read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroup scheduling (Linux only)")
+def test_a_step_session_gets_the_nice_value(tmp_path):
+    # each step is a session of its own; the scheduler shares the CPU between sessions' autogroups
+    # first, so the step's own nice value does not lower it unless its autogroup's is lowered too
+    wait = "for i in $(seq 50); do grep -q 'nice 7' /proc/self/autogroup && break; sleep 0.1; done"
+    step = _fake(tmp_path, "s", f"{wait}; cat /proc/self/autogroup")
+    G.run_steps([step], jobs=1, nice=7, say=lambda m: None, wrap=())
+    assert G.rc_of(step.log) == 0
+    assert re.search(r"/autogroup-\d+ nice 7$", step.log.read_text(), re.M)
 
 
 TIME_V = """\

@@ -190,8 +190,22 @@ def start(step: Step, nice: int, wrap: tuple[str, ...] = TIME_V) -> subprocess.P
     with open(step.part, "w") as f:
         f.write(f"$ {shown(step)}\n# start {stamp()} load {loadavg()} nice {nice}\n")
         f.flush()
-        return subprocess.Popen(["nice", "-n", str(nice), *wrap, *step.cmd], stdout=f,
-                                stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        p = subprocess.Popen(["nice", "-n", str(nice), *wrap, *step.cmd], stdout=f,
+                             stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    lower_session(p.pid, nice)
+    return p
+
+
+def lower_session(pid: int, nice: int) -> bool:
+    """Give the new session's autogroup the same nice value (Linux): the scheduler shares the
+    CPU between sessions first, so `nice` alone leaves a step in a session of its own an equal
+    share beside an interactive shell (docs/notes/beellama.md). False where there is none."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+        return True
+    except OSError:
+        return False
 
 
 def finish(step: Step, rc: int) -> None:
