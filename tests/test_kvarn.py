@@ -194,6 +194,28 @@ def test_butterfly_bitwise_equals_the_stacked_loop(n):
     assert torch.allclose(K.butterfly(x).double(), ref, rtol=0, atol=n * F32_EPS * float(x.abs().max()) * 4)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_compiled_rotation_bitwise_equals_torch(d, monkeypatch):
+    """`rotate` on fp32 CPU tensors runs the compiled loop (kvarn_cpu.rotate): bit for bit
+    `rotate_torch`, on a strided input with a zero row, a constant row and an outlier."""
+    from kvarn.formats import kvarn_cpu
+
+    g = _gen(d)
+    x = torch.randn(5, 2, 3, d, generator=g) * torch.exp(4 * torch.randn(5, 2, 3, 1, generator=g))
+    x[0, 0, 0] = 0.0
+    x[0, 0, 1] = 1.5
+    x[1, 1, 2, d // 3] = 3e7
+    x = x.transpose(0, 1)  # not contiguous
+    calls = []
+    compiled = kvarn_cpu.rotate
+    monkeypatch.setattr(kvarn_cpu, "rotate", lambda *a: calls.append(1) or compiled(*a))
+    got = K.rotate(x)
+    assert calls and got.shape == x.shape
+    assert torch.equal(got, K.rotate_torch(x))
+    assert torch.equal(K.rotate(got), K.rotate_torch(K.rotate_torch(x)))  # back
+    assert torch.equal(K.rotate(x.double()), K.rotate_torch(x.double())) and len(calls) == 2  # float64: torch's
+
+
 def test_log_update_clamps():
     big, tiny = torch.tensor([8.0]), torch.tensor([1e-5])
     assert torch.allclose(K._log_update(big, tiny), 8.0 + torch.log(torch.tensor([1e-3])))
@@ -450,22 +472,56 @@ def test_fast_normalization_ties_in_the_kept_pass():
 
 
 def test_fast_normalization_is_what_the_encoder_runs(monkeypatch):
-    """quantize_tiles_ref on CPU normalizes with the fast path; swapping in the reference
-    changes no bit of the codes or metadata."""
+    """quantize_tiles_ref on CPU normalizes and rounds with the compiled path; swapping in the
+    torch reference changes no bit of the codes or metadata."""
     x = torch.randn(2, 384, 64, generator=_gen(31)) * torch.exp(torch.randn(1, 1, 64, generator=_gen(32)))
     tiles = K.to_tiles(K.stage(K.rotate(x)), "k").reshape(-1, 64, 128)
     calls = []
-    fast = K.normalize_fast
-    monkeypatch.setattr(K, "normalize_fast", lambda *a: calls.append(1) or fast(*a))
+    fast = K.quantize_normalized_fast
+    monkeypatch.setattr(K, "quantize_normalized_fast", lambda *a: calls.append(1) or fast(*a))
     got = K.quantize_tiles_ref(tiles, 4)
     assert calls
-    monkeypatch.setattr(K, "normalize_fast", K.normalize_ref)
+    monkeypatch.setattr(K, "quantize_normalized_fast", K.quantize_normalized)
     want = K.quantize_tiles_ref(tiles, 4)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+def _same_quantization(tiles, bits, iters=K.ITERS):
+    want = K.quantize_normalized(tiles, bits, iters)
+    got = K.quantize_normalized_fast(tiles, bits, iters)
+    for name, g, w in zip(("a", "b", "codes", "lo", "step"), got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"{name}: {int((g != w).sum())} values differ"
+    return got[2]
+
+
+@pytest.mark.parametrize("bits", K.WIDTHS)
+def test_fast_quantization_bitwise_on_random_and_degenerate_tiles(bits):
+    g = _gen(100 + bits)
+    t = torch.randn(12, 64, 128, generator=g) * torch.exp(3 * torch.randn(12, 1, 128, generator=g))
+    t = t * torch.exp(2 * torch.randn(12, 64, 1, generator=g))
+    t[0] = 0.0  # every row constant: code 0, step at its floor
+    t[1, :, 7] = 1.25
+    t[2, 11, :] = -3.0
+    t[3] = _outlier_tile(64, 128, seed=bits)
+    t[4, 2, 3] = 1e4
+    t[5] *= 1e-5
+    codes = _same_quantization(t, bits)
+    assert int(codes.max()) == 2**bits - 1 and int(codes[0].max()) == 0  # the full code range, and a constant row
+    v = t.transpose(-1, -2).contiguous()  # V-shaped tiles [128, 64]
+    _same_quantization(v, bits, iters=5)
+
+
+def test_fast_quantization_rounds_halves_up():
+    """A row whose scaled values sit at exact halves of the step: round_half_away's rule."""
+    t = torch.zeros(1, 64, 128)
+    t[0, :, :] = torch.tensor([0.0, 0.5, 1.0, 1.5] * 32)  # 2 bits, no normalization: step 0.5, v = 0, 1, 2, 3
+    assert _same_quantization(t, 2, iters=0)[0, 0, :4].tolist() == [0, 1, 2, 3]
+    t[0, :, :] = torch.tensor([0.0, 0.25, 0.75, 1.5] * 32)  # v = 0, 0.5, 1.5, 3: halves go up
+    assert _same_quantization(t, 2, iters=0)[0, 0, :4].tolist() == [0, 1, 2, 3]
+
+
 def test_fast_normalization_bad_input():
-    with pytest.raises(ValueError, match=r"float32 \[N, R, C\], got torch.float64"):
+    with pytest.raises(ValueError, match=r"float32 CPU \[N, R, C\], got torch.float64"):
         K.normalize_fast(torch.zeros(1, 64, 128, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"\(64, 128\)"):
         K.normalize_fast(torch.zeros(64, 128))
@@ -495,3 +551,4 @@ def test_fast_normalization_bitwise_on_real_tiles(name):
         tiles = K.to_tiles(K.stage(K.rotate(x)), role)
         p = _same_choice(tiles.reshape(-1, *tiles.shape[-2:]))
         assert len(set(p.tolist())) > 1
+        _same_quantization(tiles.reshape(-1, *tiles.shape[-2:]), 4)

@@ -8,8 +8,9 @@
    same model, same chunk, interleaved (baseline, cell, baseline, cell, ...); each cell's
    ratio is min over `--reps` of its runs / min over its paired baseline runs, so load from
    other processes hits both alike. `--ref-normalization` adds, for each KVarN cell, a row
-   with the slow reference normalization (`normalize_ref`, what the encoder ran before
-   `normalize_fast`): the same bits, the speed-up side by side.
+   with the torch reference of the normalization and rounding (`quantize_normalized`:
+   `normalize_ref` + `quantize_rows`) in place of the compiled CPU path
+   (`quantize_normalized_fast`): the same bits, the speed-up side by side.
 2. Throughput: tokens/s of the baseline cell for each model at each context (1 chunk).
 3. Dump size: bytes of a real baseline dump (`kvarn baseline`) per scored token (`--no-dump`: skipped).
 Writes the Markdown table to --out atomically.
@@ -42,7 +43,7 @@ from kvarn.weights import models, sources  # noqa: E402
 from kvarn.files.atomic import write_text  # noqa: E402
 
 CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0)]
-REF_NORM = " (normalize_ref)"  # a cell's label suffix: run with the reference normalization
+REF_NORM = " (torch reference)"  # a cell's label suffix: run with the reference normalization and rounding
 
 
 def cell_arg(text: str) -> tuple[str, str, int]:
@@ -57,16 +58,16 @@ def cell_arg(text: str) -> tuple[str, str, int]:
 def forward_s(lm, ids, k, v, tail, ubatch=512, ref_norm=False) -> float:
     lm.model.set_attn_implementation("kvarn")
     cache = engine.new_cache(lm.model, CellSpec(k, v, tail))
-    fast = kvarn_format.normalize_fast
+    fast = kvarn_format.quantize_normalized_fast
     if ref_norm:
-        kvarn_format.normalize_fast = kvarn_format.normalize_ref
+        kvarn_format.quantize_normalized_fast = kvarn_format.quantize_normalized
     try:
         t = time.perf_counter()
         for _ in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ids.shape[0])):
             pass
         return time.perf_counter() - t
     finally:
-        kvarn_format.normalize_fast = fast
+        kvarn_format.quantize_normalized_fast = fast
 
 
 def main() -> int:
@@ -77,7 +78,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--cells", nargs="+", type=cell_arg, default=CELLS, metavar="K/V/TAIL")
     ap.add_argument("--ref-normalization", action="store_true",
-                    help="also run each KVarN cell with normalize_ref (the encoder's earlier normalization)")
+                    help="also run each KVarN cell with the torch reference normalization and rounding")
     ap.add_argument("--no-dump", action="store_true", help="skip the dump-size section")
     ap.add_argument("--dump", nargs="*", default=[], metavar="MODEL=PATH",
                     help="measure an existing baseline dump instead of writing one")

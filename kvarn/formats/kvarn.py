@@ -122,6 +122,16 @@ def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ H_D over the last dim in BeeLlama's arithmetic (`rotate_torch`): on a float32 CPU
+    tensor compiled (kvarn.formats.kvarn_cpu, bit for bit the same), otherwise in torch."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        from . import kvarn_cpu
+
+        return kvarn_cpu.rotate(x, min(x.shape[-1], SLICE))
+    return rotate_torch(x)
+
+
+def rotate_torch(x: torch.Tensor) -> torch.Tensor:
     """x @ H_D over the last dim in BeeLlama's arithmetic (H symmetric and orthonormal, so
     this also rotates back): each min(D, 128)-channel slice by the butterfly times fp32
     1/sqrt(slice), then, for D > 128, across the D/128 slices times fp32 1/sqrt(D/128).
@@ -220,56 +230,22 @@ def normalize_ref(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor
     return normalize_choice(tiles, iters)[:2]
 
 
-class _RowStats:
-    """`sample_std` over the last dim of fp32 [N, R, C] tiles, into buffers kept across passes.
-
-    The same float64 operations on the same contiguous rows as `sample_std` (so the same
-    reduction order: bit for bit), without its per-call allocations; `fill` writes the
-    rows straight from an fp32 division (computed in fp32, widened exactly)."""
-
-    def __init__(self, shape, device):
-        self.y64 = torch.empty(shape, dtype=torch.float64, device=device)
-        self.sq = torch.empty(shape, dtype=torch.float64, device=device)
-
-    def std(self) -> torch.Tensor:
-        n = self.y64.shape[-1]
-        mean = self.y64.sum(-1) / n
-        torch.mul(self.y64, self.y64, out=self.sq)
-        var = (self.sq.sum(-1) - n * mean * mean) / (n - 1)
-        return torch.sqrt(var.clamp_min(0.0)).float()
+def _check_cpu_tiles(tiles: torch.Tensor, name: str) -> None:
+    if tiles.dim() != 3 or tiles.dtype != torch.float32 or tiles.is_cuda:
+        raise ValueError(f"{name}: tiles must be float32 CPU [N, R, C], got {tiles.dtype} "
+                         f"{tuple(tiles.shape)} on {tiles.device}")
 
 
 def normalize_choice_fast(tiles: torch.Tensor, iters: int = ITERS):
-    """`normalize_choice`, bit for bit, about 2-3x faster on CPU: the same fp32 scalings and
-    float64 one-pass stds (each a contiguous last-dim reduction, as the reference makes
-    them), written into buffers allocated once per call; the column stds read a transposed
-    float64 copy of the scaled tile instead of re-transposing fp32 per call.
+    """`normalize_choice`, bit for bit, as one compiled loop per tile (kvarn.formats.kvarn_cpu:
+    the reference's torch operations cost more in dispatch than in arithmetic on small tiles).
 
-    tiles: float32 [N, R, C]. Tested against `normalize_choice` on random, real (post-RoPE
+    tiles: float32 CPU [N, R, C]. Tested against `normalize_choice` on random, real (post-RoPE
     SmolLM2 / Gemma 3) and degenerate tiles (tests/test_kvarn.py)."""
-    if tiles.dim() != 3 or tiles.dtype != torch.float32:
-        raise ValueError(f"normalize_fast: tiles must be float32 [N, R, C], got {tiles.dtype} {tuple(tiles.shape)}")
-    x = tiles.contiguous()
-    n, r, c = x.shape
-    rows, cols = _RowStats((n, r, c), x.device), _RowStats((n, c, r), x.device)
-    den = torch.empty_like(x)
-    a, b = x.new_zeros(n, c), x.new_zeros(n, r)
-    rows.y64.copy_(x)
-    cols.y64.copy_(rows.y64.transpose(-1, -2))
-    std_col, std_row = cols.std(), rows.std()
-    best_a, best_b, best = a, b, imbalance(std_col, std_row)
-    best_pass = torch.zeros(n, dtype=torch.int64, device=x.device)
-    for i in range(iters):
-        a = _log_update(a, std_col)
-        e_a = exp32(a)[:, None, :]
-        torch.div(x, torch.mul(exp32(b)[:, :, None], e_a, out=den), out=rows.y64)  # scaled(tiles, a, b)
-        b = _log_update(b, rows.std())
-        torch.div(x, torch.mul(exp32(b)[:, :, None], e_a, out=den), out=rows.y64)
-        cols.y64.copy_(rows.y64.transpose(-1, -2))
-        std_col, std_row = cols.std(), rows.std()
-        best, best_a, best_b, best_pass = keep_better(imbalance(std_col, std_row), best, (a, b, i + 1),
-                                                      (best_a, best_b, best_pass))
-    return best_a, best_b, best_pass
+    _check_cpu_tiles(tiles, "normalize_fast")
+    from . import kvarn_cpu  # numba, compiled on first use: only where a CPU tile is encoded
+
+    return kvarn_cpu.normalize_choice(tiles, iters)
 
 
 def normalize_fast(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,32 +269,34 @@ def quantize_rows(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return q.to(torch.uint8), lo, step
 
 
+def quantize_normalized(tiles: torch.Tensor, bits: int, iters: int = ITERS):
+    """(a, b, codes, lo, step): `normalize_ref`, then `quantize_rows` of the scaled tile."""
+    a, b = normalize_ref(tiles, iters)
+    return a, b, *quantize_rows(scaled(tiles, a, b), bits)
+
+
+def quantize_normalized_fast(tiles: torch.Tensor, bits: int, iters: int = ITERS):
+    """`quantize_normalized` bit for bit, compiled for CPU tiles (kvarn.formats.kvarn_cpu): what
+    the CPU encoder runs. tiles: float32 CPU [N, R, C]."""
+    _check_cpu_tiles(tiles, "quantize_normalized_fast")
+    from . import kvarn_cpu
+
+    return kvarn_cpu.quantize(tiles, bits, iters)
+
+
 def _quantize_tiles(tiles: torch.Tensor, bits: int, iters: int):
-    # bit for bit the same log-scales; the fast one is tested on CPU only
-    a, b = (normalize_ref if tiles.is_cuda else normalize_fast)(tiles, iters)
-    q, lo, step = quantize_rows(scaled(tiles, a, b), bits)
+    # bit for bit the same; the fast one runs (and is tested) on CPU only
+    a, b, q, lo, step = (quantize_normalized if tiles.is_cuda else quantize_normalized_fast)(tiles, bits, iters)
     s_row = exp32(b)
     return q, (s_row * step).half(), (s_row * lo).half(), exp32(a).half()
-
-
-CPU_CHUNK_VALUES = 2**18  # ~1 MiB of fp32 tiles per batch: the 16 passes then run in cache
 
 
 def quantize_tiles_ref(tiles: torch.Tensor, bits: int, iters: int = ITERS):
     """Tiles [..., R, C] -> (codes uint8 [..., R, C], scale f16 [..., R], zero f16 [..., R],
     other f16 [..., C]): normalize, quantize each row, fold the scales into fp16 metadata.
-
-    Tiles are independent; on CPU they are processed in cache-sized batches (~6x faster
-    than one big batch, same bits: results do not depend on the batching)."""
+    Tiles are independent: results do not depend on how they are batched."""
     lead, (rows, cols) = tiles.shape[:-2], tiles.shape[-2:]
-    flat = tiles.reshape(-1, rows, cols)
-    step = len(flat) if tiles.is_cuda else max(1, CPU_CHUNK_VALUES // (rows * cols))
-    if len(flat) <= step:
-        parts = _quantize_tiles(flat, bits, iters)
-    else:
-        chunks = [_quantize_tiles(flat[i : i + step], bits, iters) for i in range(0, len(flat), step)]
-        parts = [torch.cat(p) for p in zip(*chunks)]
-    q, scale, zero, other = parts
+    q, scale, zero, other = _quantize_tiles(tiles.reshape(-1, rows, cols), bits, iters)
     return q.reshape(tiles.shape), scale.reshape(*lead, rows), zero.reshape(*lead, rows), other.reshape(*lead, cols)
 
 
