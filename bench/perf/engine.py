@@ -1,7 +1,7 @@
 """Engine cost: quantized cell vs BF16 baseline wall time, tokens/s, dump bytes per scored token.
 
     .venv/bin/python -m bench.perf.engine [--ctx 512 2048 4096] [--skip MODEL:CTX ...] [--dump MODEL=PATH ...]
-        [--cells q8_0/q8_0/0 kvarn4/kvarn4/0 ...] [--ref-normalization] [--no-dump]
+        [--cells q8_0/q8_0/0 kvarn4/kvarn4/0 q4_0-q4_0-t128-tdf16-s128 ...] [--ref-normalization] [--no-dump]
 
 1. Overhead: forward wall time (cache model + scored logits + log-softmax, as timed by
    run_cell) of q8_0, q4_0 tail 128 and kvarn4 cells divided by the bf16 baseline cell's,
@@ -42,22 +42,31 @@ from kvarn.spec.cell import CellSpec  # noqa: E402
 from kvarn.weights import models, sources  # noqa: E402
 from kvarn.files.atomic import write_text  # noqa: E402
 
-CELLS = [("q8_0", "q8_0", 0), ("q4_0", "q4_0", 128), ("kvarn4", "kvarn4", 0)]
+CELLS = [CellSpec("q8_0", "q8_0", 0), CellSpec("q4_0", "q4_0", 128), CellSpec("kvarn4", "kvarn4", 0)]
+BASELINE = CellSpec("bf16", "bf16", 0)
 REF_NORM = " (torch reference)"  # a cell's label suffix: run with the reference normalization and rounding
 
 
-def cell_arg(text: str) -> tuple[str, str, int]:
-    """K/V/TAIL, e.g. kvarn4/kvarn4/0."""
+def cell_arg(text: str) -> CellSpec:
+    """K/V/TAIL (e.g. kvarn4/kvarn4/0) or a cell's directory name (e.g. q4_0-q4_0-t128-tdf16-s128)."""
     try:
+        if "/" not in text:
+            return CellSpec.from_name(text)
         k, v, tail = text.split("/")
-        return k, v, int(tail)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a cell is K/V/TAIL (e.g. kvarn4/kvarn4/0), got {text!r}") from None
+        return CellSpec(k, v, int(tail))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"a cell is K/V/TAIL (e.g. kvarn4/kvarn4/0) or a cell name "
+                                         f"(e.g. q4_0-q4_0-t128-tdf16-s128), got {text!r}: {e}") from None
 
 
-def forward_s(lm, ids, k, v, tail, ubatch=512, ref_norm=False) -> float:
+def label(cell: CellSpec) -> str:
+    plain = CellSpec(cell.k, cell.v, cell.tail)
+    return f"{cell.k}/{cell.v} tail {cell.tail}" + ("" if cell == plain else f" ({cell.name})")
+
+
+def forward_s(lm, ids, cell: CellSpec, ubatch=512, ref_norm=False) -> float:
     lm.model.set_attn_implementation("kvarn")
-    cache = engine.new_cache(lm.model, CellSpec(k, v, tail))
+    cache = engine.new_cache(lm.model, cell)
     fast = kvarn_format.quantize_normalized_fast
     if ref_norm:
         kvarn_format.quantize_normalized_fast = kvarn_format.quantize_normalized
@@ -76,7 +85,7 @@ def main() -> int:
     ap.add_argument("--ctx", nargs="+", type=int, default=[512, 2048, 4096])
     ap.add_argument("--overhead-ctx", type=int, default=512)
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--cells", nargs="+", type=cell_arg, default=CELLS, metavar="K/V/TAIL")
+    ap.add_argument("--cells", nargs="+", type=cell_arg, default=CELLS, metavar="CELL")
     ap.add_argument("--ref-normalization", action="store_true",
                     help="also run each KVarN cell with the torch reference normalization and rounding")
     ap.add_argument("--no-dump", action="store_true", help="skip the dump-size section")
@@ -103,17 +112,16 @@ def main() -> int:
         # Each cell is paired with the baseline run just before it; min over reps of each.
         runs = [(c, False) for c in args.cells]
         if args.ref_normalization:
-            runs += [(c, True) for c in args.cells if c[0].startswith("kvarn") or c[1].startswith("kvarn")]
+            runs += [(c, True) for c in args.cells if c.k.startswith("kvarn") or c.v.startswith("kvarn")]
         base_t, cell_t = {r: [] for r in runs}, {r: [] for r in runs}
         for _ in range(args.reps):
             for r in runs:
-                base_t[r].append(forward_s(lm, ids, "bf16", "bf16", 0))
-                cell_t[r].append(forward_s(lm, ids, *r[0], ref_norm=r[1]))
+                base_t[r].append(forward_s(lm, ids, BASELINE))
+                cell_t[r].append(forward_s(lm, ids, r[0], ref_norm=r[1]))
         b = min(min(v) for v in base_t.values())
         for (c, ref_norm) in runs:
             bc, t = min(base_t[c, ref_norm]), min(cell_t[c, ref_norm])
-            label = f"{c[0]}/{c[1]} tail {c[2]}" + (REF_NORM if ref_norm else "")
-            over_rows.append((name, args.overhead_ctx, label, bc, t, t / bc))
+            over_rows.append((name, args.overhead_ctx, label(c) + (REF_NORM if ref_norm else ""), bc, t, t / bc))
             print(over_rows[-1], flush=True)
 
         # 2. throughput of the baseline cell
@@ -125,7 +133,7 @@ def main() -> int:
                 t = b  # the baseline cell just timed
             else:
                 ids = data.make_chunks(tokens, ctx, 1, lm.info.bos_id)[0]
-                t = forward_s(lm, ids, "bf16", "bf16", 0)
+                t = forward_s(lm, ids, BASELINE)
             tps_rows.append((name, ctx, t, ctx / t))
             print(tps_rows[-1], flush=True)
 
