@@ -140,6 +140,13 @@ def test_a_step_session_gets_the_nice_value(tmp_path):
     assert re.search(r"/autogroup-\d+ nice 7$", step.log.read_text(), re.M)
 
 
+def test_a_failure_is_named_without_the_build_path(tmp_path):
+    log = tmp_path / "beellama.log"
+    log.write_text("$ llama-perplexity ...\nload ok\n/home/u/src/beellama/ggml/src/ggml-impl.h:319: fatal error\n"
+                   "# done rc=134\n")
+    assert G.failure(log) == "ggml/src/ggml-impl.h:319: fatal error (rc=134)"
+
+
 TIME_V = """\
 \tCommand being timed: "llama-perplexity ..."
 \tUser time (seconds): {user}

@@ -267,10 +267,14 @@ def run_steps(steps: list[Step], jobs: int, nice: int, say=print, wrap: tuple[st
 FAIL_RE = re.compile(r"^.*(?:fatal error|error:|GGML_ASSERT|Command terminated by signal).*$", re.M | re.I)
 
 
+SOURCE_RE = re.compile(r"(?<![\w.])/\S*?/(?=ggml/src/|src/llama|tools/|common/)")  # a source dir, up to the tree's top
+
+
 def failure(log: Path) -> str:
-    """What a failed step's log says: its first error line (its exit status if none)."""
+    """What a failed step's log says: its first error line (its exit status if none), with the
+    source directory of the build cut from file names (the table is committed)."""
     m = FAIL_RE.search(log.read_text(errors="replace"))
-    return (m.group(0).strip() if m else "") + f" (rc={rc_of(log)})"
+    return SOURCE_RE.sub("", m.group(0).strip() if m else "") + f" (rc={rc_of(log)})"
 
 
 def grid_tables(run: Path, names: list[str]) -> str:
