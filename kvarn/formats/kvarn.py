@@ -35,7 +35,9 @@ the fraction v - floor(v) is exact in fp32, so the rule has no double-rounding c
 
 The Triton kernels (kvarn/formats/kvarn_triton.py, imported only when a CUDA tensor is
 encoded, or by name) implement `quantize_pack_ref` and `unpack_dequantize_ref` with the
-same signatures.
+same signatures. On CPU the normalization, rounding and rotation run compiled
+(kvarn/formats/kvarn_cpu.py, imported when a CPU tile is first encoded), bit for bit the
+torch functions here, which stay the reference.
 """
 
 from __future__ import annotations

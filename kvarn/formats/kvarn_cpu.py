@@ -1,5 +1,6 @@
-"""KVarN's variance normalization on CPU, compiled (numba): `normalize_choice` of
-kvarn.formats.kvarn, the same arithmetic value for value, as one loop per tile.
+"""KVarN's CPU encoder, compiled (numba): the variance normalization with its kept pass
+(`normalize_choice`), the per-row rounding (`quantize_rows` of the scaled tile) and the
+Hadamard rotation (`rotate_torch`) of kvarn.formats.kvarn, the same arithmetic value for value.
 
 Why compiled: the torch reference issues ~60 tensor operations per pass on small tiles
 (64 x 128), so at the engine's batch most of a call was dispatch, and a kvarn4 cell cost
@@ -14,13 +15,15 @@ The arithmetic is the reference's, in its order of operations and types:
   sequence, as BeeLlama's loop does; the reference's torch `sum` adds in another order. The
   values are fp32 (24-bit significands) and their squares exact in float64, so both orders
   give the same float64 sum unless a row spans more than ~2^22 in magnitude, and then differ
-  by an ulp of float64, far below the fp32 rounding of the std (tests/test_kvarn.py compares
-  every pass's choice and log-scale bit for bit on random, real and degenerate tiles);
+  in the last float64 bits, far below the fp32 rounding of the std (tests/test_kvarn.py
+  compares every pass's choice and log-scale bit for bit on random, real and degenerate tiles);
 * exp and log in float64, rounded to fp32 (`exp32`, `log32`); the clamps, the imbalance
   (max/min of each axis's stds, min floored at 1e-8) and the `<=` keep of the best pass in
-  fp32, with the constants rounded to fp32 as torch rounds a Python scalar.
+  fp32, with the constants rounded to fp32 as torch rounds a Python scalar;
+* the butterfly's sums and differences in fp32, each slice's then the cross-slice scale in fp32.
 
-Compiled on first use (a second or two; cached beside this file or in NUMBA_CACHE_DIR).
+Compiled on first use (~15 s of CPU on our 2-core machine), cached beside this file or in
+NUMBA_CACHE_DIR; a later process pays numba's import and the cache's load (~1.6 s together).
 """
 
 from __future__ import annotations
