@@ -522,11 +522,12 @@ def test_fast_quantization_rounds_halves_up():
     assert _same_quantization(t, 2, iters=0)[0, 0, :4].tolist() == [0, 1, 2, 3]
 
 
-def test_fast_normalization_bad_input():
+@pytest.mark.parametrize("fast", [K.normalize_choice_fast, lambda t: K.quantize_normalized_fast(t, 4)])
+def test_fast_normalization_bad_input(fast):
     with pytest.raises(ValueError, match=r"float32 CPU \[N, R, C\], got torch.float64"):
-        K.normalize_fast(torch.zeros(1, 64, 128, dtype=torch.float64))
+        fast(torch.zeros(1, 64, 128, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"\(64, 128\)"):
-        K.normalize_fast(torch.zeros(64, 128))
+        fast(torch.zeros(64, 128))
 
 
 def _real_kv(name: str, n_tokens: int = 256):

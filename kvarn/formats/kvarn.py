@@ -244,15 +244,10 @@ def normalize_choice_fast(tiles: torch.Tensor, iters: int = ITERS):
 
     tiles: float32 CPU [N, R, C]. Tested against `normalize_choice` on random, real (post-RoPE
     SmolLM2 / Gemma 3) and degenerate tiles (tests/test_kvarn.py)."""
-    _check_cpu_tiles(tiles, "normalize_fast")
+    _check_cpu_tiles(tiles, "normalize_choice_fast")
     from . import kvarn_cpu  # numba, compiled on first use: only where a CPU tile is encoded
 
     return kvarn_cpu.normalize_choice(tiles, iters)
-
-
-def normalize_fast(tiles: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor]:
-    """`normalize_ref` bit for bit (`normalize_choice_fast`): what the CPU encoder runs."""
-    return normalize_choice_fast(tiles, iters)[:2]
 
 
 # --- per-row asymmetric RTN (DESIGN §4.4-4.5) ----------------------------------------

@@ -194,23 +194,26 @@ def rotate(x: torch.Tensor, ch: int) -> torch.Tensor:
     return xt.t().reshape(x.shape)
 
 
-def normalize_choice(tiles: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(a [N, C], b [N, R], pass [N] int64) of float32 CPU tiles [N, R, C]: `normalize_choice`'s."""
-    x = tiles.detach().contiguous().numpy()
+def _normalized(x: np.ndarray, iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n, rows, cols = x.shape
     a, b = np.empty((n, cols), np.float32), np.empty((n, rows), np.float32)
     kept = np.empty(n, np.int64)
     _normalize(x, int(iters), a, b, kept)
-    return torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(kept)
+    return a, b, kept
+
+
+def normalize_choice(tiles: torch.Tensor, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a [N, C], b [N, R], pass [N] int64) of float32 CPU tiles [N, R, C]: `normalize_choice`'s."""
+    return tuple(map(torch.from_numpy, _normalized(tiles.detach().contiguous().numpy(), iters)))
 
 
 def quantize(tiles: torch.Tensor, bits: int, iters: int):
     """(a, b, codes uint8 [N, R, C], lo [N, R], step [N, R]) of float32 CPU tiles [N, R, C]:
     `normalize_ref` then `quantize_rows(scaled(tiles, a, b), bits)`, value for value."""
-    a, b, _ = normalize_choice(tiles, iters)
     x = tiles.detach().contiguous().numpy()
+    a, b, _ = _normalized(x, iters)
     n, rows, cols = x.shape
     codes = np.empty((n, rows, cols), np.uint8)
     lo, step = np.empty((n, rows), np.float32), np.empty((n, rows), np.float32)
-    _quantize_rows(x, a.numpy(), b.numpy(), 2**bits - 1, codes, lo, step)
-    return a, b, torch.from_numpy(codes), torch.from_numpy(lo), torch.from_numpy(step)
+    _quantize_rows(x, a, b, 2**bits - 1, codes, lo, step)
+    return tuple(map(torch.from_numpy, (a, b, codes, lo, step)))
