@@ -102,7 +102,7 @@ def test_f32_cache_reproduces_generate(smol):
 
 
 @pytest.mark.slow
-def test_bf16_cell_never_diverges_and_q2_does(smol):
+def test_bf16_cell_never_diverges_and_q2_does(smol, monkeypatch):
     import kvarn.kvcache.attention  # noqa: F401
 
     lm, prompts = smol
@@ -111,7 +111,29 @@ def test_bf16_cell_never_diverges_and_q2_does(smol):
     b = KD.decode(lm.model, prompts, CellSpec("bf16", "bf16", 0), TOKENS, ubatch=UBATCH, block=1)
     s = KD.summarize_decode(b, PROMPTS, TOKENS)
     assert s["n_diverged"] == 0 and s["survival"][-1] == 1.0 and (b["kld"] == 0).all() and b["same_top"].all()
-    q = KD.decode(lm.model, prompts, CellSpec("q2_0", "q2_0", 0), TOKENS, ubatch=UBATCH)
+    bars = []
+
+    class Bar:  # kvarn.run.engine.progress's tqdm, recorded
+        def __init__(self, iterable, desc, total, unit):
+            self.args, self.n, self.closed = (desc, total, unit), 0, False
+            bars.append(self)
+
+        def update(self):
+            self.n += 1
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(KD, "progress", Bar)
+    timing = {}
+    q = KD.decode(lm.model, prompts, CellSpec("q2_0", "q2_0", 0), TOKENS, ubatch=UBATCH, timing=timing,
+                  desc="q2 decode")
+    # one progress bar of the generated steps, advanced once per step
+    assert [(b.args, b.n, b.closed) for b in bars] == [(("q2 decode", TOKENS, "step"), TOKENS, True)]
+    # the steps' time split: the cell's steps, the baseline's block forwards, the metrics
+    parts = timing["cell_s"] + timing["base_s"] + timing["metrics_s"]
+    assert timing["prefill_s"] > 0 and min(timing[k] for k in ("cell_s", "base_s", "metrics_s")) > 0
+    assert parts <= timing["steps_s"] < parts + 0.05, timing
     sq = KD.summarize_decode(q, PROMPTS, TOKENS)
     assert sq["n_diverged"] >= 1 and sq["decode_kld_mean"] > 0.01
     # before its first divergence a prompt's tokens are the bf16 run's tokens

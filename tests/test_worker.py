@@ -151,9 +151,13 @@ def test_worker_gives_the_same_numbers_with_one_load(runs):
 def test_decode_through_the_worker_gives_the_same_numbers(runs):
     import polars as pl
 
+    from kvarn.run import decode as KD
+
     root, out = runs
     d0, d1 = out["inproc"][3], out["worker"][3]
-    timing = ("wall_s", "decode_s")
+    timing = KD.TIMING_KEYS
+    assert set(timing) <= d0.keys() and d0["prefill_s"] + d0["steps_s"] <= d0["decode_s"] <= d0["wall_s"]
+    assert d0["step_ms"] == pytest.approx(1000 * d0["steps_s"] / d0["n_tokens"])
     assert {k: v for k, v in d0.items() if k not in timing} == {k: v for k, v in d1.items() if k not in timing}
     assert d1["n_prompts"] == 1 and d1["n_tokens"] == DECODE_TOKENS and d1["prompt_tokens"] == CTX - DECODE_TOKENS
     steps = [pl.read_parquet(root / m / "decode" / "steps.parquet") for m in ("inproc", "worker")]

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import polars as pl
 
-# wall-clock and machine fields of a cell's summary.json (kvarn.run.engine.run_cell)
-TIMING = ("wall_s", "tokens_per_s", "forward_s", "decode_s")
+from kvarn.run.decode import TIMING_KEYS
+
+# wall-clock fields of a cell's summary.json (kvarn.run.engine.run_cell) and a decode's
+TIMING = tuple(dict.fromkeys(("wall_s", "tokens_per_s", "forward_s") + TIMING_KEYS))
 
 
 def cells(root: Path) -> dict[str, Path]:

@@ -46,12 +46,14 @@ import torch
 import kvarn
 from kvarn.stats import metrics
 from kvarn.files.atomic import atomic_path, write_text
-from kvarn.run.engine import attention_path, baseline_cell, new_cache, set_compute, setup
+from kvarn.run.engine import attention_path, baseline_cell, new_cache, progress, set_compute, setup
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.options import DECODE_VERSION
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 STEP_KEYS = ("prompt", "step", "token", "base_token", "kld", "same_top", "nll_base")
+# the summary's wall-clock fields: what two runs of the same decode may differ in
+TIMING_KEYS = ("wall_s", "decode_s", "prefill_s", "steps_s", "cell_s", "base_s", "metrics_s", "step_ms")
 # One block's fp32 vocabulary rows, each of the three arrays alive at once (the cell's log-probs,
 # the baseline's logits and log-probs, P x B x V x 4 bytes each), stay within this: at most
 # 3 x 128 MiB, below one teacher-forced ubatch of 512 positions at Gemma 3's 262k vocabulary (512 MiB).
@@ -89,14 +91,15 @@ def feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=512, attention="ref",
-           timing: dict | None = None, block: int | None = None) -> dict[str, np.ndarray]:
+           timing: dict | None = None, block: int | None = None, desc: str | None = None) -> dict[str, np.ndarray]:
     """Greedy-generate `n_tokens` per prompt with the cell's cache, the BF16 baseline (on the cell's compute path)
     re-scoring the cell's text in blocks of `block` steps (None: `block_steps`; 1: lock step).
     Returns the STEP_KEYS columns, [P · n_tokens] rows ordered by (prompt, step). `model` must use
     attn_implementation "kvarn"; `attention`: the attention path of both caches ("ref" or "flex",
     `kvarn.run.engine.attention_path`). `timing`: if given, gets prefill_s (both prompts), steps_s
     (the rest; of it: cell_s the cell's steps, base_s the baseline's block forwards, metrics_s)
-    added, and block (the steps per block) set."""
+    added, and block (the steps per block) set. `desc`: if given, a progress bar of the generated
+    steps with that label."""
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"decode block must be a positive integer (steps per baseline forward) or None, got {block!r}")
     device = next(model.parameters()).device
@@ -113,6 +116,7 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
     t1 = time.perf_counter()
     B = block or block_steps(n_p, lc.shape[-1], n_tokens, ubatch)
     toks, blocks = [], []
+    bar = progress(None, desc, n_tokens, unit="step") if desc is not None else None
     for a in range(0, n_tokens, B):
         b = min(a + B, n_tokens)
         t = time.perf_counter()
@@ -122,6 +126,8 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
             toks.append(lq[:, s - a].argmax(dim=-1))
             if s + 1 < n_tokens:
                 lc = feed(model, toks[-1][:, None], cell, 1)
+            if bar is not None:
+                bar.update()
         t2 = time.perf_counter()
         # The baseline's log-probs of steps a..b-1: it has read the prompt and tokens ..a-2; one
         # forward of tokens a-1..b-2 (block 0: the prefill gave step 0; tokens 0..b-2).
@@ -145,6 +151,8 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
         t4 = time.perf_counter()
         for key, dt in (("cell_s", t2 - t), ("base_s", t3 - t2), ("metrics_s", t4 - t3)):
             clock[key] += dt
+    if bar is not None:
+        bar.close()
     steps = np.arange(n_tokens, dtype=np.int32)
     out = {"prompt": np.repeat(np.arange(n_p, dtype=np.int32), n_tokens), "step": np.tile(steps, n_p)}
     for key in STEP_KEYS[2:]:  # [P, G] -> (prompt, step)
@@ -214,7 +222,7 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
     td = time.perf_counter()
     timing: dict = {}
     steps = decode(loaded.model, p_ids, cell, tokens, ubatch=ubatch, attention=path or "ref", timing=timing,
-                   block=block)
+                   block=block, desc=f"{loaded.info.name} decode {cell.k}/{cell.v} tail {cell.tail}")
     decode_s = time.perf_counter() - td
     summary = summarize_decode(steps, prompts, tokens)
     info = loaded.info
@@ -224,6 +232,10 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
         "rot": cell.rot, "tail_dtype": cell.tail_dtype, "iters": cell.iters, "sink": cell.sink, "compute": cell.compute, "ubatch": ubatch, "attention": path,
         "text_sha256": ident.get("text_sha256"), "tokenizer_hash": ident.get("tokenizer_hash"), "decode_s": decode_s,
         "decode_version": DECODE_VERSION, "block": timing["block"], "wall_s": time.perf_counter() - t0,
+        # where decode_s went: both caches' prefills, then the steps (the cell's, the baseline's
+        # block forwards, the metrics); step_ms = the steps' time per generated step
+        **{k: timing[k] for k in ("prefill_s", "steps_s", "cell_s", "base_s", "metrics_s")},
+        "step_ms": 1000 * timing["steps_s"] / tokens,
         "kvarn_version": kvarn.__version__, "device": info.device, "dtype": info.dtype,
     })
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -192,10 +192,11 @@ def check_baseline_compute(base: Baseline, compute: str) -> None:
             f"emulates version {COMPUTE_VERSION[compute]} (kvarn.spec.options.COMPUTE_VERSION); make the baseline again")
 
 
-def _progress(iterable, desc, total):
+def progress(iterable, desc, total, unit="chunk"):
+    """A tqdm bar on stderr over `iterable` (what a Snakemake job's log shows while it runs)."""
     from tqdm import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, unit="chunk", leave=False)
+    return tqdm(iterable, desc=desc, total=total, unit=unit, leave=False)
 
 
 # --- baseline -------------------------------------------------------------------------
@@ -234,7 +235,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         return timed((lp.cpu() for _, lp in chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored)), timing)
 
     def blocks():
-        for c in _progress(range(chunk_ids.shape[0]), f"baseline {info.name} ctx {n_ctx}", chunk_ids.shape[0]):
+        for c in progress(range(chunk_ids.shape[0]), f"baseline {info.name} ctx {n_ctx}", chunk_ids.shape[0]):
             yield chunk_slices(c)
 
     header = dict(ident)
@@ -325,7 +326,7 @@ def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512,
     cols = {key: [] for key in metrics.PER_TOKEN_KEYS}
     chunk_col, pos_col = [], []
     timing = {"forward_s": 0.0}
-    for c in _progress(range(chunk_ids.shape[0]), f"{info.name} {cell.k}/{cell.v} tail {cell.tail}", chunk_ids.shape[0]):
+    for c in progress(range(chunk_ids.shape[0]), f"{info.name} {cell.k}/{cell.v} tail {cell.tail}", chunk_ids.shape[0]):
         cache = new_cache(model, cell, path or "ref")
         targets = chunk_ids[c, scored.start + 1 : scored.stop + 1]
         for a, lp in timed(chunk_logprobs(model, chunk_ids[c], cache, ubatch, scored), timing):
