@@ -241,4 +241,81 @@ def test_grid_tables_on_fake_logs(tmp_path):
     assert any(ln.startswith("| bf16-t0 | 80.0 | 1.00 |") for ln in lines)
     assert "baseline" not in out  # no base.log here
     _log(tmp_path / "base.log", "", 294.24, "17:04.93")
-    assert G.grid_tables(tmp_path, ["bf16-t0"]).rstrip().endswith("294.2 user CPU s, 1025 s wall.")
+    out = G.grid_tables(tmp_path, ["bf16-t0"])
+    assert "\nkvarn's baseline (`exact`, fp32, written as base.kld): 294.2 user CPU s, 1025 s wall.\n" in out
+    # then the orderings, which need KVarN / standard pairs this folder does not have
+    assert out.index("294.2 user CPU s") < out.index("### The study's orderings") and "* no width with" in out
+
+
+# ---------------------------------------------------------------- the study's orderings
+
+
+def _stats(**rows):
+    """{row: {program: {kld_median, kld_mean}}} from row=(BeeLlama, exact, llamacpp-cpu) medians
+    (each mean twice its median)."""
+    from bench.oracles.beellama import orderings as O
+
+    return {name.replace("_t", "-t").replace("q2-", "q2_0-").replace("q4-", "q4_0-").replace("q8-", "q8_0-")
+            .replace("_norot", "-norot"): {p: {"kld_median": m, "kld_mean": 2 * m} for p, m in zip(O.PROGRAMS, meds)
+                                           if m is not None} for name, meds in rows.items()}
+
+
+def test_same_width_gain_is_the_studys_per_program():
+    from bench.oracles.beellama import orderings as O
+
+    st = _stats(kvarn4_t0=(0.007, 0.004, 0.007), q4_t128=(0.016, 0.020, 0.018),   # below in all three
+                kvarn8_t0=(0.0002, 0.0001, 0.0003), q8_t128=(0.0001, 0.0001, 0.0002),  # above in both judges
+                kvarn2_t0=(0.50, 0.50, 0.60), q2_t128=(0.55, 0.45, 0.55))  # BeeLlama below, llamacpp-cpu not
+    rows, lines = O.same_width(st)
+    r4 = [r for r in rows if r[0] == "4"]
+    # (1 − 0.007 / 0.016) · 100 = 56.25 on the median; the mean (twice each) gives the same
+    assert r4[0] == ["4", "BeeLlama", "0.007000", "0.016000", "+56.2", "+56.2", "yes"]
+    assert [r[1] for r in r4] == list(O.PROGRAMS) and r4[2][4] == "+61.1"  # 1 − 0.007 / 0.018
+    assert lines == ["* 2 bits, kvarn2-t0 below q2_0-t128 on the median: the programs disagree",
+                     "* 4 bits, kvarn4-t0 below q4_0-t128 on the median: reproduced by both programs",
+                     "* 8 bits, kvarn8-t0 below q8_0-t128 on the median: shown not to hold in either"]
+    st = _stats(kvarn4_t0=(0.007, 0.004, None), q4_t128=(0.016, 0.020, 0.018), kvarn8_t0=(1, 1, 1))
+    assert O.same_width(st)[1] == [
+        "* 4 bits, kvarn4-t0 below q4_0-t128 on the median: not measurable (llamacpp-cpu missing)",
+        "* 8 bits, kvarn8-t0 below q8_0-t128 on the median: not measurable (q8_0-t128 not run)"]
+
+
+def test_tail_effect_ordering_per_rotation():
+    from bench.oracles.beellama import orderings as O
+
+    # unrotated: |effect| 2 bits 50 %, 4 bits 20 %, 8 bits 10 % in BeeLlama (falling); llamacpp-cpu 8 bits 30 %
+    st = _stats(q2_t0_norot=(1.0, 1.0, 1.0), q2_t128_norot=(0.5, 0.5, 0.5),
+                q4_t0_norot=(0.10, 0.10, 0.10), q4_t128_norot=(0.08, 0.08, 0.08),
+                q8_t0_norot=(0.010, 0.010, 0.010), q8_t128_norot=(0.009, 0.009, 0.007),
+                q4_t128=(0.02, 0.02, 0.02))  # rotated: no t0 row (BeeLlama aborts there): nothing judged
+    rows, lines = O.tail_effect(st)
+    assert ["unrotated", "2", "BeeLlama", "1.000000", "0.500000", "-50.0"] in rows
+    assert ["unrotated", "8", "llamacpp-cpu", "0.010000", "0.007000", "-30.0"] in rows
+    assert not [r for r in rows if r[0] == "rotated"]
+    assert lines == [
+        "* unrotated, widths 2, 4, 8: |tail effect| falling from each width to the next: the programs disagree",
+        "* unrotated: the tail helps 2 bits more than 8 bits (the study's `tail_effect_order`): "
+        "reproduced by both programs"]
+    one = _stats(q4_t0=(0.1, 0.1, 0.1), q4_t128=(0.05, 0.05, 0.05))
+    assert O.tail_effect(one)[1] == ["* rotated: not measurable (both programs need t0 and t128 rows at two widths "
+                                     "or more; widths with both: [4])"]
+
+
+def test_orderings_read_the_grid_folder(tmp_path):
+    from bench.oracles.beellama import orderings as O
+
+    for name, med in (("kvarn4-t0", 0.008), ("q4_0-t128", 0.016)):
+        d = tmp_path / name
+        _log(d / "beellama.log", BEE.format(c1=0.01, c2=0.01, mean=2 * med, median=med), 10.0, "1:00.00")
+        _cell(d / "llamacpp-cpu", [[med * 2] * 3], med * 1.1, 5.0)
+    (tmp_path / "q4_0-t0").mkdir()
+    (tmp_path / "q4_0-t0" / "beellama.log").write_text("$ cmd\n/src/ggml-impl.h:319: fatal error\n# done rc=134\n")
+    names = ["kvarn4-t0", "q4_0-t128", "q4_0-t0"]
+    st = O.collect(tmp_path, names)
+    assert st == {"kvarn4-t0": {"BeeLlama": {"kld_median": 0.008, "kld_mean": 0.016},
+                                "llamacpp-cpu": {"kld_median": 0.0088, "kld_mean": 0.016}},
+                  "q4_0-t128": {"BeeLlama": {"kld_median": 0.016, "kld_mean": 0.032},
+                                "llamacpp-cpu": {"kld_median": 0.0176, "kld_mean": 0.032}}}
+    out = G.grid_tables(tmp_path, names)
+    assert "* 4 bits, kvarn4-t0 below q4_0-t128 on the median: reproduced by both programs" in out
+    assert "| 4 | BeeLlama | 0.008000 | 0.016000 | +50.0 | +50.0 | yes |" in out

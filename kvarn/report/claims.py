@@ -168,6 +168,18 @@ def _no_delta(a, b):
     return None, None, None
 
 
+def same_width_gain_pct(kvarn_median: float, standard_median: float) -> float:
+    """The study's same-width gain: (1 − median kvarnN at 128* / median qN_0 at tail 128) · 100;
+    above 0, KVarN is below the same-width standard row."""
+    return (1 - kvarn_median / standard_median) * 100
+
+
+def tail_effect_pct(t128_median: float, t0_median: float) -> float:
+    """The study's tail effect: (median qN_0 at tail 128 / at tail 0 − 1) · 100; below 0, the
+    exact tail lowers the median."""
+    return (t128_median / t0_median - 1) * 100
+
+
 def directional(sign_ok: bool, lo, hi, want: int) -> tuple[str, str]:
     """Verdict of a difference that should have sign `want` (−1: B below A): its point estimate,
     then its interval when there is one."""
@@ -210,7 +222,7 @@ def same_width_gain(prep, model, sm, study, delta: Delta = _no_delta) -> list[di
         if w in pct or str(w) in pct:
             s = float(pct.get(w, pct.get(str(w))))
         else:
-            s = (1 - med[cell_key(f"kvarn{w}-kvarn{w}", 0)] / med[cell_key(f"q{w}_0-q{w}_0", 128)]) * 100
+            s = same_width_gain_pct(med[cell_key(f"kvarn{w}-kvarn{w}", 0)], med[cell_key(f"q{w}_0-q{w}_0", 128)])
         std, kv = std_row(prep, f"q{w}_0-q{w}_0", 128), kvarn_row(prep, f"kvarn{w}-kvarn{w}")
         claim = f"{w} bits: kvarn{w} at 128* {'beats' if s > 0 else 'loses to'} q{w}_0 at tail 128 on the median"
         base = dict(study=s, study_text=f"{s:+.1f} %", delta_of=f"kvarn{w} 128* − q{w}_0 t128")
@@ -219,7 +231,7 @@ def same_width_gain(prep, model, sm, study, delta: Delta = _no_delta) -> list[di
             rows.append(_row(model, sm, f"same_width_gain_{w}", claim, study, "same_width_gain", verdict="not measurable",
                              **base) | {"missing": ", ".join(missing)})
             continue
-        ours = (1 - kv["kld_median"] / std["kld_median"]) * 100
+        ours = same_width_gain_pct(kv["kld_median"], std["kld_median"])
         d, lo, hi = delta(std, kv)
         verdict, note = directional((ours > 0) == (s > 0), lo, hi, -1 if s > 0 else +1)
         r = _row(model, sm, f"same_width_gain_{w}", claim, study, "same_width_gain", ours=ours,
@@ -245,7 +257,7 @@ def tail_effect(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
             rows.append(_row(model, sm, f"tail_effect_{w}", claim, study, "tail_effect", verdict="not measurable", **base)
                         | {"missing": ", ".join(missing)})
             continue
-        ours = (t128["kld_median"] / t0["kld_median"] - 1) * 100
+        ours = tail_effect_pct(t128["kld_median"], t0["kld_median"])
         d, lo, hi = delta(t0, t128)
         verdict, note = directional(ours < 0, lo, hi, -1)
         rows.append(_row(model, sm, f"tail_effect_{w}", claim, study, "tail_effect", ours=ours,
@@ -552,7 +564,7 @@ def tail_sweep_trend(prep, model, sm, study, delta: Delta = _no_delta) -> list[d
         for t in SWEEP_TAILS:
             std, kv = std_row(prep, f"q{w}_0-q{w}_0", t), kvarn_row(prep, f"kvarn{w}-kvarn{w}", t)
             if std is not None and kv is not None:
-                gains[t] = (1 - kv["kld_median"] / std["kld_median"]) * 100
+                gains[t] = same_width_gain_pct(kv["kld_median"], std["kld_median"])
         base = dict(study_text=s)
         if FLOOR_TAIL not in gains or len(gains) < 2:
             need = [f"q{w}_0-q{w}_0 and kvarn{w}-kvarn{w} at tail {t}" for t in SWEEP_TAILS if t not in gains]

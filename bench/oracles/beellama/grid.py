@@ -22,7 +22,8 @@ once, taken in row order.
 
 Finally the tables (bench/oracles/beellama/table.py): KLD beside BeeLlama's with the issue's
 target, per-chunk means and PPL, and the CPU cost per row relative to the bf16 row (CPU figures
-under the load recorded, not the study's GPU prefill cost) -> stdout and `<folder>/table.md`.
+under the load recorded, not the study's GPU prefill cost), and the study's orderings per program
+(bench/oracles/beellama/orderings.py) -> stdout and `<folder>/table.md`.
 
     BEELLAMA_BUILD=<build> BEELLAMA_RUNS=<scratch> python -m bench.oracles.beellama.grid \\
         --model gemma3-270m --chunks 4 [--rows bf16-t0 kvarn4-t0 ...] [--jobs 2] [--nice 19]
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import REPO, TEXT, env_path
-from bench.oracles.beellama import memory, table
+from bench.oracles.beellama import memory, orderings, table
 
 MODES = ("exact", "llamacpp-cpu")
 FLOOR = "bf16"
@@ -280,7 +281,7 @@ def failure(log: Path) -> str:
 def grid_tables(run: Path, names: list[str]) -> str:
     """Three tables over the rows `names` of one grid folder: KLD beside BeeLlama's with the
     issue's target (for `llamacpp-cpu`), per-chunk means and PPL, and CPU cost relative to
-    the bf16 row's."""
+    the bf16 row's; then the study's orderings per program (orderings.py)."""
     kld = ["| " + " | ".join(table.HEADER + ["target (llamacpp-cpu)"]) + " |", "|" + "---|" * (len(table.HEADER) + 1)]
     chunks, cost, floor = [], [], {}
     for name in names:
@@ -325,7 +326,7 @@ def grid_tables(run: Path, names: list[str]) -> str:
     return (f"### KLD against the same base file ({run.name})\n\n" + "\n".join(kld)
             + "\n\n### Per-chunk mean KLD and PPL\n\n" + md(chunk_head, chunks)
             + "\n\n### CPU cost per row relative to the bf16 row (CPU figures, 1 thread, under the load shown)\n\n"
-            + md(cost_head, cost) + "\n" + baseline_cost(run))
+            + md(cost_head, cost) + "\n" + baseline_cost(run) + "\n" + orderings.orderings_md(run, names))
 
 
 def baseline_cost(run: Path) -> str:
