@@ -274,6 +274,11 @@ def test_same_width_gain_is_the_studys_per_program():
     assert lines == ["* 2 bits, kvarn2-t0 below q2_0-t128 on the median: the programs disagree",
                      "* 4 bits, kvarn4-t0 below q4_0-t128 on the median: reproduced by both programs",
                      "* 8 bits, kvarn8-t0 below q8_0-t128 on the median: shown not to hold in either"]
+    # at the floor: both 8-bit rows within 5 % of bf16-t0's median in BeeLlama (0.1 vs 0.104, 0.096), not in exact
+    st |= _stats(bf16_t0=(0.1, 0.0, 0.1), kvarn8_t0=(0.096, 0.0001, 0.12), q8_t128=(0.104, 0.0002, 0.13))
+    assert O.same_width(st)[1][-1] == (
+        "* 8 bits, kvarn8-t0 below q8_0-t128 on the median: reproduced by both programs; both rows within 5% of the "
+        "bf16-t0 row's median in BeeLlama: at the floor, the ordering is inside its noise")
     st = _stats(kvarn4_t0=(0.007, 0.004, None), q4_t128=(0.016, 0.020, 0.018), kvarn8_t0=(1, 1, 1))
     assert O.same_width(st)[1] == [
         "* 4 bits, kvarn4-t0 below q4_0-t128 on the median: not measurable (llamacpp-cpu missing)",
