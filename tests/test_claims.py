@@ -15,6 +15,7 @@ from kvarn.spec.cell import CellSpec  # noqa: E402
 from kvarn.spec import facts  # noqa: E402
 from kvarn.spec.geometry import geometry_from_config  # noqa: E402
 from kvarn.budget.memory import MIB, kv_bytes  # noqa: E402
+from kvarn.report.data import FORMAT_ONLY_OPTS  # noqa: E402
 from kvarn.stats.paired import compare, load_cell  # noqa: E402
 from kvarn.report import claims as C  # noqa: E402
 from kvarn.report.data import prepare  # noqa: E402
@@ -159,7 +160,7 @@ def test_floor_is_standard_pairs_at_tail_128_not_format_only():
     prep, led = ledger_of(cells)
     floor = C.standard_floor(prep)
     assert floor["pair"] == "q8_0-q8_0" and floor["tail_requested"] == 128
-    assert C.format_only_floor(prep)["pair"] == f"q4_0-q4_0{C.FORMAT_ONLY_OPTS}"
+    assert C.format_only_floor(prep)["pair"] == f"q4_0-q4_0{FORMAT_ONLY_OPTS}"
     below = C.below_floor_table(prep)
     assert below["pair"].to_list() == ["kvarn6-kvarn6"] and below["mib_saved"][0] == pytest.approx(5.0)
     assert row(led, "format_only_floor")["origin"] == "ours"

@@ -43,7 +43,7 @@ from typing import Callable, Mapping
 
 import polars as pl
 
-from kvarn.report.data import (FLOOR_TAIL, FORMAT_ONLY_OPTS, figure_rows, format_only_floor, standard_floor, tail_sweep,
+from kvarn.report.data import (FLOOR_TAIL, figure_rows, format_only_floor, standard_floor, tail_sweep,
                                tail_vs_format)
 
 STUDY_FILE = Path(__file__).resolve().parents[2] / "config" / "study.yaml"
