@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from kvarn.stats import paired
@@ -19,7 +18,7 @@ from kvarn.files.atomic import atomic_path
 from kvarn.spec.cell import CellError, CellSpec
 from kvarn.spec.facts import TAIL_DTYPES, tail_label
 from kvarn.spec.geometry import geometry_from_config
-from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, kv_bytes
+from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, at_tail0, kv_bytes
 from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES  # one list each for the CLI and the matrix
 from kvarn.budget.preflight import PreflightError, capacity, preflight
 from kvarn.weights.sources import DEFAULT_CACHE_DIR, EMBEDDED, config_json, fetch, kind_of, parse_model
@@ -313,7 +312,7 @@ def _memory(args) -> str:
         raise UsageError(f"--model {where!r}: {e}") from None
     cell = cell_spec(args)
     b = kv_bytes(geom, args.ctx, cell, ubatch=args.ubatch, accounting=args.accounting)
-    b0 = kv_bytes(geom, args.ctx, replace(cell, tail=0), ubatch=args.ubatch, accounting=args.accounting)
+    b0 = kv_bytes(geom, args.ctx, at_tail0(cell), ubatch=args.ubatch, accounting=args.accounting)
 
     out = {
         "config": where, "geometry": geom.describe(), "n_ctx": args.ctx, "ubatch": args.ubatch,

@@ -67,6 +67,7 @@ from dataclasses import dataclass, replace
 from kvarn.spec import facts
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.geometry import Geometry
+from kvarn.spec.options import DEFAULT_COMPUTE
 from kvarn.spec.policy import default_tail_dtype, layer_policy, pair_family
 
 MIB = 2**20
@@ -188,12 +189,19 @@ def bytes_table(geom: Geometry, n_ctx: int, pairs, tails=(0, 128), tail_dtype: s
     return out
 
 
+def at_tail0(cell: CellSpec) -> CellSpec:
+    """The cell's pair at tail 0, for the Δ of its tail's bytes. The bytes do not depend on the
+    compute path, and a llamacpp-cpu cell of a type without a llama.cpp kernel exists only with a
+    tail (kvarn.spec.options.check_compute), so its tail-0 twin is taken on the default path."""
+    return replace(cell, tail=0, compute=DEFAULT_COMPUTE)
+
+
 def summary_fields(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
                    accounting: str = DEFAULT_ACCOUNTING) -> dict:
     """The memory keys of a cell's summary.json: the accounting, body/staging/overlay/total
     bytes, the total at tail 0 (for Δ) and the geometry they were computed from."""
     b = kv_bytes(geom, n_ctx, cell, ubatch, accounting)
-    b0 = kv_bytes(geom, n_ctx, replace(cell, tail=0), ubatch, accounting)
+    b0 = kv_bytes(geom, n_ctx, at_tail0(cell), ubatch, accounting)
     return {
         "memory_accounting": accounting,
         "kv_body_bytes": b.body,
