@@ -196,6 +196,19 @@ def test_heatmap_spec(prep):
     assert spec["resolve"]["scale"]["color"] == "shared"
     assert {"q8_0", "q4_0", "kvarn8"} <= dataset_values(spec, "k_type")
     # the default matrix measures its K×V product at tail 128 only: that grid is drawn
+    # a median at or below 0 (a cell at the baseline: 0, or a rounding's −1e-14) is left out of the
+    # text colour's geometric middle, which stays a real number between the positive medians
+    p = prep["gemma3-270m"]
+    kv = (pl.col("family") == "kvarn") & (pl.col("opts") == "") & (pl.col("tail_requested") == 0)
+    low = p.with_columns(pl.when(kv & (pl.col("k_type") == "kvarn8") & (pl.col("v_type") == "kvarn8"))
+                         .then(pl.lit(-1.77e-14)).otherwise(pl.col("kld_median")).alias("kld_median"))
+    assert (low["kld_median"] < 0).sum() == 1
+    for u in units(R.heatmap(low).to_dict()):
+        if mark(u) == "text":
+            cond = u["encoding"]["color"]["condition"]["test"]
+            mid = float(cond.split(">")[1].strip(" )"))
+            pos = low.filter(low["kld_median"] > 0)["kld_median"]
+            assert cond.startswith("datum.kld_median > ") and pos.min() < mid < pos.max(), cond
     product_at_128 = prep["gemma3-270m"].filter(~((pl.col("k_type") != pl.col("v_type")) & (pl.col("tail_requested") == 0)))
     assert D.heatmap_standard_tail(product_at_128) == 128
     assert D.heatmap_standard_tail(prep["gemma3-270m"]) == 0  # a tie goes to tail 0

@@ -295,7 +295,11 @@ def heatmap(prep: pl.DataFrame, standard_tail: int | None = None) -> alt.HConcat
     allv = prep.filter(sel["standard"] | sel["kvarn"])["kld_median"]
     if allv.is_empty():
         return _placeholder(model, "K×V heatmap", "no standard tail-0 or KVarN cells measured")
-    mid = (allv.min() * allv.max()) ** 0.5  # text turns white above the geometric middle
+    # Text turns white above the geometric middle of the positive medians (the log colour scale's
+    # range): a cell at the baseline can have a median of 0 or a rounding's −1e-14, whose product
+    # with the maximum has a complex square root.
+    pos = allv.filter(allv > 0)
+    mid = float((pos.min() * pos.max()) ** 0.5) if not pos.is_empty() else 0.0
     color = alt.Color("kld_median:Q", title="median KLD", scale=alt.Scale(type="log", scheme="yelloworangered"),
                       legend=alt.Legend(format=KLD_FMT))
     for fam in ("standard", "kvarn"):
