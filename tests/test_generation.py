@@ -283,6 +283,30 @@ def test_generation_figures_draw_every_table(hand_run):
         generation_figure("x", t)
 
 
+def test_survival_figure_at_full_size_draws_the_step_points(hand_run):
+    """At the generation config's size (7 cells × G + 1 points) the survival table exceeds altair's
+    5000 embedded rows; the figure draws each step function from its change points, the same
+    curve under step-after interpolation."""
+    from kvarn.report.figures import generation_figure, step_points
+
+    _, dec, cells, idents = hand_run
+    t = G.compute_run(dec, cells, idents, n_boot=20)
+    g = 2047
+    rng = np.random.default_rng(0)
+    big = pl.concat([G.survival(rng.integers(0, g + 1, 16), g).with_columns(pl.lit(c).alias("cell"))
+                     for c in t["cells"]["cell"]])
+    assert big.height == 3 * (g + 1) > 5000
+    spec = generation_figure("survival", {**t, "survival": big}).to_dict()  # no MaxRowsError
+    kept = step_points(big)  # per cell: survival/band and at_risk change at (or one after) each of 16 events
+    assert kept.height <= 3 * (2 * 16 + 2) and sum(len(d) for d in spec["datasets"].values()) == kept.height
+    for c in t["cells"]["cell"]:  # the last kept point at or before every t carries that t's values
+        full, k = big.filter(pl.col("cell") == c), kept.filter(pl.col("cell") == c)
+        idx = np.searchsorted(k["t"].to_numpy(), full["t"].to_numpy(), side="right") - 1
+        for col in ("survival", "lo", "hi", "at_risk"):
+            assert np.array_equal(k[col].to_numpy()[idx], full[col].to_numpy(), equal_nan=True), (c, col)
+        assert k["t"].max() == g
+
+
 # ---------------------------------------------------------------- the workflow
 
 

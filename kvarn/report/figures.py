@@ -434,10 +434,21 @@ def _gen_encodings(frame: pl.DataFrame):
                      legend=alt.Legend(orient="bottom", columns=2, labelLimit=400)), dash
 
 
+def step_points(frame: pl.DataFrame, by: str = "cell", t: str = "t") -> pl.DataFrame:
+    """The rows of step functions (one per `by`, sorted by `t`) where any other column changes,
+    plus each one's first and last: drawn with "step-after" interpolation, the same picture from
+    a few rows instead of G + 1 per cell (altair embeds at most 5000 rows in a chart)."""
+    cols = [c for c in frame.columns if c not in (by, t)]
+    frame = frame.sort(by, t)
+    changed = pl.any_horizontal([pl.col(c).ne_missing(pl.col(c).shift(1).over(by)) for c in cols])
+    last = pl.col(t) == pl.col(t).max().over(by)
+    return frame.filter(changed | last)
+
+
 def generation_survival(tables: dict[str, pl.DataFrame]) -> alt.LayerChart:
     """Kaplan–Meier survival of the first divergence per cell, with its band."""
     cells = tables["cells"]
-    s = _with_cells(tables["survival"], cells)
+    s = _with_cells(step_points(tables["survival"]), cells)
     color, dash = _gen_encodings(s)
     base = alt.Chart(s).encode(x=alt.X("t:Q", title="tokens generated"), color=color, detail="label:N")
     band = base.mark_area(opacity=0.12, interpolate="step-after").encode(
