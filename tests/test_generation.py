@@ -258,8 +258,30 @@ def test_compute_run_on_hand_made_results(hand_run):
     assert f["standard_label"] == "q4_0-q4_0 t128 + KVarN's sink, F16 tail" and p["standard_label"] == "q4_0-q4_0 t128"
     s = t["survival"].filter(pl.col("cell") == "q4_0-q4_0-t128")["survival"].to_list()
     assert s == [1.0] * 4 + [0.0] * 9
+    # the cells' text: zeros but one 1 at each prompt's divergence (none, step 5, step 0); the 4-grams of
+    # steps 6..11 repeat an earlier one in prompt 0 (6 of 6), prompt 1 (9, 10, 11: 3 of 6), prompt 2 (6 of 6)
+    assert kv["repeat_late"] == pytest.approx(15 / 18) and kv["nll_base_late"] == 0.0
     md = G.to_markdown(t)
     assert "| kvarn4-kvarn4 t128\\* | 2/3 |" in md and "q4_0-q4_0 t128" in md
+    assert "| kvarn4-kvarn4 t128\\* | 83% | 0.000 | 0.000 |" in md
+
+
+def test_repeated_ngrams_and_text_stats(tmp_path):
+    tok = np.array([[1, 2, 3, 4, 1, 2, 3, 4], [5, 5, 5, 5, 5, 5, 5, 5]])
+    r = G.repeated_ngrams(tok)
+    assert r[0].tolist() == [False] * 7 + [True]            # (1, 2, 3, 4) again at step 7
+    assert r[1].tolist() == [False] * 4 + [True] * 4        # (5, 5, 5, 5) first ends at step 3
+    assert G.repeated_ngrams(tok, n=1)[0].tolist() == [False] * 4 + [True] * 4
+    with pytest.raises(ValueError, match="repeated_ngrams"):
+        G.repeated_ngrams(tok[0])
+    nll = np.arange(16, dtype=float).reshape(2, 8)
+    pl.DataFrame({"prompt": np.repeat([0, 1], 8), "step": np.tile(np.arange(8), 2), "token": tok.ravel(),
+                  "nll_base": nll.ravel()}).sample(fraction=1.0, shuffle=True, seed=1).write_parquet(
+        tmp_path / "steps.parquet")
+    got = G.text_stats(tmp_path, 2, 8)  # G = 8: first 8 // 16 -> 1 step, second half steps 4..7
+    assert got == {"repeat_late": 5 / 8, "nll_base_early": (0 + 8) / 2, "nll_base_late": nll[:, 4:].mean()}
+    with pytest.raises(ValueError, match="expected prompts × tokens = 2 × 9"):
+        G.text_stats(tmp_path, 2, 9)
 
 
 def test_compute_run_refuses_another_text(hand_run):

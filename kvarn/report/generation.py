@@ -43,6 +43,7 @@ DEFAULT_BOOT = 2000
 DEFAULT_SEED = 0
 DEFAULT_ALPHA = 0.05
 CURVE_BINS = 32  # the KLD curves are drawn in about this many bins of generated steps
+REPEAT_N = 4  # repeated n-grams of the cell's own text (`repeated_ngrams`)
 # The cache settings a decode summary and a teacher-forced summary both record, by name:
 # (decode key, teacher-forced key).
 SAME_CELL_KEYS = (("model", "model"), ("source", "source"), ("revision", "revision"), ("n_ctx", "n_ctx"),
@@ -61,6 +62,37 @@ def load_decode(directory: str | Path) -> tuple[dict, np.ndarray]:
     summary = json.loads((d / "summary.json").read_text())
     steps = pl.read_parquet(d / "steps.parquet", columns=["prompt", "step", "kld"]).sort("prompt", "step")
     return summary, kld_matrix(steps, summary["n_prompts"], summary["n_tokens"])
+
+
+def repeated_ngrams(tokens, n: int = REPEAT_N) -> np.ndarray:
+    """bool [P, G]: step s ends an n-gram of generated tokens that already ended at an earlier
+    step of the same prompt (False for s < n − 1). A greedy generation caught in a loop repeats
+    nearly every n-gram; its text is then nearly certain for the baseline too."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or not isinstance(n, int) or n < 1:
+        raise ValueError(f"repeated_ngrams: tokens [prompts, steps] and n >= 1, got shape {tokens.shape}, n {n!r}")
+    out = np.zeros(tokens.shape, dtype=bool)
+    for p, row in enumerate(tokens.tolist()):
+        seen = set()
+        for s in range(n - 1, len(row)):
+            g = tuple(row[s - n + 1 : s + 1])
+            out[p, s] = g in seen
+            seen.add(g)
+    return out
+
+
+def text_stats(directory: str | Path, n_prompts: int, n_tokens: int) -> dict:
+    """What the cell's own text is like: the share of repeated REPEAT_N-grams in the second half
+    of the generation, and the baseline's NLL of the cell's tokens over the first G/16 steps and
+    over the second half (a loop's text costs the baseline almost nothing: KLD falls with it)."""
+    steps = pl.read_parquet(Path(directory) / "steps.parquet", columns=["prompt", "step", "token", "nll_base"])
+    steps = steps.sort("prompt", "step")
+    kld_matrix(steps.rename({"nll_base": "kld"}).select("prompt", "step", "kld"), n_prompts, n_tokens)  # P × G
+    tok = steps["token"].to_numpy().reshape(n_prompts, n_tokens)
+    nll = steps["nll_base"].to_numpy().astype(np.float64).reshape(n_prompts, n_tokens)
+    half, early = n_tokens // 2, max(1, n_tokens // 16)
+    return {"repeat_late": float(repeated_ngrams(tok)[:, half:].mean()),
+            "nll_base_early": float(nll[:, :early].mean()), "nll_base_late": float(nll[:, half:].mean())}
 
 
 def kld_matrix(steps: pl.DataFrame, n_prompts: int, n_tokens: int) -> np.ndarray:
@@ -332,7 +364,8 @@ def compute_run(decode_dirs, cell_dirs, baseline_identities, n_boot: int = DEFAU
                      "survival_end": float(km["survival"][-1]), "survival_end_lo": float(km["lo"][-1]),
                      "survival_end_hi": float(km["hi"][-1]), "decode_kld_mean": float(kld.mean()),
                      **{f"{k}_per_1k": v * PER_1K for k, v in sl.items()},
-                     "compared_steps": len(steps), "first_compared_pos": int(pos[0]), **rt})
+                     "compared_steps": len(steps), "first_compared_pos": int(pos[0]), **rt,
+                     **text_stats(ddir, p, g)})
     paired = []
     for a, b in pairs(summaries):
         d = paired_slope(klds[a], klds[b], n_boot, seed, alpha)
@@ -366,6 +399,13 @@ def to_markdown(tables: dict[str, pl.DataFrame], alpha: float = DEFAULT_ALPHA) -
                      f"{ci(r['survival_end'], r['survival_end_lo'], r['survival_end_hi'])} | {f(r['decode_kld_mean'])} | "
                      f"{ci(r['slope_per_1k'], r['slope_lo_per_1k'], r['slope_hi_per_1k'])} | {f(r['tf_kld_mean'])} | "
                      f"{ci(r['ratio'], r['ratio_lo'], r['ratio_hi'])} |")
+    lines += ["", f"The cells' own text: share of generated {REPEAT_N}-grams that repeat an earlier one of the same "
+              f"prompt in the second half of the generation, and the baseline's NLL (nats per token) of the cell's "
+              f"tokens over the first {max(1, r['tokens'] // 16)} steps and over the second half.", "",
+              f"| cell | repeated {REPEAT_N}-grams, second half | baseline NLL, first steps | baseline NLL, second half |",
+              "|---|---:|---:|---:|"]
+    lines += [f"| {r['label']} | {r['repeat_late']:.0%} | {r['nll_base_early']:.3f} | {r['nll_base_late']:.3f} |"
+              for r in c.iter_rows(named=True)]
     p = tables["paired"]
     if p.height:
         lines += ["", "Paired difference of slopes (KVarN − same-width standard, same prompts resampled jointly), "
