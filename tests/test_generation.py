@@ -276,12 +276,16 @@ def test_repeated_ngrams_and_text_stats(tmp_path):
         G.repeated_ngrams(tok[0])
     nll = np.arange(16, dtype=float).reshape(2, 8)
     pl.DataFrame({"prompt": np.repeat([0, 1], 8), "step": np.tile(np.arange(8), 2), "token": tok.ravel(),
-                  "nll_base": nll.ravel()}).sample(fraction=1.0, shuffle=True, seed=1).write_parquet(
+                  "kld": np.zeros(16), "nll_base": nll.ravel()}).sample(fraction=1.0, shuffle=True, seed=1).write_parquet(
         tmp_path / "steps.parquet")
-    got = G.text_stats(tmp_path, 2, 8)  # G = 8: first 8 // 16 -> 1 step, second half steps 4..7
+    (tmp_path / "summary.json").write_text('{"n_prompts": 2, "n_tokens": 8}')
+    _, m = G.load_decode(tmp_path)  # read back in (prompt, step) order
+    assert np.array_equal(m["token"], tok) and np.array_equal(m["nll_base"], nll)
+    got = G.text_stats(m["token"], m["nll_base"])  # G = 8: first 8 // 16 -> 1 step, second half steps 4..7
     assert got == {"repeat_late": 5 / 8, "nll_base_early": (0 + 8) / 2, "nll_base_late": nll[:, 4:].mean()}
+    (tmp_path / "summary.json").write_text('{"n_prompts": 2, "n_tokens": 9}')
     with pytest.raises(ValueError, match="expected prompts × tokens = 2 × 9"):
-        G.text_stats(tmp_path, 2, 9)
+        G.load_decode(tmp_path)
 
 
 def test_compute_run_refuses_another_text(hand_run):

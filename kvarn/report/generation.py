@@ -44,6 +44,7 @@ DEFAULT_SEED = 0
 DEFAULT_ALPHA = 0.05
 CURVE_BINS = 32  # the KLD curves are drawn in about this many bins of generated steps
 REPEAT_N = 4  # repeated n-grams of the cell's own text (`repeated_ngrams`)
+DECODE_MATRICES = ("kld", "token", "nll_base")  # the step columns `load_decode` returns as [P, G]
 # The cache settings a decode summary and a teacher-forced summary both record, by name:
 # (decode key, teacher-forced key).
 SAME_CELL_KEYS = (("model", "model"), ("source", "source"), ("revision", "revision"), ("n_ctx", "n_ctx"),
@@ -56,12 +57,13 @@ SAME_TEXT_KEYS = ("text_sha256", "tokenizer_hash")
 # ---------------------------------------------------------------- inputs
 
 
-def load_decode(directory: str | Path) -> tuple[dict, np.ndarray]:
-    """(summary dict, KLD [P, G] in (prompt, step) order) of one kvarn.run.decode result directory."""
+def load_decode(directory: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(summary dict, {"kld", "token", "nll_base"}: each [P, G] in (prompt, step) order) of one
+    kvarn.run.decode result directory, its steps read once."""
     d = Path(directory)
     summary = json.loads((d / "summary.json").read_text())
-    steps = pl.read_parquet(d / "steps.parquet", columns=["prompt", "step", "kld"]).sort("prompt", "step")
-    return summary, kld_matrix(steps, summary["n_prompts"], summary["n_tokens"])
+    steps = pl.read_parquet(d / "steps.parquet", columns=["prompt", "step", *DECODE_MATRICES])
+    return summary, step_matrices(steps, summary["n_prompts"], summary["n_tokens"], DECODE_MATRICES)
 
 
 def repeated_ngrams(tokens, n: int = REPEAT_N) -> np.ndarray:
@@ -81,22 +83,24 @@ def repeated_ngrams(tokens, n: int = REPEAT_N) -> np.ndarray:
     return out
 
 
-def text_stats(directory: str | Path, n_prompts: int, n_tokens: int) -> dict:
-    """What the cell's own text is like: the share of repeated REPEAT_N-grams in the second half
-    of the generation, and the baseline's NLL of the cell's tokens over the first G/16 steps and
-    over the second half (a loop's text costs the baseline almost nothing: KLD falls with it)."""
-    steps = pl.read_parquet(Path(directory) / "steps.parquet", columns=["prompt", "step", "token", "nll_base"])
-    steps = steps.sort("prompt", "step")
-    kld_matrix(steps.rename({"nll_base": "kld"}).select("prompt", "step", "kld"), n_prompts, n_tokens)  # P × G
-    tok = steps["token"].to_numpy().reshape(n_prompts, n_tokens)
-    nll = steps["nll_base"].to_numpy().astype(np.float64).reshape(n_prompts, n_tokens)
-    half, early = n_tokens // 2, max(1, n_tokens // 16)
-    return {"repeat_late": float(repeated_ngrams(tok)[:, half:].mean()),
-            "nll_base_early": float(nll[:, :early].mean()), "nll_base_late": float(nll[:, half:].mean())}
+def early_steps(n_tokens: int) -> int:
+    """The first steps of a generation whose baseline NLL `text_stats` reports: G/16, at least 1."""
+    return max(1, n_tokens // 16)
 
 
-def kld_matrix(steps: pl.DataFrame, n_prompts: int, n_tokens: int) -> np.ndarray:
-    """KLD [P, G] from (prompt, step, kld) rows; refuses a table that is not exactly P × G."""
+def text_stats(tokens: np.ndarray, nll_base: np.ndarray) -> dict:
+    """What the cell's own text is like, from its tokens and the baseline's NLL of them [P, G]: the
+    share of repeated REPEAT_N-grams in the second half of the generation, and the mean NLL over
+    the `early_steps` and over the second half (a loop's text costs the baseline almost nothing:
+    KLD falls with it)."""
+    half, early = tokens.shape[1] // 2, early_steps(tokens.shape[1])
+    return {"repeat_late": float(repeated_ngrams(tokens)[:, half:].mean()),
+            "nll_base_early": float(nll_base[:, :early].mean()), "nll_base_late": float(nll_base[:, half:].mean())}
+
+
+def step_matrices(steps: pl.DataFrame, n_prompts: int, n_tokens: int, columns=("kld",)) -> dict[str, np.ndarray]:
+    """{column: [P, G]} from (prompt, step, columns...) rows (floats as float64); refuses a table
+    that is not exactly P × G."""
     if steps.height != n_prompts * n_tokens:
         raise ValueError(f"decode steps: {steps.height} rows, expected prompts × tokens = {n_prompts} × {n_tokens}")
     steps = steps.sort("prompt", "step")
@@ -104,7 +108,11 @@ def kld_matrix(steps: pl.DataFrame, n_prompts: int, n_tokens: int) -> np.ndarray
     want_s = np.tile(np.arange(n_tokens), n_prompts)
     if not (np.array_equal(steps["prompt"].to_numpy(), want_p) and np.array_equal(steps["step"].to_numpy(), want_s)):
         raise ValueError(f"decode steps: (prompt, step) is not every pair of 0..{n_prompts - 1} × 0..{n_tokens - 1}")
-    return steps["kld"].to_numpy().astype(np.float64).reshape(n_prompts, n_tokens)
+    out = {}
+    for c in columns:
+        x = steps[c].to_numpy()
+        out[c] = (x.astype(np.float64) if x.dtype.kind == "f" else x).reshape(n_prompts, n_tokens)
+    return out
 
 
 def _check_boot(n_boot: int, alpha: float) -> None:
@@ -333,7 +341,8 @@ def compute_run(decode_dirs, cell_dirs, baseline_identities, n_boot: int = DEFAU
     rows, surv, curves, klds, summaries = [], [], [], {}, {}
     run = None
     for ddir, cdir, ident in zip(decode_dirs, cell_dirs, baseline_identities):
-        ds, kld = load_decode(ddir)
+        ds, mats = load_decode(ddir)
+        kld = mats["kld"]
         this = (ds["model"], ds["n_ctx"], ds["n_prompts"], ds["n_tokens"], ds["prompt_tokens"], ds.get("text_sha256"))
         if run is not None and this != run:
             raise ValueError(f"{ddir}: decode run {this} differs from the others' {run}; one run's cells only")
@@ -365,7 +374,7 @@ def compute_run(decode_dirs, cell_dirs, baseline_identities, n_boot: int = DEFAU
                      "survival_end_hi": float(km["hi"][-1]), "decode_kld_mean": float(kld.mean()),
                      **{f"{k}_per_1k": v * PER_1K for k, v in sl.items()},
                      "compared_steps": len(steps), "first_compared_pos": int(pos[0]), **rt,
-                     **text_stats(ddir, p, g)})
+                     **text_stats(mats["token"], mats["nll_base"])})
     paired = []
     for a, b in pairs(summaries):
         d = paired_slope(klds[a], klds[b], n_boot, seed, alpha)
@@ -401,7 +410,7 @@ def to_markdown(tables: dict[str, pl.DataFrame], alpha: float = DEFAULT_ALPHA) -
                      f"{ci(r['ratio'], r['ratio_lo'], r['ratio_hi'])} |")
     lines += ["", f"The cells' own text: share of generated {REPEAT_N}-grams that repeat an earlier one of the same "
               f"prompt in the second half of the generation, and the baseline's NLL (nats per token) of the cell's "
-              f"tokens over the first {max(1, r['tokens'] // 16)} steps and over the second half.", "",
+              f"tokens over the first {early_steps(r['tokens'])} steps and over the second half.", "",
               f"| cell | repeated {REPEAT_N}-grams, second half | baseline NLL, first steps | baseline NLL, second half |",
               "|---|---:|---:|---:|"]
     lines += [f"| {r['label']} | {r['repeat_late']:.0%} | {r['nll_base_early']:.3f} | {r['nll_base_late']:.3f} |"
