@@ -321,8 +321,7 @@ def grid_tables(run: Path, names: list[str]) -> str:
                  "kvarn llamacpp-cpu user CPU s", "× bf16", "wall s", "load (1-min, at starts and ends)"]
 
     def md(head, rows):
-        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                         + ["| " + " | ".join(r) + " |" for r in rows])
+        return "\n".join(table.md_lines(head, rows))
     return (f"### KLD against the same base file ({run.name})\n\n" + "\n".join(kld)
             + "\n\n### Per-chunk mean KLD and PPL\n\n" + md(chunk_head, chunks)
             + "\n\n### CPU cost per row relative to the bf16 row (CPU figures, 1 thread, under the load shown)\n\n"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.oracles.beellama.table import md_lines
 from bench.oracles.llamacpp.runs import parse_llama
 from kvarn.report.claims import same_width_gain_pct, tail_effect_pct
 
@@ -133,18 +134,15 @@ def orderings_md(run: Path, names: list[str]) -> str:
     sw_rows, sw_lines = same_width(stats)
     te_rows, te_lines = tail_effect(stats)
 
-    def md(head, rows):
-        return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
-
     out = ["### The study's orderings, per program (bench/oracles/beellama/orderings.py)", "",
            "KVarN (128\\*) against the same-width standard row at tail 128; gain = (1 − KVarN / standard) · 100, "
            "the study's on the median, ours on the mean:", ""]
     if sw_rows:
-        out += md(["width", "program", "KVarN median", "standard median", "gain % (median)", "gain % (mean)",
+        out += md_lines(["width", "program", "KVarN median", "standard median", "gain % (median)", "gain % (mean)",
                    "KVarN below"], sw_rows) + [""]
     out += sw_lines or ["* no width with a KVarN or standard tail-128 row"]
     out += ["", "Tail effect = (median at tail 128 / at tail 0 − 1) · 100:", ""]
     if te_rows:
-        out += md(["rotation", "width", "program", "median t0", "median t128", "effect %"], te_rows) + [""]
+        out += md_lines(["rotation", "width", "program", "median t0", "median t128", "effect %"], te_rows) + [""]
     out += te_lines or ["* no width with both tail rows"]
     return "\n".join(out) + "\n"

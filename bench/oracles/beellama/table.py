@@ -97,13 +97,17 @@ def cost_cells(t: dict | None, floor: dict | None) -> list[str]:
     return [f"{t['user_s']:.1f}", ratio, f"{t['wall_s']:.0f}"]
 
 
+def md_lines(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A GitHub Markdown table's lines: the header, its rule, one line per row."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def table(specs: list[str]) -> str:
     rows = []
     for spec in specs:
         label, log, cell = spec.split(":")
         rows.append(row(label, Path(log), Path(cell)))
-    out = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+    return "\n".join(md_lines(HEADER, rows))
 
 
 if __name__ == "__main__":
