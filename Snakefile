@@ -34,6 +34,7 @@ wildcard_constraints:
     source_key=r"[0-9a-f]{8}",
     prompts=r"\d+",
     tokens=r"\d+",
+    sampling=kvm.SAMPLING_PATTERN,
 
 
 include: "workflow/rules/models.smk"

@@ -19,7 +19,7 @@ from kvarn.spec.cell import CellError, CellSpec
 from kvarn.spec.facts import TAIL_DTYPES, tail_label
 from kvarn.spec.geometry import geometry_from_config
 from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, at_tail0, kv_bytes
-from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES  # one list each for the CLI and the matrix
+from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_sampling  # one list each for the CLI and the matrix
 from kvarn.budget.preflight import PreflightError, capacity, preflight
 from kvarn.weights.sources import DEFAULT_CACHE_DIR, EMBEDDED, config_json, fetch, kind_of, parse_model
 
@@ -37,7 +37,8 @@ examples (llama.cpp equivalents in brackets):
       (paired Δ median/mean KLD and Δ same-top of B − A, 95% block-bootstrap intervals)
   kvarn decode --model smollm2-135m --ctx 512 --prompts 8 --tokens 128 --k q4_0 --v q4_0 --tail 128 \
       --out decode/q4_0-q4_0-t128
-      (free-running greedy decode vs the BF16 baseline: tokens to first divergence, KLD per step)
+      (free-running greedy decode vs the BF16 baseline: tokens to first divergence, KLD per step;
+       --temperature 1 --seed 0: sampled, the same Gumbel draws for every cell)
   kvarn formats
 """
 
@@ -69,6 +70,18 @@ def _positive_int(name):
 
 def _nonneg_int(name):
     return _int_at_least(name, 0)
+
+
+def _temperature(s):
+    """--temperature: kvarn.spec.options.check_sampling's rule, as an argparse error."""
+    try:
+        t = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature must be a number >= 0 (0: greedy), got {s!r}") from None
+    try:
+        return check_sampling(t, 0)[0]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--temperature {s!r}: {e}") from None
 
 
 def _ctx(s):
@@ -189,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _accounting_arg(m)
 
-    d = sub.add_parser("decode", help="free-running greedy decode of a cell against the BF16 baseline: tokens "
+    d = sub.add_parser("decode", help="free-running decode (greedy or sampled) of a cell against the BF16 baseline: tokens "
                                       "to the first divergence, KLD along the cell's own text (steps.parquet + "
                                       "summary.json)")
     _cell_probe_args(d)
@@ -200,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--block", type=_positive_int("--block"), default=None, metavar="B",
                    help="decode steps the BF16 baseline scores in one forward of the cell's text (default: as many "
                         "as a 128 MiB budget of log-probs allows; 1: lock step, one forward per step)")
+    d.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+                   help="0: greedy (default); T > 0: sample at temperature T by the Gumbel-max rule, the noise "
+                        "drawn from --seed step by step, the same for every cell and for the baseline's choice")
+    d.add_argument("--seed", type=_nonneg_int("--seed"), default=0, metavar="S",
+                   help="seed of the sampling noise (default 0; unused when greedy)")
     d.add_argument("-o", "--out", required=True, metavar="DIR", help="directory to write (steps.parquet, summary.json)")
 
     le = sub.add_parser("layers", help="per-layer attention error of a cell: relative L2 error of each attention "
@@ -362,9 +380,9 @@ def _decode(spec, args) -> int:
 
     s = run_decode(spec, args.ctx, args.prompts, args.tokens, cell, Path(args.out), ubatch=args.ubatch,
                    text=args.text, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
-                   attention=args.attention, block=args.block)
+                   attention=args.attention, block=args.block, temperature=args.temperature, seed=args.seed)
     fd = s["first_divergence"]
-    print(f"{args.k}-{args.v} tail {args.tail}: {s['n_prompts']} prompts x {s['n_tokens']} tokens; first divergence "
+    print(f"{args.k}-{args.v} tail {args.tail}{s['sampling']}: {s['n_prompts']} prompts x {s['n_tokens']} tokens; first divergence "
           f"median {s['first_divergence_median']:g} ({s['n_diverged']} of {len(fd)} diverged: {fd}); "
           f"KLD along own text mean {s['decode_kld_mean']:.6f}, median {s['decode_kld_median']:.6f}; "
           f"same top {100 * s['decode_same_top']:.2f}% -> {args.out}")

@@ -1,11 +1,14 @@
-"""kvarn.run.decode: free-running greedy decode through the cache model.
+"""kvarn.run.decode: free-running decode (greedy or sampled) through the cache model.
 
 Slow (real models): an f32 cache reproduces the model's own `generate(do_sample=False)` token
-for token; the bf16 cell is the baseline (never diverges, KLD exactly 0 in lock step); a 2-bit
-cache diverges and its KLD along its own text is positive. Fast: the summary on hand-made steps,
-the block size from the memory budget. (The block path against lock step: tests/test_decode_speed.py.)
+for token; the bf16 cell is the baseline (never diverges, KLD exactly 0 in lock step), greedy
+and sampled; a 2-bit cache diverges and its KLD along its own text is positive; a sampled decode
+is reproducible from its seed and leaves the greedy text. Fast: the summary on hand-made steps,
+the block size from the memory budget, the token choice on hand-worked rows and the Gumbel-max
+sample's frequencies against softmax(log p / T). (The block path against lock step: tests/test_decode_speed.py.)
 """
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +57,60 @@ def test_block_steps_from_the_memory_budget():
             KD.block_steps(bad, 10, 10, 10)
     with pytest.raises(ValueError, match=r"block_steps: ubatch must be a positive integer, got 0"):
         KD.block_steps(1, 10, 10, 0)
+
+
+def test_choose_greedy_and_gumbel_max_by_hand():
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]))
+    assert KD.choose(logp).tolist() == [0, 2]
+    assert KD.choose(torch.zeros(1, 4)).tolist() == [0]  # ties: the lowest id
+    # T = 1: log p + g = (-0.693, -1.204 + 0.6, -1.609) -> 1; row 2 (-1.609 + 1.2, -1.609, -0.511) -> 0
+    noise = torch.tensor([[0.0, 0.6, 0.0], [1.2, 0.0, 0.0]])
+    assert KD.choose(logp, 1.0, noise).tolist() == [1, 0]
+    # T = 0.5 doubles the log-probs' weight against the noise: row 1 (-1.386, -2.408 + 0.6, -3.219) -> 0,
+    # row 2 (-3.219 + 1.2, -3.219, -1.022) -> 2
+    assert KD.choose(logp, 0.5, noise).tolist() == [0, 2]
+    with pytest.raises(ValueError, match=r"needs Gumbel noise of the log-probs' shape \(2, 3\), got None"):
+        KD.choose(logp, 1.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gumbel_max_samples_softmax_of_logp_over_t(temperature):
+    """40 000 draws of one 4-token row: the frequencies of `choose(logp, T, gumbel)` are
+    softmax(log p / T) within 5 standard errors (<= 0.0125; at T = 0.7 the tempered and the
+    untempered distributions differ by up to 0.08, a noise of the wrong scale by more)."""
+    n = 40_000
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logp = torch.log(p).expand(n, 4)
+    g = torch.Generator().manual_seed(1)
+    got = torch.bincount(KD.choose(logp, temperature, KD.gumbel(g, (n, 4))), minlength=4).double() / n
+    want = torch.softmax(torch.log(p).double() / temperature, 0)
+    se = torch.sqrt(want * (1 - want) / n)
+    assert ((got - want).abs() < 5 * se).all(), (got, want)
+    if temperature != 1.0:
+        assert (want - p.double()).abs().max() > 0.05  # the test tells T from no temperature
+    # the noise itself is standard Gumbel: mean = Euler's gamma 0.5772, variance pi^2 / 6 = 1.6449
+    # (standard errors over 10^6 draws: 0.0013 and 0.0045)
+    g = KD.gumbel(torch.Generator().manual_seed(0), (1000, 1000))
+    assert g.dtype == torch.float32 and torch.isfinite(g).all()
+    g = g.double()
+    assert abs(g.mean().item() - 0.5772157) < 0.006 and abs(g.var().item() - math.pi**2 / 6) < 0.02
+
+
+def test_sampling_names_and_bad_values():
+    from kvarn.spec.options import check_sampling, parse_sampling, sampling_label, sampling_name
+
+    assert sampling_name() == sampling_name(0, 7) == "" and sampling_name(1, 0) == "-T1-s0"
+    assert sampling_name(0.7, 3) == "-T0.7-s3" and parse_sampling("-T0.7-s3") == (0.7, 3)
+    assert parse_sampling("") == (0.0, 0) and sampling_label() == "greedy"
+    assert sampling_label(1, 0) == "sampled at T = 1, seed 0"
+    for t in (-1, float("nan"), float("inf"), 1e-5, 0.1234567, True, "1"):
+        with pytest.raises(ValueError, match="decode temperature must be a number >= 0"):
+            check_sampling(t, 0)
+    for seed in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="decode seed must be an integer >= 0"):
+            check_sampling(1, seed)
+    with pytest.raises(ValueError, match="is not a decode sampling suffix"):
+        parse_sampling("-T1")
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, True, "8"])
@@ -141,6 +198,30 @@ def test_bf16_cell_never_diverges_and_q2_does(smol, monkeypatch):
         assert (q["token"].reshape(PROMPTS, TOKENS)[p, :fd] == b["token"].reshape(PROMPTS, TOKENS)[p, :fd]).all()
 
 
+@pytest.mark.slow
+def test_sampled_decode_follows_the_seed(smol):
+    """Sampled at T = 1, seed 0, in lock step: the bf16 cell never leaves the baseline's own
+    sampled text (base_token = token, KLD exactly 0); the text is not the greedy one (the sampling
+    was taken); the same seed gives the same tokens, another seed others; a q2_0 cell diverges, and
+    before its first divergence a prompt's tokens are the bf16 run's sampled tokens."""
+    import kvarn.kvcache.attention  # noqa: F401
+
+    lm, prompts = smol
+    lm.model.set_attn_implementation("kvarn")
+    run = lambda cell, **kw: KD.decode(lm.model, prompts, CellSpec(*cell), TOKENS, ubatch=UBATCH, block=1,  # noqa: E731
+                                       **kw)
+    b = run(("bf16", "bf16", 0), temperature=1.0, seed=0)
+    assert (b["token"] == b["base_token"]).all() and (b["kld"] == 0).all()
+    assert (b["token"] != run(("bf16", "bf16", 0))["token"]).any()
+    assert np.array_equal(run(("bf16", "bf16", 0), temperature=1.0, seed=0)["token"], b["token"])
+    assert not np.array_equal(run(("bf16", "bf16", 0), temperature=1.0, seed=1)["token"], b["token"])
+    q = run(("q2_0", "q2_0", 0), temperature=1.0, seed=0)
+    fd = KD.first_divergence(q, PROMPTS, TOKENS)
+    assert (fd < TOKENS).any() and q["kld"].mean() > 0.01
+    for p, f in enumerate(fd):
+        assert (q["token"].reshape(PROMPTS, TOKENS)[p, :f] == b["token"].reshape(PROMPTS, TOKENS)[p, :f]).all()
+
+
 def test_cli_refuses_bad_decode_values(capsys):
     from kvarn.cli import main
 
@@ -149,6 +230,9 @@ def test_cli_refuses_bad_decode_values(capsys):
         (["--k", "kvarn4", "--v", "q4_0"], "kvarn4"),
         (["--prompts", "0"], "--prompts must be a positive integer"),
         (["--block", "0"], "--block must be a positive integer"),
+        (["--temperature", "-1"], "decode temperature must be a number >= 0"),
+        (["--temperature", "warm"], "--temperature must be a number >= 0 (0: greedy), got 'warm'"),
+        (["--seed", "-3"], "--seed must be"),
     ]:
         base = {"--k": "q4_0", "--v": "q4_0"}
         args = ["decode", "-m", "smollm2-135m", "-c", "512", "-o", "/tmp/never"]
@@ -163,7 +247,7 @@ def test_cli_refuses_bad_decode_values(capsys):
 
 def test_cli_block_reaches_the_decode(tmp_path, monkeypatch, fetched):
     """`kvarn decode --block B` is the steps per baseline forward of `decode` (default: None,
-    `block_steps` decides)."""
+    `block_steps` decides); `--temperature T --seed S` its sampling (default greedy, seed 0)."""
     from kvarn.baseline import data
     from kvarn.cli import main
     from paths import WIKI_TEXT
@@ -177,16 +261,16 @@ def test_cli_block_reaches_the_decode(tmp_path, monkeypatch, fetched):
         pass
 
     def fake(model, p_ids, cell, tokens, **kw):
-        seen.append(kw["block"])
+        seen.append((kw["block"], kw["temperature"], kw["seed"]))
         raise Stop
 
     monkeypatch.setattr(KD, "decode", fake)
     args = ["decode", "-m", "smollm2-135m", "-c", "64", "--prompts", "1", "--tokens", "8", "-f", str(WIKI_TEXT),
             "--k", "q4_0", "--v", "q4_0", "-o", str(tmp_path / "d")]
-    for extra in (["--block", "3"], []):
+    for extra in (["--block", "3"], [], ["--temperature", "0.7", "--seed", "5"]):
         with pytest.raises(Stop):
             main(args + extra)
-    assert seen == [3, None]
+    assert seen == [(3, 0.0, 0), (None, 0.0, 0), (None, 0.7, 5)]
 
 
 def _fake_summary(tmp_path, cell, k, v, tail, fd, g=8):

@@ -89,17 +89,20 @@ KLD_ATOL, KLD_RTOL, NLL_ATOL = 2e-4, 0.02, 0.03
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", [("kvarn4", "kvarn4", 0), ("q2_0", "q2_0", 128), ("bf16", "bf16", 0)],
-                         ids=["kvarn4", "q2_0-t128", "bf16"])
-def test_block_path_matches_lock_step(smol, cell):
+@pytest.mark.parametrize("cell,temperature", [(("kvarn4", "kvarn4", 0), 0.0), (("q2_0", "q2_0", 128), 0.0),
+                                              (("bf16", "bf16", 0), 0.0), (("q2_0", "q2_0", 128), 1.0)],
+                         ids=["kvarn4", "q2_0-t128", "bf16", "q2_0-t128-sampled"])
+def test_block_path_matches_lock_step(smol, cell, temperature):
     """Blocks of 5 steps (5, 5, 2: the first block's baseline forward takes 4 tokens, the prefill
     gave step 0) against lock step: every token, base token, same-top and first divergence equal;
-    KLD and nll_base within the measured noise."""
+    KLD and nll_base within the measured noise. Sampled: the noise is drawn per step, so the
+    blocks do not change it."""
     lm, prompts = smol
     n_p = prompts.shape[0]
-    ref = KD.decode(lm.model, prompts, CellSpec(*cell), STEPS, ubatch=128, block=1)
+    kw = dict(ubatch=128, temperature=temperature, seed=0)
+    ref = KD.decode(lm.model, prompts, CellSpec(*cell), STEPS, block=1, **kw)
     timing = {}
-    got = KD.decode(lm.model, prompts, CellSpec(*cell), STEPS, ubatch=128, block=5, timing=timing)
+    got = KD.decode(lm.model, prompts, CellSpec(*cell), STEPS, block=5, timing=timing, **kw)
     assert timing["block"] == 5
     for key in ("prompt", "step", "token", "base_token", "same_top"):
         assert np.array_equal(got[key], ref[key]), key

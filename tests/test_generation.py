@@ -5,6 +5,7 @@ generation workflow (its DAG counted by hand, its statistics and figures on a ti
 """
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -397,8 +398,8 @@ def test_generation_plan_of_the_shipped_config():
     cfg = yaml.safe_load((ROOT / "config" / "generation.yaml").read_text())
     m = matrix.expand(cfg)
     plan = PG.runs(m)
-    assert sorted(plan) == [("gemma3-270m", 4096, 16, 2048), ("smollm2-135m", 2048, 16, 1024)]
-    r = plan[("smollm2-135m", 2048, 16, 1024)]
+    assert sorted(plan) == [("gemma3-270m", 4096, 16, 2048, ""), ("smollm2-135m", 2048, 16, 1024, "")]
+    r = plan[("smollm2-135m", 2048, 16, 1024, "")]
     assert len(r["decode"]) == len(r["cells"]) == len(r["baselines"]) == 7 and r["chunks"] == 16
     assert r["decode"][0] == matrix.decode_dir("smollm2-135m", 2048, 16, 1024, m.cells[0].name)
     got = PG.run_inputs(m, "smollm2-135m", "2048", "16", "1024")  # wildcards arrive as strings
@@ -417,15 +418,57 @@ def test_generation_plan_of_the_shipped_config():
         PG.run_inputs(matrix.expand(few), "smollm2-135m", 2048, 16, 1024)
 
 
+def test_generation_plan_of_the_sampled_config():
+    """config/generation-sampled.yaml: the same teacher-forced cells as config/generation.yaml's
+    (shared cached targets), its decodes in their own directories (suffix -T1-s0), its five cells;
+    the greedy run is not one of its runs."""
+    import yaml
+
+    from kvarn.plan import matrix
+
+    m = matrix.expand(yaml.safe_load((ROOT / "config" / "generation-sampled.yaml").read_text()))
+    greedy = matrix.expand(yaml.safe_load((ROOT / "config" / "generation.yaml").read_text()))
+    plan = PG.runs(m)
+    assert sorted(plan) == [("gemma3-270m", 4096, 16, 2048, "-T1-s0"), ("smollm2-135m", 2048, 16, 1024, "-T1-s0")]
+    r = plan[("smollm2-135m", 2048, 16, 1024, "-T1-s0")]
+    assert len(r["decode"]) == 5 and set(r["cells"]) <= {c.dir for c in greedy.cells}
+    assert r["decode"][0] == f"results/smollm2-135m/decode-ctx2048-p16-g1024-T1-s0/{m.cells[0].name}"
+    assert m.decode_dirs("smollm2-135m") == r["decode"]
+    assert PG.run_inputs(m, "smollm2-135m", "2048", "16", "1024", "-T1-s0")["decode"] == [
+        f"{d}/summary.json" for d in r["decode"]]
+    assert "results/figures/smollm2-135m/decode-ctx2048-p16-g1024-T1-s0/survival.png" in PG.targets(m)
+    with pytest.raises(ValueError, match="not a decode run of this matrix"):
+        PG.run_inputs(m, "smollm2-135m", 2048, 16, 1024)
+
+
+@pytest.mark.parametrize("decode,needle", [
+    ({"temperature": -1}, "decode temperature must be a number >= 0"),
+    ({"temperature": 1e-7}, "decode temperature must be a number >= 0"),
+    ({"temperature": 1, "seed": -1}, "decode seed must be an integer >= 0"),
+    ({"temperature": 1, "top_k": 5}, "expected a mapping of prompts, tokens and (optionally) cells, temperature"),
+])
+def test_matrix_refuses_bad_sampling(decode, needle):
+    import yaml
+
+    from kvarn.plan import matrix
+
+    cfg = yaml.safe_load((ROOT / "config" / "generation-sampled.yaml").read_text())
+    cfg["models"] = [{**cfg["models"][0], "decode": {"prompts": 16, "tokens": 1024, **decode}}]
+    with pytest.raises(matrix.MatrixError, match=r"^models\[0\]\.decode: .*" + re.escape(needle)):
+        matrix.expand(cfg)
+
+
 TINY_GEN = {"models": [{"name": "smollm2-135m", "source": "embedded:smollm2-135m", "n_ctx": [96], "chunks": 2,
-                        "decode": {"prompts": 2, "tokens": 40}}],
+                        "decode": {"prompts": 2, "tokens": 40, "temperature": 1, "seed": 0}}],
             "cells": [{"types": ["q2_0"], "tail": 0}, {"types": ["kvarn2"], "tail": 0}]}
 
 
 @pytest.mark.slow
 def test_generation_runs_on_a_tiny_matrix(tmp_path):
-    """The whole generation target on SmolLM2 at n_ctx 96 (2 prompts, 40 tokens, q2_0 vs kvarn2):
-    the rules' scripts, the tables and the four figures, numbers checked against the results."""
+    """The whole generation target on SmolLM2 at n_ctx 96 (2 prompts, 40 tokens sampled at T = 1,
+    seed 0, q2_0 vs kvarn2): the rules' scripts, the sampled decode's directory (its wildcard
+    reaches the decode), the tables and the four figures, numbers checked against the results.
+    (The greedy decode's plan: tests/test_decode.py, test_matrix_decode_axis_plans_decode_jobs.)"""
     import json
 
     from paths import CACHE_DIR
@@ -433,17 +476,20 @@ def test_generation_runs_on_a_tiny_matrix(tmp_path):
 
     wd = _workflow(tmp_path, TINY_GEN, CACHE_DIR)
     smk(wd, "generation", "--cores", "1", "--resources", "gpu=1")
-    run = wd / "results/smollm2-135m/decode-ctx96-p2-g40"
+    run = wd / "results/smollm2-135m/decode-ctx96-p2-g40-T1-s0"
     cells = pl.read_parquet(run / "generation/cells.parquet")
     assert sorted(cells["cell"]) == ["kvarn2-kvarn2-t0", "q2_0-q2_0-t0"]
     for r in cells.iter_rows(named=True):
         dec = json.loads((run / r["cell"] / "summary.json").read_text())
         assert r["decode_kld_mean"] == pytest.approx(dec["decode_kld_mean"], rel=1e-12)
         assert r["n_diverged"] == dec["n_diverged"] and r["compared_steps"] == 40
+        assert (dec["temperature"], dec["seed"], dec["sampling"]) == (1.0, 0, "-T1-s0")
+        assert r["decoding"] == "sampled at T = 1, seed 0"
         tf = pl.read_parquet(wd / f"results/smollm2-135m/ctx96-c2/cells/{r['cell']}/tokens.parquet")
         assert r["tf_kld_mean"] == pytest.approx(tf.filter(pl.col("pos") >= 55)["kld"].mean(), rel=1e-12)
     assert pl.read_parquet(run / "generation/paired.parquet").height == 1
-    assert "free / teacher-forced" in (run / "generation/generation.md").read_text()
+    md = (run / "generation/generation.md").read_text()
+    assert "free / teacher-forced" in md and "generated tokens, sampled at T = 1, seed 0" in md
     for f in PG.GENERATION_FIGURES:
         for ext in ("svg", "png", "vl.json"):
-            assert (wd / f"results/figures/smollm2-135m/decode-ctx96-p2-g40/{f}.{ext}").stat().st_size > 0
+            assert (wd / f"results/figures/smollm2-135m/decode-ctx96-p2-g40-T1-s0/{f}.{ext}").stat().st_size > 0

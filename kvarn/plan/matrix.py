@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, fields, replace
 from kvarn.spec import facts
 from kvarn.budget.memory import ACCOUNTINGS, resummarize
 from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
-from kvarn.spec.options import ATTENTIONS, DTYPES
+from kvarn.spec.options import ATTENTIONS, DTYPES, SAMPLING_PATTERN, check_sampling, sampling_name  # noqa: F401 (the rules read SAMPLING_PATTERN here)
 from kvarn.weights.sources import unpinned
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
@@ -53,7 +53,7 @@ CELL_DEFAULTS = parse_opts("")  # a cell's options when the config names none (k
 # rules (workflow/rules/common.smk, decode.smk) take their paths from these.
 RUN_DIR = "results/{model}/ctx{n_ctx}-c{chunks}"
 CELL_DIR = RUN_DIR + "/cells/" + CELL_NAME
-DECODE_RUN_DIR = "results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}"
+DECODE_RUN_DIR = "results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}"  # sampling: sampling_name
 DECODE_DIR = DECODE_RUN_DIR + "/" + CELL_NAME
 
 MODEL_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -87,12 +87,20 @@ class MatrixError(ValueError):
 
 @dataclass(frozen=True)
 class Decode:
-    """A model's free-running decode axis (kvarn.run.decode): P prompts, G generated tokens, and
-    the cells (directory names) decoded; None = every cell of the model."""
+    """A model's free-running decode axis (kvarn.run.decode): P prompts, G generated tokens, the
+    cells (directory names) decoded (None = every cell of the model), and how tokens are chosen:
+    temperature 0 greedy, T > 0 sampled with the Gumbel noise of `seed`."""
 
     prompts: int = 8
     tokens: int = 128
     cells: tuple[str, ...] | None = None
+    temperature: float = 0.0
+    seed: int = 0
+
+    @property
+    def sampling(self) -> str:
+        """The decode run directory's suffix (kvarn.spec.options.sampling_name): "" when greedy."""
+        return sampling_name(self.temperature, self.seed)
 
 
 @dataclass(frozen=True)
@@ -152,7 +160,7 @@ class Matrix:
         for c in self.cells:
             d = self.models[c.model].decode
             if d is not None and (model is None or c.model == model) and (d.cells is None or c.name in d.cells):
-                out.append(decode_dir(c.model, c.n_ctx, d.prompts, d.tokens, c.name))
+                out.append(decode_dir(c.model, c.n_ctx, d.prompts, d.tokens, c.name, d.sampling))
         return out
 
     def baselines(self) -> list[str]:
@@ -160,9 +168,9 @@ class Matrix:
         return list(dict.fromkeys(c.baseline for c in self.cells))
 
 
-def decode_dir(model: str, n_ctx: int, prompts: int, tokens: int, cell: str) -> str:
-    """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{cell}: steps.parquet + summary.json."""
-    return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens)}/{cell}"
+def decode_dir(model: str, n_ctx: int, prompts: int, tokens: int, cell: str, sampling: str = "") -> str:
+    """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}/{cell}: steps.parquet + summary.json."""
+    return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens, sampling=sampling)}/{cell}"
 
 
 def baseline_path(run_dir: str, compute: str = "exact") -> str:
@@ -271,11 +279,17 @@ def _models(config: dict) -> dict[str, Model]:
 def _decode(where: str, raw, n_ctx: tuple[int, ...]) -> Decode | None:
     if raw is None:
         return None
-    if not isinstance(raw, dict) or set(raw) - {"prompts", "tokens", "cells"}:
-        raise MatrixError(f"{where}: {raw!r}; expected a mapping of prompts, tokens and (optionally) cells")
+    if not isinstance(raw, dict) or set(raw) - {"prompts", "tokens", "cells", "temperature", "seed"}:
+        raise MatrixError(f"{where}: {raw!r}; expected a mapping of prompts, tokens and (optionally) cells, "
+                          f"temperature and seed")
     d = Decode(**{**vars(Decode()), **raw})
     _int(f"{where}.prompts", d.prompts, 1)
     _int(f"{where}.tokens", d.tokens, 1)
+    try:
+        temperature, seed = check_sampling(d.temperature, d.seed)
+    except ValueError as e:
+        raise MatrixError(f"{where}: {e}") from None
+    d = replace(d, temperature=temperature, seed=seed)
     for n in n_ctx:
         if d.tokens > n - 2:
             raise MatrixError(f"{where}.tokens: {d.tokens} leaves no prompt in n_ctx {n}; "
@@ -283,7 +297,7 @@ def _decode(where: str, raw, n_ctx: tuple[int, ...]) -> Decode | None:
     if d.cells is not None:
         if not isinstance(d.cells, (list, tuple)) or not all(isinstance(c, str) for c in d.cells):
             raise MatrixError(f"{where}.cells: {d.cells!r}; expected a list of cell names like q4_0-q4_0-t128")
-        d = Decode(d.prompts, d.tokens, tuple(d.cells))
+        d = replace(d, cells=tuple(d.cells))
     return d
 
 

@@ -27,6 +27,7 @@ import polars as pl
 
 from kvarn.spec import facts
 from kvarn.spec.cell import CellSpec
+from kvarn.spec.options import summary_sampling
 from kvarn.plan.matrix import parse_cell_dir
 from kvarn.report.migrate import migrate_summary
 
@@ -446,7 +447,8 @@ def select_token_paths(
 def decode_frame(summary_paths: Iterable[str | Path]) -> pl.DataFrame:
     """Long rows of (cell, step) from kvarn.run.decode summary.json files: survival S(t) (fraction
     of prompts still on the baseline's text after t tokens, t = 0..G) and the mean KLD of
-    decode step t (t < G; null at t = G), plus the cell's family, width, label, P and G."""
+    decode step t (t < G; null at t = G), plus the cell's family, width, label, P, G and decoding
+    (`kvarn.spec.options.summary_sampling`; summaries of two decodings are refused)."""
     import json
 
     frames = []
@@ -460,10 +462,15 @@ def decode_frame(summary_paths: Iterable[str | Path]) -> pl.DataFrame:
         label = f"{s['k_type']}-{s['v_type']} t{tail_label(fam, s['tail'], tail_eff)}"
         frames.append(pl.DataFrame({
             "model": s["model"], "cell": cell, "label": label, "family": fam, "width": width,
-            "prompts": s["n_prompts"], "tokens": g, "step": list(range(g + 1)), "survival": s["survival"],
+            "prompts": s["n_prompts"], "tokens": g, "decoding": summary_sampling(s), "step": list(range(g + 1)),
+            "survival": s["survival"],
             "kld_step_mean": [*s["decode_kld_step_mean"], None],
             "first_divergence_median": s["first_divergence_median"], "decode_kld_mean": s["decode_kld_mean"],
         }, schema_overrides={"width": pl.Int64, "kld_step_mean": pl.Float64}))
     if not frames:
         raise ValueError("no decode summaries given; the decode figure needs at least one (cell, decode) result")
-    return pl.concat(frames, how="vertical_relaxed")
+    out = pl.concat(frames, how="vertical_relaxed")
+    if out["decoding"].n_unique() > 1:
+        raise ValueError(f"decode summaries of different decodings ({', '.join(out['decoding'].unique(maintain_order=True))}) "
+                         f"in one figure; give one decoding's results")
+    return out

@@ -382,7 +382,7 @@ def ranked(prep: pl.DataFrame, paired: pl.DataFrame) -> alt.LayerChart:
 
 
 def decode(frame: pl.DataFrame) -> alt.HConcatChart:
-    """Free-running greedy decode (kvarn.run.decode): survival curves (fraction of prompts whose
+    """Free-running decode (kvarn.run.decode): survival curves (fraction of prompts whose
     generation still equals the BF16 baseline's after t tokens) and the mean KLD of each
     decode step along the cell's own text; dashed standard, solid KVarN, colour = width."""
     model, p, g = frame["model"][0], frame["prompts"][0], frame["tokens"][0]
@@ -409,7 +409,7 @@ def decode(frame: pl.DataFrame) -> alt.HConcatChart:
                                         title=alt.TitleParams("survival: identical to the baseline", fontSize=11)),
         kld.properties(width=WIDTH * 0.55, height=HEIGHT,
                        title=alt.TitleParams("KLD vs baseline along the cell's own text", fontSize=11)),
-    ).properties(title=_title(model, "free-running greedy decode",
+    ).properties(title=_title(model, f"free-running decode, {frame['decoding'][0]}",
                               f"{p} prompts, {g} generated tokens each, baseline re-scoring the cell's text; "
                               "a drop in survival is the first token where generation leaves the baseline"))
 
@@ -419,8 +419,8 @@ def decode(frame: pl.DataFrame) -> alt.HConcatChart:
 
 def _gen_title(cells: pl.DataFrame, text: str, subtitle: str) -> alt.TitleParams:
     r = cells.row(0, named=True)
-    return _title(r["model"], text, f"n_ctx {r['n_ctx']}, {r['prompts']} prompts × {r['tokens']} generated tokens; "
-                  + subtitle)
+    return _title(r["model"], text, f"n_ctx {r['n_ctx']}, {r['prompts']} prompts × {r['tokens']} generated tokens, "
+                  f"{r.get('decoding', 'greedy')}; " + subtitle)
 
 
 def _with_cells(frame: pl.DataFrame, cells: pl.DataFrame) -> pl.DataFrame:

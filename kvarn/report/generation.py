@@ -7,7 +7,7 @@ the same cell's teacher-forced `tokens.parquet` (chunk, pos, kld) with its `summ
 the identity of its baseline dump.
 
 * **Survival** (`survival`): Kaplan–Meier estimate (lifelines) of S(t) = P(the first t
-  generated tokens equal the baseline's greedy tokens), t = 0..G, with the exponential
+  generated tokens equal the baseline's own choices: greedy, or sampled from the same noise), t = 0..G, with the exponential
   Greenwood ("log-log") band. A prompt whose first divergence is step k (0-based) has
   duration k + 1 (event); one that never diverges is censored at G. Without censoring this
   equals `kvarn.run.decode.summarize_decode`'s empirical `survival`.
@@ -37,6 +37,7 @@ import polars as pl
 
 from kvarn.report.data import same_width_partner
 from kvarn.spec.cell import CellSpec
+from kvarn.spec.options import summary_sampling
 from kvarn.spec.scoring import scored_range
 
 DEFAULT_BOOT = 2000
@@ -343,7 +344,8 @@ def compute_run(decode_dirs, cell_dirs, baseline_identities, n_boot: int = DEFAU
     for ddir, cdir, ident in zip(decode_dirs, cell_dirs, baseline_identities):
         ds, mats = load_decode(ddir)
         kld = mats["kld"]
-        this = (ds["model"], ds["n_ctx"], ds["n_prompts"], ds["n_tokens"], ds["prompt_tokens"], ds.get("text_sha256"))
+        this = (ds["model"], ds["n_ctx"], ds["n_prompts"], ds["n_tokens"], ds["prompt_tokens"], ds.get("text_sha256"),
+                summary_sampling(ds))
         if run is not None and this != run:
             raise ValueError(f"{ddir}: decode run {this} differs from the others' {run}; one run's cells only")
         run = this
@@ -368,7 +370,7 @@ def compute_run(decode_dirs, cell_dirs, baseline_identities, n_boot: int = DEFAU
         sl = slope(kld, n_boot, seed, alpha)
         rt = tf_vs_free(free, tf, n_boot, seed, alpha)
         rows.append({"cell": name, "label": labels[name], **cell_kind[name], "model": ds["model"], "n_ctx": n_ctx, "prompts": p,
-                     "tokens": g, "n_diverged": ds["n_diverged"],
+                     "tokens": g, "decoding": summary_sampling(ds), "n_diverged": ds["n_diverged"],
                      "first_divergence_median": float(np.median(ds["first_divergence"])),
                      "survival_end": float(km["survival"][-1]), "survival_end_lo": float(km["lo"][-1]),
                      "survival_end_hi": float(km["hi"][-1]), "decode_kld_mean": float(kld.mean()),
@@ -395,7 +397,7 @@ def to_markdown(tables: dict[str, pl.DataFrame], alpha: float = DEFAULT_ALPHA) -
     f = lambda x: f"{x:.3g}"  # noqa: E731
     ci = lambda v, lo, hi: f"{f(v)} [{f(lo)}, {f(hi)}]"  # noqa: E731
     lines = [f"### {r['model']}: free-running generation, n_ctx {r['n_ctx']}, {r['prompts']} prompts × {r['tokens']} "
-             "generated tokens", "",
+             f"generated tokens, {r['decoding']}", "",
              f"Brackets: {pct} intervals (survival: Kaplan–Meier, exponential Greenwood; the rest: percentile bootstrap "
              f"over prompts). Slope: OLS of the mean per-step KLD against the generated step, per 1000 tokens. "
              f"free / teacher-forced: mean KLD along the cell's own text over mean teacher-forced KLD at the same "

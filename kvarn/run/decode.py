@@ -1,8 +1,9 @@
-"""Free-running greedy decode through a quantized cache: where generation leaves the baseline.
+"""Free-running decode through a quantized cache: where generation leaves the baseline.
 
-Owns: the decode prompts (`decode_prompts`), the greedy decode of a cell scored by the
-BF16-cache baseline (`decode`, in blocks of `block_steps` steps), its per-prompt summary (`summarize_decode`) and the
-runner that writes one (cell, decode) result (`run_decode`).
+Owns: the decode prompts (`decode_prompts`), the token choice (`choose`: greedy, or sampled with
+shared Gumbel noise `gumbel`), the decode of a cell scored by the BF16-cache baseline (`decode`,
+in blocks of `block_steps` steps), its per-prompt summary (`summarize_decode`) and the runner
+that writes one (cell, decode) result (`run_decode`).
 
 The teacher-forced KLD of `kvarn.run.engine` never lets an error feed back: every position sees
 the true text. Here the cell generates its own text, one token at a time through its own
@@ -13,15 +14,24 @@ that same text through its own BF16 cache (in blocks, below):
   tokens (BOS at position 0 as in the teacher-forced run), so prompt + generation fills
   exactly the run's context;
 * step s: the cell's next-token distribution q_s and the baseline's p_s, both conditioned on
-  the prompt and the cell's tokens 0..s−1; the cell emits argmax q_s, fed to both caches;
-* per step: KLD(p_s ‖ q_s) (the rule of `kvarn.stats.metrics.token_metrics`), whether argmax p_s
-  equals the cell's token, the baseline NLL of the cell's token;
-* first divergence of a prompt: the first step whose tokens differ. Until then the prefix is
-  the baseline's own greedy text, so argmax p_s is exactly the baseline's greedy token there;
-  a prompt that never diverges is censored at `tokens`.
+  the prompt and the cell's tokens 0..s−1; the cell emits its choice from q_s (`choose`), fed
+  to both caches, and `base_token` is the baseline's choice from p_s by the same rule;
+* the choice: greedy (temperature 0, the default) is argmax q_s. Sampled (temperature T > 0) is
+  the Gumbel-max sample argmax(log q_s / T + g_s), g_s standard Gumbel noise [P, V] drawn for
+  step s from one generator seeded with `seed` (`gumbel`): an exact sample of softmax(log q_s / T),
+  and since every cell and the baseline read the same g_s (common random numbers), two
+  distributions choose different tokens only where their difference outweighs the noise's gap;
+* per step: KLD(p_s ‖ q_s) (the rule of `kvarn.stats.metrics.token_metrics`, of the model's own
+  distributions whatever T is), whether argmax p_s equals argmax q_s (`same_top`), the baseline
+  NLL of the cell's token;
+* first divergence of a prompt: the first step whose tokens differ (token ≠ base_token). Until
+  then the prefix is the baseline's own text (greedy, or sampled with the same seed), so
+  base_token is exactly the baseline's own choice there; a prompt that never diverges is
+  censored at `tokens`.
 
-All P prompts go as one batch (no padding is needed: equal lengths). Greedy ties break to the
-lowest token id (torch.argmax), the same in both runs.
+All P prompts go as one batch (no padding is needed: equal lengths). Ties break to the
+lowest token id (torch.argmax), the same in both runs. The noise is drawn step by step in one
+order, so it does not depend on the block size below.
 
 The baseline does not steer the text, it only scores it, so it need not run in lock step: the
 cell generates a block of B steps alone, one token at a time (its tokens are those of a
@@ -48,15 +58,16 @@ from kvarn.stats import metrics
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.run.engine import attention_path, baseline_cell, new_cache, progress, set_compute, setup
 from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import DECODE_VERSION
+from kvarn.spec.options import DECODE_VERSION, check_sampling, sampling_name
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 STEP_KEYS = ("prompt", "step", "token", "base_token", "kld", "same_top", "nll_base")
 # the summary's wall-clock fields: what two runs of the same decode may differ in
 TIMING_KEYS = ("wall_s", "decode_s", "prefill_s", "steps_s", "cell_s", "base_s", "metrics_s", "step_ms")
 # One block's fp32 vocabulary rows, each of the three arrays alive at once (the cell's log-probs,
-# the baseline's logits and log-probs, P x B x V x 4 bytes each), stay within this: at most
-# 3 x 128 MiB, below one teacher-forced ubatch of 512 positions at Gemma 3's 262k vocabulary (512 MiB).
+# the baseline's logits and log-probs, P x B x V x 4 bytes each; four when sampled: the block's
+# Gumbel noise), stay within this: at most 4 x 128 MiB, no more than one teacher-forced ubatch of
+# 512 positions at Gemma 3's 262k vocabulary (512 MiB).
 BLOCK_BYTES = 128 * 2**20
 
 
@@ -79,6 +90,25 @@ def decode_prompts(chunk_ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
     return chunk_ids[:, : n_ctx - n_tokens]
 
 
+def gumbel(gen: torch.Generator, shape) -> torch.Tensor:
+    """Standard Gumbel noise −log(−log u) as float32 [shape], u ~ U[0, 1) drawn in float64 from the
+    CPU generator `gen` (u = 0 has probability 2^-53; a float32 u would give −inf ~ once per
+    2^24 draws, a token made unpickable)."""
+    u = torch.rand(shape, generator=gen, dtype=torch.float64)
+    return (-torch.log(-torch.log(u))).float()
+
+
+def choose(logp: torch.Tensor, temperature: float = 0.0, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode's token per row of logp [..., V]: argmax (temperature 0), else the Gumbel-max
+    sample argmax(logp / temperature + noise), noise [..., V] from `gumbel`. Ties: the lowest id."""
+    if temperature == 0:
+        return logp.argmax(dim=-1)
+    if noise is None or noise.shape != logp.shape:
+        raise ValueError(f"a sampled choice (temperature {temperature}) needs Gumbel noise of the log-probs' shape "
+                         f"{tuple(logp.shape)}, got {None if noise is None else tuple(noise.shape)}")
+    return (logp / temperature + noise).argmax(dim=-1)
+
+
 @torch.inference_mode()
 def feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
     """Feed ids [P, n] through `cache` in ubatches; fp32 logits [P, V] of the last position."""
@@ -91,9 +121,12 @@ def feed(model, ids: torch.Tensor, cache, ubatch: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=512, attention="ref",
-           timing: dict | None = None, block: int | None = None, desc: str | None = None) -> dict[str, np.ndarray]:
-    """Greedy-generate `n_tokens` per prompt with the cell's cache, the BF16 baseline (on the cell's compute path)
+           timing: dict | None = None, block: int | None = None, desc: str | None = None,
+           temperature: float = 0.0, seed: int = 0) -> dict[str, np.ndarray]:
+    """Generate `n_tokens` per prompt with the cell's cache, the BF16 baseline (on the cell's compute path)
     re-scoring the cell's text in blocks of `block` steps (None: `block_steps`; 1: lock step).
+    `temperature` 0: greedy; T > 0: sampled at T with the Gumbel noise of a generator seeded with
+    `seed` (the module doc; `kvarn.spec.options.check_sampling` names the accepted values).
     Returns the STEP_KEYS columns, [P · n_tokens] rows ordered by (prompt, step). `model` must use
     attn_implementation "kvarn"; `attention`: the attention path of both caches ("ref" or "flex",
     `kvarn.run.engine.attention_path`). `timing`: if given, gets prefill_s (both prompts), steps_s
@@ -102,6 +135,8 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
     steps with that label."""
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"decode block must be a positive integer (steps per baseline forward) or None, got {block!r}")
+    temperature, seed = check_sampling(temperature, seed)
+    gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
     device = next(model.parameters()).device
     prompts = prompts.to(device)
     n_p = prompts.shape[0]
@@ -121,9 +156,12 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
         b = min(a + B, n_tokens)
         t = time.perf_counter()
         lq = torch.empty(n_p, b - a, lc.shape[-1], dtype=torch.float32, device=device)
+        noise = None if gen is None else torch.empty_like(lq)
         for s in range(a, b):  # the cell alone, one token at a time: the tokens of a lock-step run
             lq[:, s - a] = torch.log_softmax(lc, dim=-1)
-            toks.append(lq[:, s - a].argmax(dim=-1))
+            if noise is not None:  # step s's draw, in step order whatever the block size
+                noise[:, s - a] = gumbel(gen, (n_p, lc.shape[-1])).to(device)
+            toks.append(choose(lq[:, s - a], temperature, None if noise is None else noise[:, s - a]))
             if s + 1 < n_tokens:
                 lc = feed(model, toks[-1][:, None], cell, 1)
             if bar is not None:
@@ -144,10 +182,10 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
         tm = metrics.token_metrics(lq.reshape(-1, lq.shape[-1]), lp.reshape(-1, lp.shape[-1]), tok.reshape(-1))
         blocks.append({
             "token": tok.cpu().numpy().astype(np.int64),
-            "base_token": lp.argmax(dim=-1).cpu().numpy().astype(np.int64),
+            "base_token": choose(lp, temperature, noise).cpu().numpy().astype(np.int64),
             **{key: tm[key].reshape(n_p, b - a) for key in ("kld", "same_top", "nll_base")},
         })
-        del lq, lp
+        del lq, lp, noise
         t4 = time.perf_counter()
         for key, dt in (("cell_s", t2 - t), ("base_s", t3 - t2), ("metrics_s", t4 - t3)):
             clock[key] += dt
@@ -168,7 +206,8 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
 
 def first_divergence(steps: dict[str, np.ndarray], n_prompts: int, n_tokens: int) -> np.ndarray:
     """int [P]: per prompt the first step where the cell's token differs from the baseline's
-    greedy token; n_tokens where it never does (censored)."""
+    choice (`base_token`: its greedy token, or its sample from the same noise); n_tokens where it
+    never does (censored)."""
     diff = (np.asarray(steps["token"]) != np.asarray(steps["base_token"])).reshape(n_prompts, n_tokens)
     return np.where(diff.any(axis=1), diff.argmax(axis=1), n_tokens)
 
@@ -197,18 +236,21 @@ def summarize_decode(steps: dict[str, np.ndarray], n_prompts: int, n_tokens: int
 
 
 def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512, text=None, device="auto",
-               dtype="auto", cache_dir=DEFAULT_CACHE_DIR, attention="auto", context=None, block=None) -> dict:
+               dtype="auto", cache_dir=DEFAULT_CACHE_DIR, attention="auto", context=None, block=None,
+               temperature=0.0, seed=0) -> dict:
     """One (cell, decode) result: out_dir/steps.parquet (STEP_KEYS) and out_dir/summary.json.
 
     `attention`: ref | flex | auto (`kvarn.kvcache.attention.resolve_attention`), recorded in the summary.
     `context`: a loaded `kvarn.run.engine.Context` of (model, n_ctx, chunks = prompts, text, ...)
     (kvarn.run.worker: the teacher-forced cells of the same chunks share it), else loads now.
     `block`: decode steps the baseline scores in one forward (`decode`: None from `block_steps`,
-    1 lock step), recorded in the summary."""
+    1 lock step), recorded in the summary. `temperature`, `seed`: how tokens are chosen (`decode`;
+    0: greedy), recorded in the summary with `sampling` (`kvarn.spec.options.sampling_name`)."""
     out_dir = Path(out_dir)
     if not isinstance(cell, CellSpec):
         raise TypeError(f"run_decode takes a kvarn.spec.cell.CellSpec, got {cell!r}")
     attention_path(attention, "cpu", cell.compute)  # a bad option is refused before any work
+    temperature, seed = check_sampling(temperature, seed)
     t0 = time.perf_counter()
     if context is None:
         loaded, chunk_ids, ident = setup(spec, n_ctx, prompts, text, device, dtype, cache_dir)
@@ -222,7 +264,8 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
     td = time.perf_counter()
     timing: dict = {}
     steps = decode(loaded.model, p_ids, cell, tokens, ubatch=ubatch, attention=path or "ref", timing=timing,
-                   block=block, desc=f"{loaded.info.name} decode {cell.k}/{cell.v} tail {cell.tail}")
+                   block=block, temperature=temperature, seed=seed,
+                   desc=f"{loaded.info.name} decode {cell.k}/{cell.v} tail {cell.tail}{sampling_name(temperature, seed)}")
     decode_s = time.perf_counter() - td
     summary = summarize_decode(steps, prompts, tokens)
     info = loaded.info
@@ -232,6 +275,8 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
         "rot": cell.rot, "tail_dtype": cell.tail_dtype, "iters": cell.iters, "sink": cell.sink, "compute": cell.compute, "ubatch": ubatch, "attention": path,
         "text_sha256": ident.get("text_sha256"), "tokenizer_hash": ident.get("tokenizer_hash"), "decode_s": decode_s,
         "decode_version": DECODE_VERSION, "block": timing["block"], "wall_s": time.perf_counter() - t0,
+        "temperature": temperature, "seed": seed if temperature > 0 else None,
+        "sampling": sampling_name(temperature, seed),
         # where decode_s went: both caches' prefills, then the steps (the cell's, the baseline's
         # block forwards, the metrics); step_ms = the steps' time per generated step
         **{k: timing[k] for k in ("prefill_s", "steps_s", "cell_s", "base_s", "metrics_s")},

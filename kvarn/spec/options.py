@@ -11,6 +11,8 @@ read these lists here.
 
 from __future__ import annotations
 
+import re
+
 from kvarn.spec.facts import get
 
 EXACT = "exact"
@@ -27,6 +29,57 @@ COMPUTE_VERSION = {EXACT: 1, LLAMACPP_CPU: 2}
 # the cell's text one token at a time in lock step; 2: in blocks of steps, one forward per block
 # (the baseline's numbers move at fp32 noise, docs/notes/decode.md "Speed").
 DECODE_VERSION = 2
+
+# How a free-running decode picks its tokens (kvarn.run.decode): temperature 0 is greedy (argmax,
+# the default), temperature T > 0 samples by the Gumbel-max rule, argmax(log p / T + g), with the
+# Gumbel noise g of one seeded generator drawn step by step, so every cell and the baseline read
+# the same draws (common random numbers). A sampled decode's results sit in a directory of their
+# own: SAMPLING_PATTERN matches `sampling_name`'s suffix ("" greedy, "-T1-s0" sampled).
+_T = r"[0-9]+(?:\.[0-9]+)?"  # a temperature as the name writes it (format "g", no exponent)
+SAMPLING_PATTERN = rf"(?:-T{_T}-s[0-9]+)?"
+
+
+def check_sampling(temperature, seed) -> tuple[float, int]:
+    """(temperature, seed) as float and int, or ValueError naming the bad value: temperature a
+    number >= 0 that format "g" writes without an exponent and without loss (it names a
+    directory), seed an integer >= 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            0 <= temperature < 1e6) or not re.fullmatch(_T, format(temperature, "g")) or float(
+            format(temperature, "g")) != temperature:
+        raise ValueError(f"decode temperature must be a number >= 0 (0: greedy) written in at most 6 significant "
+                         f"digits without an exponent, like 1 or 0.7; got {temperature!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"decode seed must be an integer >= 0, got {seed!r}")
+    return float(temperature), seed
+
+
+def sampling_name(temperature=0.0, seed=0) -> str:
+    """The decode directory's suffix: "" for greedy (temperature 0, any seed), "-T{T:g}-s{seed}" when sampled."""
+    temperature, seed = check_sampling(temperature, seed)
+    return "" if temperature == 0 else f"-T{temperature:g}-s{seed}"
+
+
+def sampling_label(temperature=0.0, seed=0) -> str:
+    """How a decode chose its tokens, in words: "greedy", or "sampled at T = 1, seed 0"."""
+    temperature, seed = check_sampling(temperature, seed)
+    return "greedy" if temperature == 0 else f"sampled at T = {temperature:g}, seed {seed}"
+
+
+def summary_sampling(summary: dict) -> str:
+    """`sampling_label` of a decode summary.json (kvarn.run.decode); one written before sampling
+    existed has no `temperature` and was greedy."""
+    return sampling_label(summary.get("temperature") or 0.0, summary.get("seed") or 0)
+
+
+def parse_sampling(name: str) -> tuple[float, int]:
+    """(temperature, seed) of a `sampling_name` suffix ("" -> greedy (0.0, 0))."""
+    m = re.fullmatch(rf"-T({_T})-s([0-9]+)", name)
+    if name == "":
+        return 0.0, 0
+    if m is None:
+        raise ValueError(f"{name!r} is not a decode sampling suffix; expected '' (greedy) or like '-T1-s0'")
+    return check_sampling(float(m[1]), int(m[2]))
+
 
 # ggml-cpu type_traits_cpu[type].vec_dot_type: what Q is converted to for K of that type.
 VEC_DOT_TYPE = {

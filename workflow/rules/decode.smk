@@ -1,6 +1,7 @@
 # Free-running decode divergence (kvarn.run.decode): per (cell, decode) a cached result,
-#   results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{k}-{v}-t{tail}{opts}/{steps.parquet,summary.json}
-# for the models whose config has `decode: {prompts: P, tokens: G, cells: [...]}`, and one
+#   results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}/{k}-{v}-t{tail}{opts}/{steps.parquet,summary.json}
+# for the models whose config has `decode: {prompts: P, tokens: G, cells: [...]}` (and optionally
+# temperature T and seed S: a sampled decode, {sampling} = "-T{T}-s{S}"; "" greedy), and one
 # figure per such model (survival curves and KLD per decode step).
 #
 # Uses from common.smk: MATRIX, decode_targets (rule all), model_marker, model_param, cell_fields, format_versions;
@@ -10,8 +11,8 @@ from kvarn.spec.options import DECODE_VERSION
 
 DECODE = kvm.DECODE_DIR
 GENERATION = f"{kvm.DECODE_RUN_DIR}/{kvgen.GENERATION_DIR}"
-DECODE_LOG = "logs/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{k}-{v}-t{tail}{opts}"
-DECODE_BENCH = "benchmarks/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/{k}-{v}-t{tail}{opts}"
+DECODE_LOG = "logs/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}/{k}-{v}-t{tail}{opts}"
+DECODE_BENCH = "benchmarks/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}/{k}-{v}-t{tail}{opts}"
 
 
 rule decode:
@@ -70,7 +71,7 @@ rule generation:
 rule generation_stats:
     input:
         unpack(lambda wildcards: kvgen.run_inputs(MATRIX, wildcards.model, wildcards.n_ctx, wildcards.prompts,
-                                                  wildcards.tokens)),
+                                                  wildcards.tokens, wildcards.sampling)),
     output:
         cells=f"{GENERATION}/cells.parquet",
         paired=f"{GENERATION}/paired.parquet",
@@ -81,7 +82,7 @@ rule generation_stats:
         boot=kvr.option(config, "boot"),
         seed=kvr.option(config, "seed"),
     log:
-        "logs/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/generation.log",
+        "logs/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}/generation.log",
     conda:
         "../../envs/kvarn.yaml"
     script:
@@ -97,7 +98,7 @@ rule report_generation:
     output:
         **kvr.generation_figure_outputs(),
     log:
-        "logs/report/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}/figures.log",
+        "logs/report/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}/figures.log",
     conda:
         "../../envs/kvarn.yaml"
     script:

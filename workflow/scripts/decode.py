@@ -11,13 +11,15 @@ from _wf import model_spec, scratch, start
 start(snakemake)  # noqa: F821
 from kvarn.run import worker  # noqa: E402
 from kvarn.spec.cell import CellSpec  # noqa: E402
+from kvarn.spec.options import parse_sampling  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
+temperature, seed = parse_sampling(w.sampling)  # "" greedy, "-T1-s0" sampled (kvarn.plan.matrix.DECODE_RUN_DIR)
 with scratch(out.steps, out.summary) as tmp:  # summary.json last: its presence means done
     summary = worker.run(
         "decode", model_spec(snakemake), int(w.n_ctx), int(w.prompts), tokens=int(w.tokens),  # noqa: F821
         cell=CellSpec.from_wildcards(w), out_dir=tmp, ubatch=p.ubatch, text=snakemake.input.text,  # noqa: F821
-        dtype=p.dtype, attention=snakemake.config.get("attention", "auto"),  # noqa: F821  (no rerun trigger)
+        dtype=p.dtype, temperature=temperature, seed=seed, attention=snakemake.config.get("attention", "auto"),  # noqa: F821  (no rerun trigger)
         cache_dir=Path(snakemake.input.model).parent, files=[snakemake.input.model],  # noqa: F821
     )
 print(json.dumps(summary, indent=1, default=str))
