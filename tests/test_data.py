@@ -2,7 +2,6 @@
 
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch

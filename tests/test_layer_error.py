@@ -3,7 +3,6 @@ inputs the cell cannot have changed) matches the attention output captured at o_
 in two plain engine runs (f32 cache vs the cell); the error is split into K and V parts."""
 
 import pytest
-import torch
 from kvarn.spec.cell import CellSpec
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 

@@ -123,8 +123,6 @@ def q8_flips(x, rounded, kind: str) -> list[tuple[int, float]]:
     q8_1, q8_K) holds another code than x (the other program's value before rounding) rounded the
     same way: [(index, x / d)], d the block's step; a difference of less than d/2 (the two programs'
     d differing by fp32 noise) is not a flip."""
-    import torch
-
     from kvarn.llamacpp.activations import round_activations
 
     if kind not in ("q8_0", "q8_1", "q8_K"):

@@ -97,8 +97,6 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     of those positions (a slice of the chunk) in transformers' channel order, given ours
     (fp32) and whether llama.cpp holds this architecture's K in the GGUF's order.
     """
-    import torch
-
     from kvarn.llamacpp import compute
 
     from kvarn.run import engine
