@@ -1,6 +1,7 @@
 """bench/oracles/beellama/grid.py without a BeeLlama build or a model: the rows, the command
 lines a row runs, the resume rule on a fake folder, and the tables on fake logs."""
 
+import hashlib
 import json
 import re
 import sys
@@ -125,8 +126,16 @@ def test_the_environment_of_a_step(tmp_path, monkeypatch):
     on.env = {"LLAMA_ATTN_ROT_DISABLE": ""}
     off = _fake(tmp_path, "off", "echo rot=${LLAMA_ATTN_ROT_DISABLE-unset}")
     off.env = {"LLAMA_ATTN_ROT_DISABLE": "1"}
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     G.run_steps([on, off], jobs=1, nice=0, say=lambda m: None, wrap=())
     assert "rot=unset" in on.log.read_text() and "rot=1" in off.log.read_text()
+    # the log names the numerics-changing variables the step ran under, and only those
+    assert on.log.read_text().splitlines()[2] == "# env ATEN_CPU_CAPABILITY=avx2"
+    assert off.log.read_text().splitlines()[2] == "# env ATEN_CPU_CAPABILITY=avx2 LLAMA_ATTN_ROT_DISABLE=1"
+    assert G.env_line({"PATH": "/bin"}) == ""
 
 
 @pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroup scheduling (Linux only)")
@@ -324,3 +333,47 @@ def test_orderings_read_the_grid_folder(tmp_path):
     out = G.grid_tables(tmp_path, names)
     assert "* 4 bits, kvarn4-t0 below q4_0-t128 on the median: reproduced by both programs" in out
     assert "| 4 | BeeLlama | 0.008000 | 0.016000 | +50.0 | +50.0 | yes |" in out
+
+
+# ---------------------------------------------------------------- the SIMD spread of a row
+
+
+def _spread_folder(d: Path, base: bytes, rows: dict):
+    """A grid folder with a base file and, per row, BeeLlama's median / mean and llamacpp-cpu's."""
+    d.mkdir(parents=True)
+    (d / "base.kld").write_bytes(base)
+    for name, ((bmed, bmean), (kmed, kmean)) in rows.items():
+        _log(d / name / "beellama.log", BEE.format(c1=bmean, c2=bmean, mean=bmean, median=bmed), 10.0, "1:00.00")
+        _cell(d / name / "llamacpp-cpu", [[kmean] * 3], kmed, 5.0)
+
+
+def test_spread_of_a_row_between_two_simd_levels(tmp_path):
+    from bench.oracles.beellama import spread as S
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _spread_folder(a, b"base", {"kvarn2-t0": ((0.50, 0.60), (0.55, 0.63))})
+    _spread_folder(b, b"base", {"kvarn2-t0": ((0.46, 0.57), (0.54, 0.62))})
+    out = S.spread_tables(a, b, ["kvarn2-t0", "kvarn4-t0"])
+    assert "base file: sha256 " + hashlib.sha256(b"base").hexdigest() in out
+    lines = out.splitlines()
+    # B / A per program: BeeLlama 0.46 / 0.50, 0.57 / 0.60; llamacpp-cpu 0.54 / 0.55, 0.62 / 0.63
+    assert "| kvarn2-t0 | BeeLlama | 0.500000 | 0.460000 | 0.920 | 0.600000 | 0.570000 | 0.950 |" in lines
+    assert "| kvarn2-t0 | llamacpp-cpu | 0.550000 | 0.540000 | 0.982 | 0.630000 | 0.620000 | 0.984 |" in lines
+    # the target's ratio: A 0.55 / 0.50, B 0.54 / 0.46, across 0.55 / 0.46 and 0.54 / 0.50
+    assert "| kvarn2-t0 | median | 1.100 | 1.174 | 1.196 | 1.080 |" in lines
+    assert not any("kvarn4-t0" in ln for ln in lines)  # not run in either folder: no row
+    # one reference or nothing: a hard link is one file, another base file is refused
+    (b / "base.kld").unlink()
+    (b / "base.kld").hardlink_to(a / "base.kld")
+    assert S.check_same_base(a, b) == "one file (hard link)"
+    (b / "base.kld").unlink()
+    (b / "base.kld").write_bytes(b"BASE")
+    with pytest.raises(ValueError, match=r"differ \(sha256 .*not one base file"):
+        S.spread_tables(a, b, ["kvarn2-t0"])
+    (b / "base.kld").write_bytes(b"longer")
+    with pytest.raises(ValueError, match="differ in size"):
+        S.check_same_base(a, b)
+    (b / "base.kld").unlink()
+    with pytest.raises(ValueError, match="no base file"):
+        S.check_same_base(a, b)
+    assert S.main(["--model", "gemma3-270m", "--chunks", "4", "--a", str(a), "--b", str(b), "--rows", "kvarn2-t0"]) == 2

@@ -177,6 +177,16 @@ def remove(p: Path) -> None:
 
 
 TIME_V = ("/usr/bin/time", "-v")  # GNU time: the user CPU seconds and wall of each process
+# The environment that changes a process's numbers (SIMD level of torch, MKL and oneDNN; threads;
+# BeeLlama's rotation switch): written into each log when set, so a log says what it ran under.
+NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS",
+               "LLAMA_ATTN_ROT_DISABLE")
+
+
+def env_line(env: dict) -> str:
+    """`# env K=V ...` of the NUMERIC_ENV variables set in `env` ("" when none is)."""
+    set_ = [f"{k}={env[k]}" for k in NUMERIC_ENV if env.get(k)]
+    return f"# env {' '.join(set_)}\n" if set_ else ""
 
 
 def start(step: Step, nice: int, wrap: tuple[str, ...] = TIME_V) -> subprocess.Popen:
@@ -189,7 +199,7 @@ def start(step: Step, nice: int, wrap: tuple[str, ...] = TIME_V) -> subprocess.P
         if v:
             env[k] = v
     with open(step.part, "w") as f:
-        f.write(f"$ {shown(step)}\n# start {stamp()} load {loadavg()} nice {nice}\n")
+        f.write(f"$ {shown(step)}\n# start {stamp()} load {loadavg()} nice {nice}\n{env_line(env)}")
         f.flush()
         p = subprocess.Popen(["nice", "-n", str(nice), *wrap, *step.cmd], stdout=f,
                              stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
