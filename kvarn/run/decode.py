@@ -58,7 +58,7 @@ from kvarn.stats import metrics
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.run.engine import attention_path, baseline_cell, new_cache, progress, set_compute, setup
 from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import DECODE_VERSION, check_sampling, sampling_name
+from kvarn.spec.options import DECODE_VERSION, check_sampling, sampling_label, sampling_name
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 STEP_KEYS = ("prompt", "step", "token", "base_token", "kld", "same_top", "nll_base")
@@ -265,7 +265,8 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
     timing: dict = {}
     steps = decode(loaded.model, p_ids, cell, tokens, ubatch=ubatch, attention=path or "ref", timing=timing,
                    block=block, temperature=temperature, seed=seed,
-                   desc=f"{loaded.info.name} decode {cell.k}/{cell.v} tail {cell.tail}{sampling_name(temperature, seed)}")
+                   desc=f"{loaded.info.name} decode {cell.k}/{cell.v} tail {cell.tail}"
+                        + ("" if temperature == 0 else f", {sampling_label(temperature, seed)}"))
     decode_s = time.perf_counter() - td
     summary = summarize_decode(steps, prompts, tokens)
     info = loaded.info
