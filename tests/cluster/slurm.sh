@@ -91,6 +91,10 @@ LINKED=0
 stop_daemons() {
   local rc=$?
   local pid
+  # the runs' kvarn workers (kvarn.run.worker) would wait out their idle timeout: released now
+  for w in "$D"/*/.snakemake/kvarn-workers; do
+    [ -d "$w" ] && "$PY" -c 'import sys; from kvarn.run.worker import release_others; release_others(None, sys.argv[1])' "$w" || true
+  done
   for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do  # the reverse of the start order
     pid="${PIDS[i]}"
     kill "$pid" 2>/dev/null || continue
