@@ -154,6 +154,12 @@ def test_a_failure_is_named_without_the_build_path(tmp_path):
     log.write_text("$ llama-perplexity ...\nload ok\n/home/u/src/beellama/ggml/src/ggml-impl.h:319: fatal error\n"
                    "# done rc=134\n")
     assert G.failure(log) == "ggml/src/ggml-impl.h:319: fatal error (rc=134)"
+    # a refusal at context creation: llama.cpp's first error-level log line
+    log.write_text("$ cmd\n0.00.260.426 E llama_init_from_model: cannot enable kvarn_k4v4_g128: KVarN requires "
+                   "128-, 256-, or 512-dimensional key/value heads\n0.00.542.377 E llama_perplexity: failed to "
+                   "create context\n# done rc=1\n")
+    assert G.failure(log) == ("llama_init_from_model: cannot enable kvarn_k4v4_g128: KVarN requires 128-, 256-, or "
+                              "512-dimensional key/value heads (rc=1)")
 
 
 TIME_V = """\

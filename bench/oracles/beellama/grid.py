@@ -276,16 +276,20 @@ def run_steps(steps: list[Step], jobs: int, nice: int, say=print, wrap: tuple[st
 # ---------------------------------------------------------------- the tables
 
 FAIL_RE = re.compile(r"^.*(?:fatal error|error:|GGML_ASSERT|Command terminated by signal).*$", re.M | re.I)
+LOG_ERROR_RE = re.compile(r"^[\d.]+ E (.*)$", re.M)  # llama.cpp's error-level log line ("0.00.260 E msg")
 
 
 SOURCE_RE = re.compile(r"(?<![\w.])/\S*?/(?=ggml/src/|src/llama|tools/|common/)")  # a source dir, up to the tree's top
 
 
 def failure(log: Path) -> str:
-    """What a failed step's log says: its first error line (its exit status if none), with the
-    source directory of the build cut from file names (the table is committed)."""
-    m = FAIL_RE.search(log.read_text(errors="replace"))
-    return SOURCE_RE.sub("", m.group(0).strip() if m else "") + f" (rc={rc_of(log)})"
+    """What a failed step's log says: its first error line, else its first error-level log line
+    (a refusal: "cannot enable kvarn_..."), else only its exit status; with the source directory
+    of the build cut from file names (the table is committed)."""
+    text = log.read_text(errors="replace")
+    m, e = FAIL_RE.search(text), LOG_ERROR_RE.search(text)
+    said = m.group(0).strip() if m else e.group(1).strip() if e else ""
+    return SOURCE_RE.sub("", said) + f" (rc={rc_of(log)})"
 
 
 def grid_tables(run: Path, names: list[str]) -> str:
