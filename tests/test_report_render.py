@@ -20,4 +20,4 @@ def test_report_renders_with_decode_jobs(tmp_path):
     fake_done(wd)
     smk(wd, "--report", "report.html", timeout=900)
     html = (wd / "report.html").read_text(errors="replace")
-    assert "Free-running greedy decode" in html and "claims, computed from this run" in html
+    assert "Free-running decode (greedy, or sampled" in html and "claims, computed from this run" in html
