@@ -73,9 +73,9 @@ def summary_sampling(summary: dict) -> str:
 
 def parse_sampling(name: str) -> tuple[float, int]:
     """(temperature, seed) of a `sampling_name` suffix ("" -> greedy (0.0, 0))."""
-    m = re.fullmatch(rf"-T({_T})-s([0-9]+)", name)
     if name == "":
         return 0.0, 0
+    m = re.fullmatch(rf"-T({_T})-s([0-9]+)", name)
     if m is None:
         raise ValueError(f"{name!r} is not a decode sampling suffix; expected '' (greedy) or like '-T1-s0'")
     return check_sampling(float(m[1]), int(m[2]))

@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.oracles.beellama import memory
 from bench.oracles.beellama.grid import parse_row, run_dir
 from bench.oracles.beellama.orderings import KEYS, PROGRAMS, collect
-from bench.oracles.beellama.table import md_lines
+from bench.oracles.beellama.table import md_lines, ratio
 from bench.oracles.llamacpp.runs import fmt
 
 BASE = "base.kld"
@@ -57,10 +57,6 @@ def check_same_base(a: Path, b: Path) -> str:
     return f"sha256 {ha}"
 
 
-def _r(x, y) -> str:
-    return "—" if x is None or y in (None, 0) else f"{x / y:.3f}"
-
-
 def spread_tables(a: Path, b: Path, names: list[str]) -> str:
     """The two tables (module doc) of the rows `names` whose runs exist in A or B."""
     how = check_same_base(a, b)
@@ -74,7 +70,7 @@ def spread_tables(a: Path, b: Path, names: list[str]) -> str:
             cells = [name, prog]
             for key in KEYS:
                 x, y = get(sa, name, prog, key), get(sb, name, prog, key)
-                cells += [fmt(x), fmt(y), _r(y, x)]
+                cells += [fmt(x), fmt(y), ratio(y, x, 3)]
             rows.append(cells)
     head = ["row", "program", "A median", "B median", "B / A", "A mean", "B mean", "B / A"]
     cross = []
@@ -82,7 +78,7 @@ def spread_tables(a: Path, b: Path, names: list[str]) -> str:
         for key in KEYS:
             k = lambda s: get(s, name, "llamacpp-cpu", key)  # noqa: E731
             bee = lambda s: get(s, name, "BeeLlama", key)  # noqa: E731
-            vals = [_r(k(sa), bee(sa)), _r(k(sb), bee(sb)), _r(k(sa), bee(sb)), _r(k(sb), bee(sa))]
+            vals = [ratio(k(sa), bee(sa), 3), ratio(k(sb), bee(sb), 3), ratio(k(sa), bee(sb), 3), ratio(k(sb), bee(sa), 3)]
             if any(v != "—" for v in vals):
                 cross.append([name, key[4:], *vals])
     chead = ["row", "KLD", "A: llamacpp-cpu / BeeLlama", "B: llamacpp-cpu / BeeLlama",

@@ -28,13 +28,14 @@ TARGET = 0.10  # issue 21 item 3: llamacpp-cpu's median and mean each within 10 
 BASE_PPL = 0.002  # and the base PPL both programs read within 0.2 %
 
 
+def ratio(a, b, nd: int = 2) -> str:
+    """a / b to `nd` decimals, "—" where either is missing or b is 0."""
+    return "—" if a is None or b in (None, 0) else f"{a / b:.{nd}f}"
+
+
 def row(label: str, bee_log: Path, cell: Path) -> list:
     bee = parse_llama(bee_log) or {}
     ours = json.loads((cell / "summary.json").read_text())
-
-    def ratio(a, b):
-        return "—" if a is None or b in (None, 0) else f"{a / b:.2f}"
-
     return [label, ours.get("compute", "exact"), fmt(bee.get("kld_median")), fmt(ours["kld_median"]), ratio(ours["kld_median"], bee.get("kld_median")),
             fmt(bee.get("kld_mean")), fmt(ours["kld_mean"]), ratio(ours["kld_mean"], bee.get("kld_mean")),
             fmt(bee.get("kld_p99"), 4), fmt(ours["kld_p99"], 4),
