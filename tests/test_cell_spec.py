@@ -70,7 +70,8 @@ REFUSED = [
      ["'quanto4'", "not a llama.cpp or BeeLlama cache type"]),
     (("q4_0", "q4_0", 0), {"sink": 4, "compute": "llamacpp-cpu"}, "compute", ["sink 4", "not accepted"]),
     (("q4_0", "q4_0", 128), {"sink": 4, "compute": "llamacpp-cpu"}, "compute", ["sink 4", "not accepted"]),
-    (("q3_0", "q3_0", 0), {"compute": "llamacpp-cpu"}, "compute", ["'q3_0'", "q8_0, q5_0"]),
+    (("kivi2", "kivi2", 0), {"compute": "llamacpp-cpu"}, "compute",
+     ["K type 'kivi2'", "not a llama.cpp or BeeLlama cache type"]),
 ]
 
 

@@ -5,6 +5,8 @@ kvarn.formats.blocks), converts Q block by block, takes integer block dots and r
 ggml's key-by-key online softmax with scalar numpy float32 / float16 arithmetic.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -21,10 +23,16 @@ from kvarn.kvcache.cache import KVarnLayer, make_format
 from kvarn.formats.hadamard import rotate_blocks
 from kvarn.spec.policy import LayerPolicy
 from paths import WIKI_TEXT
+
+FIXTURE_NPZ = Path(__file__).parent / "fixtures" / "beellama" / "beellama_cpu.npz"
 from ties import tie_blocks, tie_count
 
 F32, F16 = np.float32, np.float16
 GGUF = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1}
+# BeeLlama's own types (no gguf quantizer): the offset its vec_dot and to_float subtract from a code
+# (ggml-cpu/quants.c, ggml-quants.c v0.4.3: q6_0 - 32, q3_0 - 4, q2_0s - 2; the _1 types none)
+FORK_OFFSET = {"q6_0": 32, "q3_0": 4, "q2_0": 2, "q6_1": 0, "q3_1": 0, "q2_1": 0}
+QUANTIZED = (*GGUF, *FORK_OFFSET)
 
 
 # --- hand-worked ----------------------------------------------------------------------------
@@ -49,12 +57,15 @@ def test_quantize_q8_hand_worked(one_thread):
 def test_check_compute_refuses():
     with pytest.raises(ValueError, match="'fast'.*exact, llamacpp-cpu"):
         options.check_compute("fast")
-    with pytest.raises(ValueError, match="K type 'q3_0'"):
-        options.check_compute("llamacpp-cpu", "q3_0", "q4_0")
-    with pytest.raises(ValueError, match="K type 'q6_0' has no llama.cpp CPU kernel to emulate at tail 0"):
-        options.check_compute("llamacpp-cpu", "q6_0", "q6_0", 0)
-    with pytest.raises(ValueError, match="K type 'quanto4' is not a llama.cpp or BeeLlama cache type"):
-        options.check_compute("llamacpp-cpu", "quanto4", "quanto4", 128)
+    for tail in (0, 128):  # the ecosystem's caches: neither ggml's kernel nor BeeLlama's routes
+        with pytest.raises(ValueError, match="K type 'quanto4' is not a llama.cpp or BeeLlama cache type"):
+            options.check_compute("llamacpp-cpu", "quanto4", "quanto4", tail)
+        with pytest.raises(ValueError, match="V type 'hqq2' is not a llama.cpp or BeeLlama cache type"):
+            options.check_compute("llamacpp-cpu", "q4_0", "hqq2", tail)
+    # BeeLlama's own block types at tail 0: ggml's one-chunk kernel with their vec_dot, not a scalar route
+    for k, v in (("q6_0", "q6_0"), ("q3_0", "q4_0"), ("q2_0", "q2_1")):
+        assert options.check_compute("llamacpp-cpu", k, v, 0) == "llamacpp-cpu"
+        assert not options.scalar_route("llamacpp-cpu", k, v, 0)
     with pytest.raises(ValueError, match="sink 1 not accepted"):  # llama.cpp keeps no sink of its own choosing
         options.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 1)
     with pytest.raises(ValueError, match="sink 4 not accepted"):
@@ -66,6 +77,17 @@ def test_check_compute_refuses():
     assert not options.scalar_route("llamacpp-cpu", "q4_0", "q4_0", 0)
     assert options.check_compute("llamacpp-cpu", "q4_1", "q4_1", 0, 0) == "llamacpp-cpu"
     assert options.check_compute("exact", "q4_1", "q4_1", 0, 1) == "exact"
+
+
+def test_every_cache_type_of_llamacpp_or_beellama_has_its_vec_dot_type():
+    """A llamacpp-cpu cell at tail 0 runs ggml's kernel through `VEC_DOT_TYPE`: every registered
+    float or block type has its entry (ggml-cpu.c type_traits_cpu, BeeLlama v0.4.3), no other."""
+    from kvarn.formats import registry
+    from kvarn.spec.facts import get
+
+    cache = {t for t in registry.names() if get(t).family in ("float", "block")}
+    assert set(options.VEC_DOT_TYPE) == cache
+    assert {t for t, q in options.VEC_DOT_TYPE.items() if q == "q8_1"} == {"q6_1", "q5_1", "q4_1", "q3_1", "q2_1"}
 
 
 def test_kernel_path():
@@ -94,8 +116,26 @@ def _rot(x, n):
     return rotate_blocks(torch.from_numpy(np.ascontiguousarray(x)), n).numpy()
 
 
+def _fork_blocks(t, codes, d16, m16):
+    """BeeLlama blocks (codes [N, 32], d and m as fp16 bits) -> per block: (integer operand list,
+    d, m or None), as its vec_dot reads them."""
+    f16 = lambda bits: float(np.array([bits], np.uint16).view(F16)[0])  # noqa: E731
+    return [((c - FORK_OFFSET[t]).tolist(), f16(d), None if m16 is None else f16(m))
+            for c, d, m in zip(codes, d16, d16 if m16 is None else m16)]
+
+
 def _blocks(t, x):
-    """gguf-quantized rows x [n, D] -> per row, per block: (integer operand list, d, m or None)."""
+    """gguf-quantized rows x [n, D] -> per row, per block: (integer operand list, d, m or None).
+    BeeLlama's types, which gguf lacks, by kvarn's quantizer (equal to BeeLlama's CPU cache code for
+    code: tests/test_beellama_oracle.py test_blocks_match_beellama)."""
+    if t in FORK_OFFSET:
+        from kvarn.formats.blocks import SPECS, quantize_blocks
+
+        q, d, m = quantize_blocks(SPECS[t], torch.from_numpy(np.ascontiguousarray(x)).reshape(-1, 32))
+        bits = lambda v: v.reshape(-1).to(torch.float16).view(torch.int16).numpy().astype(np.uint16)  # noqa: E731
+        flat = _fork_blocks(t, q.numpy(), bits(d), None if m is None else bits(m))
+        nb = x.shape[-1] // 32
+        return [flat[i * nb:(i + 1) * nb] for i in range(x.shape[0])]
     raw = quantize(x, GGUF[t])
     bs = raw.shape[-1] // (x.shape[-1] // 32)
     out = []
@@ -155,24 +195,25 @@ def _ref_attention(q, k, v, kt, vt, rot, scale, mask):
     """q [H, n_q, D], k/v [Hkv, L, D] fp32 numpy; mask bool [n_q, L]. ggml one-chunk semantics."""
     H, n_q, D = q.shape
     Hkv, L, _ = k.shape
-    krot = rot and kt in GGUF
-    vrot = rot and vt in GGUF
+    krot = rot and kt in QUANTIZED
+    vrot = rot and vt in QUANTIZED
     if krot:
         q, k = _rot(q, D), _rot(k, D)  # head dim 64 here: one 64-block
     if vrot:
         v = _rot(v, 64)
     out = np.zeros((H, n_q, D), F32)
     for hk in range(Hkv):
-        kb = _blocks(kt, k[hk]) if kt in GGUF else None
+        kb = _blocks(kt, k[hk]) if kt in QUANTIZED else None
         kf = k[hk].astype(np.float16 if kt == "f16" else F32).astype(F32) if kt in ("f16", "f32") else None
         if kt == "bf16":
             kf = torch.from_numpy(k[hk]).bfloat16().float().numpy()
         vf = (dequantize(quantize(v[hk], GGUF[vt]), GGUF[vt]).astype(F32) if vt in GGUF
+              else _fork_values(_blocks(vt, v[hk])) if vt in FORK_OFFSET
               else v[hk].astype(np.float16).astype(F32) if vt == "f16"
               else torch.from_numpy(v[hk]).bfloat16().float().numpy())
         for h in range(hk * (H // Hkv), (hk + 1) * (H // Hkv)):
             for i in range(n_q):
-                if kt in GGUF:
+                if kt in QUANTIZED:
                     qb = _q8_row(q[h, i], options.VEC_DOT_TYPE[kt])
                 elif kt == "bf16":
                     qv = torch.from_numpy(q[h, i]).bfloat16().float().numpy()
@@ -183,7 +224,7 @@ def _ref_attention(q, k, v, kt, vt, rot, scale, mask):
                 for j in range(L):
                     if not mask[i, j]:
                         continue
-                    if kt in GGUF:
+                    if kt in QUANTIZED:
                         sf = F32(0)
                         for (ki, dk, mk), (qi, dq, sq) in zip(kb[j], qb):
                             isum = sum(a * b for a, b in zip(ki, qi))
@@ -208,6 +249,12 @@ def _ref_attention(q, k, v, kt, vt, rot, scale, mask):
     return out
 
 
+def _fork_values(blocks):
+    """BeeLlama's to_float (dequantize_row_q6_0 ... q2_1) of `_blocks` rows: (code - offset)·d + m."""
+    return np.array([[F32(F32(c) * F32(d)) if m is None else F32(F32(F32(c) * F32(d)) + F32(m))
+                      for ints, d, m in row for c in ints] for row in blocks], F32)
+
+
 def _emulate(q, k, v, kt, vt, rot, scale, mask, compute_mode="llamacpp-cpu", layer=None):
     kf, vf = make_format(kt, "k", rot, CellSpec.iters), make_format(vt, "v", rot, CellSpec.iters)
     layer = layer or KVarnLayer(kf, vf, LayerPolicy(0, 0, None), torch.bfloat16, compute=compute_mode)
@@ -225,7 +272,9 @@ def _emulate(q, k, v, kt, vt, rot, scale, mask, compute_mode="llamacpp-cpu", lay
 
 
 CASES = [("q8_0", "q8_0", True), ("q4_0", "q4_0", True), ("q4_1", "q4_1", False), ("q5_1", "q5_1", True),
-         ("q5_0", "q4_1", False), ("bf16", "bf16", False), ("q8_0", "f16", True), ("f16", "f16", False)]
+         ("q5_0", "q4_1", False), ("bf16", "bf16", False), ("q8_0", "f16", True), ("f16", "f16", False),
+         # BeeLlama's types at tail 0 (its vec_dots in ggml's one-chunk routine, rotated as upstream's)
+         ("q6_0", "q6_1", True), ("q3_0", "q3_1", True), ("q2_0", "q2_1", False), ("q2_1", "q2_0", True)]
 
 
 @pytest.mark.parametrize("seed", [0, 4, 5])
@@ -251,6 +300,58 @@ def test_matches_ggml_reference(kt, vt, rot, seed, one_thread):
     if vt == "f16":
         # the f16 accumulator reproduced key by key: at most one f16 ulp of |out| apart
         assert err <= 2 * np.spacing(F16(np.abs(ref).max())), err
+
+
+@pytest.mark.parametrize("kt", list(FORK_OFFSET))
+def test_beellama_types_at_tail_0_on_beellamas_own_blocks(kt, one_thread):
+    """K and V are the committed fixture's rows as BeeLlama's CPU cache wrote them
+    (tests/fixtures/beellama, read back from its bytes, not from kvarn's quantizer), Q random; the
+    reference is its vec_dot and to_float over those bytes in ggml's one-chunk routine."""
+    from bench.oracles.beellama import quant_oracle as QO
+
+    x = QO.fixture_block_input()  # [8, 128]: 2 KV heads x 4 tokens x head dim 128
+    raw = np.load(FIXTURE_NPZ)[f"block_{kt}"]
+    codes, d16, m16 = QO.beellama_block_fields(kt, raw)
+    blocks = _fork_blocks(kt, codes, d16, m16)
+    rows = [blocks[i * 4:(i + 1) * 4] for i in range(8)]
+    Hkv, L, D, H, n_q = 2, 4, 128, 4, 3
+    k = v = x.reshape(Hkv, L, D)
+    g = np.random.default_rng(7)
+    q = (g.standard_normal((H, n_q, D)) * np.where(np.arange(D) % 17 == 0, 6, 1)).astype(F32)
+    mask = np.tril(np.ones((n_q, L), bool), L - n_q)
+    scale = F32(0.0884)
+    assert options.check_compute("llamacpp-cpu", kt, kt, 0) and not options.scalar_route("llamacpp-cpu", kt, kt, 0)
+    ref = np.zeros((H, n_q, D), F32)
+    vals = _fork_values(rows)
+    for h in range(H):
+        hk = h // (H // Hkv)
+        for i in range(n_q):
+            qb = _q8_row(q[h, i], options.VEC_DOT_TYPE[kt])
+            M, S, acc = F32(-np.inf), F32(0), np.zeros(D, F32)
+            for j in range(L):
+                if not mask[i, j]:
+                    continue
+                sf = F32(0)
+                for (ki, dk, mk), (qi, dq, sq) in zip(rows[hk * L + j], qb):
+                    sf = F32(sf + F32(F32(dk) * F32(dq)) * F32(sum(a * b for a, b in zip(ki, qi))))
+                    if mk is not None:
+                        sf = F32(sf + F32(mk) * F32(sq))
+                s = F32(sf * scale)
+                ms, vs = F32(1), F32(1)
+                if s > M:
+                    ms = F32(np.exp(np.float64(M - s))) if M != -np.inf else F32(0)
+                    M, acc = s, (acc * ms).astype(F32)
+                else:
+                    vs = F32(np.exp(np.float64(F32(s - M))))
+                acc = (acc.astype(np.float64) + vals[hk * L + j].astype(np.float64) * vs).astype(F32)
+                S = F32(S * ms + vs)
+            ref[h, i] = acc / S
+    got, path = _emulate(q, k, v, kt, kt, False, float(scale), mask)
+    assert path == "one_chunk"
+    exact = _emulate(q, k, v, kt, kt, False, float(scale), mask, "exact")
+    kernel_effect = np.abs(ref - exact).max()
+    assert kernel_effect > 1e-4, kernel_effect  # Q's q8 rounding is visible at all
+    assert np.abs(got - ref).max() < kernel_effect / 50, (np.abs(got - ref).max(), kernel_effect)
 
 
 def test_tiled_path_is_fp32_attention(one_thread):

@@ -218,7 +218,7 @@ def test_compute_path_is_part_of_the_cell_and_its_baseline():
 @pytest.mark.parametrize("entry,needle", [
     ({"types": ["quanto4"], "tail": 128, "compute": "llamacpp-cpu"}, "not a llama.cpp or BeeLlama cache type"),
     ({"types": ["q4_0"], "tail": 0, "sink": 4, "compute": "llamacpp-cpu"}, "sink 4 not accepted"),
-    ({"types": ["q3_0"], "tail": 0, "compute": "llamacpp-cpu"}, "K type 'q3_0' has no llama.cpp CPU kernel to emulate at tail 0"),
+    ({"types": ["kivi2"], "tail": 0, "compute": "llamacpp-cpu"}, "K type 'kivi2' is not a llama.cpp or BeeLlama cache type"),
     ({"types": ["q4_0"], "tail": 0, "compute": "fast"}, "cells[0].compute: compute 'fast' not accepted"),
 ])
 def test_compute_refusals(entry, needle):

@@ -191,8 +191,7 @@ def bytes_table(geom: Geometry, n_ctx: int, pairs, tails=(0, 128), tail_dtype: s
 
 def at_tail0(cell: CellSpec) -> CellSpec:
     """The cell's pair at tail 0, for the Δ of its tail's bytes. The bytes do not depend on the
-    compute path, and a llamacpp-cpu cell of a type without a llama.cpp kernel exists only with a
-    tail (kvarn.spec.options.check_compute), so its tail-0 twin is taken on the default path."""
+    compute path, so the tail-0 twin is taken on the default one."""
     return replace(cell, tail=0, compute=DEFAULT_COMPUTE)
 
 

@@ -17,7 +17,8 @@ together split a KLD into format damage and kernel arithmetic. What ggml does, p
   cache. With llama-perplexity's ubatch of 512 an f16/f16 cache takes this path.
 * **one-chunk path** (`flash_attn_ext_f16_one_chunk`), everything else: Q is converted
   to K's `vec_dot_type` (`type_traits_cpu`): bf16 for bf16 K, f16 for f16 K, q8_0 blocks
-  for q8_0/q5_0/q4_0/iq4_nl K, q8_1 blocks for q5_1/q4_1 K; each score is K's `vec_dot`
+  for q8_0/q5_0/q4_0/iq4_nl K (and BeeLlama's q6_0/q3_0/q2_0), q8_1 blocks for q5_1/q4_1 K
+  (and q6_1/q3_1/q2_1); each score is K's `vec_dot`
   with that Q row, times the scale; an online softmax over the keys in order; V is
   accumulated in an **f16** vector when V is f16 (`ggml_vec_mad_f16` / `ggml_vec_scale_f16`
   round the accumulator to f16 at every key), else widened to fp32 and accumulated in
@@ -27,8 +28,9 @@ together split a KLD into format damage and kernel arithmetic. What ggml does, p
   codes `round-half-to-even(x * (127/amax))`, `d` stored fp16; q8_1 also stores
   `s = fp16(d * Σ codes)` with the fp32 `d`.
 * Quantized dot (`ggml_vec_dot_q*_q8_*`): per 32-block an integer dot of K's codes (q4_0:
-  code − 8, q5_0: code − 16, iq4_nl: the table level, q8_0: the code; q4_1/q5_1: the
-  unsigned code) with Q's codes, times `d_K·d_Q`; the `_1` types add `m_K·s_Q`.
+  code − 8, q5_0: code − 16, q6_0 / q3_0 / q2_0: code − 32 / − 4 / − 2, iq4_nl: the table
+  level, q8_0: the code; the _1 types: the unsigned code) with Q's codes, times `d_K·d_Q`;
+  the `_1` types add `m_K·s_Q`.
 * Rotation (llama-graph.cpp `llama_mul_mat_hadamard`, llama-kv-cache.cpp): with a quantized
   K, Q and K are rotated by the Hadamard of `k_rotation_block(head_dim)` before the kernel
   (so Q is quantized to q8 in the rotated frame); with a quantized V, V is rotated by the
@@ -52,11 +54,16 @@ itself is written with kvarn.formats.blocks (ggml's reference quantizers; x86's 
 differ on exact ties only).
 
 Supported: the upstream llama.cpp types (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0,
-iq4_nl) for K and V, tail 0 and no sink (llama.cpp keeps no token exact). A KVarN pair, or any
-BeeLlama type with a tail, takes BeeLlama's scalar CPU route instead (`kvarn.spec.options.
-scalar_route`: `flash_attn_ext_kvarn` / `flash_attn_ext_tail_ref`, the exact path's arithmetic
-over the rounded cache, K rounded in the GGUF's order); this module's kernel is not used there.
-Anything else is refused with an error naming it, rather than emulating a kernel we have not read.
+iq4_nl) and BeeLlama v0.4.3's (q6_0, q6_1, q3_0, q3_1, q2_0, q2_1) for K and V, tail 0 and no
+sink (llama.cpp keeps no token exact). BeeLlama's types take the same one-chunk routine at tail 0
+(`ggml_compute_forward_flash_attn_ext_f16_one_chunk` through `type_traits_cpu`): Q to q8_0 blocks
+for the _0 types, q8_1 for the _1 types, the same integer block dot (`kvarn.spec.options.
+VEC_DOT_TYPE`), V widened by its `to_float`; rotated like upstream's (`attn_rot_k` / `attn_rot_v`:
+any quantized type). A KVarN pair, or any BeeLlama type with a tail, takes BeeLlama's scalar CPU
+route instead (`kvarn.spec.options.scalar_route`: `flash_attn_ext_kvarn` /
+`flash_attn_ext_tail_ref`, the exact path's arithmetic over the rounded cache, K rounded in the
+GGUF's order); this module's kernel is not used there. Anything else (the ecosystem's caches) is
+refused with an error naming it, rather than emulating a kernel we have not read.
 """
 
 from __future__ import annotations

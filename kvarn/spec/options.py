@@ -81,11 +81,18 @@ def parse_sampling(name: str) -> tuple[float, int]:
     return check_sampling(float(m[1]), int(m[2]))
 
 
-# ggml-cpu type_traits_cpu[type].vec_dot_type: what Q is converted to for K of that type.
+# ggml-cpu type_traits_cpu[type].vec_dot_type: what Q is converted to for K of that type, upstream
+# llama.cpp's types and BeeLlama v0.4.3's (ggml/src/ggml-cpu/ggml-cpu.c; its cache type "q2_0" is
+# GGML_TYPE_Q2_0S, 32-value blocks, `kv_cache_type_name` in common/arg.cpp). Each of BeeLlama's
+# vec_dots (`ggml_vec_dot_q{6,3,2}_0{,s}_q8_0`, `ggml_vec_dot_q{6,3,2}_1_q8_1`, quants.c, the
+# generic loop on x86 too) is the upstream pattern: per 32-block an integer dot of the codes (minus
+# half the levels for the _0 types) with Q's, times d_K·d_Q, plus m_K·s_Q for the _1 types.
 VEC_DOT_TYPE = {
     "f32": "f32", "f16": "f16", "bf16": "bf16",
     "q8_0": "q8_0", "q5_0": "q8_0", "q4_0": "q8_0", "iq4_nl": "q8_0",
     "q5_1": "q8_1", "q4_1": "q8_1",
+    "q6_0": "q8_0", "q3_0": "q8_0", "q2_0": "q8_0",
+    "q6_1": "q8_1", "q3_1": "q8_1", "q2_1": "q8_1",
 }
 
 # The compute dtypes a model runs in ("auto" picks one by device, `kvarn.weights.modelbuild.pick_device_dtype`).
@@ -119,10 +126,11 @@ def check_compute(compute: str, k: str | None = None, v: str | None = None, tail
                   sink: int | None = None) -> str:
     """Validate a compute mode (and, for llamacpp-cpu, the cell it runs); return it.
 
-    llamacpp-cpu is llama.cpp's CPU arithmetic: ggml's flash-attention kernel for the types it
-    has a kernel for (`VEC_DOT_TYPE`) at tail 0, and BeeLlama's scalar routes (`scalar_route`) for
-    a KVarN pair or a standard pair with a tail, which dequantize any of BeeLlama's types. A sink
-    other than the pair's own (exact tokens llama.cpp does not keep) is refused, never dropped."""
+    llamacpp-cpu is llama.cpp's CPU arithmetic: ggml's flash-attention kernel for a standard pair
+    at tail 0 (`VEC_DOT_TYPE`: upstream's types and BeeLlama's), and BeeLlama's scalar routes
+    (`scalar_route`) for a KVarN pair or a standard pair with a tail. A type that is neither
+    llama.cpp's nor BeeLlama's (the ecosystem's caches) is refused by name, and so is a sink other
+    than the pair's own (exact tokens llama.cpp does not keep), never dropped."""
     if compute not in COMPUTES:
         raise ValueError(f"compute {compute!r} not accepted; use one of {', '.join(COMPUTES)}")
     if compute == LLAMACPP_CPU:
@@ -131,15 +139,14 @@ def check_compute(compute: str, k: str | None = None, v: str | None = None, tail
                              "sink of its own choosing (KVarN's is its format's: leave --sink unset)")
         if k is None or v is None:
             return compute
-        if scalar_route(compute, k, v, tail):
-            for role, t in (("K", k), ("V", v)):
-                if get(t).family == "ecosystem":
-                    raise ValueError(f"compute {LLAMACPP_CPU}: {role} type {t!r} is not a llama.cpp or BeeLlama "
-                                     "cache type; its arithmetic is the exact path's only")
-            return compute
         for role, t in (("K", k), ("V", v)):
-            if t not in VEC_DOT_TYPE:
-                raise ValueError(
-                    f"compute {LLAMACPP_CPU}: {role} type {t!r} has no llama.cpp CPU kernel to emulate at tail 0; "
-                    f"accepted: {', '.join(VEC_DOT_TYPE)} (any BeeLlama type with a tail > 0, or a KVarN pair)")
+            if get(t).family == "ecosystem":
+                raise ValueError(f"compute {LLAMACPP_CPU}: {role} type {t!r} is not a llama.cpp or BeeLlama "
+                                 "cache type; its arithmetic is the exact path's only")
+        if not scalar_route(compute, k, v, tail):
+            for role, t in (("K", k), ("V", v)):
+                if t not in VEC_DOT_TYPE:
+                    raise ValueError(
+                        f"compute {LLAMACPP_CPU}: {role} type {t!r} has no llama.cpp CPU kernel to emulate at "
+                        f"tail 0; accepted: {', '.join(VEC_DOT_TYPE)} (or a KVarN pair)")
     return compute
