@@ -294,9 +294,14 @@ def test_decode_figure_spec(tmp_path):
     from kvarn.report.figures import decode as decode_fig
 
     paths = [_fake_summary(tmp_path, "q4_0-q4_0-t128", "q4_0", "q4_0", 128, [2, 3, 8]),
-             _fake_summary(tmp_path, "kvarn4-kvarn4-t0", "kvarn4", "kvarn4", 0, [5, 8, 8])]
+             _fake_summary(tmp_path, "kvarn4-kvarn4-t0", "kvarn4", "kvarn4", 0, [5, 8, 8]),
+             _fake_summary(tmp_path, "kvarn2-kvarn2-t200", "kvarn2", "kvarn2", 200, [1, 1, 1]),
+             _fake_summary(tmp_path, "kivi4-kivi4-t0", "kivi4", "kivi4", 0, [8, 8, 8])]
     f = decode_frame(paths)
-    assert set(f["label"]) == {"q4_0-q4_0 t128", "kvarn4-kvarn4 t128*"} and f.height == 2 * 9
+    # the printed tail is the effective one where the format raised the request: KVarN to whole
+    # 128-token groups, an ecosystem type to its 128-token residual window (kvarn.spec.facts)
+    assert set(f["label"]) == {"q4_0-q4_0 t128", "kvarn4-kvarn4 t128*", "kvarn2-kvarn2 t256*",
+                               "kivi4-kivi4 t128*"} and f.height == 4 * 9
     kv = f.filter(f["cell"] == "kvarn4-kvarn4-t0").sort("step")
     assert kv["survival"].to_list() == pytest.approx([1, 1, 1, 1, 1, 1, 2 / 3, 2 / 3, 2 / 3])
     spec = decode_fig(f).to_dict()

@@ -387,7 +387,8 @@ def test_generation_refuses_fewer_chunks_than_prompts(tmp_path):
 
 def test_generation_plan_of_the_shipped_config():
     """kvarn.plan.generation in this process (the rules call it in snakemake's): config/generation.yaml
-    has one decode run per model with its seven cells; each run's inputs are the decode, steps,
+    has one decode run per model with its thirteen cells (seven of KVarN and standard types, six of
+    transformers' QuantizedCache backends); each run's inputs are the decode, steps,
     teacher-forced and baseline files of those cells; the targets are each run's tables and
     figures; a run the matrix does not have, or cells that score fewer chunks than the decode has
     prompts, are refused by name."""
@@ -400,7 +401,10 @@ def test_generation_plan_of_the_shipped_config():
     plan = PG.runs(m)
     assert sorted(plan) == [("gemma3-270m", 4096, 16, 2048, ""), ("smollm2-135m", 2048, 16, 1024, "")]
     r = plan[("smollm2-135m", 2048, 16, 1024, "")]
-    assert len(r["decode"]) == len(r["cells"]) == len(r["baselines"]) == 7 and r["chunks"] == 16
+    assert len(r["decode"]) == len(r["cells"]) == len(r["baselines"]) == 13 and r["chunks"] == 16
+    eco = {c.name for c in m.cells if c.family == "ecosystem"}
+    assert eco == {f"{t}-{t}-t0" for t in ("quanto4", "quanto2", "hqq4", "hqq2", "kivi4", "kivi2")}
+    assert sum(d.rsplit("/", 1)[1] in eco for d in r["decode"]) == 6
     assert r["decode"][0] == matrix.decode_dir("smollm2-135m", 2048, 16, 1024, m.cells[0].name)
     got = PG.run_inputs(m, "smollm2-135m", "2048", "16", "1024")  # wildcards arrive as strings
     assert got == {"decode": [f"{d}/summary.json" for d in r["decode"]], "steps": [f"{d}/steps.parquet" for d in r["decode"]],
@@ -420,7 +424,8 @@ def test_generation_plan_of_the_shipped_config():
 
 def test_generation_plan_of_the_sampled_config():
     """config/generation-sampled.yaml: the same teacher-forced cells as config/generation.yaml's
-    (shared cached targets), its decodes in their own directories (suffix -T1-s0), its five cells;
+    (shared cached targets), its decodes in their own directories (suffix -T1-s0), its eleven cells
+    (five of KVarN and standard types, the six QuantizedCache backends at 4 and 2 bits);
     the greedy run is not one of its runs."""
     import yaml
 
@@ -431,7 +436,7 @@ def test_generation_plan_of_the_sampled_config():
     plan = PG.runs(m)
     assert sorted(plan) == [("gemma3-270m", 4096, 16, 2048, "-T1-s0"), ("smollm2-135m", 2048, 16, 1024, "-T1-s0")]
     r = plan[("smollm2-135m", 2048, 16, 1024, "-T1-s0")]
-    assert len(r["decode"]) == 5 and set(r["cells"]) <= {c.dir for c in greedy.cells}
+    assert len(r["decode"]) == 11 and set(r["cells"]) <= {c.dir for c in greedy.cells}
     assert r["decode"][0] == f"results/smollm2-135m/decode-ctx2048-p16-g1024-T1-s0/{m.cells[0].name}"
     assert m.decode_dirs("smollm2-135m") == r["decode"]
     assert PG.run_inputs(m, "smollm2-135m", "2048", "16", "1024", "-T1-s0")["decode"] == [

@@ -244,6 +244,27 @@ def test_position_and_distribution_specs(results):
     assert fields(ecdf)["y"] == "fraction"
 
 
+def test_line_style_per_family_only_for_the_families_drawn():
+    """Solid KVarN, dashed standard, dotted QuantizedCache backends; the legend lists (and its title
+    explains) only the families a figure draws, and an unknown family is refused by name."""
+    from kvarn.report.figures import FAMILY_DASH, _gen_encodings, family_dash
+
+    dash = family_dash(["ecosystem", "standard", "kvarn"]).to_dict()
+    assert dash["scale"]["domain"] == ["kvarn", "standard", "ecosystem"]
+    styles = [tuple(r) for r in dash["scale"]["range"]]
+    assert len(set(styles)) == 3 and styles[0] == (1, 0)
+    assert dash["title"] == "family (solid: KVarN; dashed: standard; dotted: QuantizedCache backends)"
+    two = family_dash(["standard", "kvarn"]).to_dict()
+    assert two["scale"]["domain"] == ["kvarn", "standard"] and "dotted" not in two["title"]
+    with pytest.raises(ValueError, match=r"no line style for family \['float'\]; known: kvarn, standard, ecosystem"):
+        family_dash(["kvarn", "float"])
+    assert set(FAMILY_DASH) == {"kvarn", "standard", "ecosystem"}
+    # a colour per cell: ten labels fit tableau10, an eleventh switches to tableau20
+    for n, scheme in ((10, "tableau10"), (11, "tableau20")):
+        frame = pl.DataFrame({"label": [f"c{i}" for i in range(n)], "family": ["kvarn"] * n, "width": [4] * n})
+        assert _gen_encodings(frame)[0].to_dict()["scale"]["scheme"] == scheme
+
+
 def test_save_chart_writes_spec_svg_png(prep, tmp_path):
     written = R.save_chart(R.tail_effect(prep["smollm2-135m"]), tmp_path / "fig" / "tail_effect")
     assert [p.name for p in written] == ["tail_effect.vl.json", "tail_effect.svg", "tail_effect.png"]

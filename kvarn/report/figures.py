@@ -22,7 +22,10 @@ from kvarn.report import tokens as T
 # One colour per Pareto series; other tails (if a matrix has them) get the spare colours.
 SERIES_COLORS = {D.SERIES_STANDARD_T0: "#9a9a9a", D.SERIES_STANDARD_T128: "#4c78a8", D.SERIES_KVARN: "#e45756"}
 SPARE_COLORS = ["#72b7b2", "#b279a2", "#f58518", "#54a24b", "#eeca3b"]
-FAMILY_DASH = alt.Scale(domain=["standard", "kvarn"], range=[[5, 3], [1, 0]])
+# Line style per family (kvarn.report.data.family_of): solid KVarN, dashed standard, dotted for
+# transformers' QuantizedCache backends; a figure's legend lists the families it draws.
+FAMILY_DASH = {"kvarn": ([1, 0], "solid: KVarN"), "standard": ([5, 3], "dashed: standard"),
+               "ecosystem": ([1, 3], "dotted: QuantizedCache backends")}
 FLOOR_COLOR = "#2f7d32"
 ECO_SHADES = [("#b279a2", "#d6b3cb"), ("#f58518", "#f9bd84"), ("#72b7b2", "#b3dbd8")]  # QuantizedCache partners
 WIDTH, HEIGHT = 520, 320
@@ -430,7 +433,8 @@ def _with_cells(frame: pl.DataFrame, cells: pl.DataFrame) -> pl.DataFrame:
 def _gen_encodings(frame: pl.DataFrame):
     """Colour per cell (two rows of one width, e.g. q4_0 t128 and its format-only row, apart), dash per family."""
     _, dash = _cell_encodings(frame)
-    return alt.Color("label:N", title="cell", scale=alt.Scale(scheme="tableau10"),
+    scheme = "tableau10" if frame["label"].n_unique() <= 10 else "tableau20"  # a colour per cell
+    return alt.Color("label:N", title="cell", scale=alt.Scale(scheme=scheme),
                      legend=alt.Legend(orient="bottom", columns=2, labelLimit=400)), dash
 
 
@@ -586,9 +590,18 @@ def _cell_encodings(tokens_like: pl.DataFrame):
     widths = sorted(tokens_like["width"].unique().to_list())
     color = alt.Color("width:O", title="width (bits)", legend=alt.Legend(orient="bottom"),
                       scale=alt.Scale(scheme="viridis", domain=widths, reverse=True))
-    dash = alt.StrokeDash("family:N", scale=FAMILY_DASH, title="family (dashed: standard)",
-                          legend=alt.Legend(orient="bottom"))
-    return color, dash
+    return color, family_dash(tokens_like["family"].unique().to_list())
+
+
+def family_dash(families) -> alt.StrokeDash:
+    """The stroke dash of the families drawn (FAMILY_DASH's order), titled by what each style means."""
+    drawn = [f for f in FAMILY_DASH if f in set(families)]
+    unknown = sorted(set(families) - set(FAMILY_DASH), key=str)
+    if unknown:
+        raise ValueError(f"no line style for family {unknown}; known: {', '.join(FAMILY_DASH)}")
+    return alt.StrokeDash("family:N", scale=alt.Scale(domain=drawn, range=[FAMILY_DASH[f][0] for f in drawn]),
+                          title=f"family ({'; '.join(FAMILY_DASH[f][1] for f in drawn)})",
+                          legend=alt.Legend(orient="bottom", titleLimit=0))  # 0: the whole title
 
 
 def position(tokens: pl.DataFrame, n_bins: int = 24) -> alt.LayerChart:
