@@ -360,10 +360,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_generation_config_plans_its_jobs_counted_by_hand(tmp_path):
-    # 2 models x 7 cells: a teacher-forced cell and a decode each; per model one baseline, one
-    # statistics job and one job for its 4 figures; both models fetched into the empty model cache.
+    # 2 models x 13 cells (7 KVarN / standard, 6 QuantizedCache backends): a teacher-forced cell and a
+    # decode each; per model one baseline, one statistics job and one job for its 4 figures; both
+    # models fetched into the empty model cache.
     wd = _workflow(tmp_path, ROOT / "config" / "generation.yaml")
-    assert _plan(wd, "generation") == {"fetch_model": 2, "wikitext": 1, "baseline": 2, "cell": 14, "decode": 14,
+    assert _plan(wd, "generation") == {"fetch_model": 2, "wikitext": 1, "baseline": 2, "cell": 26, "decode": 26,
                                        "generation_stats": 2, "report_generation": 2, "generation": 1}
 
 

@@ -247,7 +247,7 @@ def test_position_and_distribution_specs(results):
 def test_line_style_per_family_only_for_the_families_drawn():
     """Solid KVarN, dashed standard, dotted QuantizedCache backends; the legend lists (and its title
     explains) only the families a figure draws, and an unknown family is refused by name."""
-    from kvarn.report.figures import FAMILY_DASH, _gen_encodings, family_dash
+    from kvarn.report.figures import FAMILY_DASH, generation_encodings, family_dash
 
     dash = family_dash(["ecosystem", "standard", "kvarn"]).to_dict()
     assert dash["scale"]["domain"] == ["kvarn", "standard", "ecosystem"]
@@ -262,7 +262,7 @@ def test_line_style_per_family_only_for_the_families_drawn():
     # a colour per cell: ten labels fit tableau10, an eleventh switches to tableau20
     for n, scheme in ((10, "tableau10"), (11, "tableau20")):
         frame = pl.DataFrame({"label": [f"c{i}" for i in range(n)], "family": ["kvarn"] * n, "width": [4] * n})
-        assert _gen_encodings(frame)[0].to_dict()["scale"]["scheme"] == scheme
+        assert generation_encodings(frame)[0].to_dict()["scale"]["scheme"] == scheme
 
 
 def test_save_chart_writes_spec_svg_png(prep, tmp_path):

@@ -430,7 +430,7 @@ def _with_cells(frame: pl.DataFrame, cells: pl.DataFrame) -> pl.DataFrame:
     return frame.join(cells.select("cell", "label", "family", pl.col("width").fill_null(0)), on="cell", how="left")
 
 
-def _gen_encodings(frame: pl.DataFrame):
+def generation_encodings(frame: pl.DataFrame):
     """Colour per cell (two rows of one width, e.g. q4_0 t128 and its format-only row, apart), dash per family."""
     _, dash = _cell_encodings(frame)
     scheme = "tableau10" if frame["label"].n_unique() <= 10 else "tableau20"  # a colour per cell
@@ -453,7 +453,7 @@ def generation_survival(tables: dict[str, pl.DataFrame]) -> alt.LayerChart:
     """Kaplan–Meier survival of the first divergence per cell, with its band."""
     cells = tables["cells"]
     s = _with_cells(step_points(tables["survival"]), cells)
-    color, dash = _gen_encodings(s)
+    color, dash = generation_encodings(s)
     base = alt.Chart(s).encode(x=alt.X("t:Q", title="tokens generated"), color=color, detail="label:N")
     band = base.mark_area(opacity=0.12, interpolate="step-after").encode(
         y=alt.Y("lo:Q", title="fraction of prompts identical to the baseline", scale=alt.Scale(domain=[0, 1])),
@@ -474,7 +474,7 @@ def generation_kld_steps(tables: dict[str, pl.DataFrame]) -> alt.LayerChart:
     cells = tables["cells"]
     c = _with_cells(tables["curves"].filter(pl.col("kind") == "free-running"), cells).with_columns(
         pl.col("kld_mean", "lo", "hi").clip(lower_bound=1e-8))
-    color, dash = _gen_encodings(c)
+    color, dash = generation_encodings(c)
     base = alt.Chart(c).encode(x=alt.X("step_mid:Q", title="generated step (bin centre)"), color=color, detail="label:N")
     band = base.mark_area(opacity=0.12).encode(
         y=alt.Y("lo:Q", title="mean KLD vs baseline over prompts (log)", scale=alt.Scale(type="log")), y2="hi:Q")
