@@ -261,7 +261,7 @@ def test_line_style_per_family_only_for_the_families_drawn():
     assert set(FAMILY_DASH) == {"kvarn", "standard", "ecosystem"}
     # a colour per cell: ten labels fit tableau10, an eleventh switches to tableau20
     for n, scheme in ((10, "tableau10"), (11, "tableau20")):
-        frame = pl.DataFrame({"label": [f"c{i}" for i in range(n)], "family": ["kvarn"] * n, "width": [4] * n})
+        frame = pl.DataFrame({"label": [f"c{i}" for i in range(n)], "family": ["kvarn"] * n})
         assert generation_encodings(frame)[0].to_dict()["scale"]["scheme"] == scheme
 
 

@@ -458,7 +458,7 @@ def decode_frame(summary_paths: Iterable[str | Path]) -> pl.DataFrame:
         fam = family_of(s["k_type"])
         g = s["n_tokens"]
         width = type_bits(s["k_type"]) if s["k_type"] == s["v_type"] else None
-        label = f"{s['k_type']}-{s['v_type']} t{facts.tail_label(s['k_type'], s['v_type'], s['tail'])}"
+        label = cell_name(s["k_type"], s["v_type"], s["tail"])
         frames.append(pl.DataFrame({
             "model": s["model"], "cell": cell, "label": label, "family": fam, "width": width,
             "prompts": s["n_prompts"], "tokens": g, "decoding": summary_sampling(s), "step": list(range(g + 1)),

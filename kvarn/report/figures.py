@@ -432,7 +432,7 @@ def _with_cells(frame: pl.DataFrame, cells: pl.DataFrame) -> pl.DataFrame:
 
 def generation_encodings(frame: pl.DataFrame):
     """Colour per cell (two rows of one width, e.g. q4_0 t128 and its format-only row, apart), dash per family."""
-    _, dash = _cell_encodings(frame)
+    dash = family_dash(frame["family"].unique().to_list())
     scheme = "tableau10" if frame["label"].n_unique() <= 10 else "tableau20"  # a colour per cell
     return alt.Color("label:N", title="cell", scale=alt.Scale(scheme=scheme),
                      legend=alt.Legend(orient="bottom", columns=2, labelLimit=400)), dash
