@@ -300,6 +300,25 @@ def test_kvarn_groups_and_ubatch(model):
         assert_at_fp32_noise(checked_run(model, ids, "kvarn4", "kvarn4", 0, ub), f"kvarn4 ub{ub}")
 
 
+
+@pytest.mark.parametrize("name", ["kvarn4", "kivi2"])
+def test_cache_builds_k_and_v_in_their_roles(model, name):
+    # KVarnCache's own construction from a CellSpec (not formats set on its layers by hand): the
+    # body K is the format's K roundtrip of the stored exact K (KVarN per channel, KIVI per channel),
+    # the body V its V roundtrip (per token), and never the other role's, which differs here.
+    ids = _ids(model, 128)  # one whole KVarN group, sealed into the body
+    model.set_attn_implementation(kattn.ATTN_NAME)
+    cache = KVarnCache(model.config, CellSpec(name, name, 128, tail_dtype="f32"))
+    with torch.no_grad():
+        model(ids, cache=cache, kvarn_cache=cache)
+    own = {r: get_format(name, r) for r in ("k", "v")}
+    for layer in cache.layers:
+        for role, other, body, exact in (("k", "v", layer.keys, layer.exact_keys),
+                                         ("v", "k", layer.values, layer.exact_values)):
+            x = exact[..., :128, :].float().contiguous()
+            assert torch.equal(body[..., :128, :], own[role].roundtrip(x)), (name, role)
+            assert not torch.equal(body[..., :128, :], own[other].roundtrip(x)), (name, role)
+
 def test_attention_softcap_is_refused():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
