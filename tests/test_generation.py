@@ -160,6 +160,16 @@ def test_tf_vs_free_ratio():
     assert r["ratio"] == pytest.approx(2.0) and r["ratio_lo"] == pytest.approx(1.0) and r["ratio_hi"] == pytest.approx(3.0)
 
 
+def test_tf_vs_free_draws_the_same_prompts_for_both_means():
+    # Free-running KLD 3x the teacher-forced one prompt by prompt, the prompts' KLD spread over
+    # three decades: every paired draw gives exactly 3 (a zero-width interval); a draw of other
+    # prompts for the two means would give ratios from ~1/10 to ~30.
+    tf = np.repeat(np.array([[0.001], [0.01], [0.1], [1.0], [0.003], [0.03], [0.3], [0.5]]), 5, axis=1)
+    r = G.tf_vs_free(3 * tf, tf, n_boot=400)
+    assert r["ratio"] == pytest.approx(3.0)
+    assert r["ratio_lo"] == pytest.approx(3.0, rel=1e-12) and r["ratio_hi"] == pytest.approx(3.0, rel=1e-12)
+
+
 DEC = {"model": "m", "source": "embedded:m", "revision": "r", "n_ctx": 2048, "k_type": "kvarn4", "v_type": "kvarn4",
        "tail": 0, "rot": True, "iters": 16, "sink": None, "tail_dtype": None, "n_prompts": 16,
        "text_sha256": "aa", "tokenizer_hash": "tt"}
