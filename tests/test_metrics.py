@@ -54,6 +54,20 @@ def test_base_entries_at_or_below_floor_left_out(token_metrics):
     assert m["kld"][0] == pytest.approx(0.5 * math.log(2.0), rel=1e-12)
 
 
+@BOTH
+def test_base_entry_exactly_at_floor_left_out_just_above_counted(token_metrics):
+    # The floor is strict (ln p_base > −16): an entry at exactly −16.0 is left out, one a float64
+    # ulp above counts. Both have Q's log-prob −40, so each would add e^−16·24 ≈ 2.7e-6 nats, and
+    # the rest of the row adds ~e^−40: the KLD is that one term, never two.
+    above = math.nextafter(metrics.KLD_BASE_FLOOR, 0.0)
+    base = torch.tensor([[math.log(0.5), math.log(0.5), metrics.KLD_BASE_FLOOR, above]], dtype=torch.float64)
+    q0 = math.log(0.5 - 2 * math.exp(-40.0))
+    q = torch.tensor([[q0, math.log(0.5), -40.0, -40.0]], dtype=torch.float64)
+    m = token_metrics(q, base, torch.tensor([0]))
+    want = 0.5 * (math.log(0.5) - q0) + math.exp(above) * (above + 40.0)
+    assert m["kld"][0] == pytest.approx(want, rel=1e-9)
+
+
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="shapes disagree"):
         metrics.token_metrics(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2))
