@@ -1,4 +1,6 @@
 rule cell:
+    wildcard_constraints:
+        model=TORCH_MODELS,
     input:
         model=model_marker,
         text=ancient(rules.wikitext.output[0]),  # sha256-fixed: its identity cannot change
@@ -24,6 +26,37 @@ rule cell:
         "../../envs/kvarn.yaml"
     script:
         "../scripts/cell.py"
+
+
+# A cell of a llama.cpp-engine model (kvarn.program.runner): the same files, from the program's logits.
+rule cell_program:
+    wildcard_constraints:
+        model=PROGRAM_MODELS,
+    input:
+        model=model_marker,
+        text=ancient(rules.wikitext.output[0]),
+        baseline=cell_baseline,
+        identity=lambda wildcards: cell_baseline(wildcards) + ".json",
+    output:
+        summary=f"{CELL}/summary.json",
+        tokens=f"{CELL}/tokens.parquet",
+    params:
+        source=model_param("source"),
+        revision=model_param("revision"),
+        ubatch=model_param("ubatch"),
+        cell=cell_fields,
+        engine=engine_param,
+    threads: MODEL_THREADS
+    resources:
+        gpu=1,
+    log:
+        f"{LOG}/cells/{{k}}-{{v}}-t{{tail}}{{opts}}.log",
+    benchmark:
+        f"{BENCH}/cells/{{k}}-{{v}}-t{{tail}}{{opts}}.tsv"
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/program.py"
 
 
 rule cell_row:

@@ -104,9 +104,37 @@ def cell_fields(wildcards) -> dict:
 
 
 def cell_baseline(wildcards):
-    """The cell's baseline dump: results/.../baseline.kvd, or baseline-llamacpp_cpu.kvd for that compute path."""
+    """The cell's baseline dump: results/.../baseline.kvd, baseline-llamacpp_cpu.kvd for that compute path,
+    or baseline.llama.kld for a model of the llama.cpp engine."""
     run = RUN.format(model=wildcards.model, n_ctx=wildcards.n_ctx, chunks=wildcards.chunks)
-    return kvm.baseline_path(run, kvm.CellSpec.from_wildcards(wildcards).compute)
+    return kvm.baseline_path(run, kvm.CellSpec.from_wildcards(wildcards).compute,
+                             MATRIX.models[wildcards.model].engine)
+
+
+# The models of each engine (kvarn.program.settings): the torch engine's rules and the llama.cpp
+# engine's produce the same cell files, each for its own models (a pattern that matches none: "(?!)").
+def _models_pattern(engine):
+    import re
+
+    names = [re.escape(n) for n, m in MATRIX.models.items() if m.engine == engine]
+    return "|".join(names) if names else "(?!)"
+
+
+TORCH_MODELS = _models_pattern("torch")
+PROGRAM_MODELS = _models_pattern(kvm.LLAMACPP)
+_PLANNED_BUILDS = {}
+
+
+def engine_param(wildcards) -> dict:
+    """A llama.cpp-engine model's settings and its build's identity as read when planning
+    (kvarn.program.build.plan_identity): a changed build or setting reruns its baseline and cells."""
+    from kvarn.program.build import plan_identity
+
+    settings = MODELS[wildcards.model]["engine_settings"]
+    key = settings.get("build")
+    if key not in _PLANNED_BUILDS:
+        _PLANNED_BUILDS[key] = plan_identity(key)
+    return {"settings": settings, "build": _PLANNED_BUILDS[key]}
 
 
 def format_versions(wildcards) -> dict:

@@ -1,0 +1,313 @@
+"""The baseline and one cell through a llama.cpp build (`engine: llama.cpp`): the program's own logits.
+
+Both go through the harness (kvarn_kld.cpp, compiled against the build: `kvarn.program.build`),
+which runs llama-perplexity's KLD protocol with the build's own argument parser, model loader,
+context and decode, and writes one record per scored token:
+
+    baseline  the bf16/bf16 cache (-ctk bf16 -ctv bf16): the KLD base file llama-perplexity's
+              --kl-divergence-base writes (byte for byte: tests/test_program.py), and its identity
+              beside it (`<file>.json`)
+    cell      the cell's -ctk/-ctv, tail (--kv-tail-tokens, where the build has it) and rotation
+              switch (LLAMA_ATTN_ROT_DISABLE=1 for rot false) against that base file: tokens.parquet
+              (the torch engine's columns) and summary.json (kvarn.stats.metrics.summarize over the
+              records: what llama-perplexity --kl-divergence prints for the same cell)
+
+Settings (`Settings`: the matrix's `engine` block) go on every command line: -b (capped at
+n_ctx: one sequence per batch), -ub (the model's ubatch), -t, -fa, -ngl and any extra arguments.
+Every setting, the build's identity and the numerics environment are the run's identity
+(`run_identity`): a cell refuses a baseline of another (`check_identity`). What the build cannot
+run is refused before any work, with the build's own list (`cell_args`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvarn.files.atomic import atomic_path, write_text
+from kvarn.program import build as pbuild
+from kvarn.spec import facts, scoring
+from kvarn.spec.cell import CellSpec
+from kvarn.spec.options import DEFAULT_COMPUTE
+from kvarn.program.settings import ENGINE, Settings
+
+RECORD_COLUMNS = ("chunk", "pos", "kld", "nll", "nll_base", "dp", "same_top")
+
+
+class Refused(ValueError):
+    """A cell this build cannot run; the message names the build, the value and what it accepts."""
+
+# --- what a build can run --------------------------------------------------------------
+
+def cell_args(b: pbuild.Build, cell: CellSpec) -> tuple[list[str], dict]:
+    """(-ctk/-ctv/tail arguments, environment) of a cell on build `b`; Refused before any work."""
+    where = f"llama.cpp build {b.dir} ({b.version})"
+    if cell.compute != DEFAULT_COMPUTE:
+        raise Refused(f"{cell.name}: compute {cell.compute!r} is the torch engine's emulation of llama.cpp; "
+                      f"the llama.cpp engine runs the program itself (drop compute)")
+    for role, t in (("k", cell.k), ("v", cell.v)):
+        if t not in b.cache_types:
+            raise Refused(f"{cell.name}: {where} does not accept --cache-type-{role} {t}; its --help allows: "
+                          f"{', '.join(b.cache_types)}")
+    if cell.sink is not None:
+        raise Refused(f"{cell.name}: sink {cell.sink}: a sink for a standard type is kvarn's cache model, "
+                      f"{where} has no such option")
+    if cell.tail_dtype is not None:
+        raise Refused(f"{cell.name}: tail dtype {cell.tail_dtype}: {where} takes the program's own tail dtype")
+    if cell.iters != facts.KVARN_ITERS:
+        raise Refused(f"{cell.name}: KVarN iters {cell.iters}: {where} runs its own {facts.KVARN_ITERS} passes")
+    args = ["-ctk", cell.k, "-ctv", cell.v]
+    if cell.tail:
+        if not b.has_option("--kv-tail-tokens"):
+            raise Refused(f"{cell.name}: tail {cell.tail}: {where} has no --kv-tail-tokens (upstream llama.cpp keeps "
+                          f"no exact tail; BeeLlama does): run tail 0 here")
+        args += ["--kv-tail-tokens", str(cell.tail)]
+    quantized = any(facts.get(t).family != "float" for t in (cell.k, cell.v))
+    env = {"LLAMA_ATTN_ROT_DISABLE": "1"} if (not cell.rot and quantized) else {}
+    return args, env
+
+
+# --- identity ---------------------------------------------------------------------------
+
+def run_identity(b: pbuild.Build, settings: Settings, threads: int, ubatch: int, n_ctx: int, gguf_sha256: str,
+                 text_sha256: str, env: dict) -> dict:
+    """What a baseline and its cells must share: the build, every setting, the numerics environment."""
+    numerics = {k: v for k, v in {**{k: os.environ[k] for k in pbuild.NUMERICS_ENV if k in os.environ},
+                                   **settings.env}.items()}
+    numerics.pop("LLAMA_ATTN_ROT_DISABLE", None)  # the cell's rot, not the run's
+    return {"engine": ENGINE, "build": b.identity(), "threads": threads, "batch": min(settings.batch, n_ctx),
+            "ubatch": ubatch, "flash_attn": settings.flash_attn, "gpu_layers": settings.gpu_layers,
+            "args": list(settings.args), "env": dict(sorted(numerics.items())), "n_ctx": n_ctx,
+            "weights_sha256": gguf_sha256, "text_sha256": text_sha256}
+
+
+def check_identity(base: dict, ours: dict, base_path) -> None:
+    """Refuse a baseline made by another build or setting, naming the first difference."""
+    for key in ours:
+        if base.get(key) != ours[key]:
+            raise ValueError(f"baseline {base_path}: {key} is {base.get(key)!r} there but {ours[key]!r} in this cell: "
+                             "a cell is scored only against a baseline of the same build and settings; remake it")
+
+
+# --- running the harness ----------------------------------------------------------------
+
+def common_args(b: pbuild.Build, settings: Settings, gguf: Path, n_ctx: int, ubatch: int, threads: int) -> list[str]:
+    """The options of every run: the model, -c, -b (capped at n_ctx), -ub, -t, -fa, -ngl, the settings'
+    own; info-level logging where the build gates it (its KV buffer and speed lines are read back)."""
+    verbosity = ["-lv", "4"] if b.has_option("--log-verbosity") else []
+    return ["-m", str(gguf), "-c", str(n_ctx), "-b", str(min(settings.batch, n_ctx)), "-ub", str(ubatch),
+            "-t", str(threads), "-fa", settings.flash_attn, "-ngl", str(settings.gpu_layers), *verbosity,
+            *settings.args]
+
+
+def run_harness(b: pbuild.Build, mode: str, args: list[str], env: dict, records: Path, log: Path) -> str:
+    """Run the harness; its stderr and stdout go to `log`; returns the log's text. A failure raises
+    with the log's last lines."""
+    exe = pbuild.harness(b)
+    cmd = [str(exe), "--kvarn-mode", mode, "--kvarn-records", str(records), *args]
+    full_env = {**os.environ, **env}
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(f"{k}={v}" for k, v in env.items()) + (" " if env else "") + " ".join(cmd) + "\n")
+        f.flush()
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env)
+    text = log.read_text(errors="replace")
+    if r.returncode != 0:
+        tail = "\n".join(text.splitlines()[-15:])
+        raise RuntimeError(f"llama.cpp ({b.dir}) failed with rc {r.returncode}; the end of {log}:\n{tail}")
+    return text
+
+
+KV_LINE = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
+PROMPT_LINE = re.compile(r"prompt eval time\s*=\s*([\d.]+) ms /\s*(\d+) tokens")
+
+
+def program_figures(text: str) -> dict:
+    """What the program printed: its KV buffers (MiB, summed over its caches) and its prompt speed."""
+    kv = [float(x) for x in KV_LINE.findall(text)]
+    m = PROMPT_LINE.search(text)
+    out = {"kv_program_mib": sum(kv) if kv else None, "prefill_tokens_per_s": None}
+    if m and float(m[1]) > 0:
+        out["prefill_tokens_per_s"] = int(m[2]) / (float(m[1]) / 1000)
+    return out
+
+
+def read_records(path: Path) -> dict[str, np.ndarray]:
+    """The harness's per-token TSV as the torch engine's columns (chunk, pos int32; floats; same_top bool)."""
+    import polars as pl
+
+    df = pl.read_csv(path, separator="\t", schema_overrides={"chunk": pl.Int32, "pos": pl.Int32})
+    if tuple(df.columns) != RECORD_COLUMNS:
+        raise ValueError(f"{path}: columns {df.columns}, expected {list(RECORD_COLUMNS)}")
+    return df.with_columns(*(pl.col(c).cast(pl.Float64) for c in ("kld", "nll", "nll_base", "dp")),
+                           pl.col("same_top").cast(pl.Boolean))
+
+
+def run_baseline(b: pbuild.Build, settings: Settings, gguf: Path, gguf_sha256: str, text: Path, text_sha256: str,
+                 n_ctx: int, chunks: int | None, ubatch: int, threads: int, out: Path) -> dict:
+    """The bf16-cache base file at `out` (llama-perplexity's format) and its identity at `out`.json."""
+    scoring.scored_positions(n_ctx)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ident = run_identity(b, settings, threads, ubatch, n_ctx, gguf_sha256, text_sha256, {})
+    t0 = time.perf_counter()
+    Path(f"{out}.json").unlink(missing_ok=True)  # the identity is written last: its presence means done
+    with atomic_path(out) as tmp:
+        args = [*common_args(b, settings, gguf, n_ctx, ubatch, threads), "-f", str(text), "-ctk", "bf16", "-ctv", "bf16",
+                "--kl-divergence-base", str(tmp)] + (["--chunks", str(chunks)] if chunks else [])
+        records = tmp.with_name(tmp.name + ".tsv")
+        try:
+            text_out = run_harness(b, "base", args, settings.env, records, out.with_name(out.name + ".log"))
+        finally:
+            records.unlink(missing_ok=True)
+    info = {**ident, **program_figures(text_out), "wall_s": time.perf_counter() - t0}
+    write_text(out.with_name(out.name + ".json"), json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def run_cell(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf: Path, gguf_sha256: str, text_sha256: str,
+             n_ctx: int, ubatch: int, threads: int, baseline: Path, out_dir: Path, model_fields: dict,
+             chunks: int | None = None) -> dict:
+    """One cell against the base file `baseline`: out_dir/tokens.parquet, summary.json (and the program's log)."""
+    from kvarn.stats import metrics
+
+    cell_extra, env = cell_args(b, cell)  # refused before any work
+    base_info = json.loads(Path(f"{baseline}.json").read_text())
+    ident = run_identity(b, settings, threads, ubatch, n_ctx, gguf_sha256, text_sha256, env)
+    check_identity(base_info, ident, baseline)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check = self_check(b, settings, cell, gguf, gguf_sha256, n_ctx, ubatch, threads, baseline, out_dir / "selfcheck")
+    t0 = time.perf_counter()
+    records = out_dir / "records.tsv"
+    args = [*common_args(b, settings, gguf, n_ctx, ubatch, threads), *cell_extra, "--kl-divergence-base", str(baseline),
+            "--kl-divergence"] + (["--chunks", str(chunks)] if chunks else [])
+    text = run_harness(b, "cell", args, {**settings.env, **env}, records, out_dir / "program.log")
+    frame = read_records(records)
+    records.unlink()
+    summary = metrics.summarize(frame)
+    summary.update(model_fields)
+    summary.update({
+        "n_ctx": n_ctx, "chunks": int(frame["chunk"].max()) + 1, "ubatch": ubatch,
+        "k_type": cell.k, "v_type": cell.v, "rot": cell.rot, "tail": cell.tail, "sink_requested": cell.sink,
+        "tail_dtype": facts.pair_default_tail_dtype(cell.k, cell.v), "iters": cell.iters,
+        "tail_eff": facts.pair_effective_tail(cell.k, cell.v, cell.tail),
+        "compute": cell.compute, "engine": ENGINE, "engine_identity": ident, "program_env": env,
+        **program_figures(text), "tokens_per_s": None, "wall_s": time.perf_counter() - t0,
+        "device": b.backend, "baseline_kind": "llama", "self_check": check,
+        "engine_build": b.version, "engine_backend": b.backend, "engine_threads": threads,
+    })
+    summary["tokens_per_s"] = summary["prefill_tokens_per_s"]
+    with atomic_path(out_dir / "tokens.parquet") as tmp:
+        frame.write_parquet(tmp)
+    write_text(out_dir / "summary.json", json.dumps(summary, indent=1, default=_json) + "\n")
+    return summary
+
+
+# --- the workflow's jobs ----------------------------------------------------------------------
+
+def _job_inputs(spec, cache_dir, text, engine: dict, job_threads: int):
+    """(build, settings, gguf, its sha256, text sha256, threads) of a job, the build checked against the plan."""
+    from kvarn.baseline.data import load_text, text_sha256
+    from kvarn.files.identity import file_sha256
+    from kvarn.weights.sources import gguf_path
+
+    settings = Settings.from_config(engine["settings"])
+    b = pbuild.read_build(pbuild.build_path(settings.build))
+    pbuild.require(engine["build"], b)
+    gguf = gguf_path(spec, cache_dir)
+    if gguf is None:
+        raise Refused(f"model {spec.name} ({spec.source}) has no GGUF file: the llama.cpp engine runs GGUF weights "
+                      "(an embedded model, hf:org/repo/file.gguf or a local .gguf)")
+    return (b, settings, Path(gguf), file_sha256(gguf), text_sha256(load_text(str(text))),
+            settings.threads or job_threads)
+
+
+def baseline_job(spec, cache_dir, text, n_ctx: int, chunks: int | None, ubatch: int, engine: dict,
+                 job_threads: int, out: Path) -> dict:
+    """Rule baseline_program: the base file and its identity."""
+    b, settings, gguf, gsha, tsha, threads = _job_inputs(spec, cache_dir, text, engine, job_threads)
+    return run_baseline(b, settings, gguf, gsha, Path(text), tsha, n_ctx, chunks, ubatch, threads, out)
+
+
+def cell_job(spec, cache_dir, text, n_ctx: int, ubatch: int, engine: dict, job_threads: int, cell: CellSpec,
+             baseline: Path, out_dir: Path, accounting: str = "packed") -> dict:
+    """Rule cell_program: one cell's tokens.parquet and summary.json, with kvarn's memory accounting of the
+    same cell (from the model's geometry) beside the KV buffers the program printed."""
+    from kvarn.budget import memory
+    from kvarn.spec.geometry import config_object, geometry_from_config
+    from kvarn.weights.sources import config_json
+
+    b, settings, gguf, gsha, tsha, threads = _job_inputs(spec, cache_dir, text, engine, job_threads)
+    cell_args(b, cell)  # refused before anything else runs
+    geom = geometry_from_config(config_object(config_json(spec, cache_dir)))
+    fields = {"model": spec.name, "source": spec.source, "revision": spec.revision,
+              **memory.summary_fields(geom, n_ctx, cell, ubatch=ubatch, accounting=accounting)}
+    summary = run_cell(b, settings, cell, gguf, gsha, tsha, n_ctx, ubatch, threads, baseline, out_dir, fields)
+    return summary
+
+
+# --- the self-check: does the build's answer depend on its thread count? ----------------------
+
+SELF_CHECK_TOLERANCE = 0.01  # relative difference of a one-chunk mean or median KLD that refuses a build
+
+
+def cell_kind(cell: CellSpec) -> str:
+    """The route a cell takes in a llama.cpp build, for the self-check: its family and whether it keeps an
+    exact tail (BeeLlama's tail route differs from its tail-0 one)."""
+    tail = facts.pair_effective_tail(cell.k, cell.v, cell.tail)
+    return f"{cell.family}-{'tail' if tail else 'notail'}"
+
+
+def self_check(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf: Path, gguf_sha256: str, n_ctx: int,
+               ubatch: int, threads: int, baseline: Path, work: Path) -> dict:
+    """One chunk of `cell` at -t 1 and twice at -t `threads`, against the baseline's first chunk; cached per
+    (build, weights, settings, n_ctx, cell kind, threads) in the build's folder. Returns the result; raises
+    (naming the measured difference) when the build's answer depends on its thread count or changes
+    between identical runs. Nothing to check at one thread."""
+    if threads == 1:
+        return {"kind": cell_kind(cell), "threads": 1, "checked": False}
+    key = json.dumps([b.identity(), gguf_sha256, settings.as_param(), n_ctx, ubatch, cell_kind(cell), threads],
+                     sort_keys=True)
+    cached = b.dir / "kvarn" / "selfcheck" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if cached.is_file():
+        result = json.loads(cached.read_text())
+    else:
+        cell_extra, env = cell_args(b, cell)
+        work.mkdir(parents=True, exist_ok=True)
+        stats = []
+        for i, t in enumerate((1, threads, threads)):
+            rec = work / f"selfcheck-{i}.tsv"
+            args = [*common_args(b, settings, gguf, n_ctx, ubatch, t), *cell_extra, "--kl-divergence-base",
+                    str(baseline), "--kl-divergence", "--chunks", "1"]
+            run_harness(b, "cell", args, {**settings.env, **env}, rec, work / f"selfcheck-{i}.log")
+            kld = read_records(rec)["kld"].to_numpy()
+            stats.append({"threads": t, "mean": float(kld.mean()), "median": float(np.median(kld))})
+        ref = stats[0]
+        diff = max(abs(s[k] - ref[k]) / max(abs(ref[k]), 1e-12) for s in stats[1:] for k in ("mean", "median"))
+        repeat = max(abs(stats[1][k] - stats[2][k]) / max(abs(ref[k]), 1e-12) for k in ("mean", "median"))
+        result = {"kind": cell_kind(cell), "cell": cell.name, "threads": threads, "checked": True, "runs": stats,
+                  "max_rel_diff": max(diff, repeat), "ok": max(diff, repeat) <= SELF_CHECK_TOLERANCE}
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_text(cached, json.dumps(result, indent=1) + "\n")
+    if not result["ok"]:
+        r = result["runs"]
+        raise Refused(
+            f"{cell.name}: llama.cpp build {b.dir} ({b.version}) answers differently at {threads} threads for "
+            f"{result['kind']} cells: one chunk's mean KLD {r[0]['mean']:.6g} at -t 1, {r[1]['mean']:.6g} and "
+            f"{r[2]['mean']:.6g} in two runs at -t {threads} (median {r[0]['median']:.6g} / {r[1]['median']:.6g} / "
+            f"{r[2]['median']:.6g}; {100 * result['max_rel_diff']:.1f} % > {100 * SELF_CHECK_TOLERANCE:.0f} %). "
+            "Run this model at one thread (engine.threads: 1); docs/notes/beellama-thread-race.md")
+    return result
+
+
+def _json(x):
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")

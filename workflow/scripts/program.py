@@ -1,0 +1,27 @@
+"""Rules baseline_program and cell_program: a model of the llama.cpp engine (kvarn.program.runner).
+
+No torch here: the build runs the model; this process reads its records."""
+
+import json
+from pathlib import Path
+
+from _wf import model_spec, scratch, start
+
+start(snakemake)  # noqa: F821
+from kvarn.plan.matrix import chunks_arg  # noqa: E402
+from kvarn.program import runner  # noqa: E402
+from kvarn.spec.cell import CellSpec  # noqa: E402
+
+w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
+common = dict(spec=model_spec(snakemake), cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
+              text=snakemake.input.text, n_ctx=int(w.n_ctx), ubatch=p.ubatch, engine=p.engine,  # noqa: F821
+              job_threads=snakemake.threads)  # noqa: F821
+if snakemake.rule == "baseline_program":  # noqa: F821
+    # the base file is written atomically, then its identity (out.identity) beside it, and the program's log
+    info = runner.baseline_job(**common, chunks=chunks_arg(w.chunks), out=Path(out.base))
+else:
+    with scratch(out.tokens, out.summary) as tmp:  # summary.json last: its presence means done
+        info = runner.cell_job(**common, cell=CellSpec.from_wildcards(w), baseline=Path(snakemake.input.baseline),  # noqa: F821
+                               out_dir=tmp)
+        Path(tmp / "program.log").replace(Path(out.summary).with_name("program.log"))
+print(json.dumps(info, indent=1, default=str))
