@@ -64,6 +64,19 @@ def test_tail_label_and_family():
     assert facts.pair_family("q8_0", "q4_0") == "standard" and facts.pair_family("kvarn6", "kvarn5") == "kvarn"
 
 
+def test_a_tail_the_format_rounds_names_the_job_it_runs():
+    # KVarN rounds a tail up to whole 128-token groups: 500 runs at 512, so it is the 512 job (one
+    # path for both requests); 100 runs at 128. A tail of 0 keeps its path (t0, printed 128*), and
+    # a standard type's tail is never rounded.
+    cfg = copy.deepcopy(BASE)
+    cfg["models"][0]["n_ctx"] = [1024]
+    cfg["cells"] = [{"types": ["kvarn4"], "tail": [0, 100, 500, 512]}, {"types": ["q4_0"], "tail": [0, 100, 500]}]
+    names = [c.name for c in kvm.expand(cfg).cells]
+    assert names == ["kvarn4-kvarn4-t0", "kvarn4-kvarn4-t128", "kvarn4-kvarn4-t512",
+                     "q4_0-q4_0-t0", "q4_0-q4_0-t100", "q4_0-q4_0-t500"]
+    assert facts.job_tail("kvarn4", "kvarn4", 500) == 512 and facts.job_tail("kvarn4", "kvarn4", 0) == 0
+
+
 def test_summary_row_adds_the_table_columns():
     columns = kvm.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0))
     row = kvm.summary_row({"kv_total_bytes": 1000, "kv_total_bytes_tail0": 900, "kld_median": 0.1}, columns)

@@ -377,12 +377,15 @@ def _normalize(cell: Cell) -> Cell:
     """One path per distinct run: options that cannot change the numbers are dropped.
 
     KVarN always rotates and iters only matter to KVarN; a tail dtype or sink equal to
-    the pair's default is the default (so existing cell paths stay as they were).
+    the pair's default is the default (so existing cell paths stay as they were); a tail the
+    format rounds is the tail it runs at (`kvarn.spec.facts.job_tail`: KVarN 500 is the 512 job,
+    a tail of 0 stays t0).
     """
     default_td = facts.pair_default_tail_dtype(cell.k, cell.v)
     own_sink = max(facts.get(cell.k).sink, facts.get(cell.v).sink)
     kvarn = cell.family == "kvarn"
     return replace(cell,
+                   tail=facts.job_tail(cell.k, cell.v, cell.tail),
                    sink=None if cell.sink == own_sink else cell.sink,
                    rot=True if kvarn else cell.rot,
                    iters=cell.iters if kvarn else CELL_DEFAULTS["iters"],

@@ -221,6 +221,13 @@ def pair_effective_tail(k: str, v: str, tail: int) -> int:
     return max(get(k).effective_tail(tail), get(v).effective_tail(tail))
 
 
+def job_tail(k: str, v: str, tail: int) -> int:
+    """The tail that names a job for a requested tail: the pair's effective tail where the format
+    rounds a request (KVarN: 500 runs at 512, so it is the 512 job), a request of 0 kept as 0 (the
+    KVarN cell printed 128*, whose path stays t0)."""
+    return tail if tail == 0 else pair_effective_tail(k, v, tail)
+
+
 def tail_label(k: str, v: str, tail: int) -> str:
     """The tail as tables print it: '128*' where KVarN raised the request to its minimum."""
     return label_tail(tail, pair_effective_tail(k, v, tail))
