@@ -251,6 +251,20 @@ def test_a_memory_accounting_change_reruns_rows_not_cells(tmp_path, tiny_done):
     assert plan(wd, "--configfile", str(tmp_path / "flex.yaml")) == {}
 
 
+@pytest.mark.parametrize("profile", ["default", "local-submit", "slurm"])
+def test_a_checkout_that_edits_the_scripts_reruns_nothing(tmp_path, tiny_done, profile):
+    """Cells are versioned by their numerics (params, path), not by script code: after every
+    workflow script changed, the shipped profiles plan nothing (the default one is what a plain
+    `snakemake` and `make run` load; the others are named with --workflow-profile / --profile)."""
+    wd = done_copy(tiny_done, tmp_path)
+    scripts = sorted((wd / "workflow" / "scripts").glob("*.py"))
+    assert len(scripts) >= 5
+    for s in scripts:
+        s.write_text(s.read_text() + "\n# an edit in a new checkout\n")
+    assert plan(wd)["cell"] == len(TINY_CELLS)  # snakemake's own default reruns on code: the edit is seen
+    assert plan(wd, "--workflow-profile", str(wd / "workflow" / "profiles" / profile)) == {}
+
+
 def test_conda_env_matches_pyproject_pins():
     pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     env = yaml.safe_load((ROOT / "envs" / "kvarn.yaml").read_text())
