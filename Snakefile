@@ -18,6 +18,11 @@ if config.get("allow_unpinned") in ("true", "false"):
     config["allow_unpinned"] = config["allow_unpinned"] == "true"
 
 
+from kvarn.plan.config_check import check_config
+
+# A value the schema refuses is named with where it is and what is accepted (cells[0].tail: -3 ...);
+# snakemake's validate then fills in the schema's defaults.
+check_config(config, f"{workflow.basedir}/workflow/schemas/config.schema.yaml")
 validate(config, "workflow/schemas/config.schema.yaml")
 
 
