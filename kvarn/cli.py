@@ -9,6 +9,8 @@ is accepted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import re
 import sys
 from pathlib import Path
@@ -16,11 +18,12 @@ from pathlib import Path
 from kvarn.stats import paired
 from kvarn.files.atomic import atomic_path
 from kvarn.spec.cell import CellError, CellSpec
-from kvarn.spec.facts import TAIL_DTYPES, tail_label
+from kvarn.spec.facts import TAIL_DTYPES, job_tail, pair_effective_tail, tail_label
 from kvarn.spec.geometry import geometry_from_config
 from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, at_tail0, kv_bytes
 from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_sampling  # one list each for the CLI and the matrix
-from kvarn.budget.preflight import PreflightError, capacity, preflight
+from kvarn.budget.preflight import LONG_CONTEXT_ENV, LONG_CONTEXT_FLAG, PreflightError, capacity, preflight
+from kvarn.files.outlock import OutputBusy, hold_output
 from kvarn.weights.sources import DEFAULT_CACHE_DIR, EMBEDDED, config_json, fetch, kind_of, parse_model
 
 EPILOG = """\
@@ -31,11 +34,11 @@ examples (llama.cpp equivalents in brackets):
   kvarn run --model smollm2-135m --ctx 512 --chunks 4 --k q4_0 --v q4_0 --tail 128 \\
       --baseline base.kvd --out cells/q4_0-q4_0-t128
       [llama-perplexity -m M -f wiki.test.raw -c 512 --chunks 4 -ctk q4_0 -ctv q4_0 --kl-divergence-base base.kld --kl-divergence]
-  kvarn memory -m config/models/qwen3.6-27b.json -c 65536 -ctk kvarn4 -ctv kvarn4 --tail 0 \
+  kvarn memory -m config/models/qwen3.6-27b.json -c 65536 -ctk kvarn4 -ctv kvarn4 --tail 0 \\
       --accounting beellama-qwen
   kvarn compare cells/q4_0-q4_0-t128 cells/kvarn4-kvarn4-t0
       (paired Δ median/mean KLD and Δ same-top of B − A, 95% block-bootstrap intervals)
-  kvarn decode --model smollm2-135m --ctx 512 --prompts 8 --tokens 128 --k q4_0 --v q4_0 --tail 128 \
+  kvarn decode --model smollm2-135m --ctx 512 --prompts 8 --tokens 128 --k q4_0 --v q4_0 --tail 128 \\
       --out decode/q4_0-q4_0-t128
       (free-running greedy decode vs the BF16 baseline: tokens to first divergence, KLD per step;
        --temperature 1 --seed 0: sampled, the same Gumbel draws for every cell)
@@ -137,6 +140,9 @@ def _common(p, out_help):
     p.add_argument("--dry-run", action="store_true",
                    help="print the job's estimated peak device and host memory (kvarn.budget.preflight, from the "
                         "model's config) and exit without loading weights")
+    p.add_argument(LONG_CONTEXT_FLAG, action="store_true",
+                   help="accept a --ctx beyond the model's trained context (its max_position_embeddings), refused "
+                        f"otherwise before any work (for any job, a workflow's too: {LONG_CONTEXT_ENV}=1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,9 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,decode,layers,memory,compare,formats}")
 
-    f = sub.add_parser("fetch", help="download / convert a model into the cache directory")
-    f.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
-    f.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, metavar="DIR")
+    f = sub.add_parser("fetch", help="download / convert a model into the cache directory",
+                       description="Download (and verify, and convert once) a model's weights into the cache "
+                                   "directory, so later jobs start without a download; prints the folder.")
+    f.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH",
+                   help="embedded model name (smollm2-135m, gemma3-270m), a Hugging Face repo (or one .gguf in "
+                        "it: hf:org/repo/file.gguf) or a local transformers directory / .gguf file")
+    f.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, metavar="DIR",
+                   help=f"where models are fetched and converted (default {DEFAULT_CACHE_DIR})")
 
     b = sub.add_parser("baseline", help="BF16-cache run: write the full-vocabulary log-prob dump "
                                         "(as --kl-divergence-base)")
@@ -447,10 +458,24 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         from kvarn.run import engine
 
+        if args.allow_long_context:
+            os.environ[LONG_CONTEXT_ENV] = "1"  # the engine's own preflight reads it
+        cell = None
+        if args.cmd == "run":
+            cell = cell_spec(args)  # every cell option checked before any work
+            if args.tail >= args.ctx:
+                raise UsageError(f"--tail {args.tail} must be smaller than --ctx {args.ctx}")
+            # a tail the format rounds is the tail it runs at (KVarN: --tail 500 runs at 512)
+            cell = dataclasses.replace(cell, tail=job_tail(cell.k, cell.v, cell.tail))
         if args.dry_run:
 
             est = preflight(spec, args.ctx, args.ubatch, args.device, args.dtype, args.cache_dir,
-                            baseline=args.cmd == "baseline", dry_run=True)
+                            baseline=args.cmd == "baseline", dry_run=True,
+                            allow_long_context=args.allow_long_context)
+            if cell is not None:
+                print(f"run {cell.name}: tail {args.tail} requested, runs at tail "
+                      f"{pair_effective_tail(cell.k, cell.v, cell.tail)} on full-attention layers "
+                      f"(printed {tail_label(cell.k, cell.v, cell.tail)})")
             print(f"{args.cmd} {spec.name} ctx {args.ctx} ubatch {args.ubatch}: estimated peak memory")
             print(est.describe())
             try:
@@ -469,20 +494,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             from kvarn.stats.metrics import format_llama
 
-            cell = cell_spec(args)  # every cell option checked before any work
-            if args.tail >= args.ctx:
-                raise UsageError(f"--tail {args.tail} must be smaller than --ctx {args.ctx}")
             if not Path(args.baseline).is_file():
                 raise UsageError(f"--baseline {args.baseline}: no such file; make it with `kvarn baseline`")
-            s = engine.run_cell(spec, args.ctx, chunks, cell, Path(args.baseline), Path(args.out),
-                                ubatch=args.ubatch, text=args.text, device=args.device, dtype=args.dtype,
-                                cache_dir=args.cache_dir, accounting=args.accounting, attention=args.attention)
+            with hold_output(args.out, ["kvarn", *(sys.argv[1:] if argv is None else argv)]):
+                s = engine.run_cell(spec, args.ctx, chunks, cell, Path(args.baseline), Path(args.out),
+                                    ubatch=args.ubatch, text=args.text, device=args.device, dtype=args.dtype,
+                                    cache_dir=args.cache_dir, accounting=args.accounting, attention=args.attention)
             sys.stdout.write(format_llama(s))
             print(f"\nKV cache ({s['memory_accounting']} accounting): {s['kv_total_bytes'] / 2**20:.2f} MiB "
                   f"(body {s['kv_body_bytes'] / 2**20:.2f}, staging {s['kv_staging_bytes'] / 2**20:.2f}, "
                   f"overlay {s['kv_overlay_bytes'] / 2**20:.2f}); {s['tokens_per_s']:.1f} tokens/s; -> {args.out}")
             return 0
-    except (UsageError, ValueError, FileNotFoundError, PreflightError) as e:
+    except (UsageError, ValueError, FileNotFoundError, PreflightError, OutputBusy) as e:
         ap.exit(2, f"kvarn {args.cmd}: error: {e}\n")
     return 1
 

@@ -117,3 +117,66 @@ def test_a_worker_records_what_it_holds(tmp_path, monkeypatch):
     monkeypatch.setenv(worker.SOCKET_ENV, str(tmp_path / "w.sock"))
     preflight.record_held(est)
     assert (tmp_path / "w.held").read_text() == f"{est.host_bytes}\n" and est.host_bytes == 1100
+
+
+# ---- a context beyond the model's trained context ----------------------------------------
+
+def _trained(tmp_path, n: int) -> str:
+    """A tiny random llama whose config declares a trained context of n tokens."""
+    cfg = tmp_path / "trained.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 300, "hidden_size": 256, "intermediate_size": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "max_position_embeddings": n}))
+    return f"random:{cfg}"
+
+
+def test_a_context_beyond_the_trained_one_is_refused_naming_both_and_the_knob(tmp_path, monkeypatch, capsys):
+    from kvarn.weights import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded weights"))
+    monkeypatch.setenv(preflight.LONG_CONTEXT_ENV, "0")  # restored afterwards, whatever the CLI sets
+    m = _trained(tmp_path, 1024)
+    for cmd, extras in ((["baseline", "-m", m, "-c", "2048", "-o", str(tmp_path / "b.kvd")], (["--dry-run"], [])),
+                        (["run", "-m", m, "-c", "2048", "--k", "q4_0", "--v", "q4_0", "--baseline", "x",
+                          "-o", str(tmp_path / "c")], (["--dry-run"],))):  # a real run: the engine's preflight, below
+        for extra in extras:
+            with pytest.raises(SystemExit) as e:
+                cli.main(cmd + extra)
+            err = capsys.readouterr().err
+            assert e.value.code == 2, err
+            assert ("n_ctx 2048 is beyond the model's trained context (max_position_embeddings 1024): lower --ctx "
+                    "(n_ctx) to at most 1024, or pass --allow-long-context") in err, err
+    # at the trained context exactly: accepted; beyond it with the override: accepted
+    assert cli.main(["baseline", "-m", m, "-c", "1024", "-o", "unused", "--dry-run"]) == 0
+    assert cli.main(["baseline", "-m", m, "-c", "2048", "-o", "unused", "--dry-run", "--allow-long-context"]) == 0
+    assert "estimated peak memory" in capsys.readouterr().out
+    assert not list(tmp_path.glob("b.kvd")) and not (tmp_path / "c").exists()
+
+
+def test_the_engine_refuses_a_long_context_before_loading_unless_allowed(tmp_path, monkeypatch):
+    """Any job (a workflow's cell or baseline goes through kvarn.run.engine): refused before
+    weights load; KVARN_ALLOW_LONG_CONTEXT=1 lets it through to the load."""
+    from kvarn.run import engine
+    from kvarn.weights import models
+
+    def loaded(*a, **k):
+        raise RuntimeError("reached the load")
+
+    monkeypatch.setattr(models, "load", loaded)
+    spec = ModelSpec("t", _trained(tmp_path, 1024))
+    monkeypatch.delenv(preflight.LONG_CONTEXT_ENV, raising=False)
+    with pytest.raises(preflight.PreflightError, match=r"n_ctx 2048 is beyond .* \(max_position_embeddings 1024\)"):
+        engine.run_baseline(spec, 2048, 1, tmp_path / "b.kvd", device="cpu")
+    monkeypatch.setenv(preflight.LONG_CONTEXT_ENV, "1")
+    with pytest.raises(RuntimeError, match="reached the load"):
+        engine.run_baseline(spec, 2048, 1, tmp_path / "b.kvd", device="cpu")
+
+
+def test_the_embedded_model_at_65536_is_refused(fetched, capsys):
+    """The issue's command line: SmolLM2 was trained for 8192 tokens."""
+    fetched("smollm2-135m")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "-m", "smollm2-135m", "-c", "65536", "--k", "q4_0", "--v", "q4_0", "--baseline", "x",
+                  "-o", "unused", "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "n_ctx 65536" in err and "max_position_embeddings 8192" in err, err

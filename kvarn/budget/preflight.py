@@ -37,6 +37,7 @@ own workspace are not modelled; `HEADROOM` covers them), not a measurement.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,35 @@ KNOBS = {
 
 
 class PreflightError(RuntimeError):
-    """The job would not fit: the message names estimate, capacity and knob."""
+    """The job would not fit (or its context is beyond the model's): the message names the
+    numbers and the knob."""
+
+
+LONG_CONTEXT_FLAG = "--allow-long-context"  # kvarn run / baseline: measure beyond the trained context
+LONG_CONTEXT_ENV = "KVARN_ALLOW_LONG_CONTEXT"  # the same for any job (a workflow's): 1 allows it
+
+
+def trained_context(config: Any) -> int | None:
+    """The context a model was trained for, as its config declares it (`max_position_embeddings`
+    of the decoder), or None where the config does not say."""
+    c = text_config(config)
+    v = c.get("max_position_embeddings") if isinstance(c, Mapping) else getattr(c, "max_position_embeddings", None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def check_context(config: Any, n_ctx: int, allow: bool | None = None) -> None:
+    """Refuse (PreflightError) an n_ctx beyond the model's trained context unless `allow` (None:
+    the environment's KVARN_ALLOW_LONG_CONTEXT=1): positions it never saw measure extrapolation,
+    not the cache, and the job would spend its time before anyone noticed."""
+    if allow is None:
+        allow = os.environ.get(LONG_CONTEXT_ENV, "").strip() not in ("", "0")
+    trained = trained_context(config)
+    if trained is not None and n_ctx > trained and not allow:
+        raise PreflightError(
+            f"n_ctx {n_ctx} is beyond the model's trained context (max_position_embeddings {trained}): lower "
+            f"--ctx (n_ctx) to at most {trained}, or pass {LONG_CONTEXT_FLAG} (for any job: "
+            f"{LONG_CONTEXT_ENV}=1) to measure it anyway"
+        )
 
 
 @dataclass
@@ -234,11 +263,14 @@ def config_for(spec, cache_dir) -> Any:
 
 
 def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, baseline: bool,
-              dry_run: bool = False) -> Estimate:
-    """Estimate a job from its config; stop (PreflightError) if it cannot fit; return the estimate.
-    `dry_run`: only estimate (no capacity check), for `kvarn run/baseline --dry-run`."""
+              dry_run: bool = False, allow_long_context: bool | None = None) -> Estimate:
+    """Estimate a job from its config; stop (PreflightError) if its n_ctx is beyond the model's
+    trained context (`check_context`, dry run included) or it cannot fit; return the estimate.
+    `dry_run`: no capacity check, for `kvarn run/baseline --dry-run`."""
+    raw = config_json(spec, cache_dir)
+    check_context(raw, n_ctx, allow_long_context)
     device, torch_dtype = pick_device_dtype(device, dtype)
-    est = estimate(config_for(spec, cache_dir), n_ctx, ubatch, str(torch_dtype).removeprefix("torch."),
+    est = estimate(config_object(raw), n_ctx, ubatch, str(torch_dtype).removeprefix("torch."),
                    device, baseline)
     if not dry_run:
         check(est, *capacity(device))
