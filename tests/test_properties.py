@@ -96,7 +96,7 @@ def test_same_width_verdict_flips_with_the_sign_of_the_gain(q, ratio):
                 for k, t, med, mib in (("q4_0", 128, std, 10 << 20), ("kvarn4", 0, kv, 11 << 20))]
         prep = prepare(pl.DataFrame(rows), "m")
         d = kv - std
-        delta = (lambda a, b: (d, d - abs(d) / 2, d + abs(d) / 2)) if interval else C._no_delta
+        delta = (lambda a, b: (d, d - abs(d) / 2, d + abs(d) / 2)) if interval else (lambda a, b: (None, None, None))
         (row,) = [r for r in C.same_width_gain(prep, "m", "qwen3.6-27b", C.load_study(), delta=delta)
                   if r["claim_id"] == "same_width_gain_4"]
         return row["verdict"]
