@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: setup run test test-cluster bench report clean-results
+.PHONY: setup run test test-cluster bench report clean-results llamacpp
 
 setup: $(VENV)/.installed
 
@@ -17,10 +17,15 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(BIN)/snakemake --cores $(CORES) --resources gpu=1
 
+# The pinned upstream llama.cpp for the llama.cpp engine's tests, built for this CPU once per machine
+# into ~/.cache/kvarn/llamacpp (KVARN_LLAMACPP_CACHE); later runs reuse it (python -m kvarn.program.build).
+llamacpp: setup
+	$(BIN)/python -m kvarn.program.build > /dev/null
+
 # The suite on TEST_WORKERS pytest-xdist workers (tests/conftest.py says how the work is split);
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-test: setup
+test: setup llamacpp
 	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 # The Slurm profile against a one-node Slurm cluster set up on this machine (root; README "On a cluster")

@@ -39,6 +39,7 @@ from kvarn.spec import facts
 from kvarn.budget.memory import ACCOUNTINGS, resummarize
 from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
 from kvarn.spec.options import ATTENTIONS, DTYPES, SAMPLING_PATTERN, check_sampling, sampling_name  # noqa: F401 (the rules read SAMPLING_PATTERN here)
+from kvarn.program.settings import ENGINE as LLAMACPP, Settings, engine_of
 from kvarn.weights.sources import unpinned
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
@@ -46,7 +47,7 @@ SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\
 ALL_CHUNKS = "all"
 CHUNKS_PATTERN = r"\d+|all"
 MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
-                  "memory_accounting": "packed"}
+                  "memory_accounting": "packed", "engine": None}
 CELL_DEFAULTS = parse_opts("")  # a cell's options when the config names none (kvarn.spec.cell)
 
 # The results layout, one template per output directory: the cells below and the workflow's
@@ -114,6 +115,8 @@ class Model:
     dtype: str
     memory_accounting: str = "packed"
     decode: Decode | None = None
+    engine: str = "torch"  # kvarn.program.settings.ENGINES
+    engine_settings: dict | None = None  # the llama.cpp engine's block (kvarn.program.settings.Settings)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class Cell(CellSpec):
     model: str = field(kw_only=True)
     n_ctx: int = field(kw_only=True)
     chunks: int | str = field(kw_only=True)  # a count, or ALL_CHUNKS
+    engine: str = field(default="torch", kw_only=True)  # the model's engine: not in the cell's path
 
     @property
     def spec(self) -> CellSpec:
@@ -140,8 +144,9 @@ class Cell(CellSpec):
 
     @property
     def baseline(self) -> str:
-        """The baseline dump this cell scores against: one per (model, n_ctx, chunks, compute)."""
-        return baseline_path(self.run_dir, self.compute)
+        """The baseline dump this cell scores against: one per (model, n_ctx, chunks, compute), or the
+        llama.cpp engine's base file."""
+        return baseline_path(self.run_dir, self.compute, self.engine)
 
 
 @dataclass
@@ -173,9 +178,15 @@ def decode_dir(model: str, n_ctx: int, prompts: int, tokens: int, cell: str, sam
     return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens, sampling=sampling)}/{cell}"
 
 
-def baseline_path(run_dir: str, compute: str = "exact") -> str:
-    """results/{model}/ctx{n_ctx}-c{chunks}/baseline{-llamacpp_cpu}.kvd"""
+def baseline_path(run_dir: str, compute: str = "exact", engine: str = "torch") -> str:
+    """results/{model}/ctx{n_ctx}-c{chunks}/baseline{-llamacpp_cpu}.kvd, or baseline.llama.kld (llama-perplexity's
+    KLD base file, with its identity beside it in baseline.llama.kld.json) for the llama.cpp engine."""
+    if engine == LLAMACPP:
+        return f"{run_dir}/{PROGRAM_BASELINE}"
     return f"{run_dir}/baseline{compute_suffix(compute)}.kvd"
+
+
+PROGRAM_BASELINE = "baseline.llama.kld"
 
 
 def source_key(source: str, revision: str | None) -> str:
@@ -270,9 +281,17 @@ def _models(config: dict) -> dict[str, Model]:
         if m["memory_accounting"] not in ACCOUNTINGS:
             raise MatrixError(f"{where}.memory_accounting: {m['memory_accounting']!r} is not a memory accounting; "
                               f"accepted: {', '.join(ACCOUNTINGS)}")
+        try:
+            engine, block = engine_of(m["engine"])
+            settings = Settings.from_config(block, f"{where}.engine").as_param() if engine == LLAMACPP else None
+        except ValueError as e:
+            raise MatrixError(str(e) if str(e).startswith(where) else f"{where}.{e}") from None
+        if engine == LLAMACPP and m.get("decode") is not None:
+            raise MatrixError(f"{where}.decode: the free-running decode is the torch engine's; model {name!r} "
+                              "runs engine llama.cpp")
         models[name] = Model(name, source, m["revision"], n_ctx, _chunks(f"{where}.chunks", m["chunks"]),
                              _int(f"{where}.ubatch", m["ubatch"], 1), m["dtype"], m["memory_accounting"],
-                             _decode(f"{where}.decode", m.get("decode"), n_ctx))
+                             _decode(f"{where}.decode", m.get("decode"), n_ctx), engine, settings)
     return models
 
 
@@ -353,7 +372,11 @@ def expand(config: dict) -> Matrix:
                     for spec in specs:
                         if spec.tail >= n_ctx:
                             raise MatrixError(f"{where}.tail: {spec.tail} must be < n_ctx {n_ctx} of model {name!r}")
-                        cells[_normalize(Cell(**vars(spec), model=name, n_ctx=n_ctx, chunks=m.chunks))] = None
+                        cell = _normalize(Cell(**vars(spec), model=name, n_ctx=n_ctx, chunks=m.chunks,
+                                               engine=m.engine))
+                        if m.engine == LLAMACPP:
+                            _check_program_cell(where, name, cell)
+                        cells[cell] = None
     for i, m in enumerate(models.values()):
         if m.decode is not None and m.decode.cells is not None:
             have = [c.name for c in cells if c.model == m.name]
@@ -362,6 +385,16 @@ def expand(config: dict) -> Matrix:
                     raise MatrixError(f"models[{i}].decode.cells[{j}]: {c!r} is not a cell of model {m.name!r}; "
                                       f"its cells: {', '.join(have)}")
     return Matrix(models, list(cells), check_attention(config.get("attention", "auto")))
+
+
+def _check_program_cell(where: str, model: str, spec: CellSpec) -> None:
+    """The options the llama.cpp engine cannot take whatever the build (kvarn.program.runner.cell_args
+    checks the types and the tail against the build itself when the job starts)."""
+    for opt, default in (("compute", CELL_DEFAULTS["compute"]), ("sink", None), ("tail_dtype", None),
+                         ("iters", CELL_DEFAULTS["iters"])):
+        if getattr(spec, opt) != default:
+            raise MatrixError(f"{where}.{opt}: {getattr(spec, opt)!r} for model {model!r}, which runs engine llama.cpp: "
+                              f"the program takes its own {opt}; accepted there: types, tail, rot")
 
 
 def _cell_spec(where: str, flds: dict, k, v, tail, opts: dict) -> CellSpec:
@@ -419,7 +452,8 @@ def summary_row(summary: dict, columns: dict, where: str = "summary.json") -> di
     recomputed from the geometry the cell recorded (`kvarn.budget.memory.resummarize`)."""
     accounting = columns.get("memory_accounting") or summary.get("memory_accounting", "packed")
     row = {**summary, **columns, **resummarize(summary, accounting, where)}
-    row.pop("kv_geometry", None)  # per-layer lists stay in summary.json, not in the table
+    for nested in ("kv_geometry", "engine_identity", "program_env", "self_check"):  # stay in summary.json, not in the table
+        row.pop(nested, None)
     if "kv_total_bytes" in row and "kv_total_bytes_tail0" in row:
         row["kv_delta_bytes_vs_tail0"] = row["kv_total_bytes"] - row["kv_total_bytes_tail0"]
     return row

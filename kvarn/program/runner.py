@@ -210,12 +210,40 @@ def run_cell(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf: Path, gg
     return summary
 
 
+# --- decode speed through the build's own bench tool ----------------------------------------------
+
+def decode_speed(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf: Path, n_ctx: int, ubatch: int,
+                 threads: int, log: Path) -> dict:
+    """Decode tokens/s of the cell's cache at `settings.decode_depths` (fractions of n_ctx) through the
+    build's llama-bench (-p 0 -n decode_tokens -d DEPTHS, 3 repetitions): {depth: (mean, std)}; {} when the
+    settings ask for none. Refused where llama-bench lacks the cell's options (a tail)."""
+    if not settings.decode_depths:
+        return {}
+    if b.bench is None:
+        raise Refused(f"{b.dir} has no bin/llama-bench: build its llama-bench target, or drop decode_depths")
+    cell_extra, env = cell_args(b, cell)
+    if cell.tail:
+        h = subprocess.run([str(b.bench), "--help"], capture_output=True, text=True, timeout=60)
+        if "--kv-tail-tokens" not in h.stdout + h.stderr:
+            raise Refused(f"{cell.name}: {b.bench} takes no --kv-tail-tokens; drop decode_depths for tail cells")
+    depths = sorted({int(round(d * n_ctx)) for d in settings.decode_depths})
+    repack = ["--repack", "0"] if {"-nr", "--no-repack"} & set(settings.args) else []
+    cmd = [str(b.bench), "-m", str(gguf), "-p", "0", "-n", str(settings.decode_tokens), "-d",
+           ",".join(map(str, depths)), "-ub", str(ubatch), "-b", str(min(settings.batch, n_ctx)), "-t", str(threads),
+           "-fa", settings.flash_attn, "-ngl", str(settings.gpu_layers), "-r", "3", "-o", "json", *repack, *cell_extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **settings.env, **env})
+    log.write_text("$ " + " ".join(cmd) + "\n" + r.stderr + r.stdout)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-bench failed with rc {r.returncode}; see {log}")
+    rows = json.loads(r.stdout)
+    return {int(x["n_depth"]): (float(x["avg_ts"]), float(x["stddev_ts"])) for x in rows}
+
+
 # --- the workflow's jobs ----------------------------------------------------------------------
 
 def _job_inputs(spec, cache_dir, text, engine: dict, job_threads: int):
     """(build, settings, gguf, its sha256, text sha256, threads) of a job, the build checked against the plan."""
-    from kvarn.baseline.data import load_text, text_sha256
-    from kvarn.files.identity import file_sha256
+    from kvarn.files.identity import file_sha256, uncached_sha256
     from kvarn.weights.sources import gguf_path
 
     settings = Settings.from_config(engine["settings"])
@@ -225,8 +253,8 @@ def _job_inputs(spec, cache_dir, text, engine: dict, job_threads: int):
     if gguf is None:
         raise Refused(f"model {spec.name} ({spec.source}) has no GGUF file: the llama.cpp engine runs GGUF weights "
                       "(an embedded model, hf:org/repo/file.gguf or a local .gguf)")
-    return (b, settings, Path(gguf), file_sha256(gguf), text_sha256(load_text(str(text))),
-            settings.threads or job_threads)
+    # the text's bytes were checked against wiki.test.raw's sha256 by the workflow's wikitext rule
+    return (b, settings, Path(gguf), file_sha256(gguf), uncached_sha256(Path(text)), settings.threads or job_threads)
 
 
 def baseline_job(spec, cache_dir, text, n_ctx: int, chunks: int | None, ubatch: int, engine: dict,
@@ -250,6 +278,12 @@ def cell_job(spec, cache_dir, text, n_ctx: int, ubatch: int, engine: dict, job_t
     fields = {"model": spec.name, "source": spec.source, "revision": spec.revision,
               **memory.summary_fields(geom, n_ctx, cell, ubatch=ubatch, accounting=accounting)}
     summary = run_cell(b, settings, cell, gguf, gsha, tsha, n_ctx, ubatch, threads, baseline, out_dir, fields)
+    speed = decode_speed(b, settings, cell, gguf, n_ctx, ubatch, threads, Path(out_dir) / "llama-bench.log")
+    if speed:  # beside the KLD: decode tokens/s at each depth, from the build's own bench tool
+        for depth, (ts, sd) in speed.items():
+            summary[f"decode_tokens_per_s_d{depth}"] = ts
+            summary[f"decode_tokens_per_s_d{depth}_std"] = sd
+        write_text(Path(out_dir) / "summary.json", json.dumps(summary, indent=1, default=_json) + "\n")
     return summary
 
 

@@ -28,6 +28,8 @@ class Settings:
     gpu_layers: int = 0  # -ngl
     args: tuple[str, ...] = ()  # more llama-perplexity options, e.g. [--no-mmap, --mlock]
     env: dict = field(default_factory=dict)  # environment for the program, e.g. {GGML_KVARN_WINDOW_CHUNK: "4"}
+    decode_depths: tuple[float, ...] = ()  # decode speed through llama-bench at these fractions of n_ctx
+    decode_tokens: int = 32  # tokens generated per decode-speed test
 
     @classmethod
     def from_config(cls, raw: dict | None, where: str = "engine") -> Settings:
@@ -38,10 +40,14 @@ class Settings:
             raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; accepted: name, "
                              f"{', '.join(cls.__dataclass_fields__)}")
         s = cls(**{**raw, "args": tuple(str(a) for a in raw.get("args", ())),
-                   "env": {str(k): str(v) for k, v in (raw.get("env") or {}).items()}})
+                   "env": {str(k): str(v) for k, v in (raw.get("env") or {}).items()},
+                   "decode_depths": tuple(raw.get("decode_depths", ()))})
+        for d in s.decode_depths:
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1:
+                raise ValueError(f"{where}.decode_depths: {d!r}; give fractions of n_ctx in [0, 1], e.g. [0, 0.5, 1]")
         if s.flash_attn not in FLASH_ATTN:
             raise ValueError(f"{where}.flash_attn: {s.flash_attn!r}; accepted: {', '.join(FLASH_ATTN)}")
-        for name, lo in (("batch", 1), ("gpu_layers", 0)):
+        for name, lo in (("batch", 1), ("gpu_layers", 0), ("decode_tokens", 1)):
             v = getattr(s, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{where}.{name}: {v!r} must be an integer >= {lo}")
@@ -50,7 +56,7 @@ class Settings:
         return s
 
     def as_param(self) -> dict:
-        return {**asdict(self), "args": list(self.args)}
+        return {**asdict(self), "args": list(self.args), "decode_depths": list(self.decode_depths)}
 
 
 def engine_of(raw) -> tuple[str, dict | None]:

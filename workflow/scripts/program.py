@@ -1,6 +1,6 @@
 """Rules baseline_program and cell_program: a model of the llama.cpp engine (kvarn.program.runner).
 
-No torch here: the build runs the model; this process reads its records."""
+The build runs the model; this process reads its records and sums them (kvarn.stats.metrics)."""
 
 import json
 from pathlib import Path
