@@ -2,7 +2,7 @@
 
 The build is the pinned upstream source (llama-cpp-python's vendored llama.cpp from PyPI), built
 for this CPU once per machine (`python -m kvarn.program.build`, which `make test` runs first; a
-missing compiler or source fails here, it is never skipped). SmolLM2 at n_ctx 512, 2 chunks:
+missing compiler or source fails here, it is never skipped). SmolLM2 at n_ctx 1024, 2 chunks:
 q8_0 and q4_0 at tail 0, q4_0 with the rotation off. Checked against the program itself:
 
 * the baseline's KLD base file is llama-perplexity's own, byte for byte;
@@ -33,7 +33,7 @@ from test_workflow import ROOT, plan, smk, workflow_copy
 
 pytestmark = pytest.mark.xdist_group("program")
 
-CTX, CHUNKS = 512, 2
+CTX, CHUNKS = 1024, 2
 MODEL = "smollm2-llama"
 ARGS = ["--no-repack"]  # as bench/oracles/llamacpp: no AMX repacking (SIGILL on some CPUs); both runs alike
 CONFIG = {
@@ -90,6 +90,28 @@ def printed(text: str) -> dict[str, tuple[float, float]]:
     return out
 
 
+def percentile_slack(tokens: pl.DataFrame, key: str) -> float:
+    """How far llama-perplexity's percentile may sit from kvarn's besides printing: it interpolates at
+    fraction·(n−1) computed in float32 (0.99f is not 0.99), kvarn in float64, so the interpolation
+    weight differs by up to |f32(f) − f|·(n−1) + one float32 ulp of the position, times the gap
+    between the two neighbouring values."""
+    import numpy as np
+
+    from kvarn.stats.metrics import DP_LADDER, KLD_LADDER
+
+    col, _, name = key.partition("_")
+    ladder = dict(KLD_LADDER if col == "kld" else DP_LADDER)
+    if name not in ladder:
+        return 0.0
+    v = np.sort(tokens[col].to_numpy())
+    f, n = ladder[name], len(v)
+    pos = f * (n - 1)
+    i = int(pos)
+    gap = v[min(i + 1, n - 1)] - v[i]
+    dw = abs(float(np.float32(f)) - f) * (n - 1) + float(np.spacing(np.float32(pos)))
+    return dw * gap * 1.01
+
+
 @pytest.mark.slow
 def test_the_baseline_is_llama_perplexity_s_own_base_file(dag, upstream, tmp_path):
     ours = dag / RUN / kvm.PROGRAM_BASELINE
@@ -110,10 +132,11 @@ def test_each_cell_prints_what_llama_perplexity_prints(dag, upstream, cell):
     text = perplexity(upstream, *args, "--kl-divergence-base", str(dag / RUN / kvm.PROGRAM_BASELINE),
                       "--kl-divergence", env={**os.environ, **env})
     summary = json.loads((dag / RUN / "cells" / cell / "summary.json").read_text())
-    for key, (value, unit) in printed(text).items():
-        assert abs(summary[key] - value) <= unit * 1.0001, (key, summary[key], value, unit)
-    assert summary["n_tokens"] == CHUNKS * (CTX - 1 - CTX // 2)
     tokens = pl.read_parquet(dag / RUN / "cells" / cell / "tokens.parquet")
+    for key, (value, unit) in printed(text).items():
+        slack = percentile_slack(tokens, key)
+        assert abs(summary[key] - value) <= unit * 1.0001 + slack, (key, summary[key], value, unit, slack)
+    assert summary["n_tokens"] == CHUNKS * (CTX - 1 - CTX // 2)
     assert tokens.columns == ["chunk", "pos", "kld", "nll", "nll_base", "dp", "same_top"]
     assert tokens["pos"].min() == CTX // 2 and tokens["pos"].max() == CTX - 2
     # the program's KV buffers, as printed (2 decimals), are kvarn's packed accounting of the cell

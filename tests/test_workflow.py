@@ -31,7 +31,7 @@ pytestmark = pytest.mark.xdist_group("workflow")
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = WIKI_TEXT
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
-OURS = ("fetch_model", "wikitext", "baseline", "cell", "cell_row", "summary")
+OURS = ("fetch_model", "wikitext", "baseline", "cell", "cell_row", "summary", "baseline_program", "cell_program")
 # n_ctx 384: KVarN's sink (128) and tail (128) leave part of its body to the scored queries
 # (p >= 256 read keys 128..p-128), so the KVarN cell's numbers depend on its body; at 256
 # every key a scored query reads would be exact.

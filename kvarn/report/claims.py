@@ -580,8 +580,16 @@ def tail_sweep_trend(prep, model, sm, study, delta: Delta = _no_delta) -> list[d
     return rows
 
 
+NOT_TIMED_COMPARABLY = "not timed comparably (separate jobs; bench/perf/engine.py times cells side by side)"
+
+
 def prefill(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
-    """Per symmetric width measured in both families: KVarN's prompt tokens/s over qN_0's at tail 128."""
+    """Per symmetric width measured in both families: KVarN's prompt tokens/s against qN_0's at tail 128.
+
+    The cells' tokens/s come from separate jobs, run at different times under whatever else the
+    machine was doing (a resumed run, another job beside it), so their ratio is not a measurement:
+    the row says so instead of printing one (NOT_TIMED_COMPARABLY). A speed ratio is measured with
+    the cells timed side by side, interleaved, in one process (bench/perf/engine.py)."""
     rows = []
     widths = sorted(set(_plain(prep).filter(pl.col("family") == "kvarn")["width"].drop_nulls().to_list()))
     for w in widths:
@@ -591,10 +599,9 @@ def prefill(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
             rows.append(_row(model, sm, f"prefill_{w}", claim, study, "prefill", verdict="not measurable")
                         | {"missing": ", ".join(_missing(**{f"q{w}_0-q{w}_0 t{FLOOR_TAIL}": std}) or ["tokens/s"])})
             continue
-        ratio = kv["tokens_per_s"] / std["tokens_per_s"]
-        rows.append(_row(model, sm, f"prefill_{w}", claim, study, "prefill", ours=ratio,
-                         ours_text=f"{ratio:.2f}x ({kv['tokens_per_s']:.0f} vs {std['tokens_per_s']:.0f} tokens/s)",
-                         verdict="not measurable") | {"missing": "study figure (not in config/study.yaml)"})
+        rows.append(_row(model, sm, f"prefill_{w}", claim, study, "prefill", ours=None,
+                         ours_text=NOT_TIMED_COMPARABLY, verdict="not measurable")
+                    | {"missing": "study figure (not in config/study.yaml)"})
     return rows
 
 
