@@ -372,3 +372,26 @@ def test_the_readme_claims_block_is_the_committed_ledger():
     ledger = pl.read_parquet(ROOT / "docs" / "figures" / "claims.parquet")
     assert set(ledger["model"]) == {"smollm2-135m", "gemma3-270m"}
     assert block == "\n" + C.findings_markdown(ledger)
+
+
+def test_the_committed_figures_were_made_by_the_code_s_numerics():
+    """docs/figures/provenance.json (written by readme_figures.py beside the figures it copies) names the
+    commit, machine and command, and its numerics versions are the code's: a format, compute path or
+    encoding change that would move the published numbers fails here until they are regenerated."""
+    import json
+
+    from kvarn.report import provenance
+
+    prov = json.loads((ROOT / "docs" / "figures" / "provenance.json").read_text())
+    assert {"commit", "numerics", "machine", "command"} <= set(prov)
+    assert provenance.stale(prov) == [], ("the committed figures are stale: regenerate them with make run, then "
+                                          "workflow/scripts/readme_figures.py --readme README.md")
+    bumped = json.loads(json.dumps(prov))
+    bumped["numerics"]["types"]["kvarn4"] += 1
+    bumped["numerics"]["compute"]["exact"] += 1
+    assert provenance.stale(bumped) == [f"kvarn4: {prov['numerics']['types']['kvarn4'] + 1} recorded, "
+                                        f"{prov['numerics']['types']['kvarn4']} in the code",
+                                        f"compute: {bumped['numerics']['compute']!r} recorded, "
+                                        f"{prov['numerics']['compute']!r} in the code"]
+    m = provenance.machine()
+    assert m["cores"] >= 1 and isinstance(m["simd"], list) and m["cpu"]

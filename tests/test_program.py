@@ -238,12 +238,12 @@ def test_the_study_as_it_ran_plans(tmp_path):
 
 
 def test_the_fit_table_adds_weights_kv_and_reserve_and_says_which_cells_fit():
-    """kvarn.program.fit on the study as it ran: the KV is the program's own accounting (beellama-qwen /
+    """kvarn.plan.fit on the study as it ran: the KV is the program's own accounting (beellama-qwen /
     beellama-gemma, which reproduce the study's printed MiB: tests/test_memory.py), plus the GGUF and a reserve."""
     import yaml
 
     from kvarn.budget import memory
-    from kvarn.program import fit
+    from kvarn.plan import fit
     from kvarn.spec.geometry import config_object, geometry_from_config
 
     m = kvm.expand(yaml.safe_load((ROOT / "config" / "study-program.yaml").read_text()))

@@ -5,7 +5,10 @@
 
 Writes docs/figures/{model}-{figure}.png for every figure of kvarn.report,
 docs/figures/{model}-table.md, and docs/figures/claims.{md,parquet} (the run's ledger,
-results/claims.*); by default for every model under results/figures/. With --readme, the
+results/claims.*); by default for every model under results/figures/; and
+docs/figures/provenance.json: the commit, numerics versions, machine and command that produced
+them (kvarn.report.provenance; tests/test_claims.py fails when its numerics versions are not the
+code's). With --readme, the
 README's block between CLAIMS_BEGIN and CLAIMS_END is rewritten from that ledger
 (kvarn.report.claims.findings_markdown), so the README's findings are the run's, not typed.
 Run it after `snakemake` (or `make run`) has built the report targets. Not a rule: the
@@ -44,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dest", default="docs/figures", help="where the README looks (default: docs/figures)")
     ap.add_argument("--model", action="append", help="a model to copy (repeatable; default: every model)")
     ap.add_argument("--readme", help="rewrite this README's claims block from the run's ledger")
+    ap.add_argument("--command", default="make run", help="the command that produced the results (recorded)")
     args = ap.parse_args(argv)
     figdir = Path(args.results) / "figures"
     models = args.model or (sorted(p.name for p in figdir.iterdir() if p.is_dir()) if figdir.is_dir() else [])
@@ -66,6 +70,14 @@ def main(argv=None) -> int:
     if missing:
         print("missing (build them with snakemake first): " + ", ".join(missing), file=sys.stderr)
         return 1
+    import json
+
+    from kvarn.report.provenance import record
+
+    prov = record(args.command, models=models, results=str(args.results))
+    with atomic_path(dest / "provenance.json") as tmp:
+        tmp.write_text(json.dumps(prov, indent=1) + "\n")
+    print(f"provenance -> {dest / 'provenance.json'} (commit {prov['commit']})")
     if args.readme:
         import polars as pl
 

@@ -7,7 +7,7 @@ program's compute and output buffers (an assumption, stated in the table: llama.
 context creation; 1.5 GiB by default at micro-batch 512). A cell fits when the sum is at most the
 device's memory.
 
-    python -m kvarn.program.fit config/study-program.yaml --device-gib 24 \\
+    python -m kvarn.plan.fit config/study-program.yaml --device-gib 24 \\
         --geometry qwen3.6-27b-q5ks=config/models/qwen3.6-27b.json gemma4-31b-q5ks=config/models/gemma4-31b.json \\
         --weights-gib qwen3.6-27b-q5ks=<GiB of the file> gemma4-31b-q5ks=<GiB of the file>
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     from kvarn.spec.geometry import config_object, geometry_from_config
     from kvarn.weights.sources import ModelSpec, gguf_path
 
-    ap = argparse.ArgumentParser(prog="python -m kvarn.program.fit", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvarn.plan.fit", description=__doc__.splitlines()[0])
     ap.add_argument("config", type=Path, help="a matrix with llama.cpp-engine models, e.g. config/study-program.yaml")
     ap.add_argument("--device-gib", type=float, required=True, help="the GPU's memory, GiB (a 24 GB card: 24)")
     ap.add_argument("--geometry", nargs="*", help="MODEL=config.json for a GGUF not downloaded yet")
