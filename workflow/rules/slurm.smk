@@ -4,7 +4,7 @@
 # summary, paired statistics, report) takes seconds, and as a Slurm job each would pay a
 # queue wait and two Snakemake start-ups; they run in the main process instead. Included
 # last: it lists the rules defined before it.
-SUBMITTED_RULES = ("fetch_model", "baseline", "cell", "decode")
+SUBMITTED_RULES = ("fetch_model", "baseline", "cell", "decode", "baseline_program", "cell_program")
 workflow.localrules(*(r.name for r in workflow.rules if r.name not in SUBMITTED_RULES))
 
 
