@@ -191,3 +191,115 @@ def test_summarize_polars_and_format_llama():
 def test_summarize_rejects_missing_columns():
     with pytest.raises(ValueError, match="same_top"):
         metrics.summarize({"kld": [1.0], "nll": [1.0], "nll_base": [1.0], "dp": [0.0]})
+
+
+# ---------------------------------------------------------------- boundaries a mutation run found untested
+
+
+def _distinct():
+    """11 tokens whose extremes are unique (max/min read from the wrong end of the sort are seen),
+    with small spreads (so every ± error is well below 1)."""
+    return {
+        "nll": np.array([1.00, 1.02, 1.04, 1.06, 1.08, 1.10, 1.12, 1.14, 1.16, 1.18, 1.20]),
+        "nll_base": np.array([1.00, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08, 1.09, 1.11]),
+        "kld": np.array([0.5, 0.0, 0.1, 0.2, 0.3, 0.4, 0.05, 0.15, 0.25, 0.35, 0.45]),
+        "dp": np.array([0.02, -0.04, 0.01, -0.01, 0.0, 0.03, -0.02, 0.005, -0.005, 0.015, -0.015]),
+        "same_top": np.array([True] * 8 + [False] * 3),
+    }
+
+
+def test_summarize_reads_the_unique_extremes_and_small_errors():
+    pt = _distinct()
+    s = metrics.summarize(pt)
+    assert (s["kld_max"], s["kld_min"]) == (0.5, 0.0)
+    assert (s["dp_max"], s["dp_min"]) == (0.03, -0.04)
+    # PPL(Q) − PPL(base) and its error, from llama.cpp's formula by hand (every term < 1 here)
+    a, b, n = pt["nll"], pt["nll_base"], 11
+    mq, mb = a.mean(), b.mean()
+    eq, eb = math.sqrt(a.var() / (n - 1)), math.sqrt(b.var() / (n - 1))
+    cov = ((a * b).mean() - mq * mb) / (n - 1)
+    pq, pb = math.exp(mq), math.exp(mb)
+    want = math.sqrt(max((pq * eq) ** 2 + (pb * eb) ** 2 - 2 * pq * pb * cov, 0.0))
+    assert want < 0.1 and s["ppl_diff_err"] == pytest.approx(want, rel=1e-9)
+
+
+def test_mean_and_uncertainty_boundaries():
+    mu = metrics.mean_and_uncertainty
+    assert mu(0.0, 0.0, 0) == (0.0, 0.0)
+    assert mu(2.0, 4.0, 1) == (2.0, 0.0)  # one value: its mean, no error
+    x = np.arange(10.0)
+    assert mu(x.sum(), (x * x).sum(), 10) == (4.5, 0.0)  # llama.cpp: no error at n <= 10
+    x = np.arange(11.0)
+    f, e = mu(x.sum(), (x * x).sum(), 11)
+    assert f == 5.0 and e == pytest.approx(math.sqrt(x.var() / 10))
+
+
+def test_covariance_starts_at_ten_values():
+    a = np.arange(10.0)
+    assert metrics.covariance(a.sum(), a.sum(), (a * a).sum(), 10) == pytest.approx((28.5 - 4.5 * 4.5) / 9)
+    a = np.arange(9.0)
+    assert metrics.covariance(a.sum(), a.sum(), (a * a).sum(), 9) == 0.0
+
+
+def test_same_top_and_rms_errors_at_their_edges():
+    one = {k: v[:1] for k, v in _distinct().items()}
+    s = metrics.summarize(one)  # one token: no error anywhere, no division by n − 1
+    assert s["same_top_err"] == 0.0 and s["same_top"] == 1.0
+    two = {k: v[:2] for k, v in _distinct().items()}
+    two["same_top"] = np.array([True, False])
+    assert metrics.summarize(two)["same_top_err"] == pytest.approx(0.5)  # sqrt(0.5 · 0.5 / 1)
+    flat = {**_distinct(), "dp": np.zeros(11)}
+    s = metrics.summarize(flat)
+    assert s["dp_rms"] == 0.0 and s["dp_rms_err"] == 0.0
+
+
+def test_columns_are_read_in_float64_and_of_one_length():
+    import polars as pl
+
+    pt = _distinct()
+    f32 = pl.DataFrame({k: (v.astype(np.float32) if v.dtype != bool else v) for k, v in pt.items()})
+    as64 = {k: (v.astype(np.float32).astype(np.float64) if v.dtype != bool else v) for k, v in pt.items()}
+    assert metrics.summarize(f32) == metrics.summarize(as64)  # float32 columns summed in float64
+    with pytest.raises(ValueError, match=r"one length, got \[10, 11\]"):
+        metrics.summarize({**pt, "dp": pt["dp"][:10]})
+    with pytest.raises(ValueError, match=r"non-empty and of one length, got \[0\]"):
+        metrics.summarize({k: v[:0] for k, v in pt.items()})
+
+
+def test_format_llama_prints_llama_perplexity_s_own_format_strings():
+    """Every line of the block, against the printf formats of tools/perplexity/perplexity.cpp
+    (llama-cpp-python 0.3.36), applied here with Python's % operator to the same numbers."""
+    s = metrics.summarize(_distinct())
+    want = [
+        "====== Perplexity statistics ======",
+        "Mean PPL(Q)                   : %10.6f ± %10.6f" % (s["ppl_q"], s["ppl_q_err"]),
+        "Mean PPL(base)                : %10.6f ± %10.6f" % (s["ppl_base"], s["ppl_base_err"]),
+        "Cor(ln(PPL(Q)), ln(PPL(base))): %6.2f%%" % (100.0 * s["ppl_cor"]),
+        "Mean ln(PPL(Q)/PPL(base))     : %10.6f ± %10.6f" % (s["ln_ppl_ratio"], s["ln_ppl_ratio_err"]),
+        "Mean PPL(Q)/PPL(base)         : %10.6f ± %10.6f" % (s["ppl_ratio"], s["ppl_ratio_err"]),
+        "Mean PPL(Q)-PPL(base)         : %10.6f ± %10.6f" % (s["ppl_diff"], s["ppl_diff_err"]),
+        "",
+        "====== KL divergence statistics ======",
+        "Mean    KLD: %10.6f ± %10.6f" % (s["kld_mean"], s["kld_mean_err"]),
+        "Maximum KLD: %10.6f" % s["kld_max"],
+        "99.9%%   KLD: %10.6f" % s["kld_p99_9"], "99.0%%   KLD: %10.6f" % s["kld_p99"],
+        "95.0%%   KLD: %10.6f" % s["kld_p95"], "90.0%%   KLD: %10.6f" % s["kld_p90"],
+        "Median  KLD: %10.6f" % s["kld_median"], "10.0%%   KLD: %10.6f" % s["kld_p10"],
+        " 5.0%%   KLD: %10.6f" % s["kld_p05"], " 1.0%%   KLD: %10.6f" % s["kld_p01"],
+        " 0.1%%   KLD: %10.6f" % s["kld_p00_1"], "Minimum KLD: %10.6f" % s["kld_min"],
+        "",
+        "====== Token probability statistics ======",
+        "Mean    Δp: %6.3f ± %5.3f %%" % (100.0 * s["dp_mean"], 100.0 * s["dp_mean_err"]),
+        "Maximum Δp: %6.3f%%" % (100.0 * s["dp_max"]),
+        "99.9%%   Δp: %6.3f%%" % (100.0 * s["dp_p99_9"]), "99.0%%   Δp: %6.3f%%" % (100.0 * s["dp_p99"]),
+        "95.0%%   Δp: %6.3f%%" % (100.0 * s["dp_p95"]), "90.0%%   Δp: %6.3f%%" % (100.0 * s["dp_p90"]),
+        "75.0%%   Δp: %6.3f%%" % (100.0 * s["dp_p75"]), "Median  Δp: %6.3f%%" % (100.0 * s["dp_median"]),
+        "25.0%%   Δp: %6.3f%%" % (100.0 * s["dp_p25"]), "10.0%%   Δp: %6.3f%%" % (100.0 * s["dp_p10"]),
+        " 5.0%%   Δp: %6.3f%%" % (100.0 * s["dp_p05"]), " 1.0%%   Δp: %6.3f%%" % (100.0 * s["dp_p01"]),
+        " 0.1%%   Δp: %6.3f%%" % (100.0 * s["dp_p00_1"]), "Minimum Δp: %6.3f%%" % (100.0 * s["dp_min"]),
+        "RMS Δp    : %6.3f ± %5.3f %%" % (100.0 * s["dp_rms"], 100.0 * s["dp_rms_err"]),
+        "Same top p: %6.3f ± %5.3f %%" % (100.0 * s["same_top"], 100.0 * s["same_top_err"]),
+    ]
+    assert metrics.format_llama(s).splitlines() == want
+    no_diff = {k: v for k, v in s.items() if k not in ("ppl_diff", "ppl_diff_err")}
+    assert metrics.format_llama(no_diff).splitlines() == want[:6] + want[7:]  # the line is an extra of ours

@@ -1,0 +1,143 @@
+"""Mutation testing of the modules where a wrong number changes a user's conclusion (mutmut).
+
+Each group mutates its modules and runs the tests that own them, in a copy of the committed tree
+(`git archive HEAD`, the model cache linked in), so the checkout is never touched. mutmut
+changes one operator, constant or call at a time; a mutant the tests do not notice ("survived")
+is a bug they would not notice either. Per module: mutants, killed, survived, timed out (killed by
+the timeout: an endless loop is noticed), and the score killed / (killed + survived).
+
+    python -m bench.mutation.run [GROUP ...] [--max-children N] [--out bench/mutation/results]
+
+Writes results/<group>.md (the scores, every survivor's name, the command, machine, commit) and
+results/summary.md (every group run so far). `mutmut show <name>` in the printed work folder shows a
+survivor's diff. Not in CI: minutes to hours per group on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import REPO
+
+# group -> (modules to mutate, the tests that own them)
+GROUPS = {
+    "stats": (["kvarn/stats/metrics.py", "kvarn/stats/paired.py"],
+              ["tests/test_metrics.py", "tests/test_paired.py", "tests/test_properties.py"]),
+    "encoding": (["kvarn/baseline/encoding.py"], ["tests/test_dump.py", "tests/test_llamakld.py"]),
+    "memory": (["kvarn/budget/memory.py"], ["tests/test_memory.py"]),
+    "spec": (["kvarn/spec/cell.py", "kvarn/spec/facts.py", "kvarn/spec/policy.py", "kvarn/spec/scoring.py",
+              "kvarn/spec/options.py", "kvarn/spec/geometry.py"],
+             ["tests/test_cell_spec.py", "tests/test_facts.py", "tests/test_matrix.py", "tests/test_memory.py"]),
+    "claims": (["kvarn/report/claims.py"], ["tests/test_claims.py", "tests/test_properties.py"]),
+    "generation": (["kvarn/report/generation.py"], ["tests/test_generation.py"]),
+    "llamacpp": (["kvarn/llamacpp/compute.py", "kvarn/llamacpp/q8.py", "kvarn/llamacpp/llamakld.py",
+                  "kvarn/llamacpp/channel_order.py", "kvarn/llamacpp/activations.py"],
+                 ["tests/test_compute.py", "tests/test_llamakld.py"]),
+    "formats": (["kvarn/formats/blocks.py", "kvarn/formats/kvarn.py", "kvarn/formats/hadamard.py",
+                 "kvarn/formats/floats.py", "kvarn/formats/base.py"],
+                ["tests/test_formats_blocks.py", "tests/test_kvarn.py", "tests/test_properties.py"]),
+    "kvcache": (["kvarn/kvcache/cache.py", "kvarn/kvcache/attention.py", "kvarn/kvcache/rows.py"],
+                ["tests/test_cache.py"]),
+}
+STATUS_RE = re.compile(r"^\s*(kvarn\.[\w.]+?)\.x_?\w*__mutmut_\d+: (.+)$")
+
+
+def module_of(mutant: str) -> str:
+    """kvarn.stats.metrics.x_token_metrics__mutmut_3 -> kvarn/stats/metrics.py"""
+    m = STATUS_RE.match(f"    {mutant}: x")
+    return (m[1] if m else mutant.rsplit(".", 1)[0]).replace(".", "/") + ".py"
+
+
+def run_group(name: str, max_children: int, keep: Path | None) -> dict:
+    modules, tests = GROUPS[name]
+    work = Path(keep or tempfile.mkdtemp(prefix=f"kvarn-mutation-{name}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    subprocess.run(f"git -C {REPO} archive HEAD | tar -x -C {work}", shell=True, check=True)
+    if (REPO / "resources").exists() and not (work / "resources").exists():
+        (work / "resources").symlink_to(REPO / "resources")
+    with open(work / "pyproject.toml", "a") as f:
+        f.write("\n[tool.mutmut]\n"
+                f"source_paths = {json.dumps(modules)}\n"
+                f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+                'pytest_add_cli_args = ["-p", "no:xdist", "-q", "-p", "no:cacheprovider"]\n'
+                'also_copy = ["tests/", "kvarn/", "config/", "resources", "workflow/", "docs/"]\n')
+    t0 = time.time()
+    mutmut = Path(sys.executable).with_name("mutmut")
+    log = work / "mutmut-run.log"
+    with open(log, "w") as f:
+        r = subprocess.run([str(mutmut), "run", "--max-children", str(max_children)], cwd=work, stdout=f,
+                           stderr=subprocess.STDOUT)
+    res = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=work, capture_output=True, text=True)
+    per: dict[str, dict[str, int]] = {m: {} for m in modules}
+    survivors: list[str] = []
+    for line in res.stdout.splitlines():
+        m = re.match(r"^\s*([\w.]+__mutmut_\d+): (.+)$", line)
+        if not m:
+            continue
+        status = m[2].strip()
+        mod = module_of(m[1])
+        per.setdefault(mod, {})
+        per[mod][status] = per[mod].get(status, 0) + 1
+        if status == "survived":
+            survivors.append(m[1])
+    return {"group": name, "modules": per, "survivors": survivors, "wall_s": time.time() - t0, "work": str(work),
+            "rc": r.returncode, "tests": tests}
+
+
+def score(counts: dict) -> tuple[int, int, int, int, float | None]:
+    killed, survived = counts.get("killed", 0), counts.get("survived", 0)
+    timeout = counts.get("timeout", 0)
+    total = sum(counts.values())
+    done = killed + timeout + survived
+    return total, killed + timeout, survived, timeout, ((killed + timeout) / done if done else None)
+
+
+def write(res: dict, out: Path, command: str) -> None:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    lines = [f"# Mutation testing: {res['group']}", "",
+             f"mutmut 3.8.1 at {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu} "
+             f"({os.cpu_count()} cores), {res['wall_s'] / 60:.1f} min. Command: `{command}`. "
+             f"Tests: {', '.join(res['tests'])}.", "",
+             "| module | mutants | killed (timeouts) | survived | other | score |", "|---|---:|---:|---:|---:|---:|"]
+    for mod, counts in res["modules"].items():
+        total, killed, survived, timeout, s = score(counts)
+        other = total - killed - survived
+        lines.append(f"| `{mod}` | {total} | {killed} ({timeout}) | {survived} | {other} | "
+                     f"{'–' if s is None else f'{100 * s:.1f} %'} |")
+    lines += ["", f"Survivors ({len(res['survivors'])}); `mutmut show NAME` in a copy made as above shows each:", ""]
+    lines += [f"- `{s}`" for s in res["survivors"]]
+    (out / f"{res['group']}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("groups", nargs="*", default=list(GROUPS), help=f"groups: {', '.join(GROUPS)} (default: all)")
+    ap.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "mutation" / "results")
+    ap.add_argument("--keep", type=Path, help="the work folder (default: a new temporary one)")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    for g in a.groups:
+        if g not in GROUPS:
+            raise SystemExit(f"unknown group {g!r}; groups: {', '.join(GROUPS)}")
+        res = run_group(g, a.max_children, a.keep)
+        write(res, a.out, f"python -m bench.mutation.run {g}")
+        for mod, counts in res["modules"].items():
+            total, killed, survived, timeout, s = score(counts)
+            print(f"{mod}: {total} mutants, {killed} killed, {survived} survived"
+                  + ("" if s is None else f", score {100 * s:.1f} %") + f"  (work: {res['work']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
