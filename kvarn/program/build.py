@@ -212,7 +212,8 @@ def read_build(path: str | os.PathLike) -> Build:
     libs = libs or {exe.name: _sha256(exe)}  # a static build: the program holds the library
     h = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
     help_text = h.stdout + h.stderr
-    types = re.search(r"--cache-type-k TYPE.*?allowed values: ([^\n(]+)", help_text, re.S)
+    # one line upstream; wrapped over several lines (each but the last ending in a comma) in BeeLlama's help
+    types = re.search(r"--cache-type-k TYPE.*?allowed values: ((?:[^\n(]*,[ \t]*\n[ \t]*)*[^\n(]+)", help_text, re.S)
     if types is None:
         raise BuildError(f"{exe} --help lists no allowed values for --cache-type-k: not a llama-perplexity kvarn reads")
     cache_types = tuple(t.strip() for t in types[1].split(",") if t.strip())

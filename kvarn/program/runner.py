@@ -124,7 +124,9 @@ def run_harness(b: pbuild.Build, mode: str, args: list[str], env: dict, records:
     return text
 
 
-KV_LINE = re.compile(r"KV buffer size\s*=\s*([\d.]+) MiB")
+# upstream prints "KV buffer size" per cache; BeeLlama also "KV tail buffer size" (a standard type's exact
+# tail) and, for a KVarN cache, "KVarN buffer size" and "KVarN tail buffer size" instead
+KV_LINE = re.compile(r"(?:KV|KV tail|KVarN|KVarN tail) buffer size\s*=\s*([\d.]+) MiB")
 PROMPT_LINE = re.compile(r"prompt eval time\s*=\s*([\d.]+) ms /\s*(\d+) tokens")
 
 
