@@ -29,8 +29,8 @@ from bench import REPO
 
 # group -> (modules to mutate, the tests that own them)
 GROUPS = {
-    "stats": (["kvarn/stats/metrics.py", "kvarn/stats/paired.py"],
-              ["tests/test_metrics.py", "tests/test_paired.py", "tests/test_properties.py"]),
+    "metrics": (["kvarn/stats/metrics.py"], ["tests/test_metrics.py"]),
+    "paired": (["kvarn/stats/paired.py"], ["tests/test_paired.py", "tests/test_properties.py"]),
     "encoding": (["kvarn/baseline/encoding.py"], ["tests/test_dump.py", "tests/test_llamakld.py"]),
     "memory": (["kvarn/budget/memory.py"], ["tests/test_memory.py"]),
     "spec": (["kvarn/spec/cell.py", "kvarn/spec/facts.py", "kvarn/spec/policy.py", "kvarn/spec/scoring.py",
