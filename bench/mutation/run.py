@@ -68,6 +68,9 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
                 f"source_paths = {json.dumps(modules)}\n"
                 f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
                 'pytest_add_cli_args = ["-p", "no:xdist", "-q", "-p", "no:cacheprovider"]\n'
+                # a mutant whose tests run 3x their clean time is a timeout (killed): mutmut's default
+                # 15x spends minutes on each endless-loop mutant
+                "timeout_multiplier = 3.0\n"
                 'also_copy = ["tests/", "kvarn/", "config/", "resources", "workflow/", "docs/"]\n')
     t0 = time.time()
     mutmut = Path(sys.executable).with_name("mutmut")
