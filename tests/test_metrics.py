@@ -303,3 +303,27 @@ def test_format_llama_prints_llama_perplexity_s_own_format_strings():
     assert metrics.format_llama(s).splitlines() == want
     no_diff = {k: v for k, v in s.items() if k not in ("ppl_diff", "ppl_diff_err")}
     assert metrics.format_llama(no_diff).splitlines() == want[:6] + want[7:]  # the line is an extra of ours
+
+
+def test_rounding_below_zero_variance_gives_no_error():
+    """Eleven equal values whose Σx²/n − mean² rounds below zero (0.7 in binary): error 0, not a math error."""
+    x = np.full(11, 0.7)
+    s, s2 = float(x.sum()), float((x * x).sum())
+    assert s2 / 11 - (s / 11) ** 2 < 0  # the case under test
+    assert metrics.mean_and_uncertainty(s, s2, 11)[1] == 0.0
+
+
+def test_columns_of_shape_n_by_1_are_flattened():
+    pt = _distinct()
+    col = {k: v.reshape(-1, 1) for k, v in pt.items()}
+    assert metrics.summarize(col) == metrics.summarize(pt)
+
+
+def test_format_llama_of_a_summary_without_the_extra_quartiles():
+    """Summaries written before dp_p75/dp_p25 existed print every other line of the block."""
+    s = metrics.summarize(_distinct())
+    old = {k: v for k, v in s.items() if k not in ("dp_p75", "dp_p25")}
+    lines = metrics.format_llama(old).splitlines()
+    assert not any(ln.startswith(("75.0%   Δp", "25.0%   Δp")) for ln in lines)
+    for label in ("Median  Δp", "10.0%   Δp", " 0.1%   Δp", "Minimum Δp", "Same top p"):
+        assert any(ln.startswith(label) for ln in lines), label

@@ -47,6 +47,18 @@ GROUPS = {
     "kvcache": (["kvarn/kvcache/cache.py", "kvarn/kvcache/attention.py", "kvarn/kvcache/rows.py"],
                 ["tests/test_cache.py"]),
 }
+# Survivors read and judged equivalent (the same behaviour for every input the module accepts), with why;
+# they leave the score's denominator. A name here that a run kills or no longer produces is reported.
+EQUIVALENT = {
+    "kvarn.stats.metrics.x_percentile__mutmut_2": "fraction < 0 for <= 0: at fraction 0 the interpolation reads v[0] with weight 0 on v[1]",
+    "kvarn.stats.metrics.x_percentile__mutmut_6": "fraction > 1 for >= 1: at fraction 1 the interpolation reads v[n-1] with weight 0",
+    "kvarn.stats.metrics.x_percentile__mutmut_7": "fraction >= 2 for >= 1: as above; fractions above 1 are never passed (the ladders)",
+    "kvarn.stats.metrics.x__columns__mutmut_1": "hasattr(None, ...): a polars frame is then read as a mapping, which it also is (df[k], k in df)",
+    "kvarn.stats.metrics.x__columns__mutmut_5": "as mutmut_1 (the attribute name misspelled)",
+    "kvarn.stats.metrics.x__columns__mutmut_6": "as mutmut_1 (the attribute name upper-cased)",
+    "kvarn.stats.metrics.x__columns__mutmut_20": "reshape(-2) for reshape(-1): numpy takes any negative size as the one unknown dimension",
+    "kvarn.stats.metrics.x_summarize__mutmut_97": 'float("NAN") for float("nan"): the same value',
+}
 STATUS_RE = re.compile(r"^\s*(kvarn\.[\w.]+?)\.x_?\w*__mutmut_\d+: (.+)$")
 
 
@@ -89,6 +101,10 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
         mod = module_of(m[1])
         per.setdefault(mod, {})
         per[mod][status] = per[mod].get(status, 0) + 1
+        if status == "survived" and m[1] in EQUIVALENT:
+            status = "equivalent"
+            per[mod]["survived"] -= 1
+            per[mod][status] = per[mod].get(status, 0) + 1
         if status == "survived":
             survivors.append(m[1])
     return {"group": name, "modules": per, "survivors": survivors, "wall_s": time.time() - t0, "work": str(work),
@@ -96,6 +112,8 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
 
 
 def score(counts: dict) -> tuple[int, int, int, int, float | None]:
+    """(mutants, killed incl. timeouts, survived, timeouts, killed / (killed + survived)); equivalent
+    mutants (EQUIVALENT) count in neither."""
     killed, survived = counts.get("killed", 0), counts.get("survived", 0)
     timeout = counts.get("timeout", 0)
     total = sum(counts.values())
@@ -111,14 +129,21 @@ def write(res: dict, out: Path, command: str) -> None:
              f"mutmut 3.8.1 at {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu} "
              f"({os.cpu_count()} cores), {res['wall_s'] / 60:.1f} min. Command: `{command}`. "
              f"Tests: {', '.join(res['tests'])}.", "",
-             "| module | mutants | killed (timeouts) | survived | other | score |", "|---|---:|---:|---:|---:|---:|"]
+             "| module | mutants | killed (timeouts) | survived | equivalent | other | score |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for mod, counts in res["modules"].items():
         total, killed, survived, timeout, s = score(counts)
-        other = total - killed - survived
-        lines.append(f"| `{mod}` | {total} | {killed} ({timeout}) | {survived} | {other} | "
+        eq = counts.get("equivalent", 0)
+        other = total - killed - survived - eq
+        lines.append(f"| `{mod}` | {total} | {killed} ({timeout}) | {survived} | {eq} | {other} | "
                      f"{'–' if s is None else f'{100 * s:.1f} %'} |")
     lines += ["", f"Survivors ({len(res['survivors'])}); `mutmut show NAME` in a copy made as above shows each:", ""]
     lines += [f"- `{s}`" for s in res["survivors"]]
+    eq = [(n, why) for n, why in EQUIVALENT.items() if any(n.startswith(m.removesuffix(".py").replace("/", ".") + ".")
+                                                           for m in res["modules"])]
+    if eq:
+        lines += ["", "Equivalent mutants (read, and the same behaviour for every accepted input):", ""]
+        lines += [f"- `{n}`: {why}" for n, why in eq]
     (out / f"{res['group']}.md").write_text("\n".join(lines) + "\n")
 
 
