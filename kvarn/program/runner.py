@@ -44,6 +44,7 @@ RECORD_COLUMNS = ("chunk", "pos", "kld", "nll", "nll_base", "dp", "same_top")
 class Refused(ValueError):
     """A cell this build cannot run; the message names the build, the value and what it accepts."""
 
+
 # --- what a build can run --------------------------------------------------------------
 
 def cell_args(b: pbuild.Build, cell: CellSpec) -> tuple[list[str], dict]:
