@@ -58,6 +58,8 @@ EQUIVALENT = {
     "kvarn.stats.metrics.x__columns__mutmut_6": "as mutmut_1 (the attribute name upper-cased)",
     "kvarn.stats.metrics.x__columns__mutmut_20": "reshape(-2) for reshape(-1): numpy takes any negative size as the one unknown dimension",
     "kvarn.stats.metrics.x_summarize__mutmut_97": 'float("NAN") for float("nan"): the same value',
+    "kvarn.stats.metrics.x_mean_and_uncertainty__mutmut_18": "var >= 0 for var > 0: they differ only at var == 0, "
+                                                              "where sqrt(0 / (n - 1)) is the same 0.0",
 }
 STATUS_RE = re.compile(r"^\s*(kvarn\.[\w.]+?)\.x_?\w*__mutmut_\d+: (.+)$")
 
