@@ -276,3 +276,15 @@ def test_decode_speed_comes_from_the_build_s_bench_tool(upstream, tmp_path):
     assert "-ctk q4_0" in (tmp_path / "bench.log").read_text()
     assert runner.decode_speed(upstream, Settings(), CellSpec("q4_0", "q4_0", 0), gguf, 256, 256, 2,
                                tmp_path / "none.log") == {}
+
+
+def test_a_context_beyond_the_trained_one_is_refused_before_the_program_runs(upstream, tmp_path, monkeypatch):
+    from kvarn.budget.preflight import PreflightError
+    from kvarn.weights.sources import parse_model
+
+    monkeypatch.delenv("KVARN_ALLOW_LONG_CONTEXT", raising=False)
+    engine = {"settings": Settings(build="upstream").as_param(), "build": upstream.identity()}
+    with pytest.raises(PreflightError, match=r"n_ctx 16384 is beyond the model's trained context .*8192"):
+        runner.baseline_job(parse_model("smollm2-135m"), CACHE_DIR, WIKI_TEXT, 16384, 1, 512, engine, 2,
+                            tmp_path / "base.kld")
+    assert not any(tmp_path.iterdir())  # nothing written

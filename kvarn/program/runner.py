@@ -244,10 +244,13 @@ def decode_speed(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf: Path
 
 # --- the workflow's jobs ----------------------------------------------------------------------
 
-def _job_inputs(spec, cache_dir, text, engine: dict, job_threads: int):
-    """(build, settings, gguf, its sha256, text sha256, threads) of a job, the build checked against the plan."""
+def _job_inputs(spec, cache_dir, text, engine: dict, job_threads: int, n_ctx: int):
+    """(build, settings, gguf, its sha256, text sha256, threads) of a job, the build checked against the plan
+    and n_ctx against the model's trained context (kvarn.budget.preflight.check_context: refused beyond it
+    unless KVARN_ALLOW_LONG_CONTEXT=1), before the program runs."""
+    from kvarn.budget.preflight import check_context
     from kvarn.files.identity import file_sha256, uncached_sha256
-    from kvarn.weights.sources import gguf_path
+    from kvarn.weights.sources import config_json, gguf_path
 
     settings = Settings.from_config(engine["settings"])
     b = pbuild.read_build(pbuild.build_path(settings.build))
@@ -256,6 +259,7 @@ def _job_inputs(spec, cache_dir, text, engine: dict, job_threads: int):
     if gguf is None:
         raise Refused(f"model {spec.name} ({spec.source}) has no GGUF file: the llama.cpp engine runs GGUF weights "
                       "(an embedded model, hf:org/repo/file.gguf or a local .gguf)")
+    check_context(config_json(spec, cache_dir), n_ctx)
     # the text's bytes were checked against wiki.test.raw's sha256 by the workflow's wikitext rule
     return (b, settings, Path(gguf), file_sha256(gguf), uncached_sha256(Path(text)), settings.threads or job_threads)
 
@@ -263,7 +267,7 @@ def _job_inputs(spec, cache_dir, text, engine: dict, job_threads: int):
 def baseline_job(spec, cache_dir, text, n_ctx: int, chunks: int | None, ubatch: int, engine: dict,
                  job_threads: int, out: Path) -> dict:
     """Rule baseline_program: the base file and its identity."""
-    b, settings, gguf, gsha, tsha, threads = _job_inputs(spec, cache_dir, text, engine, job_threads)
+    b, settings, gguf, gsha, tsha, threads = _job_inputs(spec, cache_dir, text, engine, job_threads, n_ctx)
     return run_baseline(b, settings, gguf, gsha, Path(text), tsha, n_ctx, chunks, ubatch, threads, out)
 
 
@@ -275,7 +279,7 @@ def cell_job(spec, cache_dir, text, n_ctx: int, ubatch: int, engine: dict, job_t
     from kvarn.spec.geometry import config_object, geometry_from_config
     from kvarn.weights.sources import config_json
 
-    b, settings, gguf, gsha, tsha, threads = _job_inputs(spec, cache_dir, text, engine, job_threads)
+    b, settings, gguf, gsha, tsha, threads = _job_inputs(spec, cache_dir, text, engine, job_threads, n_ctx)
     cell_args(b, cell)  # refused before anything else runs
     geom = geometry_from_config(config_object(config_json(spec, cache_dir)))
     fields = {"model": spec.name, "source": spec.source, "revision": spec.revision,
