@@ -90,8 +90,11 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
     mutmut = Path(sys.executable).with_name("mutmut")
     log = work / "mutmut-run.log"
     with open(log, "w") as f:
+        # one intra-op thread: mutmut forks its workers from a process that has run the tests, and a
+        # forked child of an initialized OpenMP pool deadlocks (every mutant a false "timeout")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         r = subprocess.run([str(mutmut), "run", "--max-children", str(max_children)], cwd=work, stdout=f,
-                           stderr=subprocess.STDOUT)
+                           stderr=subprocess.STDOUT, env=env)
     res = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=work, capture_output=True, text=True)
     per: dict[str, dict[str, int]] = {m: {} for m in modules}
     survivors: list[str] = []
@@ -111,6 +114,14 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
             survivors.append(m[1])
     return {"group": name, "modules": per, "survivors": survivors, "wall_s": time.time() - t0, "work": str(work),
             "rc": r.returncode, "tests": tests}
+
+
+def check_timeouts(res: dict) -> None:
+    """A run whose mutants all time out measured nothing (a hung test process, not endless loops)."""
+    for mod, counts in res["modules"].items():
+        if counts.get("timeout", 0) and not counts.get("killed", 0) and not counts.get("survived", 0):
+            raise SystemExit(f"{mod}: every mutant timed out ({counts['timeout']}): the tests hung, the run measured "
+                             f"nothing; see {res['work']}/mutmut-run.log")
 
 
 def score(counts: dict) -> tuple[int, int, int, int, float | None]:
@@ -161,6 +172,7 @@ def main(argv=None) -> int:
         if g not in GROUPS:
             raise SystemExit(f"unknown group {g!r}; groups: {', '.join(GROUPS)}")
         res = run_group(g, a.max_children, a.keep)
+        check_timeouts(res)
         write(res, a.out, f"python -m bench.mutation.run {g}")
         for mod, counts in res["modules"].items():
             total, killed, survived, timeout, s = score(counts)
