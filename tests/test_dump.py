@@ -340,3 +340,35 @@ def test_write_streams_slices_without_a_whole_chunk_encoding(tmp_path, monkeypat
     s = dump.write_dump(tmp_path / "s.kvd", header(), [b])
     assert torch.equal(dump.open_dump(tmp_path / "s.kvd").chunk(0), encoding.decode_rows(real(b), 300))
     assert s["payload_bytes"] == len(sparse.pack_rows(real(b), 300)[0])
+
+
+# ---------------------------------------------------------------- edges a mutation run found untested
+
+
+def test_encode_rows_names_a_bad_shape_and_a_non_finite_row():
+    with pytest.raises(ValueError, match=r"expected log-probs \[n_scored, vocab\], got shape \(5,\)"):
+        encoding.encode_rows(torch.zeros(5))
+    lp = torch.log_softmax(torch.randn(20, 7), dim=-1)
+    lp[17] = float("nan")
+    with pytest.raises(ValueError, match=r"rows 16\.\.19 have a non-finite maximum log-prob"):
+        encoding.encode_rows(lp)
+
+
+def test_a_flat_row_encodes_to_zero_codes_and_decodes_to_its_value():
+    """Every entry equal (scale 0): all codes 0, the row decodes to its log-prob exactly."""
+    V = 8
+    lp = torch.full((3, V), -float(np.log(V)))
+    rows = encoding.encode_rows(lp)
+    assert (rows[:, 4:4 + V] == 0).all()
+    assert torch.equal(encoding.decode_rows(rows, V), lp)
+
+
+def test_decode_rows_reads_the_bits_as_uint16_whatever_the_input_dtype():
+    lp = torch.log_softmax(torch.randn(4, 9) * 5, dim=-1)
+    rows = encoding.encode_rows(lp)
+    ref = encoding.decode_rows(rows, 9)
+    assert torch.equal(encoding.decode_rows(rows.astype(np.int64), 9), ref)  # same values, another dtype
+    assert torch.equal(encoding.decode_rows(rows.tolist(), 9), ref)
+    before = rows.copy()
+    encoding.decode_rows(rows, 9)
+    assert np.array_equal(rows, before)  # the caller's rows are not touched
