@@ -327,3 +327,29 @@ def test_format_llama_of_a_summary_without_the_extra_quartiles():
     assert not any(ln.startswith(("75.0%   Δp", "25.0%   Δp")) for ln in lines)
     for label in ("Median  Δp", "10.0%   Δp", " 0.1%   Δp", "Minimum Δp", "Same top p"):
         assert any(ln.startswith(label) for ln in lines), label
+
+
+@BOTH
+def test_unnormalised_rows_are_refused_naming_the_row(token_metrics):
+    """A row of logits (logsumexp 0.5, not 0) past the first slice is named by its own index."""
+    torch.manual_seed(0)
+    q = torch.log_softmax(torch.randn(70, 5), dim=-1)
+    q[66] += 0.5
+    base = torch.log_softmax(torch.randn(70, 5), dim=-1)
+    with pytest.raises(ValueError, match=r"logp_q row 66 is not normalised .*pass log-probabilities "
+                                         r"\(torch\.log_softmax of the logits\), not logits"):
+        token_metrics(q, base, torch.zeros(70, dtype=torch.long))
+
+
+@BOTH
+def test_targets_of_any_integer_dtype_and_more_rows_than_vocabulary(token_metrics):
+    torch.manual_seed(1)
+    q = torch.log_softmax(torch.randn(40, 8), dim=-1)
+    base = torch.log_softmax(torch.randn(40, 8), dim=-1)
+    t64 = torch.randint(0, 8, (40,))
+    ref = metrics.token_metrics_ref(q.double(), base.double(), t64)
+    got = token_metrics(q, base, t64.numpy().astype(np.int32))  # int32 targets, 40 rows > 8 entries
+    for k in ("nll", "nll_base", "dp"):
+        assert np.allclose(got[k], ref[k], rtol=1e-6, atol=1e-7), k
+    assert np.allclose(got["kld"], ref["kld"], rtol=1e-5, atol=1e-7)
+    assert (got["same_top"] == ref["same_top"]).all()
