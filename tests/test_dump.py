@@ -372,3 +372,21 @@ def test_decode_rows_reads_the_bits_as_uint16_whatever_the_input_dtype():
     before = rows.copy()
     encoding.decode_rows(rows, 9)
     assert np.array_equal(rows, before)  # the caller's rows are not touched
+
+
+def test_decode_rows_with_more_rows_than_vocabulary_entries():
+    """Rows are decoded in slices of rows (not of vocabulary entries): 40 rows of 8 entries."""
+    torch.manual_seed(0)
+    lp = torch.log_softmax(torch.randn(40, 8), dim=-1)  # every entry within 16 nats of its row's top
+    assert (lp.max(1).values - lp.min(1).values).max() < 16
+    rows = encoding.encode_rows(lp)
+    got = encoding.decode_rows(rows, 8)
+    assert got.shape == (40, 8) and torch.isfinite(got).all()
+    assert (got - lp).abs().max() < 3e-4  # within one code step (16 nats / 65535) and fp32 rounding
+
+
+def test_encode_rows_encodes_the_float32_values_whatever_the_input_dtype():
+    """llama.cpp encodes fp32 logits: float64 log-probs are rounded to fp32 first, the same rows."""
+    torch.manual_seed(2)
+    lp = torch.log_softmax(torch.randn(5, 11, dtype=torch.float64) * 3, dim=-1)
+    assert np.array_equal(encoding.encode_rows(lp), encoding.encode_rows(lp.float()))
