@@ -16,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--build", default=pbuild.UPSTREAM)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/kvarn-program-memory"))
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kvarn-program-memory")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "perf" / "results" / "program_memory.md")
     a = ap.parse_args(argv)
 
