@@ -257,11 +257,6 @@ def check(est: Estimate, device_free: int | None, host_free: int) -> None:
         )
 
 
-def config_for(spec, cache_dir) -> Any:
-    """The transformers config object of a spec without loading (or downloading) weights."""
-    return config_object(config_json(spec, cache_dir))
-
-
 def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, baseline: bool,
               dry_run: bool = False, allow_long_context: bool | None = None) -> Estimate:
     """Estimate a job from its config; stop (PreflightError) if its n_ctx is beyond the model's

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvarn.files.identity import uncached_sha256
+
 BUILD_ENV = "KVARN_LLAMACPP_BUILD"
 CACHE_ENV = "KVARN_LLAMACPP_CACHE"
 UPSTREAM = "upstream"  # the build path that names the pinned upstream build
@@ -74,11 +76,6 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def build_upstream(root: Path | None = None, jobs: int | None = None, log=sys.stderr) -> Path:
     """The pinned upstream llama.cpp (llama-cpp-python's vendored source, from PyPI), built for this
     CPU into `root` (default: the cache) once; later calls return it at once. A missing compiler,
@@ -99,7 +96,7 @@ def build_upstream(root: Path | None = None, jobs: int | None = None, log=sys.st
             print(f"kvarn: downloading {UPSTREAM_PACKAGE}=={UPSTREAM_VERSION} (source) from the package index", file=log)
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
                             f"{UPSTREAM_PACKAGE}=={UPSTREAM_VERSION}", "-d", str(root)], check=True)
-        digest = _sha256(sdist)
+        digest = uncached_sha256(sdist)
         if digest != UPSTREAM_SHA256:
             raise BuildError(f"{sdist}: sha256 {digest}, pinned {UPSTREAM_SHA256}: not the pinned source")
         src_root = root / f"llama_cpp_python-{UPSTREAM_VERSION}"
@@ -186,11 +183,11 @@ def read_build(path: str | os.PathLike) -> Build:
     if str(path) == UPSTREAM:
         path = build_upstream()
     d = Path(path).expanduser().resolve()
-    key = (d, (d / "bin" / "llama-perplexity").stat().st_mtime_ns if (d / "bin" / "llama-perplexity").exists() else 0)
+    exe = d / "bin" / "llama-perplexity"
+    key = (d, exe.stat().st_mtime_ns if exe.exists() else 0)
     if key in _BUILDS:
         return _BUILDS[key]
     cache = _cmake_cache(d)
-    exe = d / "bin" / "llama-perplexity"
     if not exe.is_file():
         raise BuildError(f"{d}: no bin/llama-perplexity; build it: cmake --build {d} --target llama-perplexity")
     source = Path(cache.get("CMAKE_HOME_DIRECTORY") or cache.get("llama.cpp_SOURCE_DIR", ""))
@@ -208,8 +205,9 @@ def read_build(path: str | os.PathLike) -> Build:
     if m[1] == "unknown" and not provenance:
         raise BuildError(f"{exe} --version names no commit ({m[0]!r}) and kvarn did not build it: its identity "
                          "cannot be read; build it from a git checkout")
-    libs = {p.name: _sha256(p) for p in sorted((d / "bin").glob("lib*.so*")) if p.is_file() and not p.is_symlink()}
-    libs = libs or {exe.name: _sha256(exe)}  # a static build: the program holds the library
+    libs = {p.name: uncached_sha256(p) for p in sorted((d / "bin").glob("lib*.so*"))
+            if p.is_file() and not p.is_symlink()}
+    libs = libs or {exe.name: uncached_sha256(exe)}  # a static build: the program holds the library
     h = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
     help_text = h.stdout + h.stderr
     # one line upstream; wrapped over several lines (each but the last ending in a comma) in BeeLlama's help
@@ -240,7 +238,8 @@ def harness(build: Build, log=sys.stderr) -> Path:
     static = [p for p in common if p.suffix == ".a"][:1] + [p for p in build.dir.glob("vendor/**/*.a")]
     inc = [build.source / "include", build.source / "common", build.source / "ggml" / "include", build.source / "vendor",
            build.source / "tools" / "mtmd"]
-    libs = sorted({re.sub(r"^lib|\.so.*$", "", p.name) for d in _lib_dirs(build) for p in d.glob("lib*.so")
+    lib_dirs = _lib_dirs(build)
+    libs = sorted({re.sub(r"^lib|\.so.*$", "", p.name) for d in lib_dirs for p in d.glob("lib*.so")
                    if not p.name.endswith("-impl.so")})  # a tool's own code (llama-perplexity-impl) is not linked
     with _locked(build.dir / "kvarn" / ".lock"):
         if exe.is_file():
@@ -248,8 +247,8 @@ def harness(build: Build, log=sys.stderr) -> Path:
         tmp = exe.with_name(exe.name + f".tmp{os.getpid()}")
         cmd = [shutil.which("c++") or "g++", "-std=c++20", "-O2", "-o", str(tmp), str(HARNESS_SRC),
                *(f"-I{p}" for p in inc if p.is_dir()), *map(str, static),
-               *(f"-L{d}" for d in _lib_dirs(build)), *(f"-l{x}" for x in libs),
-               *(f"-Wl,-rpath,{d}" for d in _lib_dirs(build)), "-lpthread", "-ldl"]
+               *(f"-L{d}" for d in lib_dirs), *(f"-l{x}" for x in libs),
+               *(f"-Wl,-rpath,{d}" for d in lib_dirs), "-lpthread", "-ldl"]
         print(f"kvarn: compiling the harness against {build.dir}", file=log)
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:

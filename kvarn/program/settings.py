@@ -35,7 +35,7 @@ class Settings:
     def from_config(cls, raw: dict | None, where: str = "engine") -> Settings:
         raw = dict(raw or {})
         raw.pop("name", None)
-        unknown = set(raw) - {f for f in cls.__dataclass_fields__}
+        unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; accepted: name, "
                              f"{', '.join(cls.__dataclass_fields__)}")
