@@ -16,7 +16,6 @@ q8_0 and q4_0 at tail 0, q4_0 with the rotation off. Checked against the program
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from pathlib import Path
 
@@ -67,29 +66,6 @@ def perplexity(b: pbuild.Build, *args, env=None) -> str:
     return r.stdout + r.stderr
 
 
-# The figures llama-perplexity --kl-divergence prints, as (summary key, pattern, scale).
-PRINTED = [
-    ("ppl_q", r"Mean PPL\(Q\)\s+:\s+([-\d.]+)", 1), ("ppl_base", r"Mean PPL\(base\)\s+:\s+([-\d.]+)", 1),
-    ("ln_ppl_ratio", r"Mean ln\(PPL\(Q\)/PPL\(base\)\)\s+:\s+([-\d.]+)", 1),
-    ("kld_mean", r"Mean    KLD:\s+([-\d.]+)", 1), ("kld_max", r"Maximum KLD:\s+([-\d.]+)", 1),
-    ("kld_p99", r"99\.0%   KLD:\s+([-\d.]+)", 1), ("kld_median", r"Median  KLD:\s+([-\d.]+)", 1),
-    ("kld_p10", r"10\.0%   KLD:\s+([-\d.]+)", 1), ("kld_min", r"Minimum KLD:\s+([-\d.]+)", 1),
-    ("dp_mean", r"Mean    Δp:\s+([-\d.]+)", 100), ("dp_median", r"Median  Δp:\s+([-\d.]+)", 100),
-    ("dp_rms", r"RMS Δp    :\s+([-\d.]+)", 100), ("same_top", r"Same top p:\s+([-\d.]+)", 100),
-]
-
-
-def printed(text: str) -> dict[str, tuple[float, float]]:
-    """{key: (value, one unit of its last printed digit)} of a --kl-divergence printout."""
-    out = {}
-    for key, pat, scale in PRINTED:
-        m = re.search(pat, text)
-        assert m, f"{key}: no {pat!r} in the printout"
-        digits = len(m[1].split(".")[1]) if "." in m[1] else 0
-        out[key] = (float(m[1]) / scale, 10.0 ** -digits / scale)
-    return out
-
-
 def percentile_slack(tokens: pl.DataFrame, key: str) -> float:
     """How far llama-perplexity's percentile may sit from kvarn's besides printing: it interpolates at
     fraction·(n−1) computed in float32 (0.99f is not 0.99), kvarn in float64, so the interpolation
@@ -133,7 +109,7 @@ def test_each_cell_prints_what_llama_perplexity_prints(dag, upstream, cell):
                       "--kl-divergence", env={**os.environ, **env})
     summary = json.loads((dag / RUN / "cells" / cell / "summary.json").read_text())
     tokens = pl.read_parquet(dag / RUN / "cells" / cell / "tokens.parquet")
-    for key, (value, unit) in printed(text).items():
+    for key, (value, unit) in runner.printed_figures(text).items():
         slack = percentile_slack(tokens, key)
         assert abs(summary[key] - value) <= unit * 1.0001 + slack, (key, summary[key], value, unit, slack)
     assert summary["n_tokens"] == CHUNKS * (CTX - 1 - CTX // 2)
@@ -203,12 +179,12 @@ def test_the_build_s_identity_is_read_from_the_build(upstream, tmp_path):
 
 def test_a_cell_refuses_a_baseline_of_other_settings(upstream):
     s = Settings()
-    a = runner.run_identity(upstream, s, 2, 512, CTX, "w", "t", {})
+    a = runner.run_identity(upstream, s, 2, 512, CTX, "w", "t")
     runner.check_identity(a, a, "base")
-    b = runner.run_identity(upstream, s, 1, 512, CTX, "w", "t", {})
+    b = runner.run_identity(upstream, s, 1, 512, CTX, "w", "t")
     with pytest.raises(ValueError, match="threads is 2 there but 1 in this cell"):
         runner.check_identity(a, b, "base")
-    c = runner.run_identity(upstream, Settings(env={"GGML_KVARN_WINDOW_CHUNK": "4"}), 2, 512, CTX, "w", "t", {})
+    c = runner.run_identity(upstream, Settings(env={"GGML_KVARN_WINDOW_CHUNK": "4"}), 2, 512, CTX, "w", "t")
     with pytest.raises(ValueError, match="env is"):
         runner.check_identity(a, c, "base")
 

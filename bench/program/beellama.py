@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import subprocess
 import time
@@ -35,13 +34,8 @@ from kvarn.program import runner
 CONFIG = REPO / "bench" / "program" / "beellama.yaml"  # the matrix: its cells
 MODEL = "gemma3-270m"  # the torch engine's name of the run's embedded model
 
-# llama-perplexity --kl-divergence's printout: (summary key, pattern, scale)
-PRINTED = [
-    ("ppl_q", r"Mean PPL\(Q\)\s+:\s+([-\d.]+)", 1),
-    ("kld_mean", r"Mean    KLD:\s+([-\d.]+)", 1), ("kld_p99", r"99\.0%   KLD:\s+([-\d.]+)", 1),
-    ("kld_median", r"Median  KLD:\s+([-\d.]+)", 1), ("kld_max", r"Maximum KLD:\s+([-\d.]+)", 1),
-    ("same_top", r"Same top p:\s+([-\d.]+)", 100),
-]
+# the figures of llama-perplexity --kl-divergence's printout the table compares (kvarn.program.runner.PRINTED)
+PRINTED_KEYS = ("ppl_q", "kld_mean", "kld_p99", "kld_median", "kld_max", "same_top")
 
 
 ONLY: set[str] = set()  # --cells: only these cells (all when empty)
@@ -69,17 +63,6 @@ def perplexity_command(cell_dir: Path) -> tuple[list[str], dict]:
             continue
         out.append(w)
     return [str(exe.parents[1] / "bin" / "llama-perplexity"), *out], env
-
-
-def parse_printout(text: str) -> dict[str, tuple[float, float]]:
-    out = {}
-    for key, pat, scale in PRINTED:
-        m = re.search(pat, text)
-        if m is None:
-            raise ValueError(f"{key}: no {pat!r} in the printout")
-        digits = len(m[1].split(".")[1]) if "." in m[1] else 0
-        out[key] = (float(m[1]) / scale, 10.0 ** -digits / scale)
-    return out
 
 
 def step_printed(run: Path, work: Path) -> None:
@@ -141,7 +124,7 @@ def step_table(run: Path, work: Path, out: Path | None) -> str:
         p_file = work / "printed" / f"{c.name}.txt"
         agree = "–"
         if p_file.is_file():
-            printed = parse_printout(p_file.read_text())
+            printed = runner.printed_figures(p_file.read_text(), PRINTED_KEYS)
             bad = [k for k, (v, unit) in printed.items() if abs(s[k] - v) > unit * 1.0001]
             agree = "yes" if not bad else "NO: " + ", ".join(bad)
             pm = printed

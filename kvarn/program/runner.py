@@ -27,6 +27,7 @@ import os
 import re
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -78,10 +79,9 @@ def cell_args(b: pbuild.Build, cell: CellSpec) -> tuple[list[str], dict]:
 # --- identity ---------------------------------------------------------------------------
 
 def run_identity(b: pbuild.Build, settings: Settings, threads: int, ubatch: int, n_ctx: int, gguf_sha256: str,
-                 text_sha256: str, env: dict) -> dict:
+                 text_sha256: str) -> dict:
     """What a baseline and its cells must share: the build, every setting, the numerics environment."""
-    numerics = {k: v for k, v in {**{k: os.environ[k] for k in pbuild.NUMERICS_ENV if k in os.environ},
-                                   **settings.env}.items()}
+    numerics = {**{k: os.environ[k] for k in pbuild.NUMERICS_ENV if k in os.environ}, **settings.env}
     numerics.pop("LLAMA_ATTN_ROT_DISABLE", None)  # the cell's rot, not the run's
     return {"engine": ENGINE, "build": b.identity(), "threads": threads, "batch": min(settings.batch, n_ctx),
             "ubatch": ubatch, "flash_attn": settings.flash_attn, "gpu_layers": settings.gpu_layers,
@@ -141,8 +141,36 @@ def program_figures(text: str) -> dict:
     return out
 
 
-def read_records(path: Path) -> dict[str, np.ndarray]:
-    """The harness's per-token TSV as the torch engine's columns (chunk, pos int32; floats; same_top bool)."""
+# What llama-perplexity --kl-divergence prints, as (summary key, pattern, scale to the summary's fractions).
+PRINTED = [
+    ("ppl_q", r"Mean PPL\(Q\)\s+:\s+([-\d.]+)", 1), ("ppl_base", r"Mean PPL\(base\)\s+:\s+([-\d.]+)", 1),
+    ("ln_ppl_ratio", r"Mean ln\(PPL\(Q\)/PPL\(base\)\)\s+:\s+([-\d.]+)", 1),
+    ("kld_mean", r"Mean    KLD:\s+([-\d.]+)", 1), ("kld_max", r"Maximum KLD:\s+([-\d.]+)", 1),
+    ("kld_p99", r"99\.0%   KLD:\s+([-\d.]+)", 1), ("kld_median", r"Median  KLD:\s+([-\d.]+)", 1),
+    ("kld_p10", r"10\.0%   KLD:\s+([-\d.]+)", 1), ("kld_min", r"Minimum KLD:\s+([-\d.]+)", 1),
+    ("dp_mean", r"Mean    Δp:\s+([-\d.]+)", 100), ("dp_median", r"Median  Δp:\s+([-\d.]+)", 100),
+    ("dp_rms", r"RMS Δp    :\s+([-\d.]+)", 100), ("same_top", r"Same top p:\s+([-\d.]+)", 100),
+]
+
+
+def printed_figures(text: str, keys=None) -> dict[str, tuple[float, float]]:
+    """{summary key: (value, one unit of its last printed digit)} of a --kl-divergence printout, for `keys`
+    (default: every key of PRINTED); a figure the text lacks raises ValueError naming it."""
+    out = {}
+    for key, pat, scale in PRINTED:
+        if keys is not None and key not in keys:
+            continue
+        m = re.search(pat, text)
+        if m is None:
+            raise ValueError(f"{key}: no {pat!r} in the printout")
+        digits = len(m[1].split(".")[1]) if "." in m[1] else 0
+        out[key] = (float(m[1]) / scale, 10.0 ** -digits / scale)
+    return out
+
+
+def read_records(path: Path):
+    """The harness's per-token TSV as a polars frame of the torch engine's columns (chunk, pos int32; floats;
+    same_top bool)."""
     import polars as pl
 
     df = pl.read_csv(path, separator="\t", schema_overrides={"chunk": pl.Int32, "pos": pl.Int32})
@@ -158,7 +186,7 @@ def run_baseline(b: pbuild.Build, settings: Settings, gguf: Path, gguf_sha256: s
     scoring.scored_positions(n_ctx)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    ident = run_identity(b, settings, threads, ubatch, n_ctx, gguf_sha256, text_sha256, {})
+    ident = run_identity(b, settings, threads, ubatch, n_ctx, gguf_sha256, text_sha256)
     t0 = time.perf_counter()
     Path(f"{out}.json").unlink(missing_ok=True)  # the identity is written last: its presence means done
     with atomic_path(out) as tmp:
@@ -182,7 +210,7 @@ def run_cell(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf: Path, gg
 
     cell_extra, env = cell_args(b, cell)  # refused before any work
     base_info = json.loads(Path(f"{baseline}.json").read_text())
-    ident = run_identity(b, settings, threads, ubatch, n_ctx, gguf_sha256, text_sha256, env)
+    ident = run_identity(b, settings, threads, ubatch, n_ctx, gguf_sha256, text_sha256)
     check_identity(base_info, ident, baseline)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,7 +230,7 @@ def run_cell(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf: Path, gg
         "tail_dtype": facts.pair_default_tail_dtype(cell.k, cell.v), "iters": cell.iters,
         "tail_eff": facts.pair_effective_tail(cell.k, cell.v, cell.tail),
         "compute": cell.compute, "engine": ENGINE, "engine_identity": ident, "program_env": env,
-        **program_figures(text), "tokens_per_s": None, "wall_s": time.perf_counter() - t0,
+        **program_figures(text), "wall_s": time.perf_counter() - t0,
         "device": b.backend, "baseline_kind": "llama", "self_check": check,
         "engine_build": b.version, "engine_backend": b.backend, "engine_threads": threads,
     })
@@ -244,10 +272,23 @@ def decode_speed(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf: Path
 
 # --- the workflow's jobs ----------------------------------------------------------------------
 
-def _job_inputs(spec, cache_dir, text, engine: dict, job_threads: int, n_ctx: int):
-    """(build, settings, gguf, its sha256, text sha256, threads) of a job, the build checked against the plan
-    and n_ctx against the model's trained context (kvarn.budget.preflight.check_context: refused beyond it
-    unless KVARN_ALLOW_LONG_CONTEXT=1), before the program runs."""
+@dataclass(frozen=True)
+class _Job:
+    """What a baseline or cell job starts from: the build (checked against the plan), its settings, the
+    GGUF and its sha256, the text's sha256, the thread count and the model's config (read once)."""
+
+    build: pbuild.Build
+    settings: Settings
+    gguf: Path
+    gguf_sha256: str
+    text_sha256: str
+    threads: int
+    config: dict
+
+
+def _job(spec, cache_dir, text, engine: dict, job_threads: int, n_ctx: int) -> _Job:
+    """A job's inputs, n_ctx checked against the model's trained context (kvarn.budget.preflight.check_context:
+    refused beyond it unless KVARN_ALLOW_LONG_CONTEXT=1) before the program runs."""
     from kvarn.budget.preflight import check_context
     from kvarn.files.identity import file_sha256, uncached_sha256
     from kvarn.weights.sources import config_json, gguf_path
@@ -259,39 +300,42 @@ def _job_inputs(spec, cache_dir, text, engine: dict, job_threads: int, n_ctx: in
     if gguf is None:
         raise Refused(f"model {spec.name} ({spec.source}) has no GGUF file: the llama.cpp engine runs GGUF weights "
                       "(an embedded model, hf:org/repo/file.gguf or a local .gguf)")
-    check_context(config_json(spec, cache_dir), n_ctx)
+    config = config_json(spec, cache_dir)
+    check_context(config, n_ctx)
     # the text's bytes were checked against wiki.test.raw's sha256 by the workflow's wikitext rule
-    return (b, settings, Path(gguf), file_sha256(gguf), uncached_sha256(Path(text)), settings.threads or job_threads)
+    return _Job(b, settings, Path(gguf), file_sha256(gguf), uncached_sha256(Path(text)),
+                settings.threads or job_threads, config)
 
 
 def baseline_job(spec, cache_dir, text, n_ctx: int, chunks: int | None, ubatch: int, engine: dict,
                  job_threads: int, out: Path) -> dict:
     """Rule baseline_program: the base file and its identity."""
-    b, settings, gguf, gsha, tsha, threads = _job_inputs(spec, cache_dir, text, engine, job_threads, n_ctx)
-    return run_baseline(b, settings, gguf, gsha, Path(text), tsha, n_ctx, chunks, ubatch, threads, out)
+    j = _job(spec, cache_dir, text, engine, job_threads, n_ctx)
+    return run_baseline(j.build, j.settings, j.gguf, j.gguf_sha256, Path(text), j.text_sha256, n_ctx, chunks, ubatch,
+                        j.threads, out)
 
 
 def cell_job(spec, cache_dir, text, n_ctx: int, ubatch: int, engine: dict, job_threads: int, cell: CellSpec,
              baseline: Path, out_dir: Path, accounting: str = "packed") -> dict:
     """Rule cell_program: one cell's tokens.parquet and summary.json, with kvarn's memory accounting of the
-    same cell (from the model's geometry) beside the KV buffers the program printed."""
+    same cell (from the model's geometry) beside the KV buffers the program printed, and its decode speed
+    where the settings ask for it (the build's own bench tool)."""
     from kvarn.budget import memory
     from kvarn.spec.geometry import config_object, geometry_from_config
-    from kvarn.weights.sources import config_json
 
-    b, settings, gguf, gsha, tsha, threads = _job_inputs(spec, cache_dir, text, engine, job_threads, n_ctx)
-    cell_args(b, cell)  # refused before anything else runs
-    geom = geometry_from_config(config_object(config_json(spec, cache_dir)))
+    j = _job(spec, cache_dir, text, engine, job_threads, n_ctx)
+    cell_args(j.build, cell)  # refused before anything else runs
+    geom = geometry_from_config(config_object(j.config))
     fields = {"model": spec.name, "source": spec.source, "revision": spec.revision,
               **memory.summary_fields(geom, n_ctx, cell, ubatch=ubatch, accounting=accounting)}
-    summary = run_cell(b, settings, cell, gguf, gsha, tsha, n_ctx, ubatch, threads, baseline, out_dir, fields)
-    speed = decode_speed(b, settings, cell, gguf, n_ctx, ubatch, threads, Path(out_dir) / "llama-bench.log")
-    if speed:  # beside the KLD: decode tokens/s at each depth, from the build's own bench tool
-        for depth, (ts, sd) in speed.items():
-            summary[f"decode_tokens_per_s_d{depth}"] = ts
-            summary[f"decode_tokens_per_s_d{depth}_std"] = sd
-        write_text(Path(out_dir) / "summary.json", json.dumps(summary, indent=1, default=_json) + "\n")
-    return summary
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    speed = decode_speed(j.build, j.settings, cell, j.gguf, n_ctx, ubatch, j.threads,
+                         Path(out_dir) / "llama-bench.log")
+    for depth, (ts, sd) in speed.items():
+        fields[f"decode_tokens_per_s_d{depth}"] = ts
+        fields[f"decode_tokens_per_s_d{depth}_std"] = sd
+    return run_cell(j.build, j.settings, cell, j.gguf, j.gguf_sha256, j.text_sha256, n_ctx, ubatch, j.threads,
+                    baseline, out_dir, fields)
 
 
 # --- the self-check: does the build's answer depend on its thread count? ----------------------
