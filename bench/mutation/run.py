@@ -182,11 +182,11 @@ def score(counts: dict) -> tuple[int, int, int, int, float | None]:
 
 
 def write(res: dict, out: Path, command: str) -> None:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    from kvarn.report.provenance import commit, machine
+
+    cpu, sha = machine()["cpu"], commit(REPO)
     lines = [f"# Mutation testing: {res['group']}", "",
-             f"mutmut 3.8.1 at {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu} "
+             f"mutmut 3.8.1 at {sha}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu} "
              f"({os.cpu_count()} cores), {res['wall_s'] / 60:.1f} min. Command: `{command}`. "
              f"Tests: {', '.join(res['tests'])}.", "",
              "| module | mutants | killed (timeouts) | survived | equivalent | other | score |",

@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     from kvarn.program import build as pbuild
     from kvarn.program import runner
     from kvarn.program.settings import Settings
+    from kvarn.report.provenance import machine
     from kvarn.weights.sources import gguf_path, parse_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         print(f"n_ctx {n_ctx}: llama-perplexity {ref[0] / 2**20:.0f} MiB, harness {ours[0] / 2**20:.0f} MiB, "
               f"same file {same}", flush=True)
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = machine()["cpu"]
     lines = [
         "# Host memory: the llama.cpp engine's harness beside llama-perplexity", "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu} ({os.cpu_count()} cores, "

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     from kvarn.plan import matrix as kvm
     from kvarn.spec.geometry import config_object, geometry_from_config
-    from kvarn.weights.sources import ModelSpec, gguf_path
+    from kvarn.weights.sources import ModelSpec, config_json, gguf_path
 
     ap = argparse.ArgumentParser(prog="python -m kvarn.plan.fit", description=__doc__.splitlines()[0])
     ap.add_argument("config", type=Path, help="a matrix with llama.cpp-engine models, e.g. config/study-program.yaml")
@@ -79,14 +79,14 @@ def main(argv=None) -> int:
              for k, v in _pairs(a.geometry, "geometry").items()}
     weights = {k: int(float(v) * GIB) for k, v in _pairs(a.weights_gib, "weights-gib").items()}
     cache = cfg.get("model_cache", "resources/models")
-    for name, m in matrix.models.items():
-        gguf = gguf_path(ModelSpec(name, m.source, m.revision), cache)
-        if name not in weights and gguf is not None and Path(gguf).is_file():
-            weights[name] = Path(gguf).stat().st_size
-        if name not in geoms and gguf is not None and Path(gguf).is_file():
-            from kvarn.weights.sources import config_json
-
-            geoms[name] = geometry_from_config(config_object(config_json(ModelSpec(name, m.source, m.revision), cache)))
+    for name, m in matrix.models.items():  # a GGUF that is here gives its own size and geometry
+        spec = ModelSpec(name, m.source, m.revision)
+        gguf = gguf_path(spec, cache)
+        if gguf is None or not Path(gguf).is_file():
+            continue
+        weights.setdefault(name, Path(gguf).stat().st_size)
+        if name not in geoms:
+            geoms[name] = geometry_from_config(config_object(config_json(spec, cache)))
     rows = fit_rows(matrix, geoms, weights, int(a.device_gib * GIB), int(a.reserve_gib * GIB))
     if a.json:
         print(json.dumps(rows, indent=1))

@@ -31,16 +31,16 @@ def numerics_versions() -> dict:
 
 def machine() -> dict:
     """CPU model, the SIMD levels that change rounding draws, cores, and the threads torch would use."""
-    cpu, flags = platform.processor() or "?", set()
+    cpu, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in ("?", ""):
+            if line.startswith("model name") and not cpu:
                 cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
+            elif line.startswith("flags") and not flags:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"cpu": cpu, "simd": [f for f in SIMD_FLAGS if f in flags], "cores": os.cpu_count(),
+    return {"cpu": cpu or platform.processor() or "?", "simd": [f for f in SIMD_FLAGS if f in flags], "cores": os.cpu_count(),
             "threads": int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1), "system": platform.platform()}
 
 
