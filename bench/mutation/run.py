@@ -78,7 +78,8 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
                 # a mutant whose tests run 3x their clean time is a timeout (killed): mutmut's default
                 # 15x spends minutes on each endless-loop mutant
                 "timeout_multiplier = 3.0\n"
-                'also_copy = ["tests/", "kvarn/", "config/", "resources", "workflow/", "docs/"]\n')
+                # the whole tree: tests run the workflow (Snakefile, envs/, profiles/) and read the docs
+                f"also_copy = {json.dumps(sorted(p.name for p in work.iterdir() if p.name != 'mutants'))}\n")
     t0 = time.time()
     mutmut = Path(sys.executable).with_name("mutmut")
     log = work / "mutmut-run.log"
@@ -110,7 +111,11 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
 
 
 def check_timeouts(res: dict) -> None:
-    """A run whose mutants all time out measured nothing (a hung test process, not endless loops)."""
+    """A run whose mutants all time out measured nothing (a hung test process, not endless loops), and
+    neither did one that tested no mutant (the clean tests failed: mutmut stops before mutating)."""
+    if res["modules"] and not any(c.get(s) for c in res["modules"].values() for s in ("killed", "survived", "timeout")):
+        raise SystemExit(f"{res['group']}: no mutant was tested (rc {res['rc']}); the tests fail on the unmutated "
+                         f"copy? see {res['work']}/mutmut-run.log")
     for mod, counts in res["modules"].items():
         if counts.get("timeout", 0) and not counts.get("killed", 0) and not counts.get("survived", 0):
             raise SystemExit(f"{mod}: every mutant timed out ({counts['timeout']}): the tests hung, the run measured "
