@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: setup run test test-cluster bench report clean-results llamacpp
+.PHONY: setup run study test test-cluster bench report clean-results llamacpp
 
 setup: $(VENV)/.installed
 
@@ -16,6 +16,11 @@ $(VENV)/.installed: pyproject.toml
 
 run: setup
 	$(BIN)/snakemake --cores $(CORES) --resources gpu=1
+
+# Every cell the claims ledger reads, on the embedded models (config/ledger.yaml): results/claims.md
+# with no row lacking a cell; about an hour on 2 cores (docs/notes/study-embedded.md)
+study: setup
+	$(BIN)/snakemake --configfile config/ledger.yaml --cores $(CORES) --resources gpu=1
 
 # The pinned upstream llama.cpp for the llama.cpp engine's tests, built for this CPU once per machine
 # into ~/.cache/kvarn/llamacpp (KVARN_LLAMACPP_CACHE); later runs reuse it (python -m kvarn.program.build).
