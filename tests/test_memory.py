@@ -1,6 +1,7 @@
 """kvarn.budget.memory against real packed buffers, hand-computed totals and every MiB figure of the study."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,8 @@ from kvarn import cli
 from kvarn.formats import get_format
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.geometry import Geometry, geometry_from_config
-from kvarn.budget.memory import (ACCOUNTINGS, MIB, KVBytes, bytes_table, kv_bytes, resummarize,
-                          summary_fields)
+from kvarn.budget.memory import (ACCOUNTINGS, MIB, KVBytes, _int_at_least, at_tail0, bytes_table, check_accounting,
+                                 kv_bytes, resummarize, summary_fields)
 
 TINY = Geometry.uniform(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, None))
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
@@ -334,3 +335,164 @@ def test_standard_sink_by_hand():
     assert kv_bytes(slid, 300, CellSpec("q4_0", "q4_0", 128, sink=128)).overlay == (256 + 128) * 2 * 64 * 2 * 2
     with pytest.raises(ValueError, match="KVarN's sink is fixed"):
         CellSpec("kvarn4", "kvarn4", 0, sink=0)
+
+
+# ------------------------------------------------------------------------- edges and bad inputs
+
+ALL_ACCOUNTINGS = "packed, beellama-qwen, beellama-gemma, beellama-v043"
+D96 = Geometry.uniform(1, 1, 96, (None,))  # a head dim the block types take only without rotation
+
+
+def test_int_at_least_names_the_value_and_what_is_accepted():
+    assert _int_at_least("n_ctx", 1, 1) == 1 and _int_at_least("tail", 0, 0) == 0  # the bounds are accepted
+    for bad in (0, -3, True, 2.0, "3", None):
+        with pytest.raises(ValueError, match=re.escape(f"n_ctx must be a positive integer, got {bad!r}")):
+            _int_at_least("n_ctx", bad, 1)
+    with pytest.raises(ValueError, match=re.escape("tail must be an integer >= 0, got -1")):
+        _int_at_least("tail", -1, 0)
+    with pytest.raises(ValueError, match=re.escape("groups must be an integer >= 2, got 1")):
+        _int_at_least("groups", 1, 2)
+    # through kv_bytes, under the argument's own name
+    with pytest.raises(ValueError, match=re.escape("n_ctx must be a positive integer, got True")):
+        kv_bytes(TINY, True, CellSpec("q4_0", "q4_0", 0))
+    with pytest.raises(ValueError, match=re.escape("ubatch must be a positive integer, got 0")):
+        kv_bytes(TINY, 10, CellSpec("q4_0", "q4_0", 0), ubatch=0)
+
+
+def test_one_token_and_ubatch_one_by_hand():
+    # one token of q4_0 at D 64: 2 blocks x 18 bytes, K and V, 2 layers x 2 heads
+    assert kv_bytes(TINY, 1, CellSpec("q4_0", "q4_0", 0)) == KVBytes(2 * 2 * 2 * 36, 0, 0, 2 * 2 * 2 * 36)
+    # ubatch 1: a sliding layer of W 10 holds 10 + 1 of 300 tokens
+    geom = Geometry.uniform(1, 1, 64, (10,))
+    assert kv_bytes(geom, 300, CellSpec("q4_0", "q4_0", 0), ubatch=1) == KVBytes(11 * 2 * 36, 0, 0, 11 * 2 * 36)
+
+
+def test_check_accounting():
+    for name in ACCOUNTINGS:
+        assert check_accounting(name) == name
+    for bad in ("nope", "Packed", None, 1):
+        with pytest.raises(ValueError, match=re.escape(
+                f"accounting: unknown memory accounting {bad!r}; accepted: {ALL_ACCOUNTINGS}")):
+            check_accounting(bad)
+    with pytest.raises(ValueError, match=re.escape("--accounting: unknown memory accounting 'x'")):
+        check_accounting("x", where="--accounting")
+
+
+def test_rotation_decides_the_block_types_head_dims():
+    # q4_0 at D 96: 3 blocks x 18 bytes a token; accepted without rotation (multiples of 32) only
+    assert kv_bytes(D96, 100, CellSpec("q4_0", "q4_0", 0, rot=False)) == KVBytes(100 * 2 * 54, 0, 0, 100 * 2 * 54)
+    # K and V each checked at the cell's rotation: q4_0 (54 B) with f16 (96 x 2 B) either way round
+    for k, v in (("q4_0", "f16"), ("f16", "q4_0")):
+        assert kv_bytes(D96, 100, CellSpec(k, v, 0, rot=False)).body == 100 * (54 + 192)
+        with pytest.raises(ValueError, match=re.escape(
+                "q4_0: head dim 96 not supported; accepted: multiples of 64 (Hadamard pre-rotation)")):
+            kv_bytes(D96, 100, CellSpec(k, v, 0))
+
+
+# ------------------------------------------------------------------------- bytes_table
+
+
+def test_table_rows_by_hand():
+    # q4_0 K (36 B a token at D 64) and q8_0 V (2 x 34 = 68 B), 300 tokens, 2 layers x 2 heads;
+    # tail 128 adds 128 bf16 rows x 64 x 2 B, K and V, 2 layers x 2 heads
+    body, overlay = 300 * (36 + 68) * 2 * 2, 128 * 2 * 64 * 2 * 2 * 2
+    rows = bytes_table(TINY, 300, [("q4_0", "q8_0")], tails=(0, 128))
+    common = {"k_type": "q4_0", "v_type": "q8_0", "accounting": "packed", "body_mib": body / MIB, "staging_mib": 0.0}
+    assert rows == [
+        {**common, "tail": 0, "tail_label": "0", "overlay_mib": 0.0, "total_mib": body / MIB, "delta_tail0_mib": 0.0},
+        {**common, "tail": 128, "tail_label": "128", "overlay_mib": overlay / MIB, "total_mib": (body + overlay) / MIB,
+         "delta_tail0_mib": overlay / MIB},
+    ]
+
+
+def test_table_defaults_rotation_and_ubatch():
+    # rotation on by default: q4_0 refuses D 96 unless rot=False (54 B a token, K and V)
+    with pytest.raises(ValueError, match="q4_0: head dim 96 not supported"):
+        bytes_table(D96, 100, [("q4_0", "q4_0")])
+    rows = bytes_table(D96, 100, [("q4_0", "q4_0")], tails=(0, 32), rot=False)
+    assert [r["body_mib"] for r in rows] == [100 * 2 * 54 / MIB] * 2
+    # ubatch 512 by default: a sliding layer of W 100 holds 612 of 1000 tokens (72 B each)
+    rows = bytes_table(Geometry.uniform(1, 1, 64, (100,)), 1000, [("q4_0", "q4_0")], tails=(0,))
+    assert rows[0]["body_mib"] == 612 * 72 / MIB
+
+
+def test_table_tail_dtype_and_accounting_reach_both_cells():
+    # kvarn4 with an f32 exact copy: a row is 2 x 64 x 4 B x 2 heads x 2 layers = 2048 B;
+    # tail 0 holds sink 128 + tail 128 rows, tail 256 sink 128 + 256: the delta is 128 rows
+    row = 2 * 64 * 4 * 2 * 2
+    rows = bytes_table(TINY, 300, [("kvarn4", "kvarn4")], tails=(0, 256), tail_dtype="f32")
+    assert [r["overlay_mib"] for r in rows] == [256 * row / MIB, 384 * row / MIB]
+    assert [r["delta_tail0_mib"] for r in rows] == [0.0, 128 * row / MIB]
+    # q4_0 tail 128 at f32: twice the bf16 overlay of test_table_rows_by_hand
+    assert bytes_table(TINY, 300, [("q4_0", "q4_0")], tails=(128,), tail_dtype="f32")[0]["overlay_mib"] == \
+        128 * row / MIB
+    # beellama-gemma (test_kvarn4_beellama_by_hand): 3 groups of records, 256 staging rows,
+    # overlay N + 1 rows at f16 (1024 B over both layers): the delta of tail 256 is 257 - 129 rows
+    body, staging, f16_row = 2 * 2 * 3 * (4608 + 4736), 256 * 2 * 2 * 64 * 2 * 2, 2 * 2 * 64 * 2 * 2
+    rows = bytes_table(TINY, 300, [("kvarn4", "kvarn4")], tails=(0, 256), ubatch=64, accounting="beellama-gemma")
+    assert [(r["accounting"], r["body_mib"], r["staging_mib"], r["overlay_mib"]) for r in rows] == [
+        ("beellama-gemma", body / MIB, staging / MIB, 129 * f16_row / MIB),
+        ("beellama-gemma", body / MIB, staging / MIB, 257 * f16_row / MIB)]
+    assert [r["delta_tail0_mib"] for r in rows] == [0.0, 128 * f16_row / MIB]
+
+
+# ------------------------------------------------------------------------- summary fields, recompute
+
+
+def test_at_tail0_is_the_pair_at_tail_0_on_the_default_compute():
+    cell = CellSpec("q4_0", "q4_0", 128, rot=False, tail_dtype="f32", compute="llamacpp-cpu")
+    assert at_tail0(cell) == CellSpec("q4_0", "q4_0", 0, rot=False, tail_dtype="f32", compute="exact")
+
+
+def test_summary_fields_by_hand_under_beellama():
+    # as test_table_tail_dtype_and_accounting_reach_both_cells: kvarn4, 300 tokens, ubatch 64, beellama-gemma
+    body, staging, f16_row = 2 * 2 * 3 * (4608 + 4736), 256 * 2 * 2 * 64 * 2 * 2, 2 * 2 * 64 * 2 * 2
+    got = summary_fields(TINY, 300, CellSpec("kvarn4", "kvarn4", 256), ubatch=64, accounting="beellama-gemma")
+    assert got == {
+        "memory_accounting": "beellama-gemma", "kv_body_bytes": body, "kv_staging_bytes": staging,
+        "kv_overlay_bytes": 257 * f16_row, "kv_total_bytes": body + staging + 257 * f16_row,
+        "kv_total_bytes_tail0": body + staging + 129 * f16_row,
+        "kv_geometry": [["full_attention", 2, 64, None, False]] * 2,
+    }
+
+
+# a full layer and a sliding one of W 100, one KV head of 64 each; q4_0 is 72 B a token, K and V
+FULL_SLIDING = Geometry.uniform(2, 1, 64, (None, 100))
+
+
+def _recorded(**kw):
+    return {"n_ctx": 1000, "k_type": "q4_0", "v_type": "q4_0", "tail": 128, "memory_accounting": "packed",
+            "kv_geometry": [["full_attention", 1, 64, None, False], ["sliding_attention", 1, 64, 100, False]], **kw}
+
+
+def test_resummarize_reads_every_recorded_option():
+    # ubatch 64, f32 rows (512 B), sink 64. Full layer: 1000 tokens, 128 tail + 64 sink rows;
+    # sliding layer: 100 + 64 = 164 tokens, tail capped at its window (100 rows), no sink
+    got = resummarize(_recorded(ubatch=64, tail_dtype="f32", sink_requested=64, rot=True), "packed")
+    body, overlay = (1000 + 164) * 72, (128 + 64 + 100) * 512
+    assert got == {"memory_accounting": "packed", "kv_body_bytes": body, "kv_staging_bytes": 0,
+                   "kv_overlay_bytes": overlay, "kv_total_bytes": body + overlay,
+                   "kv_total_bytes_tail0": body + 64 * 512, "kv_geometry": _recorded()["kv_geometry"]}
+    # nothing recorded: ubatch 512 (the sliding layer holds 612 tokens), bf16 rows (256 B), no sink
+    got = resummarize(_recorded(), "packed")
+    assert (got["kv_body_bytes"], got["kv_overlay_bytes"]) == ((1000 + 612) * 72, (128 + 100) * 256)
+
+
+def test_resummarize_reads_the_rotation():
+    rec = {"n_ctx": 100, "k_type": "q4_0", "v_type": "q4_0", "tail": 0, "kv_geometry": D96.to_list()}
+    assert resummarize({**rec, "rot": False}, "packed")["kv_body_bytes"] == 100 * 2 * 54
+    for rot in ({"rot": True}, {}):  # rotated, or not recorded (rotation is the default): D 96 is refused
+        with pytest.raises(ValueError, match="q4_0: head dim 96 not supported"):
+            resummarize({**rec, **rot}, "packed")
+
+
+def test_resummarize_without_geometry_keeps_its_recorded_accounting():
+    old = {"n_ctx": 1000, "k_type": "q4_0", "v_type": "q4_0", "tail": 128, "memory_accounting": "beellama-qwen"}
+    assert resummarize(old, "beellama-qwen") == {"memory_accounting": "beellama-qwen"}
+    with pytest.raises(ValueError, match=re.escape(
+            "summary.json: written under memory accounting 'beellama-qwen' without kv_geometry, so it cannot be "
+            "recomputed under 'packed'; rerun the cell")):
+        resummarize(old, "packed")
+    with pytest.raises(ValueError, match=re.escape(
+            f"summary.json: memory_accounting: unknown memory accounting 'nope'; accepted: {ALL_ACCOUNTINGS}")):
+        resummarize(old, "nope")
