@@ -339,16 +339,53 @@ def test_findings_put_each_models_row_in_its_own_column():
                                study_model="gemma4-31b")[1]])
     md = C.findings_markdown(led)
     lines = md.splitlines()
-    assert lines[0] == "| claim | small (study: qwen3.6-27b) | other (study: gemma4-31b) |"
-    assert len(lines) == 2 + led["claim_id"].n_unique()  # header, rule, one line per claim
+    assert lines[0] == C.conclusion_markdown(led).strip() and lines[1] == ""  # a paragraph, then the table
+    assert lines[2] == "| claim | small (study: qwen3.6-27b) | other (study: gemma4-31b) |"
+    # conclusion, blank, header, rule, one line per claim sentence
+    assert len(lines) == 4 + led.select(["claim_id", "claim"]).unique().height
     gain = next(ln for ln in lines if ln.startswith("| 4 bits: kvarn4"))
     small, other = gain.split(" | ")[1:3]
     # small: (1 - 0.004/0.01) = +60 %, it holds; other: 0.02 vs 0.01 = -100 %, it does not
-    assert "ours +60.0 % (0.004 vs 0.01)" in small and "**holds**" in small
-    assert "ours -100.0 % (0.02 vs 0.01)" in other and "**does not hold**" in other
-    assert f"study {row(led.filter(pl.col('model') == 'other'), 'same_width_gain_4')['study_text']};" in other
+    assert small.startswith("**holds**: ours +60.0 % (0.004 vs 0.01)")
+    assert other.startswith("**does not hold**: ours -100.0 % (0.02 vs 0.01)")
+    assert f"study {row(led.filter(pl.col('model') == 'other'), 'same_width_gain_4')['study_text']}" in other
     floor = next(ln for ln in lines if "format-only floor" in ln)
     assert floor.startswith("| *ours:* the format-only floor") and "missing: a format-only row" in floor
+
+
+def test_findings_give_a_claim_whose_direction_differs_a_line_per_model():
+    """The study's 2-bit gain is +5.5 % on Qwen ("beats") and -57.3 % on Gemma ("loses to"): each
+    sentence gets its own line with its own model's verdict, never one line over both."""
+    cells = [("q2_0-q2_0", 128, 0.1, 10.0), ("kvarn2-kvarn2", 0, 0.05, 11.0)]
+    led = pl.concat([ledger_of(cells, "a")[1], ledger_of(cells, "b", study_model="gemma4-31b")[1]])
+    lines = C.findings_markdown(led).splitlines()
+    beats = [ln for ln in lines if ln.startswith("| 2 bits: kvarn2 at 128* beats")]
+    loses = [ln for ln in lines if ln.startswith("| 2 bits: kvarn2 at 128* loses")]
+    assert len(beats) == len(loses) == 1
+    a, b = beats[0].split(" | ")[1:3]
+    assert a.startswith("**holds**: ours +50.0 %") and "study +5.5 %" in a and b == "– |"
+    a, b = loses[0].split(" | ")[1:3]
+    assert a == "–" and b.startswith("**does not hold**: ours +50.0 %") and "study -57.3 %" in b
+
+
+def test_the_conclusion_counts_the_claims_the_study_printed():
+    """Hand-counted: on one model, same-width 4 holds, tail effect 2 and 8 hold (the tail lowers both),
+    their order does not (8 bits moves more); rows of our own or without a study figure are not counted,
+    and claims lacking a cell are named as such."""
+    cells = [("q4_0-q4_0", 128, 0.01, 10.0), ("kvarn4-kvarn4", 0, 0.004, 11.0),
+             ("q2_0-q2_0", 0, 0.2, 5.0), ("q2_0-q2_0", 128, 0.19, 5.5),
+             ("q8_0-q8_0", 0, 0.01, 20.0), ("q8_0-q8_0", 128, 0.001, 21.0)]
+    led = ledger_of(cells, "m")[1]
+    c = C.verdict_counts(led, "m")
+    study_rows = led.filter((pl.col("origin") == "study") & ~pl.col("missing").str.starts_with("study figure"))
+    assert sum(c.values()) == study_rows.height
+    assert row(led, "same_width_gain_4")["verdict"] == "holds"
+    assert row(led, "tail_effect_order")["verdict"] == "does not hold"  # |-5 %| < |-90 %|
+    assert c["holds"] == study_rows.filter(pl.col("verdict") == "holds").height >= 4
+    text = C.conclusion_markdown(led)
+    assert text.startswith(f"On **m** (read against the study's qwen3.6-27b), {c['holds']} of the {sum(c.values())} "
+                           f"claims the study printed a figure for **hold**, {c['does not hold']} do not, "
+                           f"{c['not measurable']} lack a cell of this run.")
 
 
 def test_splice_claims_rewrites_only_the_block():

@@ -135,7 +135,8 @@ def score(counts: dict) -> tuple[int, int, int, int, float | None]:
 def write(res: dict, out: Path, command: str) -> None:
     from kvarn.report.provenance import commit, machine
 
-    cpu, sha = machine()["cpu"], commit(REPO)
+    # the copy tested is `git archive HEAD`: HEAD alone, whatever the checkout holds uncommitted
+    cpu, sha = machine()["cpu"], commit(REPO).removesuffix("+dirty")
     lines = [f"# Mutation testing: {res['group']}", "",
              f"mutmut 3.8.1 at {sha}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu} "
              f"({os.cpu_count()} cores), {res['wall_s'] / 60:.1f} min. Command: `{command}`. "

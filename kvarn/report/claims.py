@@ -677,19 +677,43 @@ def ledger_markdown(table: pl.DataFrame) -> str:
     return "\n".join(out)
 
 
+def verdict_counts(table: pl.DataFrame, model: str) -> dict[str, int]:
+    """Per verdict, how many of a model's rows the study printed a figure for (origin `study`, its figure
+    known): the rows a reader can check the study against."""
+    rows = table.filter((pl.col("model") == model) & (pl.col("origin") == "study")
+                        & ~pl.col("missing").fill_null("").str.starts_with("study figure"))
+    return {v: rows.filter(pl.col("verdict") == v).height for v in VERDICTS}
+
+
+def conclusion_markdown(table: pl.DataFrame) -> str:
+    """One generated sentence per model: how many of the study's checkable claims hold, do not hold, or
+    lack a cell in this run."""
+    out = []
+    for m in table["model"].unique(maintain_order=True).to_list():
+        c = verdict_counts(table, m)
+        n = sum(c.values())
+        sm = table.filter(pl.col("model") == m)["study_model"][0]
+        lack = f", {c['not measurable']} lack a cell of this run" if c["not measurable"] else ""
+        out.append(f"On **{m}** (read against the study's {sm}), {c['holds']} of the {n} claims the study printed "
+                   f"a figure for **hold**, {c['does not hold']} do not{lack}.")
+    return " ".join(out) + "\n"
+
+
 def findings_markdown(table: pl.DataFrame) -> str:
-    """The ledger side by side for the README: one line per claim, and per run model the
-    study's figure (for the study model that run is read against), ours, the paired interval
-    and the verdict. Every figure comes from `table` (`readme_figures.py --readme` writes it
-    between the README's claims markers)."""
+    """The ledger side by side for the README: the generated conclusion (`conclusion_markdown`), then
+    one line per claim sentence, and per run model the verdict, ours, the study's figure (for the study
+    model that run is read against) and the paired interval. A claim whose sentence differs between
+    models (its direction follows each study model's figure: KVarN "beats" or "loses to") gets a line
+    per sentence, so no column contradicts its line. Every figure comes from `table`
+    (`readme_figures.py --readme` writes it between the README's claims markers)."""
     models = table["model"].unique(maintain_order=True).to_list()
     head = ["claim"] + [f"{m} (study: {table.filter(pl.col('model') == m)['study_model'][0]})" for m in models]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for cid in table["claim_id"].unique(maintain_order=True).to_list():
-        rows = {r["model"]: r for r in table.filter(pl.col("claim_id") == cid).iter_rows(named=True)}
+    out = [conclusion_markdown(table), "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cid, claim in table.select(["claim_id", "claim"]).unique(maintain_order=True).iter_rows():
+        rows = {r["model"]: r for r in table.filter((pl.col("claim_id") == cid) & (pl.col("claim") == claim))
+                .iter_rows(named=True)}
         first = next(iter(rows.values()))
-        claim = ("*ours:* " + first["claim"].removeprefix("ours: ")) if first["origin"] == "ours" else first["claim"]
-        cells = [claim]
+        cells = [("*ours:* " + claim.removeprefix("ours: ")) if first["origin"] == "ours" else claim]
         for m in models:
             r = rows.get(m)
             if r is None:
@@ -697,7 +721,7 @@ def findings_markdown(table: pl.DataFrame) -> str:
                 continue
             ci = "" if r["delta"] is None else f"; Δ median {_g(r['delta'])} [{_g(r['delta_lo'])}, {_g(r['delta_hi'])}]"
             why = f" (missing: {r['missing']})" if r["missing"] else ""
-            cells.append(f"study {r['study_text'] or '–'}; ours {r['ours_text'] or '–'}{ci} — **{r['verdict']}**{why}")
+            cells.append(f"**{r['verdict']}**{why}: ours {r['ours_text'] or '–'}; study {r['study_text'] or '–'}{ci}")
         out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(out) + "\n"
 
