@@ -65,6 +65,11 @@ def module_of(mutant: str) -> str:
 def run_group(name: str, max_children: int, keep: Path | None) -> dict:
     group = load_group(name)
     modules, tests, equivalent = group["modules"], group["tests"], group["equivalent"]
+    # `deselect`: tests that run the workflow in a subprocess, where mutmut's bookkeeping is absent
+    # (the clean run fails there); the group's other tests own those lines
+    pytest_args = ["-p", "no:xdist", "-q", "-p", "no:cacheprovider"]
+    for t in group.get("deselect") or []:
+        pytest_args += ["--deselect", t]
     work = Path(keep or tempfile.mkdtemp(prefix=f"kvarn-mutation-{name}-"))
     work.mkdir(parents=True, exist_ok=True)
     subprocess.run(f"git -C {REPO} archive HEAD | tar -x -C {work}", shell=True, check=True)
@@ -74,7 +79,7 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
         f.write("\n[tool.mutmut]\n"
                 f"source_paths = {json.dumps(modules)}\n"
                 f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
-                'pytest_add_cli_args = ["-p", "no:xdist", "-q", "-p", "no:cacheprovider"]\n'
+                f"pytest_add_cli_args = {json.dumps(pytest_args)}\n"
                 # a mutant whose tests run 3x their clean time is a timeout (killed): mutmut's default
                 # 15x spends minutes on each endless-loop mutant
                 "timeout_multiplier = 3.0\n"
