@@ -30,7 +30,8 @@ def numerics_versions() -> dict:
 
 
 def machine() -> dict:
-    """CPU model, the SIMD levels that change rounding draws, cores, and the threads torch would use."""
+    """CPU model, the SIMD levels that change rounding draws, PyTorch's kernel level, cores, and the threads
+    torch would use."""
     cpu, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -41,7 +42,9 @@ def machine() -> dict:
     except OSError:
         pass
     return {"cpu": cpu or platform.processor() or "?", "simd": [f for f in SIMD_FLAGS if f in flags], "cores": os.cpu_count(),
-            "threads": int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1), "system": platform.platform()}
+            "threads": int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1), "system": platform.platform(),
+            # PyTorch's CPU kernels: the highest SIMD level the CPU has unless ATEN_CPU_CAPABILITY caps it
+            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY") or "default"}
 
 
 def commit(repo: Path | None = None) -> str:
