@@ -51,7 +51,7 @@ def _prov(folder: Path) -> str:
     d = json.loads(p.read_text())
     m = d.get("machine", {})
     return (f"commit {d.get('commit', '?')[:12]}, {m.get('cpu', '?')}, SIMD {' '.join(m.get('simd', [])) or '?'}, "
-            f"kernels {m.get('aten_cpu_capability', '?')}, {m.get('threads', '?')} threads{', ' + d['note'] if d.get('note') else ''}; `{d.get('command', '?')}`")
+            f"kernels capped by {m.get('isa_caps') or 'nothing'}, {m.get('threads', '?')} threads{', ' + d['note'] if d.get('note') else ''}; `{d.get('command', '?')}`")
 
 
 def report(a_dir: Path, b_dir: Path, label_a: str, label_b: str) -> tuple[str, bool]:

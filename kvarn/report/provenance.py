@@ -17,6 +17,9 @@ import platform
 import subprocess
 from pathlib import Path
 
+# What caps the SIMD level of the kernels a run uses: PyTorch's own, MKL's and oneDNN's matmuls, numba's
+# compiled KVarN encoder (NUMBA_CPU_NAME, e.g. haswell for AVX2)
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "NUMBA_CPU_NAME")
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
@@ -30,7 +33,7 @@ def numerics_versions() -> dict:
 
 
 def machine() -> dict:
-    """CPU model, the SIMD levels that change rounding draws, PyTorch's kernel level, cores, and the threads
+    """CPU model, the SIMD levels that change rounding draws, the caps on the kernels' level, cores, and the threads
     torch would use."""
     cpu, flags = "", set()
     try:
@@ -43,8 +46,8 @@ def machine() -> dict:
         pass
     return {"cpu": cpu or platform.processor() or "?", "simd": [f for f in SIMD_FLAGS if f in flags], "cores": os.cpu_count(),
             "threads": int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1), "system": platform.platform(),
-            # PyTorch's CPU kernels: the highest SIMD level the CPU has unless ATEN_CPU_CAPABILITY caps it
-            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY") or "default"}
+            # the kernels' SIMD level: the highest the CPU has unless one of these caps it
+            "isa_caps": {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}}
 
 
 def commit(repo: Path | None = None) -> str:
