@@ -83,3 +83,167 @@ def test_torch_free():
     code = ("import sys; import kvarn.spec.facts, kvarn.budget.memory, kvarn.plan.matrix, kvarn.spec.policy, kvarn.spec.geometry; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- the table against the documented facts (not against the format classes) ------------------
+# bits, bytes per 32-value block and the min field: docs/notes/formats-blocks.md "Byte layouts";
+# q6_0 is format version 2 (its refit order, same note); KVarN: DESIGN §2 (128-token groups, sink
+# and minimum tail, F16 exact copy), docs/notes/kvarn.md (format version 2); the ecosystem types:
+# docs/notes/ecosystem.md (group 128 = the residual window, q_group_size 64 / 32 for KIVI, bf16
+# scale and zero, the pinned library versions).
+BLOCKS = {  # name: (bits, bytes per 32 values, has an fp16 min)
+    "q8_0": (8, 34, False), "q6_0": (6, 26, False), "q6_1": (6, 28, True), "q5_1": (5, 24, True),
+    "q5_0": (5, 22, False), "q4_1": (4, 20, True), "q4_0": (4, 18, False), "iq4_nl": (4, 18, False),
+    "q3_1": (3, 16, True), "q3_0": (3, 14, False), "q2_1": (2, 12, True), "q2_0": (2, 10, False),
+}
+FLOATS = {"f32": 4, "f16": 2, "bf16": 2}  # bytes per value
+ECOSYSTEM = {  # name: (bits, q_group_size, library)
+    "quanto4": (4, 64, "optimum-quanto==0.2.7"), "quanto2": (2, 64, "optimum-quanto==0.2.7"),
+    "hqq4": (4, 64, "hqq==0.2.8.post1"), "hqq2": (2, 64, "hqq==0.2.8.post1"),
+    "kivi4": (4, 32, "optimum-quanto==0.2.7"), "kivi2": (2, 32, "optimum-quanto==0.2.7"),
+}
+
+
+def documented_table() -> dict:
+    t = {}
+    for n, (bits, _, has_min) in BLOCKS.items():
+        t[n] = facts.TypeFacts(name=n, family="block", bits=bits, group=1, sink=0, tail_quantum=1, min_tail=0,
+                               default_tail_dtype="bf16", version=2 if n == "q6_0" else 1, itemsize=0,
+                               has_min=has_min, q_group=0, meta_itemsize=0, library="")
+    for n, size in FLOATS.items():
+        t[n] = facts.TypeFacts(name=n, family="float", bits=8 * size, group=1, sink=0, tail_quantum=1, min_tail=0,
+                               default_tail_dtype="bf16", version=1, itemsize=size, has_min=False, q_group=0,
+                               meta_itemsize=0, library="")
+    for b in (2, 3, 4, 5, 6, 7, 8):
+        t[f"kvarn{b}"] = facts.TypeFacts(name=f"kvarn{b}", family="kvarn", bits=b, group=128, sink=128,
+                                         tail_quantum=128, min_tail=128, default_tail_dtype="f16", version=2,
+                                         itemsize=0, has_min=False, q_group=0, meta_itemsize=0, library="")
+    for n, (bits, qg, lib) in ECOSYSTEM.items():
+        t[n] = facts.TypeFacts(name=n, family="ecosystem", bits=bits, group=128, sink=0, tail_quantum=1,
+                               min_tail=128, default_tail_dtype="bf16", version=1, itemsize=0, has_min=False,
+                               q_group=qg, meta_itemsize=2, library=lib)
+    return t
+
+
+def test_table_is_the_documented_one():
+    # the builder itself, field by field and in the registry's order (blocks, floats, KVarN, ecosystem)
+    built = facts._table()
+    assert list(built) == list(documented_table())
+    for n, want in documented_table().items():
+        assert built[n] == want, n
+    assert facts.FACTS == built and facts.names() == list(built)
+
+
+def test_block_bytes_against_the_docs_and_gguf():
+    import gguf
+
+    for n, (bits, nbytes, _) in BLOCKS.items():
+        assert facts.get(n).block_bytes == nbytes, n
+        assert facts.get(n).block_bytes * 8 / 32 == nbytes / 4, n  # stored bits per value
+    # the upstream types' sizes are ggml's: (values per block, bytes per block)
+    for n in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"):
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[n.upper()]] == (32, facts.get(n).block_bytes), n
+    for n, size in FLOATS.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[n.upper()]] == (1, size)
+        assert facts.get(n).itemsize == size
+
+
+def test_documented_bits_per_value():
+    # docs/notes/reference.md: q8_0 ... q2_0 at 8.5 6.5 7 6 5.5 5 4.5 4.5 4 3.5 3 2.5 bits per value
+    table = dict(zip(BLOCKS, (8.5, 6.5, 7, 6, 5.5, 5, 4.5, 4.5, 4, 3.5, 3, 2.5)))
+    for n, bpv in table.items():
+        for d in (64, 128, 256):
+            for role in ("k", "v"):
+                assert facts.get(n).bits_per_value(d, role) == bpv, (n, d, role)
+    for b in range(2, 9):  # KVarN: b + 0.375 at head dim 128/256/512; b + 0.5 (K) / b + 0.625 (V) at 64
+        f = facts.get(f"kvarn{b}")
+        for d in (128, 256, 512):
+            assert f.bits_per_value(d, "k") == f.bits_per_value(d, "v") == b + 0.375, (b, d)
+        assert f.bits_per_value(64, "k") == b + 0.5 and f.bits_per_value(64, "v") == b + 0.625, b
+    # the ecosystem's (docs/notes/ecosystem.md): b + 0.5 with q_group_size 64, b + 1 with KIVI's 32
+    for n, (bits, qg, _) in ECOSYSTEM.items():
+        assert facts.get(n).bits_per_value(128) == bits + (0.5 if qg == 64 else 1.0), n
+    assert facts.get("f32").bits_per_value(96) == 32 and facts.get("bf16").bits_per_value(80) == 16
+
+
+def test_kvarn_head_dims():
+    # DESIGN §3 item 7 / docs/notes/kvarn.md: powers of two 64 .. 512, nothing else
+    assert [d for d in range(-1, 2049) if facts.kvarn_head_dim_ok(d)] == [64, 128, 256, 512]
+    for bad in (True, 128.0, "128", None):
+        assert not facts.kvarn_head_dim_ok(bad), bad
+
+
+def test_kvarn_tiles_by_hand():
+    # K tiles: c channels x 128 tokens; V tiles: 128 tokens x c channels; c = min(D, 128)
+    assert facts.kvarn_tile_shape("k", 64) == (64, 128, 1) and facts.kvarn_tile_shape("v", 64) == (128, 64, 1)
+    assert facts.kvarn_tile_shape("k", 256) == (128, 128, 2) and facts.kvarn_tile_shape("v", 512) == (128, 128, 4)
+    assert all(type(x) is int for x in facts.kvarn_tile_shape("v", 512))
+    assert facts.get("kvarn4").tile_shape("k", 512) == (128, 128, 4)
+    # codes as a dense bitstream: 45 3-bit codes are 135 bits, 17 bytes; + fp16 scale/zero per row, other per col
+    assert facts.kvarn_payload_nbytes(9, 5, 3) == 17
+    assert facts.kvarn_tile_nbytes(9, 5, 3) == 17 + 2 * (18 + 5)
+
+
+def test_nbytes_by_hand():
+    cases = [  # (type, n tokens, head dim, role, rot, bytes worked out by the module docstring's formulas)
+        ("q4_0", 3, 128, "k", True, 3 * 4 * 18),
+        ("q4_0", 1, 96, "k", False, 3 * 18),  # 96 = 3 blocks; without the rotation a multiple of 32 is enough
+        ("q5_1", 2, 64, "v", True, 2 * 2 * 24),
+        ("f16", 5, 96, "k", True, 5 * 96 * 2),
+        ("f32", 5, 7, "v", True, 5 * 7 * 4),
+        ("kvarn4", 256, 128, "k", True, 2 * (128 * 128 * 4 // 8 + 2 * (2 * 128 + 128))),
+        ("kvarn3", 128, 256, "v", True, 2 * (128 * 128 * 3 // 8 + 2 * (2 * 128 + 128))),
+        ("kvarn4", 128, 64, "k", True, 64 * 128 * 4 // 8 + 2 * (2 * 64 + 128)),
+        ("kvarn4", 128, 64, "v", True, 128 * 64 * 4 // 8 + 2 * (2 * 128 + 64)),
+        ("quanto4", 128, 128, "k", True, 128 * 128 * 4 // 8 + 2 * 2 * (128 * 128 // 64)),
+        ("kivi2", 256, 96, "v", True, 256 * 96 * 2 // 8 + 2 * 2 * (256 * 96 // 32)),
+    ]
+    for name, n, d, role, rot, want in cases:
+        got = facts.get(name).nbytes(n, d, role, rot)
+        assert got == want and type(got) is int, (name, n, d, role, rot, got)
+    for name in ("q4_0", "f16", "kvarn4", "quanto4"):  # no tokens, no bytes
+        assert facts.get(name).nbytes(0, 128) == 0
+
+
+def test_head_dim_checks_and_messages():
+    q4, f16, k4, quanto, kivi = (facts.get(n) for n in ("q4_0", "f16", "kvarn4", "quanto4", "kivi4"))
+    # rotation (the default): K and V need a multiple of 64; without it a multiple of 32
+    assert q4.supports(128) and not q4.supports(96) and q4.supports(96, rot=False) and not q4.supports(80, False)
+    for bad in (0, -64, True, 64.0, "64", None):
+        assert not q4.supports(bad) and not f16.supports(bad), bad
+    assert f16.supports(1) and f16.supports(7)  # the float types take any head dim
+    assert quanto.supports(192) and not quanto.supports(96) and kivi.supports(96) and not kivi.supports(80)
+    assert [k4.supported_head_dims(), k4.supported_head_dims(False)] == ["powers of two 64..512"] * 2
+    assert q4.supported_head_dims() == "multiples of 64 (Hadamard pre-rotation)"
+    assert q4.supported_head_dims(rot=False) == "multiples of 32"
+    assert quanto.supported_head_dims() == "multiples of 64" and kivi.supported_head_dims() == "multiples of 32"
+    assert f16.supported_head_dims() == "any"
+    for f, d, kw, accepted in [
+        (q4, 96, {}, "multiples of 64 (Hadamard pre-rotation)"),
+        (q4, 40, {"rot": False}, "multiples of 32"),
+        (k4, 96, {}, "powers of two 64..512"),
+        (kivi, 48, {}, "multiples of 32"),
+        (f16, 0, {}, "any"),
+    ]:
+        want = f"{f.name}: head dim {d} not supported; accepted: {accepted}"
+        for call in (lambda: f.check_head_dim(d, **kw), lambda: f.nbytes(f.group, d, **kw),
+                     lambda: f.bits_per_value(d, **kw)):
+            with pytest.raises(ValueError) as e:
+                call()
+            assert str(e.value) == want
+    q4.check_head_dim(96, rot=False)  # accepted: no error
+    assert q4.bits_per_value(96, rot=False) == 4.5
+
+
+def test_nbytes_refuses_bad_arguments():
+    q4, k4 = facts.get("q4_0"), facts.get("kvarn4")
+    with pytest.raises(ValueError) as e:
+        q4.nbytes(1, 128, role="q")
+    assert str(e.value) == "role must be 'k' or 'v', got 'q'"
+    for bad in (-1, 2.0, "3"):
+        with pytest.raises(ValueError) as e:
+            q4.nbytes(bad, 128)
+        assert str(e.value) == f"q4_0: n_tokens must be an integer >= 0, got {bad!r}"
+    with pytest.raises(ValueError) as e:  # a negative whole group is refused too
+        k4.nbytes(-128, 128)
+    assert str(e.value) == "kvarn4: n_tokens must be an integer >= 0, got -128"
