@@ -247,3 +247,28 @@ def test_nbytes_refuses_bad_arguments():
     with pytest.raises(ValueError) as e:  # a negative whole group is refused too
         k4.nbytes(-128, 128)
     assert str(e.value) == "kvarn4: n_tokens must be an integer >= 0, got -128"
+
+
+def test_a_new_library_pin_is_a_new_version(monkeypatch):
+    # docs/notes/ecosystem.md "Versions": the newest pin's key is the ecosystem formats' version, so a
+    # new pin reruns their cells; the other families keep theirs
+    monkeypatch.setattr(facts, "ECOSYSTEM_VERSION", 2)
+    monkeypatch.setattr(facts, "ECOSYSTEM_LIBRARIES", {"quanto": ("optimum-quanto", "0.3.0"), "hqq": ("hqq", "0.3.1")})
+    built = facts._table()
+    for n, (_, _, lib) in ECOSYSTEM.items():
+        assert built[n].version == 2, n
+        assert built[n].library == lib.replace("0.2.7", "0.3.0").replace("0.2.8.post1", "0.3.1"), n
+    assert built["q4_0"].version == 1 and built["kvarn4"].version == 2 and built["q6_0"].version == 2
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+def test_ecosystem_metadata_bytes_follow_the_library_dtype(monkeypatch, dtype):
+    # a scale and a zero per q_group values, each the size of the library's dtype (gguf's sizes)
+    import gguf
+
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[dtype.upper()]][1]
+    monkeypatch.setattr(facts, "ECOSYSTEM_META_DTYPE", dtype)
+    built = facts._table()
+    for n, (bits, qg, _) in ECOSYSTEM.items():
+        assert built[n].meta_itemsize == size, n
+        assert built[n].bits_per_value(128) == bits + 2 * 8 * size / qg, n  # f32, q_group 64: b + 1
