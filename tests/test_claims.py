@@ -272,6 +272,7 @@ def test_ledger_intervals_are_kvarn_paired(tmp_path):
     md = C.ledger_markdown(led)
     assert "## smollm2-135m (read against the study's qwen3.6-27b)" in md
     assert md.count("\n| ") == led.height + 1  # a header and one line per row
+    assert C.conclusion_markdown(led) in md  # what to conclude, above the rows
 
 
 def test_claims_rule_writes_the_ledger_and_decision_tables(tmp_path):

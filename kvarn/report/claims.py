@@ -660,7 +660,8 @@ def ledger_markdown(table: pl.DataFrame) -> str:
            "One row per claim: the study's figure (config/study.yaml), ours from this run, the paired 95 % "
            "block-bootstrap interval of Δ median where the claim is a difference between two cells "
            "(kvarn.stats.paired), and the verdict (holds / does not hold / not measurable, naming what is missing). "
-           "Rows marked *ours* are our own statistics, not the study's. Definitions: kvarn/report/claims.py.", ""]
+           "Rows marked *ours* are our own statistics, not the study's. Definitions: kvarn/report/claims.py.", "",
+           conclusion_markdown(table) if table.height else ""]
     for model in table["model"].unique(maintain_order=True).to_list():
         t = table.filter(pl.col("model") == model)
         out += [f"## {model} (read against the study's {t['study_model'][0]})", "",
