@@ -1,0 +1,13 @@
+"""Long-context retrieval through a quantized cache (docs/notes/retrieval.md).
+
+Does a quantized KV cache lose a fact stated thousands of tokens earlier? The teacher-forced KLD
+keeps the newest 128 tokens exact for every scored position, so it says little about that. This
+package asks it directly, on seeded synthetic tasks, through the same cell and cache model as every
+teacher-forced cell:
+
+* `tasks`  — the seeded task generator (pass key, several keys, key–value lookup) and its JSONL files;
+* `plan`   — the `retrieval:` config key read into jobs and target paths (torch-free, for snakemake -n);
+* `run`    — one cell's greedy answers to a task set (`kvarn.run.engine.new_cache`, `kvarn.run.decode.feed`);
+* `score`  — accuracy, agreement with the exact cache, flips, Wilson intervals, exact McNemar tests;
+* `report` — the tables, the figure and the generated paragraph beside the teacher-forced ordering.
+"""

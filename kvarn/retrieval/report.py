@@ -1,0 +1,236 @@
+"""The retrieval report: tables, the figure and a paragraph generated from the numbers, beside
+the teacher-forced ordering of the same cells.
+
+Owns `load_answers` (every answer file into one frame), `ordering` (per model the cells ranked
+by retrieval and by median teacher-forced KLD, read from a run's results/summary.parquet when
+present, and the pairs they order differently), `figure` (Altair, the house style of
+`kvarn.report.figures`), `markdown`, `paragraph` and `write_report` (all of it, atomically).
+
+Ranking by retrieval: accuracy, then agreement with the exact cache's answers, then fewer lost
+prompts (higher is better); ties share a rank. By KLD: median KLD, lower is better. Two cells are
+ordered differently ("disagree") when one is strictly ahead on retrieval accuracy and strictly
+behind on median KLD; a tie in accuracy orders nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+from scipy.stats import kendalltau
+
+from kvarn.files.atomic import atomic_path, write_text
+from kvarn.report.figures import HEIGHT, WIDTH, save_chart
+from kvarn.retrieval import score
+from kvarn.retrieval.tasks import read_tasks
+
+ANSWER_COLUMNS = ("model", "context", "task", "id", "depth", "depth_index", "prompt_index", "cell", "answer",
+                  "given", "correct", "text", "needle_start", "needle_end", "n_prompt", "gen_tokens", "distance",
+                  "wall_s")
+
+
+def load_answers(paths) -> pl.DataFrame:
+    """One row per (model, cell, prompt) from answer JSONL files (`kvarn.retrieval.run.run_cell`)."""
+    rows = [{k: r[k] for k in ANSWER_COLUMNS} for p in paths for r in read_tasks(p)]
+    if not rows:
+        raise ValueError(f"no retrieval answers in {len(list(paths))} files")
+    return pl.DataFrame(rows)
+
+
+def _fmt(x, digits=2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _p(x: float) -> str:
+    return "1" if x >= 0.9995 else f"{x:.3g}"
+
+
+def teacher_forced_kld(path, model: str, cells) -> tuple[pl.DataFrame | None, str]:
+    """(cell, kld_median) of `model`'s cells in a teacher-forced summary.parquet, and a note
+    naming the run read (n_ctx, chunks) or why there is none. Of several runs the one holding the
+    most of the cells is read (then the longest n_ctx, then the most chunks)."""
+    if not Path(path).is_file():
+        return None, f"no teacher-forced summary at {path}: run the same cells teacher-forced to compare"
+    df = pl.read_parquet(path)
+    need = {"model", "cell", "n_ctx", "chunks", "kld_median"}
+    if not need <= set(df.columns):
+        return None, f"{path} lacks the columns {sorted(need - set(df.columns))}"
+    df = df.filter((pl.col("model") == model) & pl.col("cell").is_in(list(cells)))
+    if df.height == 0:
+        return None, f"{path} holds none of {model}'s retrieval cells"
+    runs = df.group_by("n_ctx", "chunks").agg(pl.len().alias("n")).with_columns(
+        pl.col("chunks").cast(pl.String)).sort(["n", "n_ctx", "chunks"], descending=True)
+    n_ctx, chunks = runs["n_ctx"][0], runs["chunks"][0]
+    got = df.filter((pl.col("n_ctx") == n_ctx) & (pl.col("chunks").cast(pl.String) == chunks))
+    missing = sorted(set(cells) - set(got["cell"]))
+    note = f"teacher-forced: {path}, n_ctx {n_ctx}, {chunks} chunk(s)" + (
+        f"; not there: {', '.join(missing)}" if missing else "")
+    return got.select("cell", "kld_median"), note
+
+
+def ordering(scores: pl.DataFrame, teacher_forced) -> tuple[pl.DataFrame, dict[str, str]]:
+    """Per model and non-baseline cell: retrieval rank and median-KLD rank (None without a
+    teacher-forced row); and per model a note (which run was read, Kendall's tau, the pairs the
+    two orderings disagree on)."""
+    rows, notes = [], {}
+    for model in scores["model"].unique(maintain_order=True):
+        s = scores.filter((pl.col("model") == model) & (pl.col("cell") != score.BASELINE_CELL))
+        kld, note = teacher_forced_kld(teacher_forced, model, s["cell"].to_list())
+        s = s.join(kld, on="cell", how="left") if kld is not None else s.with_columns(
+            pl.lit(None, dtype=pl.Float64).alias("kld_median"))
+        key = list(zip(-s["accuracy"], -s["agreement"], s["lost"]))
+        s = s.with_columns(pl.Series("retrieval_rank", [1 + sum(k2 < k for k2 in key) for k in key]),
+                           pl.col("kld_median").rank("min").alias("kld_rank"))
+        pairs = []
+        recs = s.to_dicts()
+        for i, a in enumerate(recs):
+            for b in recs[i + 1 :]:
+                if a["kld_median"] is None or b["kld_median"] is None:
+                    continue
+                if (a["accuracy"] - b["accuracy"]) * (b["kld_median"] - a["kld_median"]) < 0:
+                    hi, lo = (a, b) if a["accuracy"] > b["accuracy"] else (b, a)
+                    pairs.append(f"{hi['label']} retrieves more ({hi['correct']}/{hi['n']} vs {lo['correct']}/{lo['n']}) "
+                                 f"with the higher median KLD ({hi['kld_median']:.3g} vs {lo['kld_median']:.3g})")
+        have = s.filter(pl.col("kld_median").is_not_null())
+        tau = float(kendalltau(-have["accuracy"], have["kld_median"]).statistic) if have.height > 2 else math.nan
+        notes[model] = note + (f"; Kendall's tau (accuracy vs median KLD) {tau:+.2f}" if not math.isnan(tau) else "") + (
+            "; disagreements: " + "; ".join(pairs) if pairs else ("; no pair ordered differently" if kld is not None else ""))
+        rows.append(s.with_columns(pl.lit(len(pairs)).alias("disagreements")))
+    return pl.concat(rows, how="diagonal_relaxed").sort("model", "retrieval_rank"), notes
+
+
+def figure(scores: pl.DataFrame, dist: pl.DataFrame) -> alt.TopLevelMixin:
+    """Per model: accuracy by the needle's distance from the end of the prompt, one line per cell
+    (the exact cache black), Wilson intervals as bars; beside it each cell's overall accuracy."""
+    models = scores["model"].unique(maintain_order=True).to_list()
+    panels = []
+    for model in models:
+        d = dist.filter(pl.col("model") == model)
+        s = scores.filter(pl.col("model") == model)
+        order = s.sort("cell")["label"].to_list()
+        color = alt.Color("label:N", title="cell", sort=order)
+        base = alt.Chart(d).encode(x=alt.X("bin:O", title="needle distance from the end (tokens)",
+                                           sort=alt.SortField("bin_lo")), color=color)
+        lines = base.mark_line(point=True).encode(
+            y=alt.Y("accuracy:Q", title="accuracy", scale=alt.Scale(domain=[0, 1])),
+            tooltip=["label:N", "bin:N", "correct:Q", "n:Q", alt.Tooltip("accuracy:Q", format=".2f")])
+        bars = base.mark_errorbar(opacity=0.4).encode(y="acc_lo:Q", y2="acc_hi:Q")
+        left = (bars + lines).properties(width=WIDTH * 0.55, height=HEIGHT * 0.8,
+                                         title=alt.TitleParams(f"{model}: accuracy by distance", fontSize=11))
+        pts = alt.Chart(s).encode(y=alt.Y("label:N", title=None, sort=order), color=alt.Color("label:N", sort=order,
+                                                                                              legend=None))
+        right = (pts.mark_rule().encode(x=alt.X("acc_lo:Q", title="accuracy, all prompts (95 % Wilson)",
+                                                scale=alt.Scale(domain=[0, 1])), x2="acc_hi:Q")
+                 + pts.mark_point(filled=True, size=60).encode(x="accuracy:Q")).properties(
+            width=WIDTH * 0.35, height=HEIGHT * 0.8, title=alt.TitleParams(f"{model}: overall", fontSize=11))
+        panels.append(alt.hconcat(left, right))
+    return alt.vconcat(*panels).properties(title=alt.TitleParams(
+        "Long-context retrieval through a quantized KV cache",
+        subtitle="greedy answers to seeded pass-key, multi-key and key-value prompts; "
+                 "bf16 (exact) = the exact cache's own answers", anchor="start"))
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    out += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def markdown(answers, scores, by_task, comps, dist, tail, order, notes) -> str:
+    parts = ["# Retrieval through a quantized KV cache", "",
+             f"{answers.height} answers: {', '.join(sorted(answers['task'].unique()))} tasks, contexts "
+             f"{', '.join(map(str, sorted(answers['context'].unique())))}; accuracy with 95 % Wilson intervals; "
+             "agreement = same answer as the exact (bf16, tail 0) cache; lost / gained = prompts the exact cache "
+             "answers right and the cell wrong / the reverse.", ""]
+    for model in scores["model"].unique(maintain_order=True):
+        s = scores.filter(pl.col("model") == model)
+        parts += [f"## {model}", "", _table(
+            ["cell", "accuracy", "95 % CI", "correct", "agreement", "lost", "gained"],
+            [[r["label"], _fmt(r["accuracy"]), f"[{_fmt(r['acc_lo'])}, {_fmt(r['acc_hi'])}]", f"{r['correct']}/{r['n']}",
+              _fmt(r["agreement"]), r["lost"], r["gained"]] for r in s.iter_rows(named=True)]), ""]
+        t = by_task.filter(pl.col("model") == model)
+        tasks = sorted(t["task"].unique())
+        parts += ["Accuracy per task:", "", _table(["cell", *tasks], [
+            [lab, *[(lambda x: f"{x['correct'][0]}/{x['n'][0]}" if x.height else "–")(
+                t.filter((pl.col("label") == lab) & (pl.col("task") == k))) for k in tasks]]
+            for lab in s["label"]]), ""]
+        c = comps.filter(pl.col("model") == model)
+        if c.height:
+            parts += ["Paired comparisons (exact McNemar on the same prompts):", "", _table(
+                ["A", "B", "prompts", "accuracy A", "accuracy B", "A only right", "B only right", "p (two-sided)"],
+                [[r["a_label"], r["b_label"], r["n"], _fmt(r["acc_a"]), _fmt(r["acc_b"]), r["a_only"], r["b_only"],
+                  _p(r["p"])] for r in c.iter_rows(named=True)]), ""]
+        d = dist.filter(pl.col("model") == model)
+        bins = d.sort("bin_lo")["bin"].unique(maintain_order=True).to_list()
+        parts += ["Accuracy by the needle's distance from the end of the prompt (tokens):", "", _table(
+            ["cell", *bins], [[lab, *[(lambda x: f"{x['correct'][0]}/{x['n'][0]}" if x.height else "–")(
+                d.filter((pl.col("label") == lab) & (pl.col("bin") == b))) for b in bins]] for lab in s["label"]]), ""]
+        e = tail.filter(pl.col("model") == model)
+        if e.height:
+            parts += ["Needles inside the cell's exact tail (every answering query reads them exactly):", "", _table(
+                ["cell", "prompts in tail", "exact cache right", "cell right", "lost", "answer differs"],
+                [[r["label"], r["n_in_tail"], r["base_correct"], r["correct"], r["lost"], r["differ"]]
+                 for r in e.iter_rows(named=True)]), ""]
+        o = order.filter(pl.col("model") == model)
+        parts += ["Ordering: retrieval beside the teacher-forced median KLD of the same cells:", "", _table(
+            ["cell", "retrieval rank", "accuracy", "median KLD", "KLD rank"],
+            [[r["label"], r["retrieval_rank"], _fmt(r["accuracy"]),
+              "–" if r["kld_median"] is None else f"{r['kld_median']:.4g}",
+              "–" if r["kld_rank"] is None else int(r["kld_rank"])] for r in o.iter_rows(named=True)]), "",
+                  notes[model] + ".", ""]
+    return "\n".join(parts)
+
+
+def paragraph(scores, comps, tail, order, notes) -> str:
+    """The findings in prose, every number read from the tables."""
+    out = []
+    for model in scores["model"].unique(maintain_order=True):
+        s = scores.filter(pl.col("model") == model)
+        base = s.filter(pl.col("cell") == score.BASELINE_CELL).row(0, named=True)
+        cells = s.filter(pl.col("cell") != score.BASELINE_CELL).sort("accuracy", descending=True)
+        acc = ", ".join(f"{r['label']} {r['correct']}/{r['n']} (lost {r['lost']})" for r in cells.iter_rows(named=True))
+        text = (f"**{model}**: the exact cache answers {base['correct']}/{base['n']} prompts; the quantized cells {acc}.")
+        c = comps.filter(pl.col("model") == model)
+        if c.height:
+            text += " Paired on the same prompts (exact McNemar): " + "; ".join(
+                f"{r['a_label']} vs {r['b_label']} {r['a_only']} vs {r['b_only']} prompts only one of them answers, "
+                f"p = {_p(r['p'])}" for r in c.iter_rows(named=True)) + "."
+            if (c["p"] < 0.05).any():
+                sig = c.filter(pl.col("p") < 0.05)
+                text += " Significant at 5 %: " + ", ".join(f"{r['a_label']} vs {r['b_label']}" for r in sig.iter_rows(named=True)) + "."
+            else:
+                text += " None is significant at 5 % with this many prompts."
+        e = tail.filter(pl.col("model") == model)
+        if e.height:
+            lost, n = int(e["lost"].sum()), int(e["n_in_tail"].sum())
+            text += (f" Of the {n} (cell, prompt) pairs whose needle lies inside the cell's exact tail, "
+                     f"{lost} {'is' if lost == 1 else 'are'} lost against the exact cache"
+                     + (" — the needle itself is read exactly there, so such a loss comes from the quantized rest of the context." if lost else
+                        ": a needle in the exact tail was never lost.") )
+        text += " " + notes[model][0].upper() + notes[model][1:] + "."
+        out.append(text)
+    return "\n\n".join(out) + "\n"
+
+
+def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.parquet", bins=None) -> list[Path]:
+    """Every output of `kvarn.retrieval.plan.report_files` from the answer files, atomically."""
+    answers = load_answers(answer_paths)
+    scores = score.cell_scores(answers)
+    by_task = score.cell_scores(answers, by=("model", "task"))
+    comps = score.comparisons(answers)
+    dist = score.by_distance(answers, **({"edges": tuple(bins)} if bins else {}))
+    tail = score.exact_tail(answers)
+    order, notes = ordering(scores, teacher_forced)
+    for key, frame in (("scores", scores), ("comparisons", comps), ("by_distance", dist), ("exact_tail", tail),
+                       ("ordering", order), ("answers", answers)):
+        Path(outputs[key]).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(outputs[key]) as tmp:
+            frame.write_parquet(tmp)
+    write_text(outputs["md"], markdown(answers, scores, by_task, comps, dist, tail, order, notes))
+    write_text(outputs["paragraph"], paragraph(scores, comps, tail, order, notes))
+    stem = Path(outputs["figure_png"]).with_suffix("")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    written = save_chart(figure(scores, dist), stem)
+    return [Path(p) for k, p in outputs.items() if not k.startswith("figure_")] + written

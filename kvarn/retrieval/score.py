@@ -1,0 +1,188 @@
+"""Scores of retrieval answers (torch-free): accuracy, agreement with the exact cache, flips,
+binomial intervals, exact McNemar tests, accuracy by the needle's distance, the exact-tail check.
+
+Owns `read_answer` (the answer a generated text gives), `wilson`, `mcnemar`, and the tables
+`cell_scores`, `comparisons`, `by_distance`, `exact_tail` built from answer rows (one row per
+(model, cell, task prompt): `id`, `context`, `task`, `cell`, `given`, `correct`, `answer`,
+`needle_start`, `n_prompt`, `gen_tokens`, `distance`). The baseline's rows are those of
+`BASELINE_CELL` (bf16 K and V, tail 0: the exact cache's own answers).
+
+* accuracy: correct / n with a 95 % Wilson interval (`scipy.stats.binomtest(k, n).proportion_ci`);
+* agreement: the share of prompts whose answer equals the baseline's answer to the same prompt;
+  `lost` = prompts the baseline gets right and the cell wrong, `gained` the reverse (the flips);
+* McNemar: on the prompts both cells answered, b = A right & B wrong, c = A wrong & B right;
+  exact two-sided p = `binomtest(b, b + c, 0.5).pvalue` (1 when b + c = 0);
+* the pairs compared: each KVarN cell at 128* against the standard type of its width at tail 128
+  (kvarn4 vs q4_0), and each standard type at tail 0 against itself at tail 128;
+* in the exact tail: a needle whose every token lies within the cell's effective tail of every
+  answering query (the last one at n_prompt + gen_tokens − 2) is read from the exact copy only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import polars as pl
+from scipy.stats import binomtest
+
+from kvarn.spec import facts
+from kvarn.spec.cell import CellSpec
+
+BASELINE_CELL = "bf16-bf16-t0"
+CONFIDENCE = 0.95
+_DIGITS = re.compile(r"\d+")
+
+
+def read_answer(text: str) -> str:
+    """The answer a generated text gives: its first run of digits, else the text stripped."""
+    m = _DIGITS.search(text)
+    return m.group(0) if m else text.strip()
+
+
+def wilson(k: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The Wilson interval of k successes in n trials (NaNs for n = 0)."""
+    if n == 0:
+        return math.nan, math.nan
+    if not 0 <= k <= n:
+        raise ValueError(f"wilson: successes must be in 0..{n}, got {k}")
+    ci = binomtest(k, n).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def mcnemar(a_correct, b_correct) -> dict:
+    """Exact McNemar test of two paired correctness lists: b (A right, B wrong), c (A wrong,
+    B right), the two-sided exact binomial p on the b + c discordant pairs (1 when none)."""
+    a, b_ = list(map(bool, a_correct)), list(map(bool, b_correct))
+    if len(a) != len(b_):
+        raise ValueError(f"mcnemar: the paired lists differ in length ({len(a)} and {len(b_)})")
+    b = sum(x and not y for x, y in zip(a, b_))
+    c = sum(y and not x for x, y in zip(a, b_))
+    p = 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5, alternative="two-sided").pvalue)
+    return {"n": len(a), "a_only": b, "b_only": c, "p": p}
+
+
+def _with_baseline(answers: pl.DataFrame) -> pl.DataFrame:
+    base = answers.filter(pl.col("cell") == BASELINE_CELL).select(
+        "model", "id", pl.col("given").alias("base_given"), pl.col("correct").alias("base_correct"))
+    if base.height == 0:
+        raise ValueError(f"retrieval answers hold no baseline rows (cell {BASELINE_CELL}); every score is "
+                         "counted against the exact cache's own answers")
+    missing = answers.join(base, on=["model", "id"], how="anti")
+    if missing.height:
+        raise ValueError(f"retrieval answers without a baseline answer to the same prompt: "
+                         f"{missing['model'][0]} {missing['id'][0]} (and {missing.height - 1} more)")
+    return answers.join(base, on=["model", "id"])
+
+
+def cell_label(name: str) -> str:
+    """A cell as tables print it: `q4_0 t128`, `kvarn4 128*`, `bf16 (exact)`."""
+    if name == BASELINE_CELL:
+        return "bf16 (exact)"
+    c = CellSpec.from_name(name)
+    pair = c.k if c.k == c.v else f"{c.k}/{c.v}"
+    tail = facts.tail_label(c.k, c.v, c.tail)
+    return f"{pair} {'t' if not tail.endswith('*') else ''}{tail}{c.opts}"
+
+
+def cell_scores(answers: pl.DataFrame, by=("model",)) -> pl.DataFrame:
+    """Per (by…, cell): n, correct, accuracy and its Wilson interval, agreement with the
+    baseline's answer, lost and gained (the flips)."""
+    df = _with_baseline(answers)
+    g = df.group_by([*by, "cell"], maintain_order=True).agg(
+        pl.len().alias("n"), pl.col("correct").sum().alias("correct"),
+        (pl.col("given") == pl.col("base_given")).sum().alias("agree"),
+        (pl.col("base_correct") & ~pl.col("correct")).sum().alias("lost"),
+        (~pl.col("base_correct") & pl.col("correct")).sum().alias("gained"))
+    ci = [wilson(k, n) for k, n in zip(g["correct"], g["n"])]
+    return g.with_columns(
+        (pl.col("correct") / pl.col("n")).alias("accuracy"),
+        pl.Series("acc_lo", [c[0] for c in ci]), pl.Series("acc_hi", [c[1] for c in ci]),
+        (pl.col("agree") / pl.col("n")).alias("agreement"),
+        pl.col("cell").map_elements(cell_label, return_dtype=pl.String).alias("label"),
+    ).sort([*by, "cell"])
+
+
+def pairs_of(cells) -> list[tuple[str, str, str]]:
+    """(A, B, kind) for every comparison the cells allow: KVarN at 128* vs the standard type of
+    its width at tail 128 ("kvarn vs standard"), and standard at tail 0 vs tail 128 ("tail 0 vs 128")."""
+    have = set(cells)
+    out = []
+    for name in sorted(have - {BASELINE_CELL}):
+        c = CellSpec.from_name(name)
+        if c.family == "kvarn" and c.tail == 0 and c.k == c.v and not c.opts:
+            partner = CellSpec(f"q{facts.get(c.k).bits}_0", f"q{facts.get(c.k).bits}_0", 128).name
+            if partner in have:
+                out.append((name, partner, "kvarn vs standard"))
+        elif c.family == "standard" and c.tail == 0 and not c.opts:
+            partner = CellSpec(c.k, c.v, 128).name
+            if partner in have:
+                out.append((name, partner, "tail 0 vs 128"))
+    return out
+
+
+def comparisons(answers: pl.DataFrame) -> pl.DataFrame:
+    """Per model and pair (`pairs_of`): accuracies of A and B on the same prompts and the exact
+    McNemar test (a_only: A right and B wrong; b_only: the reverse)."""
+    rows = []
+    for model in answers["model"].unique(maintain_order=True):
+        m = answers.filter(pl.col("model") == model)
+        for a, b, kind in pairs_of(m["cell"].unique()):
+            j = m.filter(pl.col("cell") == a).select("id", pl.col("correct").alias("ca")).join(
+                m.filter(pl.col("cell") == b).select("id", pl.col("correct").alias("cb")), on="id")
+            t = mcnemar(j["ca"], j["cb"])
+            rows.append({"model": model, "kind": kind, "a": a, "b": b, "a_label": cell_label(a),
+                         "b_label": cell_label(b), "n": t["n"], "acc_a": float(j["ca"].mean()) if t["n"] else math.nan,
+                         "acc_b": float(j["cb"].mean()) if t["n"] else math.nan, "a_only": t["a_only"],
+                         "b_only": t["b_only"], "p": t["p"]})
+    schema = {"model": pl.String, "kind": pl.String, "a": pl.String, "b": pl.String, "a_label": pl.String,
+              "b_label": pl.String, "n": pl.Int64, "acc_a": pl.Float64, "acc_b": pl.Float64, "a_only": pl.Int64,
+              "b_only": pl.Int64, "p": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def by_distance(answers: pl.DataFrame, edges=(0, 128, 512, 2048, 8192, 32768)) -> pl.DataFrame:
+    """Accuracy per (model, cell, bin of the needle's distance from the end of the prompt):
+    bins [edges[i], edges[i+1]), the last open-ended; with Wilson intervals."""
+    edges = sorted(edges)
+    labels = [f"{a}–{b - 1}" for a, b in zip(edges, edges[1:])] + [f"≥{edges[-1]}"]
+
+    def bin_of(d):
+        return labels[max(i for i, e in enumerate(edges) if d >= e)]
+
+    df = answers.with_columns(pl.col("distance").map_elements(bin_of, return_dtype=pl.String).alias("bin"),
+                              pl.col("distance").map_elements(lambda d: max(e for e in edges if d >= e),
+                                                              return_dtype=pl.Int64).alias("bin_lo"))
+    g = df.group_by("model", "cell", "bin", "bin_lo").agg(
+        pl.len().alias("n"), pl.col("correct").sum().alias("correct"),
+        pl.col("distance").mean().alias("mean_distance")).sort("model", "cell", "bin_lo")
+    ci = [wilson(k, n) for k, n in zip(g["correct"], g["n"])]
+    return g.with_columns((pl.col("correct") / pl.col("n")).alias("accuracy"),
+                          pl.Series("acc_lo", [c[0] for c in ci]), pl.Series("acc_hi", [c[1] for c in ci]),
+                          pl.col("cell").map_elements(cell_label, return_dtype=pl.String).alias("label"))
+
+
+def in_exact_tail(cell: str, needle_start: int, n_prompt: int, gen_tokens: int) -> bool:
+    """Whether every answering query reads the whole needle from the exact copy: the farthest
+    (last query n_prompt + gen_tokens − 2, first needle token) is within the effective tail."""
+    c = CellSpec.from_name(cell)
+    if c.family not in ("kvarn", "standard") or facts.get(c.k).bits >= 16:
+        return True  # a float cache has no body to lose
+    return (n_prompt + gen_tokens - 2) - needle_start < facts.pair_effective_tail(c.k, c.v, c.tail)
+
+
+def exact_tail(answers: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, cell): the prompts whose needle lies in the cell's exact tail (`in_exact_tail`),
+    how many of them the baseline answers right, how many the cell loses (baseline right, cell
+    wrong) and how many answers differ from the baseline's."""
+    df = _with_baseline(answers).filter(pl.col("cell") != BASELINE_CELL)
+    flag = [in_exact_tail(c, s, n, g) for c, s, n, g in
+            zip(df["cell"], df["needle_start"], df["n_prompt"], df["gen_tokens"])]
+    df = df.with_columns(pl.Series("in_tail", flag, dtype=pl.Boolean)).filter(pl.col("in_tail"))
+    return df.group_by("model", "cell", maintain_order=True).agg(
+        pl.len().alias("n_in_tail"), pl.col("base_correct").sum().alias("base_correct"),
+        pl.col("correct").sum().alias("correct"),
+        (pl.col("base_correct") & ~pl.col("correct")).sum().alias("lost"),
+        (pl.col("given") != pl.col("base_given")).sum().alias("differ"),
+    ).sort("model", "cell").with_columns(
+        pl.col("cell").map_elements(cell_label, return_dtype=pl.String).alias("label"))

@@ -1,0 +1,88 @@
+# Long-context retrieval through the cache model (kvarn.retrieval; docs/notes/retrieval.md): seeded
+# synthetic tasks (a pass key, several keys with one asked for, a key-value lookup) at set depths,
+# answered greedily by every listed cell and by the exact (bf16, tail 0) cache. Not part of rule all:
+#   snakemake retrieval --configfile config/retrieval.yaml --cores all --resources gpu=1
+#
+#   results/retrieval/{model}/ctx{n_ctx}/{task}/tasks.jsonl                     the prompts (token ids, answer, needle span)
+#   results/retrieval/{model}/ctx{n_ctx}/{task}/{k}-{v}-t{tail}{opts}.jsonl     one cell's answers
+#   results/retrieval/{scores,comparisons,by_distance,exact_tail,ordering,answers}.parquet, retrieval.md,
+#   README-paragraph.md, figures/retrieval.{svg,png,vl.json}
+#
+# Uses from common.smk: MATRIX, MODEL_THREADS, model_marker, model_param.
+from kvarn.retrieval import plan as kvret
+
+RETRIEVAL = kvret.expand(config, [n for n, m in MATRIX.models.items() if m.engine == "torch"])
+RETRIEVAL_TASKS = list(RETRIEVAL.tasks) if RETRIEVAL else []
+RETRIEVAL_LOG = "logs/retrieval/{model}/ctx{n_ctx}"
+
+
+def retrieval_plan():
+    if RETRIEVAL is None:
+        raise WorkflowError("target retrieval: this config has no `retrieval:` key; "
+                            "run it with --configfile config/retrieval.yaml (config/README.md)")
+    return RETRIEVAL
+
+
+rule retrieval:
+    input:
+        lambda wildcards: [retrieval_plan() and f for f in kvret.report_files().values()],
+
+
+rule retrieval_tasks:
+    input:
+        model=model_marker,
+    output:
+        tasks=kvret.TASKS_FILE,
+    params:
+        source=model_param("source"),
+        revision=model_param("revision"),
+        spec=lambda wildcards: retrieval_plan().task_spec(wildcards.model),
+        version=kvret.TASK_VERSION,
+    log:
+        f"{RETRIEVAL_LOG}/{{task}}/tasks.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/retrieval_tasks.py"
+
+
+rule retrieval_cell:
+    input:
+        model=model_marker,
+        tasks=expand(kvret.TASKS_FILE, task=RETRIEVAL_TASKS, allow_missing=True),
+    output:
+        answers=expand(kvret.ANSWER_FILE, task=RETRIEVAL_TASKS, allow_missing=True),
+    params:
+        source=model_param("source"),
+        revision=model_param("revision"),
+        ubatch=model_param("ubatch"),
+        dtype=model_param("dtype"),
+        cell=cell_fields,
+        versions=format_versions,
+    threads: lambda wildcards: (RETRIEVAL.threads if RETRIEVAL and RETRIEVAL.threads else MODEL_THREADS)
+    resources:
+        gpu=1,
+    log:
+        f"{RETRIEVAL_LOG}/{{k}}-{{v}}-t{{tail}}{{opts}}.log",
+    benchmark:
+        "benchmarks/retrieval/{model}/ctx{n_ctx}/{k}-{v}-t{tail}{opts}.tsv"
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/retrieval_cell.py"
+
+
+rule retrieval_report:
+    input:
+        answers=lambda wildcards: retrieval_plan().answer_files(),
+    output:
+        **kvret.report_files(),
+    params:
+        teacher_forced=lambda wildcards: retrieval_plan().teacher_forced,
+        bins=lambda wildcards: list(retrieval_plan().distance_bins),
+    log:
+        "logs/retrieval/report.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/retrieval_report.py"

@@ -1,0 +1,20 @@
+"""Rule retrieval_cell: one cell's greedy answers to every task of a (model, context)
+(kvarn.retrieval.run.run_cell) -> one answer JSONL per task, each written atomically."""
+
+import json
+from pathlib import Path
+
+from _wf import model_spec, start
+
+start(snakemake)  # noqa: F821
+from kvarn.retrieval import run  # noqa: E402
+from kvarn.spec.cell import CellSpec  # noqa: E402
+
+p, cfg = snakemake.params, snakemake.config  # noqa: F821
+summary = run.run_cell(
+    model_spec(snakemake), list(snakemake.input.tasks), list(snakemake.output.answers),  # noqa: F821
+    CellSpec.from_wildcards(snakemake.wildcards), ubatch=p.ubatch, dtype=p.dtype,  # noqa: F821
+    batch=cfg["retrieval"].get("batch", 8), attention=cfg.get("attention", "auto"),  # no rerun trigger
+    cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
+)
+print(json.dumps(summary, indent=1))
