@@ -413,3 +413,25 @@ def test_an_object_whose_attribute_raises_reads_the_default():
     cfg = Raising(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)
     assert layer_types_of(cfg) == [FULL, FULL]  # layer_types, sliding_window: default None
     assert rows(geometry_from_config(cfg)) == [(FULL, 4, 16, None, False)] * 2  # head_dim 64 / 4
+
+
+def test_a_config_object_without_per_layer_config_reads_the_global_shape():
+    # a config object as transformers before per_layer_config presented it: its attributes only.
+    # Llama's own numbers: 2 KV heads of its stated head dim 48 (not 8 heads, nor 256 / 8 = 32)
+    from transformers import LlamaConfig
+
+    d = LlamaConfig(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, hidden_size=256,
+                    head_dim=48).to_dict()
+    assert "per_layer_config" not in d
+    assert rows(geometry_from_config(SimpleNamespace(**d))) == [(FULL, 2, 48, None, False)] * 2
+
+
+def test_per_layer_values_override_the_global_ones():
+    # a per_layer_config entry without a value (None) falls back to the config's global one
+    plc = [SimpleNamespace(num_key_value_heads=None, head_dim=None), SimpleNamespace(num_key_value_heads=1, head_dim=128)]
+    cfg = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          hidden_size=512, per_layer_config=plc)
+    assert rows(geometry_from_config(cfg)) == [(FULL, 2, 64, None, False), (FULL, 1, 128, None, False)]
+    # an entry that lacks the attribute altogether: the global one too
+    cfg.per_layer_config = [SimpleNamespace(), SimpleNamespace(head_dim=32)]
+    assert rows(geometry_from_config(cfg)) == [(FULL, 2, 64, None, False), (FULL, 2, 32, None, False)]
