@@ -435,3 +435,14 @@ def test_per_layer_values_override_the_global_ones():
     # an entry that lacks the attribute altogether: the global one too
     cfg.per_layer_config = [SimpleNamespace(), SimpleNamespace(head_dim=32)]
     assert rows(geometry_from_config(cfg)) == [(FULL, 2, 64, None, False), (FULL, 2, 32, None, False)]
+
+
+def test_a_config_with_a_text_encoder_reads_its_decoder():
+    # MusicGen: a T5 text encoder (6 layers, 8 heads x 64) and a decoder of 3 layers, 4 heads,
+    # 64 / 4 = head dim 16. The decoder's cache is the one measured, not an ambiguity.
+    from transformers import EncodecConfig, MusicgenConfig, MusicgenDecoderConfig, T5Config
+
+    dec = MusicgenDecoderConfig(num_hidden_layers=3, num_attention_heads=4, hidden_size=64)
+    cfg = MusicgenConfig(text_encoder=T5Config().to_dict(), audio_encoder=EncodecConfig().to_dict(),
+                         decoder=dec.to_dict())
+    assert rows(geometry_from_config(cfg)) == [(FULL, 4, 16, None, False)] * 3
