@@ -114,9 +114,9 @@ def figure(scores: pl.DataFrame, dist: pl.DataFrame) -> alt.TopLevelMixin:
         base = alt.Chart(d).encode(x=alt.X("bin:O", title="needle distance from the end (tokens)",
                                            sort=alt.SortField("bin_lo")), color=color)
         lines = base.mark_line(point=True).encode(
-            y=alt.Y("accuracy:Q", title="accuracy", scale=alt.Scale(domain=[0, 1])),
+            y=alt.Y("accuracy:Q", title="accuracy (95 % Wilson)", scale=alt.Scale(domain=[0, 1])),
             tooltip=["label:N", "bin:N", "correct:Q", "n:Q", alt.Tooltip("accuracy:Q", format=".2f")])
-        bars = base.mark_errorbar(opacity=0.4).encode(y="acc_lo:Q", y2="acc_hi:Q")
+        bars = base.mark_errorbar(opacity=0.4).encode(y=alt.Y("acc_lo:Q", title="accuracy (95 % Wilson)"), y2="acc_hi:Q")
         left = (bars + lines).properties(width=WIDTH * 0.55, height=HEIGHT * 0.8,
                                          title=alt.TitleParams(f"{model}: accuracy by distance", fontSize=11))
         pts = alt.Chart(s).encode(y=alt.Y("label:N", title=None, sort=order), color=alt.Color("label:N", sort=order,
@@ -195,8 +195,8 @@ def paragraph(scores, comps, tail, order, notes) -> str:
         c = comps.filter(pl.col("model") == model)
         if c.height:
             text += " Paired on the same prompts (exact McNemar): " + "; ".join(
-                f"{r['a_label']} vs {r['b_label']} {r['a_only']} vs {r['b_only']} prompts only one of them answers, "
-                f"p = {_p(r['p'])}" for r in c.iter_rows(named=True)) + "."
+                f"{r['a_label']} alone right on {r['a_only']}, {r['b_label']} alone on {r['b_only']} of {r['n']} "
+                f"(p = {_p(r['p'])})" for r in c.iter_rows(named=True)) + "."
             if (c["p"] < 0.05).any():
                 sig = c.filter(pl.col("p") < 0.05)
                 text += " Significant at 5 %: " + ", ".join(f"{r['a_label']} vs {r['b_label']}" for r in sig.iter_rows(named=True)) + "."
