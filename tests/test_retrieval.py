@@ -123,9 +123,11 @@ def test_exact_tail_rule_by_hand():
 
 def test_by_distance_bins():
     base = "bf16-bf16-t0"
-    rows = [(base, "a", "1", "1", 80), (base, "b", "0", "2", 10)]  # distances 2 and 72
+    # distances 92 - start - 10: 2, 72, and 50 (a bin's lower edge is in the bin), 49
+    rows = [(base, "a", "1", "1", 80), (base, "b", "0", "2", 10), (base, "c", "3", "3", 32), (base, "d", "4", "4", 33)]
     d = score.by_distance(_answers(rows), edges=(0, 50, 100))
-    assert d.select("bin", "n", "correct").rows() == [("0–49", 1, 1), ("50–99", 1, 0)]
+    assert d.select("bin", "n", "correct").rows() == [("0–49", 2, 2), ("50–99", 2, 1)]
+    assert d["mean_distance"].to_list() == [25.5, 61.0] and d["accuracy"].to_list() == [1.0, 0.5]
 
 
 # ---------------------------------------------------------------- the generator
@@ -254,9 +256,9 @@ def test_plan_of_the_default_config_and_its_checks():
             plan.expand({"retrieval": {**cfg["retrieval"], **change}}, ["smollm2-135m", "gemma3-270m"])
 
 
-def _dry(configfile: str, *extra) -> str:
-    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--forceall", "--workflow-profile", "none",
-                        "--configfile", configfile, *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _dry(configfile: str, target: str) -> str:
+    p = subprocess.run([sys.executable, "-m", "snakemake", target, "-n", "--forceall", "--workflow-profile", "none",
+                        "--configfile", configfile], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout + p.stderr
 

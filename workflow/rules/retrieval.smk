@@ -23,9 +23,14 @@ def retrieval_plan():
     return RETRIEVAL
 
 
+def retrieval_targets(wildcards):
+    retrieval_plan()  # a config without `retrieval:` is refused, naming the config to use
+    return list(kvret.report_files().values())
+
+
 rule retrieval:
     input:
-        lambda wildcards: [retrieval_plan() and f for f in kvret.report_files().values()],
+        retrieval_targets,
 
 
 rule retrieval_tasks:
