@@ -72,7 +72,10 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
         pytest_args += ["--deselect", t]
     work = Path(keep or tempfile.mkdtemp(prefix=f"kvarn-mutation-{name}-"))
     work.mkdir(parents=True, exist_ok=True)
-    subprocess.run(f"git -C {REPO} archive HEAD | tar -x -C {work}", shell=True, check=True)
+    # the commit copied: HEAD now (a commit made while the run goes on is not what it tested)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    subprocess.run(f"git -C {REPO} archive {head} | tar -x -C {work}", shell=True, check=True)
     if (REPO / "resources").exists() and not (work / "resources").exists():
         (work / "resources").symlink_to(REPO / "resources")
     with open(work / "pyproject.toml", "a") as f:
@@ -113,7 +116,7 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
             per[mod][status] = per[mod].get(status, 0) + 1
         if status == "survived":
             survivors.append(m[1])
-    return {"group": name, "modules": per, "survivors": survivors, "equivalent": equivalent, "wall_s": time.time() - t0, "work": str(work),
+    return {"group": name, "commit": head, "modules": per, "survivors": survivors, "equivalent": equivalent, "wall_s": time.time() - t0, "work": str(work),
             "rc": r.returncode, "tests": tests}
 
 
@@ -140,10 +143,9 @@ def score(counts: dict) -> tuple[int, int, int, int, float | None]:
 
 
 def write(res: dict, out: Path, command: str) -> None:
-    from kvarn.report.provenance import commit, machine
+    from kvarn.report.provenance import machine
 
-    # the copy tested is `git archive HEAD`: HEAD alone, whatever the checkout holds uncommitted
-    cpu, sha = machine()["cpu"], commit(REPO).removesuffix("+dirty")
+    cpu, sha = machine()["cpu"], res["commit"]
     lines = [f"# Mutation testing: {res['group']}", "",
              f"mutmut 3.8.1 at {sha}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu} "
              f"({os.cpu_count()} cores), {res['wall_s'] / 60:.1f} min. Command: `{command}`. "
