@@ -2,9 +2,14 @@
 cell's median KLD.
 
     .venv/bin/python -m bench.study.compare A B [--label-a L] [--label-b L] [--out bench/study/results/FILE.md]
+    .venv/bin/python -m bench.study.compare A B --common-cells config/ledger.yaml [...]
 
 A and B are two runs' results folders (each holding claims.parquet and summary.parquet from
-`make study`, and optionally a provenance.json from kvarn.report.provenance.record). Writes a
+`make study`, and optionally a provenance.json from kvarn.report.provenance.record). With
+`--common-cells CONFIG`, the runs need not be finished: the ledger of each is computed here
+(`kvarn.report.claims.run_claims`, the claims rule's own function) from the cells of CONFIG that
+both have finished (their summary.json and tokens.parquet), and the verdicts are compared on the
+rows both can measure; the rows that lack a cell are counted, not compared. Writes a
 Markdown table: per (model, claim) the two verdicts and whether they are equal, then per model the
 spread of the cells' medians between the runs (|B/A − 1|: median, largest, and the cell with the
 largest), then every cell. Exit status 1 when a verdict differs (the comparison says which).
@@ -44,6 +49,38 @@ def spread(m: pl.DataFrame) -> pl.DataFrame:
                  pl.col("rel").max().alias("max_rel"), pl.col("cell").first().alias("max_cell")).sort("model"))
 
 
+def finished_cells(results: Path, config: dict) -> dict[tuple[str, str], tuple[dict, Path]]:
+    """(model, cell) -> (its summary row as the cell_row rule writes it, its folder) for every cell of
+    `config` finished under `results` (the folder standing for `results/`)."""
+    from kvarn.plan.matrix import cell_columns, expand, summary_row
+
+    m = expand(config)
+    out = {}
+    for c in m.cells:
+        d = results / c.dir.removeprefix("results/")
+        if (d / "summary.json").is_file() and (d / "tokens.parquet").is_file():
+            row = summary_row(json.loads((d / "summary.json").read_text()),
+                              cell_columns(c, m.models[c.model].memory_accounting), where=str(d / "summary.json"))
+            out[(c.model, c.name)] = (row, d)
+    return out
+
+
+def common_ledgers(a_dir: Path, b_dir: Path, config: dict, n_boot: int = 2000) -> tuple[pl.DataFrame, ...]:
+    """Both runs' ledgers and summaries over the cells both finished: (claims_a, claims_b, summary_a, summary_b)."""
+    from kvarn.report.claims import run_claims
+
+    fa, fb = finished_cells(a_dir, config), finished_cells(b_dir, config)
+    common = [k for k in fa if k in fb]
+    if not common:
+        raise SystemExit(f"no cell of the config is finished in both {a_dir} and {b_dir}")
+    out = []
+    for f in (fa, fb):
+        summary = pl.DataFrame([f[k][0] for k in common], infer_schema_length=None)
+        ledger, _ = run_claims(summary, [str(f[k][1] / "tokens.parquet") for k in common], n_boot=n_boot)
+        out.append((ledger, summary))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
 def _prov(folder: Path) -> str:
     p = folder / "provenance.json"
     if not p.is_file():
@@ -54,14 +91,26 @@ def _prov(folder: Path) -> str:
             f"kernels capped by {m.get('isa_caps') or 'nothing'}, {m.get('threads', '?')} threads{', ' + d['note'] if d.get('note') else ''}; `{d.get('command', '?')}`")
 
 
-def report(a_dir: Path, b_dir: Path, label_a: str, label_b: str) -> tuple[str, bool]:
-    ca, cb = pl.read_parquet(a_dir / "claims.parquet"), pl.read_parquet(b_dir / "claims.parquet")
-    sa, sb = pl.read_parquet(a_dir / "summary.parquet"), pl.read_parquet(b_dir / "summary.parquet")
+def report(a_dir: Path, b_dir: Path, label_a: str, label_b: str, common_config: Path | None = None) -> tuple[str, bool]:
+    scope = ""
+    if common_config is not None:
+        import yaml
+
+        ca, cb, sa, sb = common_ledgers(a_dir, b_dir, yaml.safe_load(common_config.read_text()))
+        lacking = (pl.col("verdict") == "not measurable") & ~pl.col("missing").fill_null("").str.starts_with("study figure")
+        skipped = ca.filter(lacking).select(["model", "claim_id", "claim"]).vstack(
+            cb.filter(lacking).select(["model", "claim_id", "claim"])).unique()
+        ca, cb = (c.join(skipped, on=["model", "claim_id", "claim"], how="anti") for c in (ca, cb))
+        scope = (f" Over the {sa.height} cells of {common_config.name} both runs finished; {skipped.height} ledger "
+                 f"rows lack a cell in that set and are not compared.")
+    else:
+        ca, cb = pl.read_parquet(a_dir / "claims.parquet"), pl.read_parquet(b_dir / "claims.parquet")
+        sa, sb = pl.read_parquet(a_dir / "summary.parquet"), pl.read_parquet(b_dir / "summary.parquet")
     v, m = verdicts(ca, cb), medians(sa, sb)
     same = bool(v["equal"].all())
     out = [f"# `make study` on {label_a} and {label_b}", "",
            f"- **{label_a}**: {_prov(a_dir)}", f"- **{label_b}**: {_prov(b_dir)}", "",
-           f"**Every verdict equal: {'yes' if same else 'no'}** ({v['equal'].sum()} of {v.height} ledger rows).", ""]
+           f"**Every verdict equal: {'yes' if same else 'no'}** ({v['equal'].sum()} of {v.height} ledger rows).{scope}", ""]
     if not same:
         out += ["Verdicts that differ:", "", f"| model | claim | {label_a} | {label_b} |", "|---|---|---|---|"]
         out += [f"| {r['model']} | {r['claim']} | {r['verdict_a']} | {r['verdict_b']} |"
@@ -87,12 +136,14 @@ def main(argv=None) -> int:
     ap.add_argument("--label-a", default="A")
     ap.add_argument("--label-b", default="B")
     ap.add_argument("--out", type=Path, help="write the Markdown here (default: print it)")
+    ap.add_argument("--common-cells", type=Path, metavar="CONFIG",
+                    help="compare the ledgers of the cells of CONFIG both runs finished (runs need not be complete)")
     a = ap.parse_args(argv)
     for d in (a.a, a.b):
-        for f in ("claims.parquet", "summary.parquet"):
+        for f in (() if a.common_cells else ("claims.parquet", "summary.parquet")):
             if not (d / f).is_file():
                 raise SystemExit(f"{d / f}: missing; run `make study` there first")
-    text, same = report(a.a, a.b, a.label_a, a.label_b)
+    text, same = report(a.a, a.b, a.label_a, a.label_b, a.common_cells)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text)
