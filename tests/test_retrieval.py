@@ -244,6 +244,9 @@ def test_plan_of_the_default_config_and_its_checks():
         f"results/retrieval/gemma3-270m/ctx1024/{t}/kvarn4-kvarn4-t0.jsonl" for t in ("passkey", "multikey", "kv")]
     assert r.n_jobs() == 6 + 12 + 2
     assert plan.expand({}, []) is None
+    assert plan.targets(r) == list(plan.report_files().values())
+    with pytest.raises(plan.RetrievalError, match="this config has no `retrieval:` key; run it with --configfile"):
+        plan.targets(None)
     bad = [({"cells": ["q4_0-q4_0-t7x"]}, r"retrieval.cells\[0\]: 'q4_0-q4_0-t7x' is not a cell name"),
            ({"depths": [0.5, 2]}, r"retrieval.depths\[1\]: a depth must be a number in \[0, 1\] .*got 2"),
            ({"tasks": ["haystack"]}, r"retrieval.tasks\[0\]: unknown task 'haystack'; accepted: passkey, multikey, kv"),

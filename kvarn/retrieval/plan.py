@@ -106,6 +106,20 @@ def report_files() -> dict[str, str]:
     return out
 
 
+def require(plan: Retrieval | None) -> Retrieval:
+    """The plan, or a RetrievalError saying which config to run a retrieval target with."""
+    if plan is None:
+        raise RetrievalError("target retrieval: this config has no `retrieval:` key; run it with "
+                             "--configfile config/retrieval.yaml (config/README.md)")
+    return plan
+
+
+def targets(plan: Retrieval | None) -> list[str]:
+    """What the target rule `retrieval` asks for: every report file (a config without `retrieval:` is refused)."""
+    require(plan)
+    return list(report_files().values())
+
+
 def _where(*parts) -> str:
     """retrieval.models[0].name from ("models", 0, "name")."""
     return "retrieval" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)

@@ -16,21 +16,9 @@ RETRIEVAL_TASKS = list(RETRIEVAL.tasks) if RETRIEVAL else []
 RETRIEVAL_LOG = "logs/retrieval/{model}/ctx{n_ctx}"
 
 
-def retrieval_plan():
-    if RETRIEVAL is None:
-        raise WorkflowError("target retrieval: this config has no `retrieval:` key; "
-                            "run it with --configfile config/retrieval.yaml (config/README.md)")
-    return RETRIEVAL
-
-
-def retrieval_targets(wildcards):
-    retrieval_plan()  # a config without `retrieval:` is refused, naming the config to use
-    return list(kvret.report_files().values())
-
-
 rule retrieval:
     input:
-        retrieval_targets,
+        lambda wildcards: kvret.targets(RETRIEVAL),
 
 
 rule retrieval_tasks:
@@ -41,7 +29,7 @@ rule retrieval_tasks:
     params:
         source=model_param("source"),
         revision=model_param("revision"),
-        spec=lambda wildcards: retrieval_plan().task_spec(wildcards.model),
+        spec=lambda wildcards: kvret.require(RETRIEVAL).task_spec(wildcards.model),
         version=kvret.TASK_VERSION,
     log:
         f"{RETRIEVAL_LOG}/{{task}}/tasks.log",
@@ -79,12 +67,12 @@ rule retrieval_cell:
 
 rule retrieval_report:
     input:
-        answers=lambda wildcards: retrieval_plan().answer_files(),
+        answers=lambda wildcards: kvret.require(RETRIEVAL).answer_files(),
     output:
         **kvret.report_files(),
     params:
-        teacher_forced=lambda wildcards: retrieval_plan().teacher_forced,
-        bins=lambda wildcards: list(retrieval_plan().distance_bins),
+        teacher_forced=lambda wildcards: kvret.require(RETRIEVAL).teacher_forced,
+        bins=lambda wildcards: list(kvret.require(RETRIEVAL).distance_bins),
     log:
         "logs/retrieval/report.log",
     conda:
