@@ -127,7 +127,7 @@ def documented_table() -> dict:
 
 def test_table_is_the_documented_one():
     # the builder itself, field by field and in the registry's order (blocks, floats, KVarN, ecosystem)
-    built = facts._table()
+    built = facts.build_table()
     assert list(built) == list(documented_table())
     for n, want in documented_table().items():
         assert built[n] == want, n
@@ -254,7 +254,7 @@ def test_a_new_library_pin_is_a_new_version(monkeypatch):
     # new pin reruns their cells; the other families keep theirs
     monkeypatch.setattr(facts, "ECOSYSTEM_VERSION", 2)
     monkeypatch.setattr(facts, "ECOSYSTEM_LIBRARIES", {"quanto": ("optimum-quanto", "0.3.0"), "hqq": ("hqq", "0.3.1")})
-    built = facts._table()
+    built = facts.build_table()
     for n, (_, _, lib) in ECOSYSTEM.items():
         assert built[n].version == 2, n
         assert built[n].library == lib.replace("0.2.7", "0.3.0").replace("0.2.8.post1", "0.3.1"), n
@@ -268,7 +268,7 @@ def test_ecosystem_metadata_bytes_follow_the_library_dtype(monkeypatch, dtype):
 
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[dtype.upper()]][1]
     monkeypatch.setattr(facts, "ECOSYSTEM_META_DTYPE", dtype)
-    built = facts._table()
+    built = facts.build_table()
     for n, (bits, qg, _) in ECOSYSTEM.items():
         assert built[n].meta_itemsize == size, n
         assert built[n].bits_per_value(128) == bits + 2 * 8 * size / qg, n  # f32, q_group 64: b + 1

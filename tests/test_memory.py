@@ -11,7 +11,7 @@ from kvarn import cli
 from kvarn.formats import get_format
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.geometry import Geometry, geometry_from_config
-from kvarn.budget.memory import (ACCOUNTINGS, MIB, KVBytes, _int_at_least, at_tail0, bytes_table, check_accounting,
+from kvarn.budget.memory import (ACCOUNTINGS, MIB, KVBytes, int_at_least, at_tail0, bytes_table, check_accounting,
                                  kv_bytes, resummarize, summary_fields)
 
 TINY = Geometry.uniform(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, None))
@@ -344,14 +344,14 @@ D96 = Geometry.uniform(1, 1, 96, (None,))  # a head dim the block types take onl
 
 
 def test_int_at_least_names_the_value_and_what_is_accepted():
-    assert _int_at_least("n_ctx", 1, 1) == 1 and _int_at_least("tail", 0, 0) == 0  # the bounds are accepted
+    assert int_at_least("n_ctx", 1, 1) == 1 and int_at_least("tail", 0, 0) == 0  # the bounds are accepted
     for bad in (0, -3, True, 2.0, "3", None):
         with pytest.raises(ValueError, match=re.escape(f"n_ctx must be a positive integer, got {bad!r}")):
-            _int_at_least("n_ctx", bad, 1)
+            int_at_least("n_ctx", bad, 1)
     with pytest.raises(ValueError, match=re.escape("tail must be an integer >= 0, got -1")):
-        _int_at_least("tail", -1, 0)
+        int_at_least("tail", -1, 0)
     with pytest.raises(ValueError, match=re.escape("groups must be an integer >= 2, got 1")):
-        _int_at_least("groups", 1, 2)
+        int_at_least("groups", 1, 2)
     # through kv_bytes, under the argument's own name
     with pytest.raises(ValueError, match=re.escape("n_ctx must be a positive integer, got True")):
         kv_bytes(TINY, True, CellSpec("q4_0", "q4_0", 0))

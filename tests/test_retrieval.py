@@ -156,16 +156,16 @@ def test_tasks_are_seeded_and_the_needle_sits_at_its_depth(smol_tokenizer, task)
     for r in recs:
         ids = r["input_ids"]
         assert len(ids) == r["n_prompt"] == 592
-        needle = enc(tasks._needle(task, r["key"], r["answer"]))
+        needle = enc(tasks.needle_text(task, r["key"], r["answer"]))
         assert ids[r["needle_start"] : r["needle_end"]] == needle  # the span holds the asked needle's tokens
         assert r["answer"] in tok.decode(needle) and r["distance"] == 592 - r["needle_end"]
-        question = enc(tasks._question(task, r["key"]))
+        question = enc(tasks.question_text(task, r["key"]))
         assert ids[-len(question):] == question
         hay = 592 - prefix - len(question)
         # the needle starts within one filler unit (<= 8 tokens) of depth x (haystack - needle)
         # for the single key; with distractors, within one unit plus the needles before it
         slack = 8 + (0 if task == "passkey" else sum(
-            len(enc(tasks._needle(task, "x" * 12, "00000"))) for _ in range(r["n_keys"] - 1)))
+            len(enc(tasks.needle_text(task, "x" * 12, "00000"))) for _ in range(r["n_keys"] - 1)))
         assert abs(r["needle_start"] - prefix - r["depth"] * (hay - len(needle))) <= slack, r["id"]
         if task == "passkey" and r["depth"] == 0.0:
             assert r["needle_start"] == prefix

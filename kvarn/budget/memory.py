@@ -110,7 +110,9 @@ class KVBytes:
                 "overlay_mib": self.overlay / MIB, "total_mib": self.total / MIB}
 
 
-def _int_at_least(name: str, v, lo: int) -> int:
+def int_at_least(name: str, v, lo: int) -> int:
+    """`v` if it is an integer (not a bool) of at least `lo`, else a ValueError naming `name`, the value
+    and what is accepted."""
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
         raise ValueError(f"{name} must be {what}, got {v!r}")
@@ -123,8 +125,8 @@ def kv_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
     tail dtype, rotation and sink; see the module docstring)."""
     if not isinstance(cell, CellSpec):
         raise TypeError(f"kv_bytes takes a kvarn.spec.cell.CellSpec, got {cell!r}")
-    _int_at_least("n_ctx", n_ctx, 1)
-    _int_at_least("ubatch", ubatch, 1)
+    int_at_least("n_ctx", n_ctx, 1)
+    int_at_least("ubatch", ubatch, 1)
     check_accounting(accounting)
     k, v, rot = facts.get(cell.k), facts.get(cell.v), cell.rot
     family = pair_family(k, v)

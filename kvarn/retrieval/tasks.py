@@ -66,7 +66,8 @@ INTRO = {
 }
 
 
-def _needle(task: str, key: str, value: str) -> str:
+def needle_text(task: str, key: str, value: str) -> str:
+    """The sentence that states a task's fact (the needle), as placed in the filler."""
     if task == "passkey":
         return f" The pass key is {value}. Remember it. {value} is the pass key."
     if task == "multikey":
@@ -74,7 +75,8 @@ def _needle(task: str, key: str, value: str) -> str:
     return f" The value of {key} is {value}."
 
 
-def _question(task: str, key: str) -> str:
+def question_text(task: str, key: str) -> str:
+    """The question that ends a task's prompt, asking for `key`'s value."""
     if task == "passkey":
         return " What is the pass key? The pass key is"
     if task == "multikey":
@@ -115,9 +117,9 @@ def make_prompt(encode, bos_id, task: str, n_prompt: int, depth: float, rng) -> 
         keys = [f"{ADJECTIVES[q // len(NOUNS)]}-{NOUNS[q % len(NOUNS)]}" for q in pairs]
     else:
         keys = [""]
-    needles = [enc(_needle(task, k, v)) for k, v in zip(keys, values)]
+    needles = [enc(needle_text(task, k, v)) for k, v in zip(keys, values)]
     prefix = ([bos_id] if bos_id is not None else []) + enc(INTRO[task])
-    suffix = enc(_question(task, keys[0]))
+    suffix = enc(question_text(task, keys[0]))
     hay = n_prompt - len(prefix) - len(suffix)
     need = sum(map(len, needles))
     if hay < need + 8:

@@ -167,8 +167,9 @@ class TypeFacts:
         return max(self.min_tail, self.tail_quantum * math.ceil(tail / self.tail_quantum))
 
 
-def _table() -> dict[str, TypeFacts]:
-    """In the format registry's order (error messages list the accepted types in it)."""
+def build_table() -> dict[str, TypeFacts]:
+    """Every type's facts, built from the tables above (FACTS is this, built once at import), in the
+    format registry's order (error messages list the accepted types in it)."""
     rows = [
         TypeFacts(n, "block", bits, has_min=has_min, version=2 if n == "q6_0" else 1)  # q6_0 2: refit order
         for n, bits, has_min in (
@@ -192,7 +193,7 @@ def _table() -> dict[str, TypeFacts]:
     return {r.name: r for r in rows}
 
 
-FACTS: dict[str, TypeFacts] = _table()
+FACTS: dict[str, TypeFacts] = build_table()
 TAIL_DTYPES = ("bf16", "f16", "f32")  # the exact copy is one of the float types
 
 
