@@ -385,7 +385,8 @@ def test_the_conclusion_counts_the_claims_the_study_printed():
     assert c["holds"] == study_rows.filter(pl.col("verdict") == "holds").height >= 4
     text = C.conclusion_markdown(led)
     assert text.startswith(f"On **m** (read against the study's qwen3.6-27b), {c['holds']} of the {sum(c.values())} "
-                           f"claims the study printed a figure for **hold**, {c['does not hold']} do not, "
+                           f"claims the study printed a figure for **hold**, {c['does not hold']} "
+                           f"{'does' if c['does not hold'] == 1 else 'do'} not, "
                            f"{c['not measurable']} lack a cell of this run.")
 
 

@@ -696,7 +696,7 @@ def conclusion_markdown(table: pl.DataFrame) -> str:
         sm = table.filter(pl.col("model") == m)["study_model"][0]
         lack = f", {c['not measurable']} lack a cell of this run" if c["not measurable"] else ""
         out.append(f"On **{m}** (read against the study's {sm}), {c['holds']} of the {n} claims the study printed "
-                   f"a figure for **hold**, {c['does not hold']} do not{lack}.")
+                   f"a figure for **hold**, {c['does not hold']} {'does' if c['does not hold'] == 1 else 'do'} not{lack}.")
     return " ".join(out) + "\n"
 
 
