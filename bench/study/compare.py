@@ -97,7 +97,9 @@ def report(a_dir: Path, b_dir: Path, label_a: str, label_b: str, common_config: 
         import yaml
 
         ca, cb, sa, sb = common_ledgers(a_dir, b_dir, yaml.safe_load(common_config.read_text()))
-        lacking = (pl.col("verdict") == "not measurable") & ~pl.col("missing").fill_null("").str.starts_with("study figure")
+        from kvarn.report.claims import lacks_a_cell
+
+        lacking = lacks_a_cell()
         skipped = ca.filter(lacking).select(["model", "claim_id", "claim"]).vstack(
             cb.filter(lacking).select(["model", "claim_id", "claim"])).unique()
         ca, cb = (c.join(skipped, on=["model", "claim_id", "claim"], how="anti") for c in (ca, cb))

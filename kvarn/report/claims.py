@@ -678,11 +678,21 @@ def ledger_markdown(table: pl.DataFrame) -> str:
     return "\n".join(out)
 
 
+def has_study_figure() -> pl.Expr:
+    """Ledger rows whose study figure is known: a row without one names it in `missing` as
+    "study figure (...)"; any other `missing` is a cell the run lacks."""
+    return ~pl.col("missing").fill_null("").str.starts_with("study figure")
+
+
+def lacks_a_cell() -> pl.Expr:
+    """Ledger rows "not measurable" because the run lacks a cell they read (not for want of a study figure)."""
+    return (pl.col("verdict") == "not measurable") & has_study_figure()
+
+
 def verdict_counts(table: pl.DataFrame, model: str) -> dict[str, int]:
     """Per verdict, how many of a model's rows the study printed a figure for (origin `study`, its figure
     known): the rows a reader can check the study against."""
-    rows = table.filter((pl.col("model") == model) & (pl.col("origin") == "study")
-                        & ~pl.col("missing").fill_null("").str.starts_with("study figure"))
+    rows = table.filter((pl.col("model") == model) & (pl.col("origin") == "study") & has_study_figure())
     return {v: rows.filter(pl.col("verdict") == v).height for v in VERDICTS}
 
 
