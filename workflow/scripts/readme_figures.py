@@ -60,6 +60,12 @@ def main(argv=None) -> int:
     for model in models:
         pairs += [(figdir / model / f"{f}.png", dest / f"{model}-{f}.png") for f in FIGURES]
         pairs.append((Path(args.results) / "tables" / f"{model}.md", dest / f"{model}-table.md"))
+    import json
+
+    from kvarn.report.provenance import record
+
+    # the checkout as it made the results: taken before the copies below dirty it
+    prov = record(args.command, models=models, results=str(args.results))
     missing = []
     for src, dst in pairs:
         if src.is_file():
@@ -70,11 +76,6 @@ def main(argv=None) -> int:
     if missing:
         print("missing (build them with snakemake first): " + ", ".join(missing), file=sys.stderr)
         return 1
-    import json
-
-    from kvarn.report.provenance import record
-
-    prov = record(args.command, models=models, results=str(args.results))
     with atomic_path(dest / "provenance.json") as tmp:
         tmp.write_text(json.dumps(prov, indent=1) + "\n")
     print(f"provenance -> {dest / 'provenance.json'} (commit {prov['commit']})")
