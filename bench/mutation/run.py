@@ -6,20 +6,24 @@ changes one operator, constant or call at a time; a mutant the tests do not noti
 is a bug they would not notice either. Per module: mutants, killed, survived, timed out (killed by
 the timeout: an endless loop is noticed), and the score killed / (killed + survived).
 
-    python -m bench.mutation.run [GROUP ...] [--max-children N] [--out bench/mutation/results]
+    python -m bench.mutation.run [GROUP ...] [--max-children N] [--sample N [--seed S]] [--out bench/mutation/results]
 
 A group is bench/mutation/groups/<group>.yaml: its modules, the tests that own them, and the survivors
 judged equivalent, each with why. Writes results/<group>.md (the scores, every survivor's name, the
 command, machine, commit); `mutmut show <name>` in the printed work folder (`--keep DIR` to choose it)
 shows a survivor's diff. The copy is of HEAD: commit a new test before rerunning its group. Not in CI:
-minutes to hours per group on 2 cores.
+minutes to hours per group on 2 cores. `--sample N` tests N mutants per module drawn at random (seed
+`--seed`; all of a module with N or fewer): the score is then an estimate, printed with its 95 %
+Wilson interval, and the survivors listed are the sample's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -62,7 +66,40 @@ def module_of(mutant: str) -> str:
     return (m[1] if m else mutant.rsplit(".", 1)[0]).replace(".", "/") + ".py"
 
 
-def run_group(name: str, max_children: int, keep: Path | None) -> dict:
+def sample_mutants(names_by_module: dict[str, list[str]], n: int, seed: int) -> list[str]:
+    """`n` mutants per module drawn without replacement (every one of a module with `n` or fewer); the
+    same names for the same seed and mutants, whatever order they are listed in."""
+    if n < 1:
+        raise SystemExit(f"--sample {n}: needs at least 1 mutant per module")
+    rng = random.Random(seed)
+    out: list[str] = []
+    for mod in sorted(names_by_module):
+        names = sorted(names_by_module[mod])
+        out += names if len(names) <= n else sorted(rng.sample(names, n))
+    return out
+
+
+def wilson(killed: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a proportion killed / n (a sampled score's uncertainty)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = killed / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def generated_mutants(work: Path, modules: list[str]) -> dict[str, list[str]]:
+    """Every mutant mutmut generated in `work`, per module (its `mutants/<module>.meta` files)."""
+    out = {}
+    for mod in modules:
+        meta = work / "mutants" / f"{mod}.meta"
+        out[mod] = sorted(json.loads(meta.read_text())["exit_code_by_key"]) if meta.exists() else []
+    return out
+
+
+def run_group(name: str, max_children: int, keep: Path | None, sample: int | None = None,
+              seed: int = 0) -> dict:
     group = load_group(name)
     modules, tests, equivalent = group["modules"], group["tests"], group["equivalent"]
     # `deselect`: tests that run the workflow in a subprocess, where mutmut's bookkeeping is absent
@@ -95,14 +132,26 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
         # one intra-op thread: mutmut forks its workers from a process that has run the tests, and a
         # forked child of an initialized OpenMP pool deadlocks (every mutant a false "timeout")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        r = subprocess.run([str(mutmut), "run", "--max-children", str(max_children)], cwd=work, stdout=f,
-                           stderr=subprocess.STDOUT, env=env)
+        run = [str(mutmut), "run", "--max-children", str(max_children)]
+        chosen: set[str] | None = None
+        generated = 0
+        if sample is not None:
+            # generate the mutants and the test map only (a name that matches nothing stops mutmut
+            # there), then test the sample by name
+            subprocess.run([*run, "kvarn-generate-only"], cwd=work, stdout=f, stderr=subprocess.STDOUT, env=env)
+            names = generated_mutants(work, modules)
+            generated = {m: len(v) for m, v in names.items()}
+            if not any(names.values()):
+                raise SystemExit(f"{name}: mutmut generated no mutants; see {log}")
+            chosen = set(sample_mutants(names, sample, seed))
+            run += sorted(chosen)
+        r = subprocess.run(run, cwd=work, stdout=f, stderr=subprocess.STDOUT, env=env)
     res = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=work, capture_output=True, text=True)
     per: dict[str, dict[str, int]] = {m: {} for m in modules}
     survivors: list[str] = []
     for line in res.stdout.splitlines():
-        m = re.match(r"^\s*([\w.]+__mutmut_\d+): (.+)$", line)
-        if not m:
+        m = re.match(r"^\s*(\S+__mutmut_\d+): (.+)$", line)
+        if not m or (chosen is not None and m[1] not in chosen):
             continue
         status = m[2].strip()
         mod = module_of(m[1])
@@ -117,7 +166,7 @@ def run_group(name: str, max_children: int, keep: Path | None) -> dict:
         if status == "survived":
             survivors.append(m[1])
     return {"group": name, "commit": head, "modules": per, "survivors": survivors, "equivalent": equivalent, "wall_s": time.time() - t0, "work": str(work),
-            "rc": r.returncode, "tests": tests}
+            "rc": r.returncode, "tests": tests, "sample": sample, "seed": seed, "generated": generated}
 
 
 def check_timeouts(res: dict) -> None:
@@ -149,15 +198,24 @@ def write(res: dict, out: Path, command: str) -> None:
     lines = [f"# Mutation testing: {res['group']}", "",
              f"mutmut 3.8.1 at {sha}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu} "
              f"({os.cpu_count()} cores), {res['wall_s'] / 60:.1f} min. Command: `{command}`. "
-             f"Tests: {', '.join(res['tests'])}.", "",
-             "| module | mutants | killed (timeouts) | survived | equivalent | other | score |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"Tests: {', '.join(res['tests'])}.", ""]
+    sampled = res.get("sample") is not None
+    if sampled:
+        lines += [f"A random sample of {res['sample']} mutants per module (seed {res['seed']}; every mutant of a "
+                  "module with fewer): `mutants` is the sample and, in brackets, all mutmut generated; the score "
+                  "is an estimate, with its 95 % Wilson interval.", ""]
+    lines += ["| module | mutants | killed (timeouts) | survived | equivalent | other | score |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for mod, counts in res["modules"].items():
         total, killed, survived, timeout, s = score(counts)
         eq = counts.get("equivalent", 0)
         other = total - killed - survived - eq
-        lines.append(f"| `{mod}` | {total} | {killed} ({timeout}) | {survived} | {eq} | {other} | "
-                     f"{'–' if s is None else f'{100 * s:.1f} %'} |")
+        shown = "–" if s is None else f"{100 * s:.1f} %"
+        if sampled and s is not None:
+            lo, hi = wilson(killed, killed + survived)
+            shown += f" ({100 * lo:.1f}–{100 * hi:.1f})"
+        n = f"{total} ({res['generated'].get(mod, 0)})" if sampled else f"{total}"
+        lines.append(f"| `{mod}` | {n} | {killed} ({timeout}) | {survived} | {eq} | {other} | {shown} |")
     lines += ["", f"Survivors ({len(res['survivors'])}); `mutmut show NAME` in a copy made as above shows each:", ""]
     lines += [f"- `{s}`" for s in res["survivors"]]
     eq = list(res["equivalent"].items())
@@ -174,13 +232,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "mutation" / "results")
     ap.add_argument("--keep", type=Path, help="the work folder (default: a new temporary one)")
+    ap.add_argument("--sample", type=int, metavar="N",
+                    help="test N mutants per module drawn at random (default: every mutant)")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     for g in a.groups:
         load_group(g)  # an unknown name stops before any work
-        res = run_group(g, a.max_children, a.keep)
+        res = run_group(g, a.max_children, a.keep, a.sample, a.seed)
         check_timeouts(res)
-        write(res, a.out, f"python -m bench.mutation.run {g}")
+        opts = "" if a.sample is None else f" --sample {a.sample} --seed {a.seed}"
+        write(res, a.out, f"python -m bench.mutation.run {g}{opts}")
         for mod, counts in res["modules"].items():
             total, killed, survived, timeout, s = score(counts)
             print(f"{mod}: {total} mutants, {killed} killed, {survived} survived"
