@@ -275,6 +275,136 @@ def test_ledger_intervals_are_kvarn_paired(tmp_path):
     assert C.conclusion_markdown(led) in md  # what to conclude, above the rows
 
 
+def test_table_markdown_formats_each_value():
+    """Floats to 6 significant digits, MiB columns to 2 decimals, None as –, a star escaped."""
+    df = pl.DataFrame({"pair": ["kvarn4-kvarn4", "q8_0-q8_0"], "tail_label": ["128*", "128"],
+                       "kld_median": [0.00123456789, None], "kv_mib": [12.3456, 20.0], "n": [3, 4]})
+    assert C.table_markdown(df, "Title", "none") == (
+        "**Title**\n\n| pair | tail_label | kld_median | kv_mib | n |\n|---|---|---|---|---|\n"
+        "| kvarn4-kvarn4 | 128\\* | 0.00123457 | 12.35 | 3 |\n| q8_0-q8_0 | 128 | – | 20.00 | 4 |\n")
+    assert C.table_markdown(df.clear(), "Title", "none") == "**Title**: none\n"
+
+
+FLOOR_CELLS = [("q8_0-q8_0", 128, 0.2, 20), ("q4_0-q4_0", 128, 0.5, 10), ("q8_0-q8_0", 0, 0.15, 19),
+               ("q4_0-q4_0+tdf16-s128", 128, 0.1, 11), ("kvarn6-kvarn6", 0, 0.18, 15), ("kvarn8-kvarn8", 0, 0.25, 19)]
+
+
+def test_decision_tables_name_both_floors_and_each_table():
+    """Worked by hand: the floor is q8_0 at 128 (0.2, 20 MiB), the format-only floor q4_0 with the sink
+    and F16 tail (0.1, 11 MiB); kvarn6 (0.18, 15 MiB) is below the floor and saves 5 MiB; kvarn8
+    (0.25) is matched by q8_0 (0.2 <= 0.25) which costs 1 MiB more; kvarn6 has no match (no standard
+    row at or below 0.18); quality: the cheapest row at or below 0.2 is kvarn6; compact: at or below
+    q4_0's 0.5 the cheapest is q4_0 itself; no q5_0, so no balanced preset; no split, no equal memory."""
+    prep, _ = ledger_of(FLOOR_CELLS)
+    head = ("### m: decision tables\n\n"
+            "Standard floor (the study's: lowest median of the standard pairs at tail 128): q8_0-q8_0 t128, "
+            "median 0.2, 20.00 MiB.\n"
+            "Format-only floor (ours: standard types with KVarN's sink and F16 tail): "
+            f"q4_0-q4_0{FORMAT_ONLY_OPTS} t128, median 0.1, 11.00 MiB.\n"
+            "MiB under the `packed` accounting; rows at the matched tail (standard 128, KVarN 128*).\n\n")
+    tables = [
+        "**KVarN rows below the standard floor (MiB saved against it)**\n\n"
+        "| pair | tail_label | kld_median | kv_mib | floor_pair | floor_median | floor_mib | mib_saved | delta "
+        "| delta_lo | delta_hi |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| kvarn6-kvarn6 | 128\\* | 0.18 | 15.00 | q8_0-q8_0 | 0.2 | 20.00 | 5.00 | – | – | – |\n",
+        "**Cheapest standard match per KVarN row (MiB saved; negative: costs more)**\n\n"
+        "| pair | tail_label | kld_median | kv_mib | match | match_median | match_mib | mib_saved |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        "| kvarn6-kvarn6 | 128\\* | 0.18 | 15.00 | – | – | – | – |\n"
+        "| kvarn8-kvarn8 | 128\\* | 0.25 | 19.00 | q8_0-q8_0 t128 | 0.2 | 20.00 | 1.00 |\n",
+        "**Equal-memory K/V splits (same KV bytes, different split)**: none\n",
+        "**Presets (our rule: cheapest row at or below q8_0 / q5_0 / q4_0 at tail 128)**\n\n"
+        "| preset | reference | reference_median | reference_mib | pair | tail_label | family | kld_median "
+        "| kv_mib | mib_saved |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| quality | q8_0-q8_0 t128 | 0.2 | 20.00 | kvarn6-kvarn6 | 128\\* | kvarn | 0.18 | 15.00 | 5.00 |\n"
+        "| compact | q4_0-q4_0 t128 | 0.5 | 10.00 | q4_0-q4_0 | 128 | standard | 0.5 | 10.00 | 0.00 |\n"]
+    assert C.decisions_markdown(prep, "m") == head + "\n".join(tables)
+    # a paired interval, where the two cells' tokens give one, fills the below-floor row's last columns
+    md = C.decisions_markdown(prep, "m", lambda a, b: (-0.02, -0.03, -0.01))
+    assert "| kvarn6-kvarn6 | 128\\* | 0.18 | 15.00 | q8_0-q8_0 | 0.2 | 20.00 | 5.00 | -0.02 | -0.03 | -0.01 |" in md
+    # a run without standard rows: both floors not measured, the presets have no reference
+    bare, _ = ledger_of([("kvarn4-kvarn4", 0, 0.3, 12)], accounting="padded")
+    md = C.decisions_markdown(bare, "m")
+    assert ("Standard floor (the study's: lowest median of the standard pairs at tail 128): not measured.\n"
+            "Format-only floor (ours: standard types with KVarN's sink and F16 tail): not measured.\n"
+            "MiB under the `padded` accounting;") in md
+    assert md.endswith("**KVarN rows below the standard floor (MiB saved against it)**: none\n\n"
+                       "**Cheapest standard match per KVarN row (MiB saved; negative: costs more)**\n\n"
+                       "| pair | tail_label | kld_median | kv_mib | match | match_median | match_mib | mib_saved |\n"
+                       "|---|---|---|---|---|---|---|---|\n"
+                       "| kvarn4-kvarn4 | 128\\* | 0.3 | 12.00 | – | – | – | – |\n\n"
+                       "**Equal-memory K/V splits (same KV bytes, different split)**: none\n\n"
+                       "**Presets (our rule: cheapest row at or below q8_0 / q5_0 / q4_0 at tail 128)**: "
+                       "no reference row measured\n")
+
+
+def test_claims_page_in_markdown_and_html():
+    """claims.md: the ledger, then the decision tables; claims.html: a table per model with the
+    paired interval written out and the verdict joined to what is missing, every value escaped."""
+    _, led = ledger_of(FLOOR_CELLS)
+    _, led2 = ledger_of(FLOOR_CELLS, model="g<2>", study_model="gemma4-31b")
+    led = pl.concat([led, led2]).with_columns(
+        delta=pl.when(pl.col("claim_id") == "format_only_floor").then(-0.0012345).otherwise(None),
+        delta_lo=pl.lit(-0.0025), delta_hi=pl.lit(-0.000171), delta_of=pl.lit("b − a"),
+        note=pl.when(pl.col("claim_id") == "standard_floor").then(pl.lit("a note")).otherwise(pl.col("note")))
+    decisions = {"m": "<DEC m>", "g<2>": "DEC g"}
+    assert C.claims_markdown(led, decisions) == C.ledger_markdown(led) + "\n## Decision tables\n\n<DEC m>\nDEC g"
+    page = C.claims_html(led, decisions)
+    assert page.startswith(
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>kvarn: the study\'s claims</title><style>'
+        "table.kvarn{border-collapse:collapse;font:13px system-ui,sans-serif}"
+        "table.kvarn td,table.kvarn th{padding:3px 8px;border-bottom:1px solid #ddd;vertical-align:top}"
+        "</style></head><body>\n<h2>The study's claims, computed</h2>\n"
+        "<p>Study figures: config/study.yaml; definitions: kvarn/report/claims.py; verdicts: holds / does not "
+        "hold / not measurable. Δ median: paired 95 % block-bootstrap interval (kvarn.stats.paired).</p>\n"
+        "<h3>m (read against the study's qwen3.6-27b)</h3>\n<table class=\"kvarn\">\n<thead><tr><th>claim</th>"
+        "<th>study</th><th>where</th><th>ours</th><th>Δ median [95 % CI]</th><th>verdict</th></tr></thead>\n"
+        "<tbody>\n<tr><td>")
+    assert "</tbody>\n</table>\n\n<h3>g&lt;2&gt; (read against the study's gemma4-31b)</h3>" in page
+    assert page.endswith("</table>\n\n<h2>Decision tables</h2>\n<pre>&lt;DEC m&gt;</pre>\n<pre>DEC g</pre>\n"
+                         "</body></html>\n")
+    assert page.count("<tr>") == led.height + 2  # a header per model and a line per row
+    floor = row(led.filter(pl.col("model") == "m"), "standard_floor")
+    fo = row(led.filter(pl.col("model") == "m"), "format_only_floor")
+    assert (f"<td>{fo['study_text'] or '–'}</td><td>{fo['section']}</td><td>{fo['ours_text']}</td>"
+            "<td>-0.0012 [-0.0025, -0.00017] (b − a)</td><td>not measurable — study figure (none printed)</td></tr>") in page
+    assert (f"<td>{floor['ours_text']}</td><td>–</td><td>{floor['verdict']} — a note</td></tr>") in page
+    assert "q4_0&#x27;s median" in page and "the study&#x27;s ratio &gt; 1" in page  # escaped
+    assert ("<td>not measurable — q2_0-q2_0 t0, q2_0-q2_0 t128</td>") in page  # verdict — what is missing
+
+
+def test_run_claims_reads_each_models_tokens_in_process(tmp_path):
+    """run_claims (the claims rule's body): a ledger per model against its study model, the paired
+    intervals from the cells' own tokens, and each model's decision tables with them."""
+    summary_df = synthetic.make_results(tmp_path, chunks=1)
+    paths = [*synthetic.token_paths(tmp_path, "smollm2-135m"), *synthetic.token_paths(tmp_path, "gemma3-270m")]
+    led, decisions = C.run_claims(summary_df, paths, STUDY, n_boot=200)
+    assert dict(led.select("model", "study_model").unique().iter_rows()) == {
+        "smollm2-135m": "qwen3.6-27b", "gemma3-270m": "gemma4-31b"}
+    assert led["model"].unique(maintain_order=True).to_list() == summary_df["model"].unique(maintain_order=True).to_list()
+
+    def cell(model, name):
+        d = tmp_path / "results" / model / "ctx1024-c1" / "cells" / name
+        r = summary_df.filter((pl.col("model") == model) & (pl.col("cell") == name)).row(0, named=True)
+        return load_cell(d, summary=r)
+
+    for model in ("smollm2-135m", "gemma3-270m"):
+        r = row(led.filter(pl.col("model") == model), "same_width_gain_4")
+        ref = compare(cell(model, "q4_0-q4_0-t128"), cell(model, "kvarn4-kvarn4-t0"), n_boot=200)["stats"]["kld_median"]
+        assert (r["delta"], r["delta_lo"], r["delta_hi"]) == (ref["delta"], ref["lo"], ref["hi"])
+    # the decision tables' below-floor row carries the same interval as the ledger's
+    ref = compare(cell("smollm2-135m", "q8_0-q8_0-t128"), cell("smollm2-135m", "kvarn8-kvarn8-t0"),
+                  n_boot=200)["stats"]["kld_median"]
+    line = next(x for x in decisions["smollm2-135m"].splitlines() if x.startswith("| kvarn8-kvarn8 | 128\\* |")
+                and "q8_0-q8_0 |" in x)
+    assert line.endswith(f"| {ref['delta']:.6g} | {ref['lo']:.6g} | {ref['hi']:.6g} |")
+    assert decisions["gemma3-270m"].startswith("### gemma3-270m: decision tables")
+    # without tokens: no interval anywhere, the same verdicts from the medians alone
+    bare, dec = C.run_claims(summary_df, (), STUDY, n_boot=200)
+    assert bare["delta"].null_count() == bare.height and bare["claim_id"].equals(led["claim_id"])
+    assert "| – | – | – |" in dec["smollm2-135m"]
+
+
 def test_claims_rule_writes_the_ledger_and_decision_tables(tmp_path):
     """Rule claims, run by snakemake on the synthetic result set (tokens included): claims.md,
     .parquet, .html and each model's decision tables; the parquet is the ledger of run_claims."""
