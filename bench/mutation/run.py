@@ -123,6 +123,10 @@ def run_group(name: str, max_children: int, keep: Path | None, sample: int | Non
                 # a mutant whose tests run 3x their clean time is a timeout (killed): mutmut's default
                 # 15x spends minutes on each endless-loop mutant
                 "timeout_multiplier = 3.0\n"
+                # each mutant's worker forked from a server that has only collected the tests: forked
+                # from mutmut's own process, which ran the suite, a worker inherits polars' and torch's
+                # thread pools without their threads, and the first parallel call hangs (a false timeout)
+                'process_isolation = "forkserver"\n'
                 # the whole tree: tests run the workflow (Snakefile, envs/, profiles/) and read the docs
                 f"also_copy = {json.dumps(sorted(p.name for p in work.iterdir() if p.name != 'mutants'))}\n")
     t0 = time.time()
