@@ -221,6 +221,42 @@ def test_ladder_sweep_trend_prefill_same_top():
     assert set(led["verdict"]) <= set(C.VERDICTS)
 
 
+def test_a_study_file_with_quoted_widths_reads_the_same():
+    """Per-width figures keyed '2' (a quoted key, or a study file written as JSON) read as keyed 2."""
+    import copy
+
+    cells = [("q2_0-q2_0", 0, 1.2, 5), ("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 0.9, 6),
+             ("q2_0-q2_0", 1024, 0.5, 7), ("kvarn2-kvarn2", 1024, 0.35, 8), ("q8_0-q8_0", 0, 0.11, 17),
+             ("q8_0-q8_0", 128, 0.1, 18), ("kvarn8-kvarn8", 0, 0.08, 19), ("q8_0-q8_0", 1024, 0.05, 20),
+             ("kvarn8-kvarn8", 1024, 0.0475, 21)]
+    quoted = copy.deepcopy(STUDY)
+    for fig in quoted["figures"].values():
+        for sm, per in fig.items():
+            if isinstance(per, dict) and per and all(isinstance(k, int) for k in per):
+                fig[sm] = {str(k): v for k, v in per.items()}
+    assert quoted != STUDY
+    prep = prepare(summary(cells), "m")
+    for sm in ("qwen3.6-27b", "gemma4-31b"):
+        assert C.ledger(prep, "m", quoted, study_model=sm).equals(C.ledger(prep, "m", STUDY, study_model=sm))
+    r = row(C.ledger(prep, "m", quoted, study_model="qwen3.6-27b"), "tail_sweep_trend_2")
+    assert (r["study_text"], r["verdict"]) == ("widens", "holds")
+
+
+def test_the_ledger_markdown_keeps_its_table_whole():
+    """A | inside a cell would split the row: it is written /, and a * is escaped; each row names
+    its section of the study."""
+    cells = [("q2_0-q2_0", 0, 1.2, 5), ("q2_0-q2_0", 128, 1.0, 5), ("q8_0-q8_0", 0, 0.11, 17),
+             ("q8_0-q8_0", 128, 0.1, 18), ("kvarn4-kvarn4", 0, 0.2, 11), ("q4_0-q4_0", 0, 0.5, 9),
+             ("q4_0-q4_0", 128, 0.3, 10)]
+    _, led = ledger_of(cells)
+    md = C.ledger_markdown(led)
+    assert "| the tail helps 2 bits more than 8 bits (/change/ of the median) | 61.2 % vs 0.9 % | tail 0 vs 128 |" in md
+    assert "kvarn4 at 128\\* beats q4_0" in md
+    assert all(line.count(" | ") == 5 for line in md.splitlines() if line.startswith("| ") and "---" not in line)
+    for claim_id in ("exactness_vs_format", "exactness_vs_format_sweep"):
+        assert row(led, claim_id)["section"] == "precision tail vs format"
+
+
 def test_directional_verdict_reads_the_interval():
     assert C.directional(True, None, None, -1) == ("holds", "")
     assert C.directional(True, -0.3, -0.1, -1) == ("holds", "")

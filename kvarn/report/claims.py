@@ -654,6 +654,11 @@ def _g(x) -> str:
     return "–" if x is None else f"{x:+.2g}"
 
 
+def _cell(text: str) -> str:
+    """A table cell's text as Markdown: a | would end the cell (written /), a * starts emphasis."""
+    return text.replace("|", "/").replace("*", "\\*")
+
+
 def ledger_markdown(table: pl.DataFrame) -> str:
     """The ledger as Markdown: one section per model, one line per claim."""
     out = ["# The study's claims, computed", "",
@@ -667,13 +672,13 @@ def ledger_markdown(table: pl.DataFrame) -> str:
         out += [f"## {model} (read against the study's {t['study_model'][0]})", "",
                 "| claim | study | where | ours | Δ median [95 % CI] | verdict |", "|---|---|---|---|---|---|"]
         for r in t.iter_rows(named=True):
-            claim = ("*ours:* " + r["claim"].removeprefix("ours: ")) if r["origin"] == "ours" else r["claim"]
+            ours = r["origin"] == "ours"
+            claim = ("*ours:* " if ours else "") + _cell(r["claim"].removeprefix("ours: ") if ours else r["claim"])
             ci = "–" if r["delta"] is None else f"{_g(r['delta'])} [{_g(r['delta_lo'])}, {_g(r['delta_hi'])}] ({r['delta_of']})"
             verdict = r["verdict"] + (f" — missing: {r['missing']}" if r["missing"] else "") \
                 + (f" — {r['note']}" if r["note"] else "")
-            cells = [claim, r["study_text"] or "–", r["section"] or "–", r["ours_text"] or "–", ci, verdict]
-            out.append("| " + " | ".join(c.replace("|", "/").replace("*", "\\*") if i else c
-                                         for i, c in enumerate(cells)) + " |")
+            cells = [r["study_text"] or "–", r["section"] or "–", r["ours_text"] or "–", ci, verdict]
+            out.append("| " + " | ".join([claim, *map(_cell, cells)]) + " |")
         out.append("")
     return "\n".join(out)
 
