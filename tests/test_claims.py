@@ -257,6 +257,93 @@ def test_the_ledger_markdown_keeps_its_table_whole():
         assert row(led, claim_id)["section"] == "precision tail vs format"
 
 
+def test_every_ledger_row_is_complete(tmp_path):
+    """On a full synthetic run of each model: every row names its model, study model and section of
+    the study, shows the study's figure wherever it has one, and says what is missing wherever it is
+    not measurable; a difference between two cells names them in delta_of."""
+    summary_df = synthetic.make_results(tmp_path, chunks=1)
+    for model, sm in (("smollm2-135m", "qwen3.6-27b"), ("gemma3-270m", "gemma4-31b")):
+        led = C.ledger(prepare(summary_df, model), model, STUDY)
+        assert led.height > 20
+        for r in led.iter_rows(named=True):
+            assert (r["model"], r["study_model"]) == (model, sm)
+            assert r["section"] == STUDY["figures"][_figure_key(r["claim_id"])]["section"], r["claim_id"]
+            assert r["verdict"] != "not measurable" or r["missing"], r["claim_id"]
+            assert r["study"] is None or r["study_text"], r["claim_id"]
+            assert (r["origin"] == "ours") == (r["claim"].startswith("ours:") or r["claim_id"].startswith("preset_")), \
+                r["claim_id"]
+        of = dict(led.select("claim_id", "delta_of").iter_rows())
+        assert of["same_width_gain_4"] == "kvarn4 128* − q4_0 t128"
+        assert of["tail_effect_8"] == "q8_0 t128 − q8_0 t0"
+        if sm == "gemma4-31b":
+            assert of["two_bit_reversal"] == "kvarn2 128* − q2_0 t128"
+            assert of["below_floor_kvarn6-kvarn6"] == "kvarn6-kvarn6 128* − floor"
+
+
+def _figure_key(claim_id: str) -> str:
+    """The config/study.yaml figure a ledger row's claim reads (its section)."""
+    for key in ("same_width_gain", "tail_effect_order", "tail_effect", "below_floor", "format_only_floor",
+                "standard_floor", "cheapest_match", "exactness_vs_format", "equal_memory", "preset", "ladder",
+                "q8_0_same_top", "tail_sweep_trend", "prefill", "two_bit_reversal"):
+        if claim_id.startswith(key):
+            return {"preset": "presets", "format_only_floor": "standard_floor", "two_bit_reversal": "median",
+                    "tail_effect_order": "tail_effect"}.get(key, key)
+    raise KeyError(claim_id)
+
+
+def test_a_row_with_a_field_outside_the_ledger_is_refused(monkeypatch):
+    def typo(prep, model, sm, study, delta):
+        return [dict.fromkeys(C.LEDGER_COLUMNS) | {"claim_id": "x", "verdict": "holds", "notes": "typo"}]
+
+    monkeypatch.setattr(C, "CLAIMS", (typo,))
+    prep = prepare(summary([("q4_0-q4_0", 128, 0.5, 10)]), "m")
+    with pytest.raises(AssertionError, match=r"ledger row 'x' has fields \['notes'\]"):
+        C.ledger(prep, "m", STUDY, study_model="qwen3.6-27b")
+
+
+def test_the_rows_read_their_own_inputs():
+    """The study file passed (not the committed one), the below-floor rows ordered by MiB saved,
+    a sweep without tail 128 not measurable, the presets each on its own, the study's saved MiB."""
+    import copy
+
+    study = copy.deepcopy(STUDY)
+    study["figures"]["same_width_gain"]["qwen3.6-27b"][4] = 50.0
+    study["figures"]["cheapest_match"]["qwen3.6-27b"] = {"rows_saving": 6}
+    cells = [("q8_0-q8_0", 128, 0.2, 20), ("q4_0-q4_0", 128, 0.5, 10), ("kvarn4-kvarn4", 0, 0.3, 12),
+             ("kvarn6-kvarn6", 0, 0.18, 15), ("kvarn5-kvarn5", 0, 0.19, 14),
+             ("q8_0-q8_0", 512, 0.1, 21), ("kvarn8-kvarn8", 512, 0.09, 22), ("q8_0-q8_0", 1024, 0.09, 23),
+             ("kvarn8-kvarn8", 1024, 0.08, 24)]
+    prep = prepare(summary(cells), "m")
+    led = C.ledger(prep, "m", study, study_model="qwen3.6-27b")
+    assert row(led, "same_width_gain_4")["study"] == 50.0 and row(led, "same_width_gain_4")["study_text"] == "+50.0 %"
+    assert row(led, "cheapest_match")["study_text"] == "6 rows"
+    assert row(C.ledger(prep, "m", STUDY, study_model="qwen3.6-27b"), "cheapest_match")["study_text"] == \
+        "6 rows, 104.00 MiB"
+    assert C.below_floor_table(prep)["pair"].to_list() == ["kvarn5-kvarn5", "kvarn6-kvarn6"]  # 6 MiB, then 5
+    r8 = row(led, "tail_sweep_trend_8")
+    assert r8["verdict"] == "not measurable" and r8["missing"] == "q8_0-q8_0 and kvarn8-kvarn8 at tail 128"
+    p = {r["claim_id"]: r for r in led.iter_rows(named=True) if r["claim_id"].startswith("preset_")}
+    assert list(p) == ["preset_quality", "preset_balanced", "preset_compact"]
+    assert p["preset_balanced"]["missing"] == "q5_0-q5_0 t128" and p["preset_compact"]["ours_text"].startswith(
+        "q4_0-q4_0 t128 at 10.00 MiB")
+    # no KVarN row: the cheapest-match claim says so
+    _, bare = ledger_of([("q4_0-q4_0", 128, 0.5, 10)])
+    assert row(bare, "cheapest_match")["missing"] == "KVarN rows"
+    # the below-floor notes: none where the row is below and cheaper, the medians where it is not below
+    _, g = ledger_of([("q8_0-q8_0", 128, 0.2, 20), ("kvarn6-kvarn6", 0, 0.18, 15), ("kvarn6-kvarn5", 0, 0.3, 14)])
+    assert row(g, "below_floor_kvarn6-kvarn5")["note"] == "median 0.3 is not below the floor's 0.2 (q8_0-q8_0)"
+    _, g = ledger_of([("q8_0-q8_0", 128, 0.2, 20), ("kvarn6-kvarn6", 0, 0.18, 15)], study_model="gemma4-31b")
+    assert (row(g, "below_floor_kvarn6-kvarn6")["note"], row(g, "below_floor_kvarn6-kvarn6")["verdict"]) == ("", "holds")
+
+
+def test_two_bit_reversal_names_the_other_widths_where_kvarn_loses():
+    cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.2, 6), ("q4_0-q4_0", 128, 0.3, 10),
+             ("kvarn4-kvarn4", 0, 0.35, 11), ("q8_0-q8_0", 128, 0.1, 18), ("kvarn8-kvarn8", 0, 0.09, 19)]
+    _, led = ledger_of(cells, study_model="gemma4-31b")
+    r = row(led, "two_bit_reversal")
+    assert r["ours"] == pytest.approx(1.2) and r["note"].endswith("KVarN also loses at 4 bits")
+
+
 def test_directional_verdict_reads_the_interval():
     assert C.directional(True, None, None, -1) == ("holds", "")
     assert C.directional(True, -0.3, -0.1, -1) == ("holds", "")
@@ -385,6 +472,7 @@ def test_claims_page_in_markdown_and_html():
         note=pl.when(pl.col("claim_id") == "standard_floor").then(pl.lit("a note")).otherwise(pl.col("note")))
     decisions = {"m": "<DEC m>", "g<2>": "DEC g"}
     assert C.claims_markdown(led, decisions) == C.ledger_markdown(led) + "\n## Decision tables\n\n<DEC m>\nDEC g"
+    assert "| -0.0012 [-0.0025, -0.00017] (b − a) |" in C.ledger_markdown(led)
     page = C.claims_html(led, decisions)
     assert page.startswith(
         '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>kvarn: the study\'s claims</title><style>'
@@ -414,7 +502,7 @@ def test_run_claims_reads_each_models_tokens_in_process(tmp_path):
     intervals from the cells' own tokens, and each model's decision tables with them."""
     summary_df = synthetic.make_results(tmp_path, chunks=1)
     paths = [*synthetic.token_paths(tmp_path, "smollm2-135m"), *synthetic.token_paths(tmp_path, "gemma3-270m")]
-    led, decisions = C.run_claims(summary_df, paths, STUDY, n_boot=200)
+    led, decisions = C.run_claims(summary_df, paths, STUDY, n_boot=200, seed=1)
     assert dict(led.select("model", "study_model").unique().iter_rows()) == {
         "smollm2-135m": "qwen3.6-27b", "gemma3-270m": "gemma4-31b"}
     assert led["model"].unique(maintain_order=True).to_list() == summary_df["model"].unique(maintain_order=True).to_list()
@@ -426,18 +514,23 @@ def test_run_claims_reads_each_models_tokens_in_process(tmp_path):
 
     for model in ("smollm2-135m", "gemma3-270m"):
         r = row(led.filter(pl.col("model") == model), "same_width_gain_4")
-        ref = compare(cell(model, "q4_0-q4_0-t128"), cell(model, "kvarn4-kvarn4-t0"), n_boot=200)["stats"]["kld_median"]
+        ref = compare(cell(model, "q4_0-q4_0-t128"), cell(model, "kvarn4-kvarn4-t0"), n_boot=200,
+                      seed=1)["stats"]["kld_median"]
         assert (r["delta"], r["delta_lo"], r["delta_hi"]) == (ref["delta"], ref["lo"], ref["hi"])
     # the decision tables' below-floor row carries the same interval as the ledger's
     ref = compare(cell("smollm2-135m", "q8_0-q8_0-t128"), cell("smollm2-135m", "kvarn8-kvarn8-t0"),
-                  n_boot=200)["stats"]["kld_median"]
+                  n_boot=200, seed=1)["stats"]["kld_median"]
     line = next(x for x in decisions["smollm2-135m"].splitlines() if x.startswith("| kvarn8-kvarn8 | 128\\* |")
                 and "q8_0-q8_0 |" in x)
     assert line.endswith(f"| {ref['delta']:.6g} | {ref['lo']:.6g} | {ref['hi']:.6g} |")
     assert decisions["gemma3-270m"].startswith("### gemma3-270m: decision tables")
     # without tokens: no interval anywhere, the same verdicts from the medians alone
-    bare, dec = C.run_claims(summary_df, (), STUDY, n_boot=200)
+    bare, dec = C.run_claims(summary_df, (), STUDY, n_boot=200, seed=1)
     assert bare["delta"].null_count() == bare.height and bare["claim_id"].equals(led["claim_id"])
+    assert bare.schema == led.schema and bare.schema["delta"] == pl.Float64 and bare.schema["note"] == pl.String
+    # a model read against the study model named for it
+    other = C.run_claims(summary_df, (), STUDY, study_models={"smollm2-135m": "gemma4-31b"}, n_boot=200)[0]
+    assert dict(other.select("model", "study_model").unique().iter_rows())["smollm2-135m"] == "gemma4-31b"
     assert "| – | – | – |" in dec["smollm2-135m"]
 
 

@@ -642,6 +642,10 @@ def ledger(prep: pl.DataFrame, model: str, study: dict | None = None, cells: Map
     sm = study_model or study_model_of(model, study)
     delta = paired_delta(cells, n_boot, seed) if cells else _no_delta
     rows = [r for f in CLAIMS for r in f(prep, model, sm, study, delta)]
+    for r in rows:  # a misspelt field would be dropped below without a word
+        if set(r) != set(LEDGER_COLUMNS):
+            raise AssertionError(f"ledger row {r.get('claim_id')!r} has fields {sorted(set(r) ^ set(LEDGER_COLUMNS))} "
+                                 f"outside or missing from LEDGER_COLUMNS")
     schema = {c: pl.String for c in LEDGER_COLUMNS} | {c: pl.Float64 for c in ("study", "ours", "delta", "delta_lo",
                                                                                  "delta_hi")}
     return pl.DataFrame([{c: r[c] for c in LEDGER_COLUMNS} for r in rows], schema=schema)
