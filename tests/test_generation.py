@@ -277,6 +277,59 @@ def test_compute_run_on_hand_made_results(hand_run):
     assert "| kvarn4-kvarn4 t128\\* | 83% | 0.000 | 0.000 |" in md
 
 
+def test_compute_run_draws_from_its_seed_and_types_an_empty_pair_table(tmp_path):
+    """Prompts whose KLD differ, so every bootstrap band depends on the draw: the same seed gives
+    the same tables, another seed other bands (cells, curves and the paired slopes alike)."""
+    s, p = np.arange(GEN), np.arange(P)[:, None]
+    a = _write_run(tmp_path, "kvarn4-kvarn4-t0", "kvarn4", 0.01 + 0.002 * s * (1 + p), [GEN, 5, 0],
+                   lambda c, q: 0.01 * (1 + c))
+    b = _write_run(tmp_path, "q4_0-q4_0-t128", "q4_0", 0.02 + 0.005 * s * (1 + p * p), [3, 4, 5],
+                   lambda c, q: 0.01 * (1 + c) + 0.0001 * (q - 16))
+    dec, cells = [a[0], b[0]], [a[1], b[1]]
+    ident = [{"text_sha256": "aa", "tokenizer_hash": "tt", "n_ctx": N_CTX, "n_chunks": P + 1}] * 2
+    one = G.compute_run(dec, cells, ident, n_boot=200, seed=5)
+    again = G.compute_run(dec, cells, ident, n_boot=200, seed=5)
+    other = G.compute_run(dec, cells, ident, n_boot=200, seed=6)
+    for name in ("cells", "paired", "curves"):
+        assert one[name].equals(again[name]), name
+        assert not one[name].equals(other[name]), name
+    # standard cells only: no pair, and the paired table keeps its columns' types
+    alone = G.compute_run(dec[1:], cells[1:], ident[1:], n_boot=200, seed=5)["paired"]
+    assert alone.height == 0 and alone.schema == one["paired"].schema
+
+
+def test_the_tables_markdown_word_for_word(hand_run):
+    _, dec, cells, ident = hand_run
+    md = G.to_markdown(G.compute_run(dec, cells, ident, n_boot=200, seed=5), alpha=0.1).splitlines()
+    assert md[0] == "### m: free-running generation, n_ctx 32, 3 prompts × 12 generated tokens, greedy"
+    assert md[2].startswith("Brackets: 90 % intervals (survival: Kaplan–Meier, exponential Greenwood; the rest: ")
+    assert md[4:6] == ["| cell | diverged | median first divergence | S(G) | mean KLD (free) | slope per 1k tokens "
+                       "| mean KLD (teacher-forced) | free / teacher-forced |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    i = md.index("Paired difference of slopes (KVarN − same-width standard, same prompts resampled jointly), per "
+                 "1000 generated tokens; below 0: KVarN accumulates more slowly.")
+    assert md[i + 1:i + 4] == ["", "| KVarN | standard | slope difference per 1k tokens |", "|---|---|---:|"]
+    assert md[i + 4].startswith("| kvarn4-kvarn4 t128\\* | q4_0-q4_0 t128 | -3 [-3, -3] |")
+
+
+def test_bad_arguments_are_refused_by_name():
+    kld = np.ones((3, 8))
+    with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\), got 1.5"):
+        G.slope(kld, alpha=1.5)
+    with pytest.raises(ValueError, match=r"bootstrap resamples must be a positive integer, got 0"):
+        G.slope(kld, n_boot=0)
+    with pytest.raises(ValueError, match=r"kld must be a \[prompts, steps\] array, got shape \(8,\)"):
+        G.kld_curve(np.ones(8))
+    with pytest.raises(ValueError, match=r"must be \[prompts, positions\] of one shape, got \(0, 4\) and \(0, 4\)"):
+        G.tf_vs_free(np.ones((0, 4)), np.ones((0, 4)))
+    # a teacher-forced summary from before `compute` was recorded ran the exact path
+    G.check_same_run(DEC, {k: v for k, v in TF.items() if k != "compute"}, IDENT)
+    with pytest.raises(ValueError) as e:
+        G.check_same_run(DEC, {**TF, "model": "g", "chunks": 8}, IDENT)
+    assert str(e.value) == ("teacher-forced and free-running results are not of the same cell, text and chunks; "
+                            "refusing to compare them: model: decode 'm', teacher-forced 'g'; chunks: the "
+                            "teacher-forced cell scored 8 chunks, the decode's 16 prompts need as many")
+
+
 def test_repeated_ngrams_and_text_stats(tmp_path):
     tok = np.array([[1, 2, 3, 4, 1, 2, 3, 4], [5, 5, 5, 5, 5, 5, 5, 5]])
     r = G.repeated_ngrams(tok)
