@@ -180,3 +180,137 @@ def test_cli_compare_text_and_json(tmp_path, capsys):
         main(["compare", str(tmp_path / "q8_0-q8_0-t0"), str(tmp_path / "nope")])
     assert e.value.code == 2
     assert "nope" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- each piece against a hand or slow reference
+
+
+def test_chunk_bounds_and_the_pooled_autocovariance_by_hand():
+    assert P.chunk_bounds(np.array([0, 0, 1, 1, 1, 2])) == [(0, 2), (2, 5), (5, 6)]
+    assert P.chunk_bounds(np.array([], dtype=np.int32)) == []
+    # each chunk demeaned alone; lag-k products summed over both chunks, divided by all n
+    x = np.array([1.0, 2.0, 4.0, 0.0, 3.0, 3.0, 6.0])
+    bounds = [(0, 3), (3, 7)]
+    ref = np.zeros(4)
+    for s, e in bounds:
+        y = x[s:e] - x[s:e].mean()
+        for k in range(min(3, e - s - 1) + 1):
+            ref[k] += float(np.dot(y[: len(y) - k], y[k:]))
+    np.testing.assert_allclose(P.pooled_autocov(x, bounds, 3), ref / 7, rtol=0, atol=1e-12)
+
+
+def test_flat_top_window_by_hand():
+    t = np.array([0.0, 0.25, 0.5, 0.75, 1.0, 1.5, -0.75, -2.0])
+    assert P.flat_top(t).tolist() == [1.0, 1.0, 1.0, 0.5, 0.0, 0.0, 0.5, 0.0]
+
+
+def politis_white_slow(x, bounds):
+    """Politis & White (2004) with Patton, Politis & White's (2009) correction, written from the
+    paper with loops (circular bootstrap), for one series in chunks."""
+    n = len(x)
+    k_n = max(5, math.ceil(math.sqrt(math.log10(max(n, 10)))))
+    m_max = math.ceil(math.sqrt(n)) + k_n
+    lags = m_max + k_n
+    r = [0.0] * (lags + 1)
+    for s, e in bounds:
+        y = [v - sum(x[s:e]) / (e - s) for v in x[s:e]]
+        for k in range(min(lags, e - s - 1) + 1):
+            r[k] += sum(y[i] * y[i + k] for i in range(len(y) - k))
+    r = [v / n for v in r]
+    thr = 2 * math.sqrt(math.log10(max(n, 10)) / n)
+    m_hat = m_max
+    for m in range(m_max + 1):  # the first lag m after which lags m+1..m+K_N are all insignificant
+        if all(abs(r[m + j] / r[0]) < thr for j in range(1, k_n + 1)):
+            m_hat = m
+            break
+    big_m = min(2 * max(m_hat, 1), m_max)
+
+    def lam(t):
+        return 1.0 if abs(t) <= 0.5 else (2 * (1 - abs(t)) if abs(t) <= 1 else 0.0)
+
+    g = sum(lam(k / big_m) * abs(k) * r[abs(k)] for k in range(-big_m, big_m + 1))
+    g0 = sum(lam(k / big_m) * r[abs(k)] for k in range(-big_m, big_m + 1))
+    d_cb = 4 / 3 * g0 * g0
+    b = (2 * g * g / d_cb) ** (1 / 3) * n ** (1 / 3)
+    return min(max(1.0, b), math.ceil(min(3 * math.sqrt(n), n / 3)))
+
+
+@pytest.mark.parametrize("phi", [0.3, 0.8])
+def test_politis_white_against_the_paper_written_slowly(phi):
+    x = ar1(np.random.default_rng(11), (CHUNKS, M), phi).ravel()
+    bounds = [(0, M), (M, 2 * M)]
+    assert P.politis_white(x, bounds) == pytest.approx(politis_white_slow(x.tolist(), bounds), rel=1e-9)
+
+
+def test_block_length_of_a_constant_series_is_one_and_block_starts_cover_each_chunk():
+    chunk = np.repeat(np.arange(2), 50)
+    assert P.block_length([np.full(100, 0.25)], chunk) == 1
+    starts = P.block_starts(np.random.default_rng(0), [(0, 7), (7, 20)], 4, 30)
+    assert [s.shape for s in starts] == [(30, 2), (30, 4)]  # ceil(7 / 4), ceil(13 / 4) blocks
+
+
+def test_compare_takes_the_block_of_the_difference_and_names_its_rule():
+    """A and B iid, B − A strongly autocorrelated: the difference's series sets the block."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(2 * M) ** 2
+    b = a + 0.05 * ar1(rng, (CHUNKS, M), 0.97).ravel()
+    ca, cb = cell("a", a), cell("b", b)
+    res = P.compare(ca, cb, n_boot=200)
+    assert res["block"] == P.block_length([cb.kld - ca.kld], ca.chunk) > P.block_length([a, b], ca.chunk)
+    assert res["block_rule"] == "Politis-White (ranks of KLD A, B, B-A; max)"
+    assert P.compare(ca, cb, n_boot=200, block=3)["block_rule"] == "given"
+
+
+def test_an_interval_that_touches_zero_is_not_significant():
+    """B = A but for one token: most resamples see no difference, so the mean's interval is [0, x]."""
+    a = np.random.default_rng(4).random(2 * M)
+    b = a.copy()
+    b[17] += 1.0
+    s = P.compare(cell("a", a), cell("b", b), n_boot=200, block=2)["stats"]["kld_mean"]
+    assert s["lo"] == 0.0 and s["hi"] > 0 and s["significant"] is False
+
+
+def test_cell_interval_is_compare_against_a_zero_cell():
+    """One cell's median and mean intervals are the B side of `compare` against an all-zero A (the
+    same resamples: same seed, block and chunks)."""
+    c = cell("c", ar1(np.random.default_rng(5), (CHUNKS, M), 0.6).ravel() ** 2)
+    zero = cell("z", np.zeros(2 * M))
+    got = P.cell_interval(c, n_boot=300, seed=3, level=0.9, block=7)
+    ref = P.compare(zero, c, n_boot=300, seed=3, level=0.9, block=7)["stats"]
+    assert got == {"kld_median": float(np.median(c.kld)), "kld_median_lo": ref["kld_median"]["lo"],
+                   "kld_median_hi": ref["kld_median"]["hi"], "kld_mean": float(c.kld.mean()),
+                   "kld_mean_lo": ref["kld_mean"]["lo"], "kld_mean_hi": ref["kld_mean"]["hi"], "block": 7}
+    assert P.cell_interval(c, n_boot=300)["block"] == P.block_length([c.kld], c.chunk)
+    with pytest.raises(ValueError, match=r"resamples must be an integer >= 100, got 10"):
+        P.cell_interval(c, n_boot=10)
+    with pytest.raises(ValueError, match=r"confidence level must be in \[0.5, 1\), got 1.0"):
+        P.cell_interval(c, n_boot=300, level=1.0)
+
+
+def test_pairing_refuses_by_name_and_to_a_nanonat(tmp_path):
+    rng = np.random.default_rng(6)
+    a, b = aa_pair(rng)
+    short = cell("s", a.kld[:-2], chunks=CHUNKS)
+    with pytest.raises(ValueError, match=r"cells 'a' and 's' score different tokens \(800 vs 798 rows, or other "
+                                         r"\(chunk, pos\)\); they must come from one run"):
+        P.pair_cells(a, P.CellTokens("s", a.summary, short.chunk, short.pos, short.kld, short.same_top, short.nll_base))
+    near = P.CellTokens("b", a.summary, a.chunk, a.pos, b.kld, b.same_top, a.nll_base + 5e-9)
+    with pytest.raises(ValueError, match="different baselines"):
+        P.pair_cells(a, near)
+    # a cell read from its directory, from either file in it, or with its summary given
+    _write_cell(tmp_path / "c", a)
+    for path in (tmp_path / "c", tmp_path / "c" / "summary.json", tmp_path / "c" / "tokens.parquet"):
+        c = P.load_cell(path)
+        assert c.name == "c" and np.array_equal(c.kld, a.kld) and c.summary == a.summary
+    (tmp_path / "c" / "summary.json").unlink()
+    with pytest.raises(FileNotFoundError, match="summary.json is missing"):
+        P.load_cell(tmp_path / "c")
+    assert P.load_cell(tmp_path / "c", summary={"model": "given"}).summary == {"model": "given"}
+
+
+def test_the_compare_table_word_for_word():
+    a = cell("a", np.full(2 * M, 0.5))
+    res = P.compare(a, cell("b", np.full(2 * M, 0.75)), n_boot=100, block=4)
+    lines = P.format_compare(res).splitlines()
+    assert lines[3:6] == ["", " " * 12 + " " + " " * 11 + "A" + " " + " " * 11 + "B" + " " + "   Δ = B − A   95% CI",
+                          "median KLD       0.500000     0.750000    +0.250000   [+0.250000, +0.250000]  *"]

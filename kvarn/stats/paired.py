@@ -135,7 +135,8 @@ def pooled_autocov(x: np.ndarray, bounds, max_lag: int) -> np.ndarray:
     return acc / len(x)
 
 
-def _flat_top(t: np.ndarray) -> np.ndarray:
+def flat_top(t: np.ndarray) -> np.ndarray:
+    """The flat-top lag window of Politis & White: 1 up to |t| = 1/2, falling linearly to 0 at |t| = 1."""
     a = np.abs(t)
     return np.where(a <= 0.5, 1.0, np.where(a <= 1.0, 2.0 * (1.0 - a), 0.0))
 
@@ -166,7 +167,7 @@ def politis_white(x: np.ndarray, bounds) -> float:
             break
     big_m = min(2 * max(m_hat, 1), m_max)
     k = np.arange(-big_m, big_m + 1)
-    lam = _flat_top(k / big_m)
+    lam = flat_top(k / big_m)
     rk = r[np.abs(k)]
     g_sum = float(np.sum(lam * np.abs(k) * rk))
     g0 = float(np.sum(lam * rk))
@@ -178,10 +179,11 @@ def politis_white(x: np.ndarray, bounds) -> float:
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
-    order = np.argsort(x, kind="stable")
-    r = np.empty(len(x))
-    r[order] = np.arange(len(x))
-    return r
+    """Ranks 0..n−1, ties given their average rank: ties broken by position would turn a run of
+    equal values (an exact cell's zeros) into a ramp, which reads as strong autocorrelation."""
+    from scipy.stats import rankdata
+
+    return rankdata(x, method="average") - 1.0
 
 
 def block_length(series: list[np.ndarray], chunk: np.ndarray) -> int:
