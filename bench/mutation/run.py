@@ -113,8 +113,12 @@ def run_group(name: str, max_children: int, keep: Path | None, sample: int | Non
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     subprocess.run(f"git -C {REPO} archive {head} | tar -x -C {work}", shell=True, check=True)
-    if (REPO / "resources").exists() and not (work / "resources").exists():
-        (work / "resources").symlink_to(REPO / "resources")
+    # the fetched models and text (resources/ is in the archive only as its .gitkeep)
+    if (REPO / "resources").is_dir():
+        (work / "resources").mkdir(exist_ok=True)
+        for entry in (REPO / "resources").iterdir():
+            if not (work / "resources" / entry.name).exists():
+                (work / "resources" / entry.name).symlink_to(entry)
     with open(work / "pyproject.toml", "a") as f:
         f.write("\n[tool.mutmut]\n"
                 f"source_paths = {json.dumps(modules)}\n"
