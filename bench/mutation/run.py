@@ -133,6 +133,10 @@ def run_group(name: str, max_children: int, keep: Path | None, sample: int | Non
                 'process_isolation = "forkserver"\n'
                 # the whole tree: tests run the workflow (Snakefile, envs/, profiles/) and read the docs
                 f"also_copy = {json.dumps(sorted(p.name for p in work.iterdir() if p.name != 'mutants'))}\n")
+    # the tests read the shared text beside the checkout (tests/paths.py: ../shared); mutmut runs them in
+    # work/mutants, so work/shared is that place (made after also_copy is listed: not copied)
+    if (REPO.parent / "shared").is_dir() and not (work / "shared").exists():
+        (work / "shared").symlink_to(REPO.parent / "shared")
     t0 = time.time()
     mutmut = Path(sys.executable).with_name("mutmut")
     log = work / "mutmut-run.log"
