@@ -101,3 +101,32 @@ def test_refusals(files, tmp_path):
         llamakld.read_llama_kld(cut)
     with pytest.raises(ValueError, match="not a llama-perplexity KLD base file"):
         llamakld.read_llama_kld(kvd)
+
+
+def test_the_file_names_itself_and_its_chunks(files):
+    kvd, kld, ids, _ = files
+    f = llamakld.read_llama_kld(kld)
+    assert f.path == kld and f.header == {"n_ctx": N_CTX, "vocab_size": V, "n_chunks": CHUNKS,
+                                          "compute": "llama.cpp", "source_file": str(kld)}
+    for i in (CHUNKS, -1):
+        with pytest.raises(IndexError, match=rf"chunk {i} out of range: .*base.kld has {CHUNKS} chunks"):
+            f.dense_rows(i)
+    with pytest.raises(ValueError, match=rf"dump .*base.kvd: {CHUNKS} chunks x n_ctx {N_CTX}, tokens given 1 x {N_CTX}"):
+        llamakld.write_from_dump(kvd, ids[:1], kld.parent / "other.kld")
+
+
+@pytest.mark.parametrize("n_ctx, n_vocab, n_chunk, ok", [(16, 1, 1, True), (16, 0, 1, False), (16, 1, 0, False),
+                                                          (3, 1, 1, False)])
+def test_a_header_is_read_at_its_limits(tmp_path, n_ctx, n_vocab, n_chunk, ok):
+    """One token of vocabulary and one chunk is a file; none of either, or a context under 4, is not
+    (each file the size its header implies, so only the header can refuse it)."""
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    n_scored = n_ctx - 1 - n_ctx // 2
+    p = tmp_path / "h.kld"
+    p.write_bytes(b"_logits_" + struct.pack("<Iii", n_ctx, n_vocab, n_chunk)
+                  + bytes(4 * n_chunk * n_ctx + 2 * n_chunk * n_scored * nv))
+    if ok:
+        assert llamakld.read_llama_kld(p).n_chunks == n_chunk
+    else:
+        with pytest.raises(ValueError, match=rf"header n_ctx {n_ctx}, n_vocab {n_vocab}, n_chunk {n_chunk} is not a valid"):
+            llamakld.read_llama_kld(p)
