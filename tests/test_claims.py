@@ -189,6 +189,7 @@ def test_equal_memory_and_presets():
     prep, led = ledger_of(cells)
     eq = C.equal_memory_table(prep)
     assert eq["pair"].to_list() == ["kvarn3-kvarn3", "kvarn4-kvarn2"] and eq["symmetric"].to_list() == [True, False]
+    assert eq["kv_mib"].to_list() == [pytest.approx(9.0), pytest.approx(9.0)]
     r = row(led, "equal_memory")
     assert r["ours"] == pytest.approx(2.0) and r["verdict"] == "holds"
     p = {r["preset"]: r for r in C.presets_table(prep).iter_rows(named=True)}
@@ -342,6 +343,87 @@ def test_two_bit_reversal_names_the_other_widths_where_kvarn_loses():
     _, led = ledger_of(cells, study_model="gemma4-31b")
     r = row(led, "two_bit_reversal")
     assert r["ours"] == pytest.approx(1.2) and r["note"].endswith("KVarN also loses at 4 bits")
+
+
+def test_every_row_of_a_ledger_short_of_cells_is_complete():
+    """The not-measurable branches: each row still names its model, study model and section,
+    shows the study's figure and says what is missing."""
+    for sm in ("qwen3.6-27b", "gemma4-31b"):
+        _, led = ledger_of([("kvarn4-kvarn4", 0, 0.3, 12)], study_model=sm)
+        for r in led.iter_rows(named=True):
+            assert (r["model"], r["study_model"]) == ("m", sm), r["claim_id"]
+            assert r["section"] == STUDY["figures"][_figure_key(r["claim_id"])]["section"], r["claim_id"]
+            assert r["verdict"] != "not measurable" or r["missing"], r["claim_id"]
+    _, led = ledger_of([("kvarn4-kvarn4", 0, 0.3, 12)])
+    assert row(led, "tail_sweep_trend_2")["study_text"] == "widens"
+    assert row(led, "equal_memory")["missing"] == "kvarn3-kvarn3 t128*, kvarn4-kvarn2 t128*"
+    _, two = ledger_of([("kvarn2-kvarn2", 0, 0.9, 6), ("kvarn4-kvarn4", 0, 0.3, 12)])
+    assert [(r["claim_id"], r["missing"]) for r in two.iter_rows(named=True) if r["claim_id"].startswith("prefill_")] \
+        == [("prefill_2", "q2_0-q2_0 t128"), ("prefill_4", "q4_0-q4_0 t128")]
+    _, g = ledger_of([("kvarn4-kvarn4", 0, 0.3, 12)], study_model="gemma4-31b")
+    assert row(g, "two_bit_reversal")["missing"] == "q2_0-q2_0 t128, kvarn2-kvarn2 t128*"
+    assert row(g, "standard_floor")["study_text"] == "q8_0-q8_0"  # the study printed no median for Gemma's floor
+    assert row(g, "cheapest_match")["claim"] == ("no KVarN row saves memory against the cheapest standard row of "
+                                                 "equal or lower median")
+    assert row(led, "cheapest_match")["claim"] == ("KVarN rows save memory against the cheapest standard row of "
+                                                   "equal or lower median")
+    # KVarN rows without any standard row at or below them: not measurable, and why
+    _, n = ledger_of([("q4_0-q4_0", 128, 0.5, 10), ("kvarn4-kvarn4", 0, 0.3, 12)])
+    assert row(n, "cheapest_match")["missing"] == "a standard row at or below a KVarN median"
+    assert C.decisions_markdown(prepare(summary([("q4_0-q4_0", 128, 0.5, 10)]), "m"), "m").count(
+        "**Cheapest standard match per KVarN row (MiB saved; negative: costs more)**: no KVarN rows") == 1
+
+
+def test_rows_with_a_paired_interval_carry_it_in_their_direction(monkeypatch):
+    """A fixed interval for every pair (B − A = +0.1 [+0.05, +0.15]): the ratio claims (B above A)
+    hold and carry it; equal memory's note names the two MiB when they differ."""
+    monkeypatch.setattr(C, "paired_delta", lambda cells, n_boot, seed: lambda a, b: (0.1, 0.05, 0.15))
+    cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.2, 6), ("q8_0-q8_0", 128, 0.1, 18),
+             ("kvarn8-kvarn8", 0, 0.1, 19), ("kvarn4-kvarn2", 0, 0.6, 9), ("kvarn3-kvarn3", 0, 0.3, 10)]
+    prep = prepare(summary(cells), "m")
+    led = C.ledger(prep, "m", STUDY, cells={"any": None}, study_model="gemma4-31b")
+    r = row(led, "two_bit_reversal")
+    assert (r["verdict"], r["delta"], r["delta_lo"], r["delta_hi"]) == ("holds", 0.1, 0.05, 0.15)
+    assert r["note"] == ""  # kvarn8 equals q8_0: not a width where KVarN loses
+    e = row(led, "equal_memory")
+    assert (e["verdict"], e["delta"], e["delta_lo"], e["delta_hi"]) == ("holds", 0.1, 0.05, 0.15)
+    assert e["note"].startswith("not equal memory here: 9.00 vs 10.00 MiB (packed)")
+
+
+def test_the_tail_claims_read_their_figures():
+    cells = [("q2_0-q2_0", 0, 2.0, 5), ("q2_0-q2_0", 128, 1.0, 5), ("q8_0-q8_0", 0, 0.11, 17),
+             ("q8_0-q8_0", 128, 0.1, 18), ("kvarn2-kvarn2", 0, 0.9, 6), ("q2_0-q2_0", 1024, 0.5, 7),
+             ("kvarn2-kvarn2", 1024, 0.5, 8)]
+    _, led = ledger_of(cells)
+    o = row(led, "tail_effect_order")
+    assert o["study"] == pytest.approx(61.2 - 0.9) and o["study_text"] == "61.2 % vs 0.9 %"
+    # 2 bits: the gain goes from 10 % at 128 to 0 % at 1024: narrows, where the study says widens
+    w2 = row(led, "tail_sweep_trend_2")
+    assert (w2["verdict"], w2["section"]) == ("does not hold", "precision-tail sweep")
+    assert w2["ours_text"] == "narrows: t128 +10.0 %, t1024 +0.0 %"
+
+
+def test_below_floor_rows_each_on_their_own():
+    import copy
+
+    study = copy.deepcopy(STUDY)
+    study["figures"]["below_floor"]["qwen3.6-27b"] = {"kvarn5-kvarn5": 10.0, "kvarn6-kvarn6": 20.0}
+    # kvarn5 not run; kvarn6 below the floor (0.18 < 0.2) but dearer (22 MiB against 20)
+    prep = prepare(summary([("q8_0-q8_0", 128, 0.2, 20), ("kvarn6-kvarn6", 0, 0.18, 22)]), "m")
+    led = C.ledger(prep, "m", study, study_model="qwen3.6-27b")
+    assert row(led, "below_floor_kvarn5-kvarn5")["missing"] == "kvarn5-kvarn5 t128*"
+    r = row(led, "below_floor_kvarn6-kvarn6")
+    assert (r["verdict"], r["note"]) == ("does not hold", "below the floor but not cheaper than it")
+    assert r["ours_text"] == "-2.00 MiB saved (0.18 vs q8_0-q8_0 0.2)"
+
+
+def test_the_ledger_markdown_opens_with_how_to_read_it():
+    _, led = ledger_of([("q4_0-q4_0", 128, 0.5, 10)])
+    assert C.ledger_markdown(led).startswith(
+        "# The study's claims, computed\n\nOne row per claim: the study's figure (config/study.yaml), ours from "
+        "this run, the paired 95 % block-bootstrap interval of Δ median where the claim is a difference between "
+        "two cells (kvarn.stats.paired), and the verdict (holds / does not hold / not measurable, naming what is "
+        "missing). Rows marked *ours* are our own statistics, not the study's. Definitions: kvarn/report/claims.py.\n\n")
 
 
 def test_directional_verdict_reads_the_interval():
