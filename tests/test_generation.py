@@ -201,9 +201,10 @@ def test_same_run_is_accepted_and_every_mismatch_refused():
 N_CTX, P, GEN = 32, 3, 12  # decode step s sits at position 19 + s; scored positions 16..30: every step compared
 
 
-def _write_run(root, cell, k, kld, fd, tf_kld, text="aa"):
+def _write_run(root, cell, k, kld, fd, tf_kld, text="aa", prompts=P):
     """A decode result (steps from `kld` [P, G] and first divergences `fd`) and the same cell's
-    teacher-forced tokens (chunks 0..P, positions 16..30, KLD `tf_kld(chunk, pos)`)."""
+    teacher-forced tokens (chunks 0..P, positions 16..30, KLD `tf_kld(chunk, pos)`); P = `prompts`."""
+    P = prompts
     import json
 
     tok = np.zeros((P, GEN), dtype=np.int64)
@@ -280,13 +281,14 @@ def test_compute_run_on_hand_made_results(hand_run):
 def test_compute_run_draws_from_its_seed_and_types_an_empty_pair_table(tmp_path):
     """Prompts whose KLD differ, so every bootstrap band depends on the draw: the same seed gives
     the same tables, another seed other bands (cells, curves and the paired slopes alike)."""
-    s, p = np.arange(GEN), np.arange(P)[:, None]
-    a = _write_run(tmp_path, "kvarn4-kvarn4-t0", "kvarn4", 0.01 + 0.002 * s * (1 + p), [GEN, 5, 0],
-                   lambda c, q: 0.01 * (1 + c))
-    b = _write_run(tmp_path, "q4_0-q4_0-t128", "q4_0", 0.02 + 0.005 * s * (1 + p * p), [3, 4, 5],
-                   lambda c, q: 0.01 * (1 + c) + 0.0001 * (q - 16))
+    n = 12  # prompts: enough distinct draws that every band moves with the seed
+    s, p = np.arange(GEN), np.arange(n)[:, None]
+    a = _write_run(tmp_path, "kvarn4-kvarn4-t0", "kvarn4", 0.01 + 0.002 * s * (1 + np.sin(p)), [GEN, 5, 0] * 4,
+                   lambda c, q: 0.01 * (1 + c), prompts=n)
+    b = _write_run(tmp_path, "q4_0-q4_0-t128", "q4_0", 0.02 + 0.005 * s * (1 + np.cos(p) ** 2), [3, 4, 5] * 4,
+                   lambda c, q: 0.01 * (1 + c) + 0.0001 * (q - 16), prompts=n)
     dec, cells = [a[0], b[0]], [a[1], b[1]]
-    ident = [{"text_sha256": "aa", "tokenizer_hash": "tt", "n_ctx": N_CTX, "n_chunks": P + 1}] * 2
+    ident = [{"text_sha256": "aa", "tokenizer_hash": "tt", "n_ctx": N_CTX, "n_chunks": n + 1}] * 2
     one = G.compute_run(dec, cells, ident, n_boot=200, seed=5)
     again = G.compute_run(dec, cells, ident, n_boot=200, seed=5)
     other = G.compute_run(dec, cells, ident, n_boot=200, seed=6)
