@@ -235,16 +235,23 @@ def politis_white_slow(x, bounds):
     return min(max(1.0, b), math.ceil(min(3 * math.sqrt(n), n / 3)))
 
 
-@pytest.mark.parametrize("phi", [0.3, 0.8])
-def test_politis_white_against_the_paper_written_slowly(phi):
-    x = ar1(np.random.default_rng(11), (CHUNKS, M), phi).ravel()
-    bounds = [(0, M), (M, 2 * M)]
+@pytest.mark.parametrize("phi, scale, m, seed", [(0.3, 1.0, M, 11), (0.8, 1.0, M, 11), (0.0, 0.1, M, 13),
+                                                 (0.995, 1.0, M, 11), (0.95, 1.0, 20, 11)])
+def test_politis_white_against_the_paper_written_slowly(phi, scale, m, seed):
+    """Moderate and strong dependence, white noise of small variance (a length of 1.46), a series whose
+    significant lags run to the search's end, and chunks short enough that n/3 caps the length."""
+    x = scale * ar1(np.random.default_rng(seed), (CHUNKS, m), phi).ravel()
+    bounds = [(0, m), (m, 2 * m)]
     assert P.politis_white(x, bounds) == pytest.approx(politis_white_slow(x.tolist(), bounds), rel=1e-9)
 
 
 def test_block_length_of_a_constant_series_is_one_and_block_starts_cover_each_chunk():
     chunk = np.repeat(np.arange(2), 50)
     assert P.block_length([np.full(100, 0.25)], chunk) == 1
+    # chunks of 3 tokens: a block of at most 1 (half the shortest chunk), however long the rule's
+    x = np.tile([0.0, 1.0, 1.0], 40) + 1e-3 * np.random.default_rng(0).random(120)
+    short = np.repeat(np.arange(40), 3)
+    assert P.politis_white(x, P.chunk_bounds(short)) > 2 and P.block_length([x], short) == 1
     starts = P.block_starts(np.random.default_rng(0), [(0, 7), (7, 20)], 4, 30)
     assert [s.shape for s in starts] == [(30, 2), (30, 4)]  # ceil(7 / 4), ceil(13 / 4) blocks
 
@@ -303,8 +310,10 @@ def test_pairing_refuses_by_name_and_to_a_nanonat(tmp_path):
         c = P.load_cell(path)
         assert c.name == "c" and np.array_equal(c.kld, a.kld) and c.summary == a.summary
     (tmp_path / "c" / "summary.json").unlink()
-    with pytest.raises(FileNotFoundError, match="summary.json is missing"):
+    with pytest.raises(FileNotFoundError) as e:
         P.load_cell(tmp_path / "c")
+    assert str(e.value) == (f"{str(tmp_path / 'c')!r} is not a cell directory: {tmp_path / 'c' / 'summary.json'} is "
+                            "missing (a cell holds summary.json and tokens.parquet; see `kvarn run`)")
     assert P.load_cell(tmp_path / "c", summary={"model": "given"}).summary == {"model": "given"}
 
 
