@@ -653,11 +653,17 @@ def test_activation_rounding_follows_the_gguf_types():
 
     root = Path(__file__).resolve().parents[1] / "resources" / "models"
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=root)
-    hooked = activations.install_activation_rounding(lm.model, next((root / "smollm2-135m").glob("*.gguf")))
+    gguf = next((root / "smollm2-135m").glob("*.gguf"))
+    # off, or without GGUF weights: nothing installed
+    assert activations.set_activation_rounding(lm.model, gguf, False) is None
+    assert activations.set_activation_rounding(lm.model, None, True) is None
+    hooked = activations.set_activation_rounding(lm.model, gguf, True)  # installs the hooks, once
     # 30 layers x 7 Q4_1 matmuls (q8_1 activations) + the tied Q8_0 token_embd as lm_head (q8_0)
     assert Counter(hooked.values()) == {"q8_1": 210, "q8_0": 1} and hooked["lm_head"] == "q8_0"
-    seen = []
     lin = lm.model.model.layers[0].self_attn.q_proj
+    n_hooks = len(lin._forward_pre_hooks)
+    assert activations.set_activation_rounding(lm.model, gguf, True) is hooked and len(lin._forward_pre_hooks) == n_hooks
+    seen = []
     lin.register_forward_pre_hook(lambda m, a: seen.append(a[0]))  # runs after the rounding hook
     x = torch.randn(1, 3, lin.in_features)
     lin(x)
@@ -669,6 +675,21 @@ def test_activation_rounding_follows_the_gguf_types():
     activations.set_activation_rounding(lm.model, next((root / "smollm2-135m").glob("*.gguf")), True)
     lin(x)
     assert torch.equal(seen[2], seen[0])
+
+
+def test_q8_blocks_and_channel_order_at_their_edges():
+    # a block whose largest |x| is exactly 1: id = 127, codes round(127 x)
+    x = torch.zeros(32)
+    x[0], x[1], x[2] = 1.0, -0.5, 0.25
+    q, d, _ = q8.quantize_q8(x, "q8_0")
+    assert q[:3].tolist() == [127.0, -64.0, 32.0] and d.tolist() == [torch.tensor(1 / 127).half().item()]
+    with pytest.raises(ValueError, match=r"^Q block type 'q4_0'; accepted: q8_0, q8_1$"):
+        q8.quantize_q8(x, "q4_0")
+    assert channel_order.gguf_order(6).tolist() == [0, 3, 1, 4, 2, 5]
+    with pytest.raises(ValueError, match=r"^head dim 5 is odd; the GGUF Q/K order pairs channels i and i \+ d/2$"):
+        channel_order.gguf_order(5)
+    with pytest.raises(ValueError, match="is not known for it; known: " + ", ".join(channel_order.GGUF_QK_PERMUTED) + "$"):
+        channel_order.gguf_qk_permuted("phi3")
 
 
 def test_ggml_gelu_f16_hand_worked():

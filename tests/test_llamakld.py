@@ -130,3 +130,19 @@ def test_a_header_is_read_at_its_limits(tmp_path, n_ctx, n_vocab, n_chunk, ok):
     else:
         with pytest.raises(ValueError, match=rf"header n_ctx {n_ctx}, n_vocab {n_vocab}, n_chunk {n_chunk} is not a valid"):
             llamakld.read_llama_kld(p)
+
+
+def test_a_chunk_of_more_than_1024_scored_rows_round_trips(tmp_path):
+    """write_from_dump writes a chunk's rows 1024 at a time: 1049 rows cross that seam once."""
+    n_ctx = 2100
+    n_scored = n_ctx - 1 - n_ctx // 2
+    g = torch.Generator().manual_seed(1)
+    blocks = [torch.log_softmax(torch.randn(n_scored, V, generator=g), -1)]
+    ids = torch.randint(0, V, (1, n_ctx), generator=g)
+    kvd = tmp_path / "long.kvd"
+    dump.write_dump(kvd, {"model": "m", "revision": "r", "tokenizer_hash": "t", "text_sha256": "s", "n_ctx": n_ctx},
+                    blocks)
+    f = llamakld.open_llama_kld(llamakld.write_from_dump(kvd, ids, tmp_path / "long.kld"), ids, n_ctx, V)
+    assert f.n_scored == n_scored > 1024 and torch.equal(f.chunk(0), dump.open_dump(kvd).chunk(0))
+    with pytest.raises(FileNotFoundError, match=r"^no llama KLD base file at .*absent.kld$"):
+        llamakld.read_llama_kld(tmp_path / "absent.kld")
