@@ -141,8 +141,8 @@ def run_group(name: str, max_children: int, keep: Path | None, sample: int | Non
     mutmut = Path(sys.executable).with_name("mutmut")
     log = work / "mutmut-run.log"
     with open(log, "w") as f:
-        # one intra-op thread: mutmut forks its workers from a process that has run the tests, and a
-        # forked child of an initialized OpenMP pool deadlocks (every mutant a false "timeout")
+        # one intra-op thread per worker: --max-children workers share the cores (and a worker forked
+        # from a process with a live OpenMP pool would deadlock on it)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         run = [str(mutmut), "run", "--max-children", str(max_children)]
         chosen: set[str] | None = None
