@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import re
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 
 from bench import REPO
+from kvarn.retrieval.score import wilson
 
 GROUP_DIR = Path(__file__).resolve().parent / "groups"
 
@@ -77,16 +77,6 @@ def sample_mutants(names_by_module: dict[str, list[str]], n: int, seed: int) -> 
         names = sorted(names_by_module[mod])
         out += names if len(names) <= n else sorted(rng.sample(names, n))
     return out
-
-
-def wilson(killed: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95 % Wilson score interval of a proportion killed / n (a sampled score's uncertainty)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = killed / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def generated_mutants(work: Path, modules: list[str]) -> dict[str, list[str]]:
