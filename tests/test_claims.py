@@ -685,6 +685,9 @@ def test_findings_put_each_models_row_in_its_own_column():
     assert lines[2] == "| claim | small (study: qwen3.6-27b) | other (study: gemma4-31b) |"
     # conclusion, blank, header, rule, one line per claim sentence
     assert len(lines) == 4 + led.select(["claim_id", "claim"]).unique().height
+    # a | in a claim ("(|change| of the median)") is written /: every line has the header's three cells
+    assert all(ln.count("|") == 4 for ln in lines[2:])
+    assert any("(/change/ of the median)" in ln for ln in lines)
     gain = next(ln for ln in lines if ln.startswith("| 4 bits: kvarn4"))
     small, other = gain.split(" | ")[1:3]
     # small: (1 - 0.004/0.01) = +60 %, it holds; other: 0.02 vs 0.01 = -100 %, it does not
@@ -701,8 +704,8 @@ def test_findings_give_a_claim_whose_direction_differs_a_line_per_model():
     cells = [("q2_0-q2_0", 128, 0.1, 10.0), ("kvarn2-kvarn2", 0, 0.05, 11.0)]
     led = pl.concat([ledger_of(cells, "a")[1], ledger_of(cells, "b", study_model="gemma4-31b")[1]])
     lines = C.findings_markdown(led).splitlines()
-    beats = [ln for ln in lines if ln.startswith("| 2 bits: kvarn2 at 128* beats")]
-    loses = [ln for ln in lines if ln.startswith("| 2 bits: kvarn2 at 128* loses")]
+    beats = [ln for ln in lines if ln.startswith("| 2 bits: kvarn2 at 128\\* beats")]  # the * escaped
+    loses = [ln for ln in lines if ln.startswith("| 2 bits: kvarn2 at 128\\* loses")]
     assert len(beats) == len(loses) == 1
     a, b = beats[0].split(" | ")[1:3]
     assert a.startswith("**holds**: ours +50.0 %") and "study +5.5 %" in a and b == "– |"

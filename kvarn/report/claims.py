@@ -733,16 +733,17 @@ def findings_markdown(table: pl.DataFrame) -> str:
         rows = {r["model"]: r for r in table.filter((pl.col("claim_id") == cid) & (pl.col("claim") == claim))
                 .iter_rows(named=True)}
         first = next(iter(rows.values()))
-        cells = [("*ours:* " + claim.removeprefix("ours: ")) if first["origin"] == "ours" else claim]
+        cells = [("*ours:* " + _cell(claim.removeprefix("ours: "))) if first["origin"] == "ours" else _cell(claim)]
         for m in models:
             r = rows.get(m)
             if r is None:
                 cells.append("–")
                 continue
             ci = "" if r["delta"] is None else f"; Δ median {_g(r['delta'])} [{_g(r['delta_lo'])}, {_g(r['delta_hi'])}]"
-            why = f" (missing: {r['missing']})" if r["missing"] else ""
-            cells.append(f"**{r['verdict']}**{why}: ours {r['ours_text'] or '–'}; study {r['study_text'] or '–'}{ci}")
-        out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+            why = f" (missing: {_cell(r['missing'])})" if r["missing"] else ""
+            cells.append(f"**{r['verdict']}**{why}: ours {_cell(r['ours_text'] or '–')}; "
+                         f"study {_cell(r['study_text'] or '–')}{ci}")
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
