@@ -1,0 +1,165 @@
+"""bench/gpu/projection.py: the article's GPU-hours before the device. Hand-worked FLOPs of a tiny
+made-up geometry, the roofline's two sides, the article's cell counts against config/article.yaml's
+own lists, measured rows in place of modelled ones, the total as the sum of its rows, the
+torch-free import and the command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from bench.gpu import projection as pj
+
+ROOT = pj.REPO
+
+# One full-attention layer: hidden 8, MLP 16, 2 query heads and 1 KV head of dim 4, vocabulary 10.
+TINY = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+        "layer_types": ["full_attention"], "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+        "vocab_size": 10}
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    monkeypatch.setattr(pj, "MODELS", tmp_path)
+    return "tiny"
+
+
+def test_tiny_geometry_flops_by_hand(tiny):
+    # GEMM weights: MLP 3*8*16 = 384; q 8*(2*4) = 64; k and v 8*(1*4) each = 64; o (2*4)*8 = 64 -> 576,
+    # so 2*576 = 1152 FLOPs per token.
+    # Attention at n_ctx 8: a query reads (8 + 1)/2 = 4.5 keys on average, plus one diagonal edge of
+    # half a 128-key tile (64) in flex's tiles = 68.5 keys; QK and PV: 4 * d 4 * 2 heads * 68.5 = 2192.
+    # lm head: 2 * 8 * 10 = 160 per scored token; 3 of the 8 tokens are scored (positions 4..6): 60.
+    parts = pj.per_token(tiny, 8, "baseline", ubatch=4)
+    assert pj.gemm_params(TINY, pj.geometry(TINY)) == 576
+    assert parts["weights' GEMMs"]["flops"] == 1152
+    assert parts["full attention"]["flops"] == pytest.approx(2192)
+    assert parts["lm head"]["flops"] == pytest.approx(60)
+    # the baseline writes the dump and reads none; a cell reads it and computes the KLD
+    assert "dump: encode on the host" in parts and "KLD against the baseline" not in parts
+    cell = pj.per_token(tiny, 8, "standard tail", ("q4_0", "q4_0", 2), ubatch=4)
+    assert "KLD against the baseline" in cell and "dump: encode on the host" not in cell
+    # tail 2 on a full layer: the exact copy's band edge in both halves, two more edges of 64 keys
+    assert cell["full attention"]["flops"] == pytest.approx(4 * 4 * 2 * (4.5 + 3 * 64))
+
+
+def test_roofline_takes_the_slower_side():
+    dev = pj.DEVICES["h200"]
+    f = dev["fraction"]
+    # memory-bound: 1 FLOP against 1 GB
+    mem = {"flops": 1.0, "bytes": 1e9, "unit": "gemm", "rate_s": 0.0}
+    assert pj.part_seconds(mem, "h200") == pytest.approx(1e9 / (dev["hbm_Bps"] * f["hbm"]))
+    # compute-bound: 1 PFLOP against 1 byte
+    comp = {"flops": 1e15, "bytes": 1.0, "unit": "attention", "rate_s": 0.0}
+    assert pj.part_seconds(comp, "h200") == pytest.approx(1e15 / (dev["peak_flops"] * f["attention"]))
+    # a part at a stated rate is its seconds, whatever the device
+    rated = {"flops": 0.0, "bytes": 0.0, "unit": "rate", "rate_s": 2.5}
+    assert pj.part_seconds(rated, "h100") == 2.5
+
+
+def _count_from_yaml(article):
+    """The article's cells per model and kind, counted from its own lists (not kvarn.plan.matrix)."""
+    t0 = tail = kv = 0
+    for group in article["cells"]:
+        tails = group["tail"] if isinstance(group["tail"], list) else [group["tail"]]
+        if "k" in group:
+            pairs = [(k, v) for k in group["k"] for v in group["v"]]
+        elif "types" in group:
+            pairs = [(t, t) for t in group["types"]]
+        else:
+            pairs = [tuple(p.split("/")) for p in group["pairs"]]
+        for t in tails:
+            for k, v in pairs:
+                if k.startswith("kvarn") or v.startswith("kvarn"):
+                    kv += 1
+                elif t == 0:
+                    t0 += 1
+                else:
+                    tail += 1
+    return {"baseline": 1, "standard t0": t0, "standard tail": tail, "kvarn": kv}
+
+
+def test_plan_counts_match_the_article_config():
+    article = yaml.safe_load((ROOT / "config" / "article.yaml").read_text())
+    want = _count_from_yaml(article)
+    got = pj.plan()
+    assert set(got) == {m["name"] for m in article["models"]}
+    for m in article["models"]:
+        chunks = pj.STUDY_CHUNKS[m["name"]]
+        for kind in pj.KINDS:
+            row = got[m["name"]][kind]
+            assert row["cells"] == want[kind], (m["name"], kind)
+            assert row["n_ctx"] == m["n_ctx"][0] and row["chunks"] == chunks
+            assert row["tokens"] == want[kind] * chunks * m["n_ctx"][0]
+    # other chunk counts pass through
+    assert pj.plan(study_chunks={"qwen3.6-27b": 1, "gemma4-31b": 2})["gemma4-31b"]["kvarn"]["chunks"] == 2
+
+
+def test_measured_rows_replace_modelled_ones_and_the_total_sums_the_rows():
+    base = pj.project("h200")
+    assert {r["source"] for r in base["rows"]} == {"model"}
+    proj = pj.project("h200", measured={"gemma4-31b": {"kvarn": 100.0}})
+    row = next(r for r in proj["rows"] if (r["model"], r["kind"]) == ("gemma4-31b", "kvarn"))
+    assert row["source"] == "measured" and row["s_per_chunk"] == 100.0
+    assert row["gpu_hours"] == pytest.approx(row["cells"] * (row["chunks"] * 100.0 + pj.CELL_FIXED_S) / 3600)
+    others = [(r["model"], r["kind"], r["gpu_hours"]) for r in proj["rows"] if r is not row]
+    assert others == [(r["model"], r["kind"], r["gpu_hours"]) for r in base["rows"]
+                      if (r["model"], r["kind"]) != ("gemma4-31b", "kvarn")]
+    for p in (base, proj):
+        assert p["total_hours"] == pytest.approx(sum(r["gpu_hours"] for r in p["rows"]))
+        assert sum(p["by_part"].values()) == pytest.approx(p["total_hours"])
+        top = max(p["part_hours"], key=lambda x: x["gpu_hours"])
+        assert p["dominant"] == top
+        assert sum(x["gpu_hours"] for x in p["part_hours"]) == pytest.approx(p["total_hours"])
+    # a modelled row's seconds are modelled()'s
+    q = next(r for r in base["rows"] if (r["model"], r["kind"]) == ("qwen3.6-27b", "standard t0"))
+    assert q["s_per_chunk"] == pytest.approx(pj.modelled("qwen3.6-27b", "standard t0", "h200"))
+
+
+def test_the_slower_memory_costs_more_on_the_h100():
+    assert pj.project("h100")["total_hours"] > pj.project("h200")["total_hours"]
+
+
+def test_geometry_and_weights_agree_with_transformers():
+    """The torch-free reading of the study configs is kvarn.spec.geometry's through transformers'
+    config class; the counted weights plus embeddings are transformers' parameter count on meta to
+    0.1 % (norms, the conv and the gates' biases are what is left)."""
+    from kvarn.budget.preflight import param_count
+    from kvarn.spec.geometry import config_object, geometry_from_config
+
+    for model in ("qwen3.6-27b", "gemma4-31b"):
+        cfg = pj.config(model)
+        assert pj.geometry(cfg) == geometry_from_config(cfg)
+        emb = cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg.get("tie_word_embeddings") else 2)
+        total = param_count(config_object(cfg))
+        assert abs(pj.gemm_params(cfg, pj.geometry(cfg)) + emb - total) < 1e-3 * total, model
+
+
+def test_torch_free_and_the_command_writes_markdown(tmp_path):
+    block = textwrap.dedent('''
+        import sys
+        class NoTorch:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "transformers", "triton"):
+                    raise ModuleNotFoundError(name)
+        sys.meta_path.insert(0, NoTorch())
+    ''')
+    (tmp_path / "sitecustomize.py").write_text(block)
+    out = tmp_path / "p.md"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    p = subprocess.run([sys.executable, "-m", "bench.gpu.projection", "--device", "h100", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    md = out.read_text()
+    assert md == p.stdout
+    total = pj.project("h100")["total_hours"]
+    assert f"**Total: {total:.2f} GPU-hours" in md and "H100" in md
+    for needle in ("Dominant:", "Assumptions", "study chunk counts", "| gemma4-31b | kvarn |"):
+        assert needle in md
