@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import polars as pl
 import torch
 
 import kvarn
@@ -337,6 +336,9 @@ def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512,
                 cols[key].append(tm[key])
         chunk_col.append(np.full(len(pos), c, dtype=np.int32))
         pos_col.append(pos)
+
+    import polars as pl  # here, not at the top: a caller of the forward alone (bench/gpu/device_run.py on a
+    # machine without polars) imports this module too
 
     frame = pl.DataFrame({
         "chunk": np.concatenate(chunk_col),
