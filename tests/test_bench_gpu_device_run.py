@@ -1,0 +1,290 @@
+"""bench/gpu/device_run.py, the one prepared device call: `--smoke` runs every step end to end on CPU
+(tiny shapes, flex eager) with polars unimportable, as on the GPU machine; a step past its
+deadline is killed and what it finished is kept; the in-memory baseline gives the engine's own
+numbers; the carry fits the call's 64 MiB."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from paths import WIKI_TEXT
+
+from bench.gpu import device_run as dr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# polars absent as far as imports can tell (the GPU machine has none): a meta-path finder ahead
+# of all others answers "no such module" (tests/test_structure.py's way of blocking torch).
+NO_POLARS = textwrap.dedent('''
+    import sys
+
+    class NoPolars:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "polars":
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked: the device has no polars)")
+            return None
+
+    sys.meta_path.insert(0, NoPolars())
+''')
+
+
+def _no_polars_env(tmp_path: Path) -> dict:
+    site = tmp_path / "no_polars"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_POLARS)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+
+
+def _records(results: Path) -> list[dict]:
+    return [json.loads(line) for line in (results / "device_run.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.skipif(not WIKI_TEXT.is_file(), reason="wiki.test.raw not available")
+def test_smoke_runs_every_step_in_order_without_polars(tmp_path):
+    env = _no_polars_env(tmp_path)
+    blocked = subprocess.run([sys.executable, "-c", "import polars"], env=env, capture_output=True, text=True)
+    assert blocked.returncode != 0 and "blocked" in blocked.stderr  # the block is real
+    results = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "bench.gpu.device_run", "--smoke", "--results", str(results),
+                        "--text", str(WIKI_TEXT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    recs = _records(results)
+    # no step failed, was skipped or killed (each would have a line of its own)
+    assert [(r["step"], r["item"]) for r in recs if r["step"] not in ("flex", *dr.MODELS)] == [
+        ("run", "machine"), ("triton", "KVarN Triton GPU tests"), ("run", "projection"), ("run", "done")]
+    assert recs[0]["item"] == "machine" and recs[0]["smoke"] and recs[0]["polars"] is not None
+    # step 1: 2 head dims x 2 dtypes x 2 key counts, largest head dim first, each timed apart from its first call
+    flex = [r for r in recs if r["step"] == "flex"]
+    assert [(r["head_dim"], r["dtype"], r["keys"]) for r in flex] == [
+        (d, t, k) for d in (512, 256) for t in ("float32", "bfloat16") for k in dr.SMOKE["flex_keys"]]
+    assert all(r["status"] == "ok" and r["first_call_s"] > 0 and r["per_call_s"] > 0 and r["finite"] for r in flex)
+    # steps 2 and 3: Qwen first, then Gemma, each run with its warm-up kept apart
+    order = [r["step"] for r in recs if r["step"] in dr.MODELS]
+    assert order == ["qwen3.6-27b"] * 5 + ["gemma4-31b"] * 5
+    for model in dr.MODELS:
+        runs = [r for r in recs if r["step"] == model and "kind" in r]
+        assert [r["item"] for r in runs] == [label for label, _, _ in dr.RUNS]
+        for r, (_, cell, _) in zip(runs, dr.RUNS):
+            assert r["status"] == "ok" and r["s_per_chunk"] > 0 and r["warmup_s"] > 0, r
+            k, v, tail = cell or ("bf16", "bf16", 0)
+            assert r["cell"].startswith(f"{k}-{v}-t{tail}") and r["compute"] == recs[0]["compute"], r
+            assert r["n_ctx"] == dr.SMOKE["n_ctx"] and r["graphs_compiled_in_chunk"] is not None
+        base = runs[0]
+        # the smoke's chunk has fewer rows than --encode-rows: every row encoded, nothing extrapolated
+        assert base["encode_rows"] == dr.SMOKE["n_ctx"] - 1 - dr.SMOKE["n_ctx"] // 2
+        assert base["encode_s_chunk"] == pytest.approx(base["encode_s"]) and base["kept_bytes"] > 0
+    load = next(r for r in recs if r["step"] == "qwen3.6-27b" and r["item"] == "load")
+    assert load["linear_attention"].endswith("chunk_gated_delta_rule")
+    triton = next(r for r in recs if r["step"] == "triton")
+    assert triton["status"] == "ok" and triton["failed"] == 0 and triton["passed"] + triton["skipped"] == 26
+    proj = next(r for r in recs if r["item"] == "projection")
+    assert set(proj["measured"]) == set(dr.MODELS)
+    assert all(set(v) == {"baseline", "kvarn", "standard tail", "standard t0"} for v in proj["measured"].values())
+    md = (results / "device_run.md").read_text()
+    assert "**Smoke run**" in md and "Run finished in" in md
+    if importlib.util.find_spec("bench.gpu.projection") is not None:  # item 2's module, filled from the numbers
+        assert "error" not in proj and proj["projection"]["total_hours"] > 0
+        assert sum(row["source"] == "measured" for row in proj["projection"]["rows"]) == 8
+        assert "GPU-hours" in md and "| qwen3.6-27b | kvarn |" in md
+
+
+def test_the_engine_imports_without_polars(tmp_path):
+    """kvarn.run.engine (Context, chunk_logprobs, new_cache: what the device run times) imports
+    where polars does not; only run_cell's parquet writing imports it."""
+    p = subprocess.run([sys.executable, "-c", "import kvarn.run.engine"], cwd=ROOT, env=_no_polars_env(tmp_path),
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_a_zero_budget_skips_every_step_and_says_so(tmp_path):
+    results = tmp_path / "out"
+    assert dr.main(["--smoke", "--budget-s", "0", "--results", str(results), "--text", str(__file__)]) == 0
+    recs = _records(results)
+    skipped = [r["step"] for r in recs if r.get("status") == "skipped"]
+    assert skipped == [name for name, _ in dr.STEPS]
+    assert next(r for r in recs if r["item"] == "projection")["error"] == "nothing measured yet"
+    md = (results / "device_run.md").read_text()
+    assert md.count("skipped: would start") == 4 and "Not available: nothing measured yet" in md
+
+
+def test_a_step_past_its_deadline_is_killed_and_keeps_what_it_finished(tmp_path, monkeypatch):
+    monkeypatch.setattr(dr, "MIN_START_S", 0.0)
+    rec = dr.Recorder(tmp_path)
+    child = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        from pathlib import Path
+        from bench.gpu.device_run import Recorder
+        grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        Path({str(tmp_path / 'pids')!r}).write_text(f"{{os.getpid()}} {{grandchild.pid}}")
+        Recorder(Path({str(tmp_path)!r})).add({{"step": "flex", "item": "first case", "status": "ok"}})
+        time.sleep(120)
+    """)
+    t = time.perf_counter()
+    rc = dr.run_step(rec, "flex", [sys.executable, "-c", child], time.time() + 5)
+    assert rc is None and time.perf_counter() - t < 30
+    recs = rec.records()
+    assert [(r["item"], r["status"]) for r in recs] == [("first case", "ok"), ("step", "killed")]
+    md = rec.md.read_text()
+    assert "Step flex: killed: still running at its deadline" in md
+    # the whole process group went, the step's own children too
+    for pid in map(int, (tmp_path / "pids").read_text().split()):
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"process {pid} outlived its step")
+
+
+def test_a_failing_flex_case_is_a_result_and_is_retried_with_small_blocks(tmp_path, monkeypatch):
+    import torch
+
+    def kernel(q, k, v, **kw):
+        if q.shape[-1] == 512 and q.dtype == torch.float32 and "kernel_options" not in kw:
+            raise RuntimeError("out of resource: shared memory, Required: 264192, Hardware limit: 232448")
+        return q
+
+    rec = dr.Recorder(tmp_path)
+    args = argparse.Namespace(smoke=True, deadline=time.time() + 120)
+    real = dr.flex_case
+    monkeypatch.setattr(dr, "flex_case", lambda _k, case, device, dtype, repeats=1:
+                        real(kernel, case, device, dtype, 1))
+    dr.step_flex(args, rec)
+    recs = rec.records()
+    assert len(recs) == 8 + 2
+    failed = [r for r in recs if r["status"] == "error"]
+    assert [(r["head_dim"], r["dtype"]) for r in failed] == [(512, "float32")] * 2
+    assert all("out of resource: shared memory" in r["error"] for r in failed)
+    retries = [r for r in recs if r.get("kernel_options")]
+    assert [r["item"] for r in retries] == [f"D512 float32 {k} keys small blocks" for k in dr.SMOKE["flex_keys"]]
+    assert all(r["status"] == "ok" for r in retries)
+    assert "out of resource: shared memory" in rec.md.read_text()
+
+
+@pytest.mark.skipif(not WIKI_TEXT.is_file(), reason="wiki.test.raw not available")
+def test_the_kept_baseline_gives_the_engines_own_numbers(tmp_path, one_thread):
+    """time_baseline + time_cell (nothing written) against kvarn.run.engine.run_baseline (the dump
+    on disk) + run_cell: the same packed bytes, the same per-token metrics bit for bit."""
+    import numpy as np
+    import polars as pl
+
+    from kvarn.baseline import dump
+    from kvarn.run import engine
+    from kvarn.spec.cell import CellSpec
+    from kvarn.weights.sources import ModelSpec
+
+    cfg = dr.tiny_config(ROOT / "config" / "models" / "gemma4-31b.json", tmp_path / "tiny.json")
+    spec, n_ctx, ubatch = ModelSpec("tiny", f"random:{cfg}"), 256, 64
+    common = dict(text=str(WIKI_TEXT), device="cpu", dtype="float32", cache_dir=tmp_path / "models")
+    ctx = engine.Context(spec, n_ctx, 1, **common, ubatch=ubatch, baseline=True)
+    cell = CellSpec("q4_0", "q4_0", 8)
+    engine.run_baseline(spec, n_ctx, 1, tmp_path / "base.kvd", ubatch=ubatch, **common, context=ctx, attention="ref")
+    engine.run_cell(spec, n_ctx, 1, cell, tmp_path / "base.kvd", tmp_path / "cell", ubatch=ubatch, **common,
+                    context=ctx, attention="ref")
+    want = pl.read_parquet(tmp_path / "cell" / "tokens.parquet")
+
+    ids, model = ctx.chunk_ids[0], ctx.loaded.model
+    kept, timing = dr.time_baseline(model, ids, engine.baseline_cell(), "ref", ubatch, 1024, lambda: None)
+    on_disk = dump.open_dump(tmp_path / "base.kvd")
+    assert kept.n == on_disk.n_scored and timing["encode_rows"] == kept.n
+    stored = np.asarray(on_disk.payload[:on_disk.header["payload_bytes"]])
+    assert np.array_equal(np.asarray(kept.dump.payload), stored)
+    got_timing, cols = dr.time_cell(model, ids, cell, "ref", ubatch, kept, lambda: None)
+    for key in ("kld", "nll", "nll_base", "dp", "same_top"):
+        assert np.array_equal(cols[key], want[key].to_numpy()), key
+    assert got_timing["s_per_chunk"] >= got_timing["forward_s"] > 0
+
+    # fewer rows kept than the chunk has: row r reads kept row r mod n, whole slices
+    few, t = dr.time_baseline(model, ids, engine.baseline_cell(), "ref", ubatch, 64, lambda: None)
+    assert few.n == 64 and t["encode_s_chunk"] == pytest.approx(t["encode_s"] * kept.n / 64)
+    assert few.decode(0, 64, 128).equal(on_disk.decode(0, 0, 64))
+    assert few.decode(0, 192, 255).equal(on_disk.decode(0, 0, 63))
+
+
+def test_triton_record_reads_the_log_even_after_a_kill(tmp_path):
+    log = tmp_path / "t.log"
+    log.write_text("tests/test_kvarn_triton.py::test_gpu_quantize_pack_full[2-shape0] PASSED [  3%]\n"
+                   "tests/test_kvarn_triton.py::test_gpu_quantize_pack_full[3-shape0] FAILED [  7%]\n"
+                   "tests/test_kvarn_triton.py::test_gpu_quantize_pack_full[4-shape0] PASSED [ 11%]\n")
+    r = dr.triton_record(log, None, 12.0)
+    assert (r["status"], r["passed"], r["failed"], r["skipped"]) == ("killed", 2, 1, 0)
+    assert dr.triton_record(log, 1, 3.0)["status"] == "error"
+
+
+def test_without_the_projection_module_the_rest_still_renders(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bench.gpu.projection", None)  # import fails as for a missing module
+    recs = [{"step": "run", "item": "machine", "gpu": "NVIDIA H100 80GB HBM3, 81559 MiB, 580"},
+            {"step": "qwen3.6-27b", "item": "baseline", "kind": "baseline", "status": "ok", "s_per_chunk": 42.0}]
+    proj = dr.projection(recs)
+    assert proj["device"] == "h100" and proj["measured"] == {"qwen3.6-27b": {"baseline": 42.0}}
+    assert proj["error"].startswith("bench/gpu/projection.py not importable")
+    md = dr.render(recs)
+    assert "Not available: bench/gpu/projection.py not importable" in md and "| baseline |" in md
+
+
+def test_the_carry_fits_the_call(tmp_path):
+    """What a device call copies (the checkout as git sees it, ignored files aside) plus .gpu
+    (bench/gpu/prepare.sh's; where it was not prepared here, the 15.7 MiB it measured) stays
+    under the call's 64 MiB, and prepare.sh fetches no polars."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    tree = sum((ROOT / f.decode()).stat().st_size for f in files if f and (ROOT / f.decode()).is_file())
+    gpu_dir = ROOT / ".gpu"
+    gpu = (sum(p.stat().st_size for p in gpu_dir.rglob("*") if p.is_file()) if gpu_dir.is_dir()
+           else int(15.7 * 2**20))
+    assert tree + gpu < 64 * 2**20, (tree / 2**20, gpu / 2**20)
+    assert "polars" not in (ROOT / "bench" / "gpu" / "prepare.sh").read_text().split("pip download")[1].split("\n")[2]
+    if gpu_dir.is_dir():
+        assert not list(gpu_dir.glob("wheels/polars*"))
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".gpu/wheels/x.whl"], cwd=ROOT)
+    assert ignored.returncode == 0  # .gpu stays out of git
+
+
+def test_tiny_config_keeps_the_layer_pattern(tmp_path):
+    for name in dr.MODELS:
+        study = json.loads((ROOT / "config" / "models" / f"{name}.json").read_text())
+        tiny = json.loads(dr.tiny_config(ROOT / "config" / "models" / f"{name}.json", tmp_path / "t.json")
+                          .read_text())
+        assert tiny["model_type"] == study["model_type"] and tiny["num_hidden_layers"] == 8
+        assert set(tiny["layer_types"]) == set(study["layer_types"]) and len(tiny["layer_types"]) == 8
+
+
+def test_the_linear_attention_kernel_is_read_from_transformers():
+    """Without flash-linear-attention (CPU here) transformers' Qwen 3.5 layers fall back to its torch
+    reference; the report names what was actually bound, not what is installed."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    name = dr.linear_attention_kernel()
+    if importlib.util.find_spec("fla") is None:
+        assert name == "transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule"
+    else:
+        assert name.startswith("fla."), name
+    assert m.torch_chunk_gated_delta_rule.__code__.co_freevars  # the wrapper whose closure is read
+
+
+def test_the_kernel_named_is_the_one_transformers_bound(tmp_path):
+    """With an `fla` package importable (a stand-in here: flash-linear-attention's layout, no
+    kernels), transformers binds Qwen 3.5's chunked gated delta rule to it, and the report names
+    that function, not transformers' torch reference. Fresh interpreter: the binding is made at
+    import time."""
+    pkg = tmp_path / "fla" / "ops" / "gated_delta_rule"
+    pkg.mkdir(parents=True)
+    (tmp_path / "fla" / "__init__.py").write_text('__version__ = "0.6.0"\n')
+    (tmp_path / "fla" / "ops" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("def chunk_gated_delta_rule(q, k, v, g=None, beta=None, **kw):\n"
+                                     "    raise NotImplementedError\n")
+    code = "from bench.gpu import device_run\nprint(device_run.linear_attention_kernel())\n"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "fla.ops.gated_delta_rule.chunk_gated_delta_rule", out.stderr
