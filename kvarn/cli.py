@@ -132,8 +132,9 @@ def _common(p, out_help):
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, metavar="DIR",
                    help=f"where models are fetched and converted (default {DEFAULT_CACHE_DIR})")
     p.add_argument("--compute", choices=COMPUTES, default=DEFAULT_COMPUTE,
-                   help="attention arithmetic: exact (fp32, the format alone; default) or llamacpp-cpu "
-                        "(llama.cpp's CPU flash attention: Q rounded to K's dot type, f16 V accumulation...); "
+                   help="attention arithmetic: exact (fp32, the format alone; default), llamacpp-cpu "
+                        "(llama.cpp's CPU flash attention: Q rounded to K's dot type, f16 V accumulation...) or "
+                        "bf16-attn (Q.K and P.V on bf16 operands, fp32 accumulation and softmax: a GPU's flash attention); "
                         "a cell needs a baseline made with the same")
     _attention_arg(p)
     p.add_argument("-o", "--out", required=True, metavar="PATH", help=out_help)

@@ -22,9 +22,14 @@ import kvarn.kvcache.attention as kattn
 CHECK_NAME = "kvarn_check"
 
 
-def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float64):
+def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float64, round_to=None):
     """query [b, H, n_q, D]; body_k/body_v [b, H_kv, L, D] (what the cache returned).
-    Returns [b, H, n_q, D] in `dtype`."""
+    Returns [b, H, n_q, D] in `dtype`.
+
+    `round_to` (compute bf16-attn): Q, both copies of K and V, and the softmax numerators
+    exp(s - max) are rounded to that dtype before the products; the sums, the max and the
+    denominator stay in `dtype`."""
+    rnd = (lambda x: x.to(round_to).to(dtype)) if round_to is not None else (lambda x: x.to(dtype))  # noqa: E731
     pol = layer.policy
     b, H, n_q, D = query.shape
     n_kv, L = body_k.shape[1], body_k.shape[-2]
@@ -39,15 +44,16 @@ def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float
     # Every (p, j) score against both copies, then the one the pair reads: the same sums as
     # gathering a key per pair, without an [n_q, L, D] tensor per call.
     rep = H // n_kv
-    q = query.to(dtype).reshape(b, n_kv, rep, n_q, D)
-    s_exact = torch.einsum("bgrqd,bgld->bgrql", q, ek.to(dtype))
-    s_body = torch.einsum("bgrqd,bgld->bgrql", q, body_k.to(dtype))
+    q = rnd(query).reshape(b, n_kv, rep, n_q, D)
+    s_exact = torch.einsum("bgrqd,bgld->bgrql", q, rnd(ek))
+    s_body = torch.einsum("bgrqd,bgld->bgrql", q, rnd(body_k))
     s = torch.where(exact, s_exact, s_body) * scaling
     s = s.masked_fill(~allowed, float("-inf"))
-    a = torch.softmax(s, dim=-1)
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    a = rnd(e) / e.sum(-1, keepdim=True)  # the softmax; its numerators rounded under round_to
     zero = torch.zeros((), dtype=dtype)
-    out = (torch.einsum("bgrql,bgld->bgrqd", torch.where(exact, a, zero), ev.to(dtype))
-           + torch.einsum("bgrql,bgld->bgrqd", torch.where(exact, zero, a), body_v.to(dtype)))
+    out = (torch.einsum("bgrql,bgld->bgrqd", torch.where(exact, a, zero), rnd(ev))
+           + torch.einsum("bgrql,bgld->bgrqd", torch.where(exact, zero, a), rnd(body_v)))
     return out.reshape(b, H, n_q, D)
 
 
@@ -71,8 +77,9 @@ def checking():
                                                kvarn_cache=kvarn_cache, **kw)
         layer = kvarn_cache.layers[module.layer_idx]
         sc = scaling if scaling is not None else query.shape[-1] ** -0.5
-        ref64 = reference_attention(query, layer, sc, key, value).transpose(1, 2)
-        ref32 = reference_attention(query, layer, sc, key, value, torch.float32).transpose(1, 2)
+        rd = kvarn_cache.attn_dtype  # compute bf16-attn: the reference rounds as that path does
+        ref64 = reference_attention(query, layer, sc, key, value, round_to=rd).transpose(1, 2)
+        ref32 = reference_attention(query, layer, sc, key, value, torch.float32, round_to=rd).transpose(1, 2)
         rec.diffs.append((out.double() - ref64).abs().max().item())
         rec.noise.append((ref32.double() - ref64).abs().max().item())
         rec.calls += 1

@@ -65,7 +65,7 @@ REFUSED = [
     (("kvarn4", "kvarn4", 0), {"iters": 2.5}, "iters", ["2.5", ">= 1"]),
     (("q4_0", "q4_0", 0), {"sink": -1}, "sink", ["-1", ">= 0"]),
     (("kvarn4", "kvarn4", 0), {"sink": 0}, "sink", ["sink 0", "fixed at 128"]),
-    (("q4_0", "q4_0", 0), {"compute": "fast"}, "compute", ["'fast'", "exact, llamacpp-cpu"]),
+    (("q4_0", "q4_0", 0), {"compute": "fast"}, "compute", ["'fast'", "exact, llamacpp-cpu, bf16-attn"]),
     (("quanto4", "quanto4", 128), {"compute": "llamacpp-cpu"}, "compute",
      ["'quanto4'", "not a llama.cpp or BeeLlama cache type"]),
     (("q4_0", "q4_0", 0), {"sink": 4, "compute": "llamacpp-cpu"}, "compute", ["sink 4", "not accepted"]),
@@ -180,7 +180,7 @@ MESSAGES = [
     (("kvarn4", "kvarn2", 0), {"sink": 129}, "sink", 129,
      "sink 129 for kvarn4/kvarn2: KVarN's sink is fixed at 128 (a sink is an option of the standard types only)"),
     (("q4_0", "q4_0", 0), {"compute": "fast"}, "compute", "fast", "compute 'fast' not accepted; use one of exact, "
-                                                                    "llamacpp-cpu"),
+                                                                    "llamacpp-cpu, bf16-attn"),
 ]
 
 
@@ -216,6 +216,7 @@ def test_a_standard_pair_takes_any_sink_and_the_ecosystem_its_own():
     (CellSpec("q8_0", "q8_0", 0, sink=0), "q8_0-q8_0-t0-s0"),  # a sink asked is written, 0 included
     (CellSpec("kvarn4", "kvarn4", 0, sink=128), "kvarn4-kvarn4-t0-s128"),
     (CellSpec("q8_0", "q4_0", 512, compute="llamacpp-cpu"), "q8_0-q4_0-t512-llamacpp_cpu"),
+    (CellSpec("q8_0", "q4_0", 512, sink=2, compute="bf16-attn"), "q8_0-q4_0-t512-s2-bf16_attn"),
     (CellSpec("kvarn5", "kvarn3", 1000, rot=False, tail_dtype="f32", iters=1, compute="llamacpp-cpu"),
      "kvarn5-kvarn3-t1000-norot-tdf32-i1-llamacpp_cpu"),
 ])
@@ -234,20 +235,21 @@ def test_parse_opts_by_hand():
     assert parse_opts("-s0") == {**base, "sink": 0}
     assert parse_opts("-s12") == {**base, "sink": 12}
     assert parse_opts("-llamacpp_cpu") == {**base, "compute": "llamacpp-cpu"}
+    assert parse_opts("-s3-bf16_attn") == {**base, "sink": 3, "compute": "bf16-attn"}
     assert parse_opts("-norot-tdbf16-i2-s5-llamacpp_cpu") == {"rot": False, "tail_dtype": "bf16", "iters": 2,
                                                                "sink": 5, "compute": "llamacpp-cpu"}
 
 
-@pytest.mark.parametrize("opts", ["norot", "-rot", "-td", "-i", "-s", "-sx", "-llamacpp-cpu", "-norot ", "-TDf16"])
+@pytest.mark.parametrize("opts", ["norot", "-rot", "-td", "-i", "-s", "-sx", "-llamacpp-cpu", "-bf16-attn", "-norot ", "-TDf16"])
 def test_parse_opts_refuses_a_bad_suffix_by_name(opts):
     with pytest.raises(ValueError) as e:
         parse_opts(opts)
     assert str(e.value) == (f"{opts!r} is not a cell's options suffix; expected tokens of -norot, -td<dtype>, "
-                            "-i<n>, -s<n>, -llamacpp_cpu")
+                            "-i<n>, -s<n>, -llamacpp_cpu or -bf16_attn")
 
 
 NOT_A_NAME = ("is not a cell name; expected {k}-{v}-t{tail}{opts}, e.g. q4_0-q4_0-t128 or kvarn4-kvarn4-t0-s64 "
-              "(opts: -norot, -td<dtype>, -i<n>, -s<n>, -llamacpp_cpu, in that order)")
+              "(opts: -norot, -td<dtype>, -i<n>, -s<n>, -llamacpp_cpu or -bf16_attn, in that order)")
 
 
 @pytest.mark.parametrize("name", [None, 7, "", "q4_0-q4_0-t", "q4_0-q4_0-t0-", "xq4_0-q4_0-t0 ", "q4_0-q4-0-t0",
@@ -289,7 +291,7 @@ def test_compute_suffix_by_hand():
     assert compute_suffix("exact") == "" and compute_suffix("llamacpp-cpu") == "-llamacpp_cpu"
     with pytest.raises(ValueError) as e:
         compute_suffix("llamacpp_cpu")
-    assert str(e.value) == "compute 'llamacpp_cpu' is not one of exact, llamacpp-cpu"
+    assert str(e.value) == "compute 'llamacpp_cpu' is not one of exact, llamacpp-cpu, bf16-attn"
 
 
 def test_family_of_each_pair():

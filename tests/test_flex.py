@@ -189,6 +189,24 @@ def test_block_mask_skips_blocks():
     assert bm.sparsity() == pytest.approx(100 * (1 - 62 / 128))
 
 
+@pytest.mark.parametrize("make,kinds", [(_llama, 1), (_gemma, 2)])
+def test_block_mask_is_built_once_per_layer_kind_and_ubatch(make, kinds):
+    # Llama: 2 full layers; Gemma 3: 2 sliding and 1 full. Per ubatch one mask per layer kind, the
+    # other layers of that kind reuse it; the flex path still agrees with the reference on every call.
+    model, ids = make(), _ids(make(), 96)
+    kflex.clear_masks()
+    before = kflex.built
+    rec, _ = both_run(model, ids, "q4_0", "q4_0", 8, 32)
+    assert kflex.built - before == 3 * kinds
+    assert_paths_at_fp32_noise(rec, f"{type(model).__name__} mask reuse")
+    # a mask from the cache is the one its key would build
+    pol = layer_policy(get_format("q4_0"), get_format("q4_0", role="v"), 8)
+    a = kflex.block_mask(64, 32, 0, 96, 96, pol, "cpu")
+    assert kflex.block_mask(64, 32, 0, 96, 96, pol, "cpu") is a
+    assert torch.equal(a.to_dense(), kflex.build_block_mask(64, 32, 0, 96, 96, pol, "cpu").to_dense())
+    assert kflex.block_mask(32, 32, 0, 96, 96, pol, "cpu") is not a  # another ubatch: its own
+
+
 def test_attention_option_is_checked():
     with pytest.raises(ValueError, match="attention 'fast' not accepted; use one of ref, flex, auto"):
         kattn.resolve_attention("fast", "cpu")

@@ -158,7 +158,7 @@ def test_what_upstream_cannot_run_is_refused_with_its_own_list(upstream):
         runner.cell_args(upstream, CellSpec("kvarn4", "kvarn4", 0))
     with pytest.raises(runner.Refused, match=r"tail 128: .* has no --kv-tail-tokens"):
         runner.cell_args(upstream, CellSpec("q4_0", "q4_0", 128))
-    with pytest.raises(runner.Refused, match="compute 'llamacpp-cpu' is the torch engine's emulation"):
+    with pytest.raises(runner.Refused, match="compute 'llamacpp-cpu' is an arithmetic of the torch engine"):
         runner.cell_args(upstream, CellSpec("q4_0", "q4_0", 0, compute="llamacpp-cpu"))
     args, env = runner.cell_args(upstream, CellSpec("q4_0", "q8_0", 0, rot=False))
     assert args == ["-ctk", "q4_0", "-ctv", "q8_0"] and env == {"LLAMA_ATTN_ROT_DISABLE": "1"}

@@ -730,16 +730,16 @@ def _step_notes(records, step) -> list[str]:
 # --- entry ----------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    from kvarn.spec.options import COMPUTES
+    from kvarn.spec.options import ATTENTION_ROUNDING, BF16_ATTN
 
-    default_compute = "bf16-attn" if "bf16-attn" in COMPUTES else "exact"
+    default_compute = BF16_ATTN  # the GPU's arithmetic: bf16 operands into flex, fp32 sums and softmax
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"),
                     help="folder of device_run.jsonl and device_run.md (default bench/gpu/results)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, flex eager: checks the script")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="seconds for all steps; each gets a share, a killed or skipped step is recorded")
-    ap.add_argument("--compute", default=default_compute, choices=[c for c in COMPUTES if c != "llamacpp-cpu"],
+    ap.add_argument("--compute", default=default_compute, choices=list(ATTENTION_ROUNDING),
                     help=f"the model runs' compute path (default {default_compute})")
     ap.add_argument("--text", default=None,
                     help="wiki.test.raw (default .gpu/wiki.test.raw when carried, else $TEXT or ../shared)")

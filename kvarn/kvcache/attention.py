@@ -19,6 +19,10 @@ speed the queries go in blocks of QUERY_BLOCK, each with only the key rows its m
 select (body: one span; exact: the sink and the tail band), so the exact half costs about
 one block of extra keys instead of doubling attention, and causal waste is cut too.
 
+Under compute bf16-attn (`KVarnCache.attn_dtype`, kvarn.spec.options.ATTENTION_ROUNDING) each block
+is `rounded_attention` instead of fp32 sdpa: the same keys and mask, Q·K and P·V on bf16 operands
+with fp32 accumulation and an fp32 softmax, as a GPU's flash attention computes it.
+
 That is the reference path (`attention_ref`, attention "ref"). `kvarn.kvcache.flex` computes the
 same thing as one flex_attention call per layer call (attention "flex"); the cache's
 `attention` picks the path (`resolve_attention` turns the option "auto" into one), after
@@ -207,13 +211,32 @@ def kvarn_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if kvarn_cache.attention == "flex":
-        return flex.attention(module, query, key, value, attention_mask, scaling, layer, policy), None
-    return attention_ref(module, query, key, value, attention_mask, scaling, layer, policy), None
+        return flex.attention(module, query, key, value, attention_mask, scaling, layer, policy,
+                              kvarn_cache.attn_dtype), None
+    return attention_ref(module, query, key, value, attention_mask, scaling, layer, policy, kvarn_cache.attn_dtype), None
 
 
-def attention_ref(module, query, key, value, attention_mask, scaling, layer, policy) -> torch.Tensor:
+def rounded_attention(q, k, v, mask, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Attention on operands rounded to `dtype` (compute bf16-attn), as a GPU's flash attention
+    computes it: S = (Q·K^T)·scale from `dtype` operands summed in fp32, the softmax's max and sum
+    in fp32, the numerators P = exp(S - max) rounded to `dtype` for P·V (summed in fp32), divided
+    by the fp32 sum last (flex_attention's kernel: scores scaled in fp32, p cast to V's dtype).
+    The products are formed on the rounded values widened to fp32: a product of two bf16 values
+    is exact in fp32 (and in TF32), so only the accumulation order differs from tensor cores.
+    q [..., n, D], k and v [..., L, D] (fp32), mask [..., n, L] (bool, a True in every row);
+    returns fp32 [..., n, D]."""
+    r = lambda x: x.to(dtype).float()  # noqa: E731
+    s = torch.matmul(r(q), r(k).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return torch.matmul(r(p), r(v)) / p.sum(-1, keepdim=True)
+
+
+def attention_ref(module, query, key, value, attention_mask, scaling, layer, policy,
+                  attn_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The reference path: fp32 sdpa per block of QUERY_BLOCK queries over the key spans the
-    block reads (the module docstring). Returns [b, n_q, H, D] in the query's dtype."""
+    block reads (the module docstring); with `attn_dtype` (compute bf16-attn) `rounded_attention`
+    in its place. Returns [b, n_q, H, D] in the query's dtype."""
     b, n_heads, n_q, d = query.shape
     n_kv, L = key.shape[1], key.shape[-2]
     rep = n_heads // n_kv
@@ -238,7 +261,10 @@ def attention_ref(module, query, key, value, attention_mask, scaling, layer, pol
         # GQA without repeating K/V: the `rep` query heads sharing a KV head become extra
         # query rows of that head (same per-row maths as repeat_kv).
         q_blk = q[:, :, qs:qe].reshape(b, n_kv, rep * (qe - qs), d)
-        o = F.scaled_dot_product_attention(q_blk, k_blk, v_blk, attn_mask=m_blk.repeat(1, 1, rep, 1), scale=scaling)
+        if attn_dtype is None:
+            o = F.scaled_dot_product_attention(q_blk, k_blk, v_blk, attn_mask=m_blk.repeat(1, 1, rep, 1), scale=scaling)
+        else:
+            o = rounded_attention(q_blk, k_blk, v_blk, m_blk.repeat(1, 1, rep, 1), scaling, attn_dtype)
         outs.append(o.reshape(b, n_heads, qe - qs, d))
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)
     return out.transpose(1, 2).contiguous()

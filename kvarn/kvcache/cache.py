@@ -41,7 +41,7 @@ from kvarn.formats.base import ValueRangeError, check_finite
 from kvarn.formats.floats import FLOAT_DTYPES
 from kvarn.formats.hadamard import rotate_blocks
 from kvarn.spec.geometry import Geometry, geometry_from_config, text_config
-from kvarn.spec.options import ATTENTION_PATHS, BEELLAMA_KVARN_HEAD_DIMS, EXACT, LLAMACPP_CPU, scalar_route
+from kvarn.spec.options import ATTENTION_PATHS, ATTENTION_ROUNDING, BEELLAMA_KVARN_HEAD_DIMS, EXACT, LLAMACPP_CPU, scalar_route
 from kvarn.spec.policy import LayerPolicy, default_tail_dtype, layer_policy
 from kvarn.kvcache.rows import Rows
 
@@ -306,7 +306,11 @@ class KVarnCache(Cache):
         # llamacpp-cpu with a KVarN pair or a tail: BeeLlama's scalar route, whose arithmetic is the
         # exact path's (kvarn.spec.options.scalar_route), so its layers store and attend as exact ones
         self.scalar_route = scalar_route(cell.compute, cell.k, cell.v, cell.tail)
-        layer_compute = EXACT if self.scalar_route else self.compute
+        # bf16-attn: the exact path's layers, its attention's operands rounded to bf16
+        # (kvarn.spec.options.ATTENTION_ROUNDING; kvarn.kvcache.attention applies it)
+        rounding = ATTENTION_ROUNDING.get(cell.compute)
+        self.attn_dtype: torch.dtype | None = getattr(torch, rounding) if rounding else None
+        layer_compute = EXACT if self.scalar_route or cell.compute in ATTENTION_ROUNDING else self.compute
         self.k_fmt = make_format(cell.k, "k", cell.rot, cell.iters)
         self.v_fmt = make_format(cell.v, "v", cell.rot, cell.iters)
         if self.scalar_route and self.k_fmt.group > 1 and self.qk_gguf_order:

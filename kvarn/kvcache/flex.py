@@ -35,6 +35,12 @@ from kvarn.kvcache.cache import check_body_rows, exact_selection, reads_exact
 COMPILE = True
 calls = 0
 _compiled = None
+# The BlockMasks of the current ubatch, one per (positions, lengths, layer policy, device): every
+# layer of one kind in a ubatch has the same mask, so it is built once per (layer kind, length),
+# not once per layer call (a dense mask_mod evaluation each). Cleared when full; `built` counts builds.
+MASK_CACHE = 8
+_masks: dict = {}
+built = 0
 
 
 def allowed(p, j, window):
@@ -59,7 +65,26 @@ def _window(policy, q_end: int) -> int:
 
 def block_mask(q_offset: int, n_q: int, kv_offset: int, n_body: int, n_exact: int, policy, device) -> BlockMask:
     """The BlockMask of one call: n_q queries from position q_offset over [body ; exact] rows,
-    n_body body rows from position kv_offset, then n_exact (0 or n_body) exact rows."""
+    n_body body rows from position kv_offset, then n_exact (0 or n_body) exact rows. Built once
+    per distinct call shape and kept (`_masks`): the other layers of the ubatch reuse it."""
+    global built
+    key = (q_offset, n_q, kv_offset, n_body, n_exact, policy, str(torch.device(device)))
+    bm = _masks.get(key)
+    if bm is None:
+        if len(_masks) >= MASK_CACHE:
+            _masks.clear()
+        bm = _masks[key] = build_block_mask(q_offset, n_q, kv_offset, n_body, n_exact, policy, device)
+        built += 1
+    return bm
+
+
+def clear_masks() -> None:
+    """Forget the kept BlockMasks (a test counting builds starts from none)."""
+    _masks.clear()
+
+
+def build_block_mask(q_offset: int, n_q: int, kv_offset: int, n_body: int, n_exact: int, policy, device) -> BlockMask:
+    """`block_mask` without the cache: the mask_mod of DESIGN §2's rule, made into a BlockMask."""
     t = lambda x: torch.tensor(x, device=device)  # noqa: E731
     q0, k0, rows = t(q_offset), t(kv_offset), t(n_body)
     sink, tail, window = t(policy.sink), t(policy.tail), t(_window(policy, q_offset + n_q))
@@ -94,9 +119,15 @@ def check_mask(module, layer, policy, attention_mask, n_q: int, L: int) -> None:
     check_body_rows(module, layer, body_end)
 
 
-def attention(module, query, key, value, attention_mask, scaling, layer, policy) -> torch.Tensor:
+def attention(module, query, key, value, attention_mask, scaling, layer, policy,
+              attn_dtype: torch.dtype | None = None) -> torch.Tensor:
     """query [b, H, n_q, D]; key/value: the body rows [b, H_kv, L, D]. Returns [b, n_q, H, D]
-    in the query's dtype (as `kvarn.kvcache.attention.attention_ref`)."""
+    in the query's dtype (as `kvarn.kvcache.attention.attention_ref`).
+
+    `attn_dtype` (compute bf16-attn): Q, K and V go to flex_attention in that dtype, whose compiled
+    kernel sums Q·K and P·V in fp32, keeps the softmax in fp32 and rounds P to V's dtype
+    (`kvarn.kvcache.attention.rounded_attention`'s arithmetic). Eager (`COMPILE = False`) flex
+    also rounds the scores to that dtype: the tests' tolerance, never a run's path on a GPU."""
     global calls
     n_heads, n_q = query.shape[1], query.shape[-2]
     n_kv, L = key.shape[1], key.shape[-2]
@@ -106,14 +137,15 @@ def attention(module, query, key, value, attention_mask, scaling, layer, policy)
     if n_exact not in (0, L) or (n_exact == 0 and (policy.sink or policy.tail)):
         raise RuntimeError(f"layer {module.layer_idx}: {n_exact} exact rows beside {L} body rows "
                            f"(sink {policy.sink}, tail {policy.tail}); the cache and the policy disagree")
-    # fp32 keys and values; widening the bf16 / f16 body of the float types and the exact
-    # copy is exact (their values are those dtypes').
+    # fp32 keys and values (widening the bf16 / f16 body of the float types and the exact copy
+    # is exact: their values are those dtypes'), or all operands rounded to `attn_dtype`.
+    dt = attn_dtype or torch.float32
     if n_exact:
-        k = torch.cat([key.float(), ek.float()], dim=-2)
-        v = torch.cat([value.float(), ev.float()], dim=-2)
+        k = torch.cat([key.to(dt), ek.to(dt)], dim=-2)
+        v = torch.cat([value.to(dt), ev.to(dt)], dim=-2)
     else:
-        k, v = key.float(), value.float()
+        k, v = key.to(dt), value.to(dt)
     bm = block_mask(layer.q_offset, n_q, layer.kv_offset, L, n_exact, policy, query.device)
-    out = _kernel()(query.float(), k, v, block_mask=bm, scale=scaling, enable_gqa=n_heads != n_kv)
+    out = _kernel()(query.to(dt), k, v, block_mask=bm, scale=scaling, enable_gqa=n_heads != n_kv)
     calls += 1
     return out.to(query.dtype).transpose(1, 2).contiguous()

@@ -52,7 +52,7 @@ def cell_args(b: pbuild.Build, cell: CellSpec) -> tuple[list[str], dict]:
     """(-ctk/-ctv/tail arguments, environment) of a cell on build `b`; Refused before any work."""
     where = f"llama.cpp build {b.dir} ({b.version})"
     if cell.compute != DEFAULT_COMPUTE:
-        raise Refused(f"{cell.name}: compute {cell.compute!r} is the torch engine's emulation of llama.cpp; "
+        raise Refused(f"{cell.name}: compute {cell.compute!r} is an arithmetic of the torch engine; "
                       f"the llama.cpp engine runs the program itself (drop compute)")
     for role, t in (("k", cell.k), ("v", cell.v)):
         if t not in b.cache_types:

@@ -20,6 +20,7 @@ Conventions the report follows (and the README states):
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -27,7 +28,7 @@ import polars as pl
 
 from kvarn.spec import facts
 from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import summary_sampling
+from kvarn.spec.options import DEFAULT_COMPUTE, summary_sampling
 from kvarn.plan.matrix import parse_cell_dir
 from kvarn.report.migrate import migrate_summary
 
@@ -165,7 +166,8 @@ def compute_split(summary: pl.DataFrame, model: str) -> pl.DataFrame:
         return pl.DataFrame(schema={c: pl.Float64 for c in cols})
     rows = {}
     for r in df.to_dicts():
-        opts = CellSpec.from_name(r["cell"]).opts.replace("-llamacpp_cpu", "") if r.get("cell") else ""
+        # the options besides the compute path's token
+        opts = replace(CellSpec.from_name(r["cell"]), compute=DEFAULT_COMPUTE).opts if r.get("cell") else ""
         key = (r["k_type"], r["v_type"], r.get("tail_requested", r.get("tail")), opts)
         rows.setdefault(key, {})[r.get("compute") or "exact"] = r
     out = []

@@ -33,7 +33,7 @@ from kvarn.kvcache.cache import KVarnCache
 from kvarn.llamacpp.activations import set_activation_rounding
 from kvarn.spec.cell import CellSpec
 from kvarn.files.identity import job_key
-from kvarn.spec.options import COMPUTE_VERSION
+from kvarn.spec.options import ATTENTION_ROUNDING, COMPUTE_VERSION, LLAMACPP_CPU
 from kvarn.spec.policy import exact_share
 from kvarn.budget.preflight import preflight
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
@@ -49,10 +49,10 @@ def set_compute(model, spec, cache_dir, compute: str) -> None:
 
     With llamacpp-cpu and GGUF weights every Linear's input is rounded as llama.cpp rounds
     activations for that weight's type (`kvarn.llamacpp.activations.set_activation_rounding`); exact
-    switches it off. Set at the start of every run, because a `Context` model serves many.
+    and bf16-attn (whose rounding is the attention's only) switch it off. Set at the start of every run, because a `Context` model serves many.
     """
-    set_activation_rounding(model, sources.gguf_path(spec, cache_dir) if compute != "exact" else None,
-                            compute != "exact")
+    cpu = compute == LLAMACPP_CPU
+    set_activation_rounding(model, sources.gguf_path(spec, cache_dir) if cpu else None, cpu)
 
 
 def setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
@@ -173,7 +173,7 @@ def attention_path(attention: str, device: str, compute: str) -> str | None:
     """The attention path a run takes (`kvarn.kvcache.attention.resolve_attention`), None under
     compute llamacpp-cpu (kvarn.llamacpp.compute has its own). What summaries and dumps record."""
     path = kattn.resolve_attention(attention, device)  # validates the option in every case
-    return path if compute == "exact" else None
+    return path if compute in ATTENTION_ROUNDING else None
 
 
 def check_baseline_compute(base: Baseline, compute: str) -> None:
@@ -368,7 +368,7 @@ def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512,
         "compute_version": COMPUTE_VERSION[compute],
         "attention": path,
         # dumps written before the option existed were all made on the reference path
-        "baseline_attention": base.header.get("attention", "ref" if compute == "exact" else None)
+        "baseline_attention": base.header.get("attention", "ref" if compute in ATTENTION_ROUNDING else None)
         if base.kind == "kvarn" else None,
         "baseline_kind": base.kind,
         **kv,
