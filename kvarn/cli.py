@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
 
             est = preflight(spec, args.ctx, args.ubatch, args.device, args.dtype, args.cache_dir,
                             baseline=args.cmd == "baseline", dry_run=True,
-                            allow_long_context=args.allow_long_context)
+                            allow_long_context=args.allow_long_context, attention=args.attention,
+                            compute=cell.compute if cell is not None else args.compute)
             if cell is not None:
                 print(f"run {cell.name}: tail {args.tail} requested, runs at tail "
                       f"{pair_effective_tail(cell.k, cell.v, cell.tail)} on full-attention layers "

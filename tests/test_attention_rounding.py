@@ -96,15 +96,17 @@ def _rounding_run(model, ids, cell: CellSpec, ubatch: int, attention="ref"):
 
 
 # Per call, kvarn's bf16-attn output against the float64 reference rounding the same operands, as a
-# share of the rounding's own effect. Rounded right, it is fp32 noise (~1e-4 of the effect) except
-# where one numerator sits at a bf16 tie and fp32 and float64 round it to neighbours (measured at
-# most 0.2 on these models); the fp32 path is 1.0, and leaving out the rounding of P, of V or of Q
-# alone measured 0.61-2.0 (test_a_partly_rounded_path_is_caught).
-SHARE = 0.4
+# share of the rounding's own effect, averaged over the calls. Rounded right, a call is at fp32
+# noise (~1e-4 of the effect) except where a numerator sits at a bf16 tie and fp32 and float64
+# round it to neighbours: rare, but on a call with few keys it is of the effect's own size (up to
+# 0.45 measured on one call); the mean over the calls stays near 0 (measured at most 0.015). The fp32
+# path is 1.0 on every call, and leaving out the rounding of P, of V or of Q alone measured a mean
+# of 0.35-0.79 (test_a_partly_rounded_path_is_caught).
+SHARE = 0.05
 
 
-def worst_share(rec) -> float:
-    return max(d / e for d, e in rec)
+def mean_share(rec) -> float:
+    return sum(d / e for d, e in rec) / len(rec)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -118,12 +120,15 @@ def test_every_call_rounds_as_the_reference(model, k, v, tail):
     ids = _ids(model)
     for ub in (64, 7):
         rec = _rounding_run(model, ids, CellSpec(k, v, tail, compute=BF16_ATTN), ub)
-        assert worst_share(rec) <= SHARE, (k, v, tail, ub, worst_share(rec))
+        assert mean_share(rec) <= SHARE, (k, v, tail, ub, mean_share(rec))
     # the same cell on the fp32 path is the unrounded reference: the check tells them apart
-    assert worst_share(_rounding_run(model, ids, CellSpec(k, v, tail), 64)) > 0.9
+    assert mean_share(_rounding_run(model, ids, CellSpec(k, v, tail), 64)) > 0.9
 
 
 def test_a_partly_rounded_path_is_caught(model, monkeypatch):
+    from kvarn.kvcache.cache import KVarnLayer
+
+    monkeypatch.setattr(KVarnLayer, "narrow_body", False)  # a bf16 body would make V's rounding a no-op
     ids = _ids(model)
     cell = CellSpec("q4_0", "q4_0", 8, compute=BF16_ATTN)
 
@@ -137,7 +142,7 @@ def test_a_partly_rounded_path_is_caught(model, monkeypatch):
 
     for left_out in "qvp":
         monkeypatch.setattr(kattn, "rounded_attention", partly(set("qkvp") - {left_out}))
-        assert worst_share(_rounding_run(model, ids, cell, 7)) > 1.5 * SHARE, left_out
+        assert mean_share(_rounding_run(model, ids, cell, 7)) > 4 * SHARE, left_out
 
 
 def test_flex_gets_bf16_operands(model, monkeypatch):
@@ -186,3 +191,61 @@ def test_the_engine_runs_bf16_attn_on_the_exact_paths_attention():
     assert engine.attention_path("flex", "cpu", BF16_ATTN) == "flex"
     assert engine.attention_path("auto", "cpu", "llamacpp-cpu") is None
     assert engine.baseline_cell(BF16_ATTN) == CellSpec("bf16", "bf16", 0, compute=BF16_ATTN)
+
+
+@pytest.mark.parametrize("k,v,tail", [("q4_0", "q4_0", 8), ("kvarn4", "kvarn4", 0), ("f16", "f16", 3)])
+def test_the_body_stored_in_bf16_changes_no_bit(model, k, v, tail, monkeypatch):
+    # Under bf16-attn the body is stored in bf16: attention rounds it to bf16 before every use, so
+    # the logits are those of the same cell with its body kept in the format's own dtype, bit for bit.
+    from kvarn.kvcache.cache import KVarnLayer
+    from test_cache import cache_logits
+
+    ids = _ids(model, 300 if k.startswith("kvarn") else 64)  # KVarN: two groups sealed into the body
+    cell = dict(compute=BF16_ATTN)
+    for ub in (64, 7):
+        narrow = cache_logits(model, ids, k, v, tail, ub, **cell)
+        monkeypatch.setattr(KVarnLayer, "narrow_body", False)
+        wide = cache_logits(model, ids, k, v, tail, ub, **cell)
+        monkeypatch.setattr(KVarnLayer, "narrow_body", True)
+        assert torch.equal(narrow, wide), (k, v, tail, ub)
+    cache = KVarnCache(model.config, CellSpec(k, v, tail, **cell))
+    model.set_attn_implementation(kattn.ATTN_NAME)
+    with torch.no_grad():
+        model(ids, cache=cache, kvarn_cache=cache)
+    layer = cache.layers[0]
+    assert layer.keys.dtype == layer.values.dtype == BF16
+    assert KVarnLayer(layer.k_fmt, layer.v_fmt, layer.policy, layer.tail_dtype)._body_dtype(layer.k_fmt) != BF16
+
+
+def test_the_preflight_counts_the_path_and_the_compute():
+    """Qwen 3.6 at 65,536 (its full-attention layers: 24 query heads, 4 KV heads of 256; ubatch 512), by hand."""
+    from pathlib import Path
+
+    from kvarn.budget import preflight
+    from kvarn.weights.sources import ModelSpec
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = ModelSpec("q", f"random:{repo}/config/models/qwen3.6-27b.json")
+    u, n, H, kv, d = 512, 65536, 24, 4, 256
+    masks, io = 4 * u * n, H * u * d * 4 * 2
+    want = {
+        ("ref", "exact"): masks + 2 * kv * n * d * 4 + 2 * H * 128 * n * 4 + io,
+        ("ref", BF16_ATTN): masks + 2 * 2 * kv * n * d * 4 + 3 * H * 128 * n * 4 + io,
+        # [body ; exact] K and V (2n rows) in fp32 / bf16, and the mask_mod's grid: 2 int64 + 2 bool per pair
+        ("flex", "exact"): masks + 2 * kv * 2 * n * d * 4 + u * 2 * n * 18 + io,
+        ("flex", BF16_ATTN): masks + 2 * kv * 2 * n * d * 2 + u * 2 * n * 18 + io,
+    }
+    cache = {}
+    for (path, compute), bytes_ in want.items():
+        est = preflight.preflight(spec, n, u, "cuda", "bfloat16", "unused", baseline=False, dry_run=True,
+                                  attention=path, compute=compute)
+        assert est.device_parts["attention temporaries"] == bytes_, (path, compute)
+        cache[compute] = est.device_parts["cache copies"]
+    # 16 full-attention layers x 4 KV heads x 65536 rows x 256: fp32 body + 16-bit exact (12 B), bf16 body (8 B)
+    assert cache == {"exact": 16 * 4 * n * 256 * 12, BF16_ATTN: 16 * 4 * n * 256 * 8}
+    # "auto" is flex on CUDA, ref on the CPU; llamacpp-cpu gathers as ref
+    auto = preflight.preflight(spec, n, u, "cuda", "bfloat16", "unused", baseline=False, dry_run=True, compute=BF16_ATTN)
+    assert auto.device_parts["attention temporaries"] == want[("flex", BF16_ATTN)]
+    cpu = preflight.estimate(preflight.config_object(preflight.config_json(spec, "unused")), n, u, "float32", "cpu",
+                             False, compute="llamacpp-cpu")
+    assert cpu.host_parts["attention temporaries"] == want[("ref", "exact")]

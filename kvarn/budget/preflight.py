@@ -13,13 +13,16 @@ What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
   K and V for every position of the chunk (a sliding layer of window W only the
   W - 1 + ubatch rows a query can still read): a cell an fp32 body and a 16-bit exact
   copy of each (12 bytes per row and channel, the most any cell stores; bf16 / f16 bodies
-  and cells without an exact copy store less), the baseline only its bf16 body (4
-  bytes), per layer n_kv_heads x rows x head_dim, from `kvarn.spec.geometry`;
+  and cells without an exact copy store less; under compute bf16-attn the body is bf16, 8
+  bytes), the baseline only its bf16 body (4 bytes), per layer n_kv_heads x rows x head_dim, from `kvarn.spec.geometry`;
   linear-attention layers keep transformers' conv and recurrent state (fp32, a few MB);
-* temporaries: one attention call of `kvarn.kvcache.attention` (the boolean masks of a ubatch,
-  one 128-query block's gathered K/V in fp32 and its fp32 score matrix and softmax, as
-  SDPA's math path makes them), the MLP activations of a ubatch, and the logits of a
-  ubatch (vocab wide, fp32) plus the log-softmax slices of `kvarn.run.engine`;
+* temporaries: one attention call of the run's path (`attention_temporaries`): on ref
+  (`kvarn.kvcache.attention`) the boolean masks of a ubatch, one 128-query block's gathered K/V
+  in fp32 and its fp32 score matrix and softmax, as SDPA's math path makes them (under
+  bf16-attn also the rounded copies and the numerators); on flex (`kvarn.kvcache.flex`) the
+  masks, the [body ; exact] K and V in the operands' dtype and the mask_mod's dense grid over
+  them while the BlockMask is built (int64 indices); then the MLP activations of a ubatch, and
+  the logits of a ubatch (vocab wide, fp32) plus the log-softmax slices of `kvarn.run.engine`;
 * host, baseline: one LOGIT_ROWS slice of fp32 log-probs on its way to `kvarn.baseline.dump` (the
   engine streams a chunk slice by slice; the writer encodes it with float64 temporaries
   and 16-bit codes); cell: the baseline chunk is memory-mapped and the per-token metrics are
@@ -43,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.spec.geometry import Geometry, config_object, geometry_from_config, text_config
+from kvarn.spec.options import ATTENTION_ROUNDING, attention_for
 from kvarn.weights.modelbuild import pick_device_dtype
 from kvarn.weights.sources import config_json
 from kvarn.files.workerfiles import SOCKET_ENV, held_path, socket_dir
@@ -51,6 +55,7 @@ HEADROOM = 1.10  # 10 % on top of the estimate for what is not modelled
 MEMORY_ENV = "KVARN_DEVICE_MEMORY"  # the capacity override (bytes), see the module doc
 # Bytes per cached row and channel (K and V together), kvarn.kvcache.cache.KVarnLayer's storage:
 CELL_ROW_BYTES = 2 * (4 + 2)  # fp32 body + tail-dtype (16-bit) exact copy, K and V
+ROUNDED_CELL_ROW_BYTES = 2 * (2 + 2)  # compute bf16-attn: the body in bf16 (kvarn.kvcache.cache.KVarnLayer)
 BASELINE_ROW_BYTES = 2 * 2  # the bf16/bf16 tail-0 baseline: bf16 bodies only
 QUERY_BLOCK = 128  # kvarn.kvcache.attention.QUERY_BLOCK (not imported: it pulls in torch and transformers)
 LOGIT_ROWS = 64  # kvarn.run.engine.LOGIT_ROWS
@@ -154,9 +159,28 @@ def _linear_state_bytes(c: Any) -> int:
     return 4 * (conv_dim * int(c.linear_conv_kernel_dim) + v_heads * k_dim * v_dim)
 
 
+def attention_temporaries(path: str, rounded: bool, u: int, n_ctx: int, n_heads: int, kv_max: int, d_max: int) -> int:
+    """Bytes one attention call of the path ("ref" | "flex") holds at its peak, for a ubatch of u
+    queries over n_ctx keys (the largest layer: kv_max KV heads of head dim d_max). `rounded`:
+    compute bf16-attn (bf16 operands)."""
+    masks = 4 * u * n_ctx  # the model's mask and the body / exact / selection masks (bool)
+    io = n_heads * u * d_max * 4 * 2  # the fp32 queries and output
+    if path == "ref":
+        block = 2 * kv_max * n_ctx * d_max * 4 * (2 if rounded else 1)  # one block's K and V (and their rounded copies)
+        scores = (3 if rounded else 2) * n_heads * QUERY_BLOCK * n_ctx * 4  # scores, softmax (and numerators), fp32
+        return masks + block + scores + io
+    if path == "flex":
+        rows = 2 * n_ctx  # [body ; exact]
+        operands = 2 * kv_max * rows * d_max * (2 if rounded else 4)  # K and V concatenated, in the operands' dtype
+        grid = u * rows * (2 * 8 + 2)  # the mask_mod over every (query, row): two int64 and two bool grids
+        return masks + operands + grid + io
+    raise ValueError(f"attention path {path!r}: expected ref or flex")
+
+
 def estimate(config: Any, n_ctx: int, ubatch: int, dtype: str, device: str, baseline: bool,
-             n_params: int | None = None) -> Estimate:
-    """Peak memory of one job of the model of `config` (a transformers config object)."""
+             n_params: int | None = None, attention: str = "ref", compute: str = "exact") -> Estimate:
+    """Peak memory of one job of the model of `config` (a transformers config object), on the
+    attention path `attention` ("ref" | "flex") under `compute`."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
     geom: Geometry = geometry_from_config(config)
@@ -169,19 +193,16 @@ def estimate(config: Any, n_ctx: int, ubatch: int, dtype: str, device: str, base
     n_linear = sum(1 for layer in geom.layers if not layer.has_kv)
     d_max = max(layer.head_dim for layer in kv)
     kv_max = max(layer.n_kv_heads for layer in kv)
+    rounded = ATTENTION_ROUNDING.get(compute) is not None
+    row_bytes = BASELINE_ROW_BYTES if baseline else ROUNDED_CELL_ROW_BYTES if rounded else CELL_ROW_BYTES
     parts = {
         "weights": (n_params if n_params is not None else param_count(config)) * wb,
-        "cache copies": sum(layer.n_kv_heads * cached_rows(layer.window, n_ctx, u) * layer.head_dim
-                            * (BASELINE_ROW_BYTES if baseline else CELL_ROW_BYTES) for layer in kv),
+        "cache copies": sum(layer.n_kv_heads * cached_rows(layer.window, n_ctx, u) * layer.head_dim * row_bytes
+                            for layer in kv),
     }
     if n_linear:
         parts["linear-attention state"] = n_linear * _linear_state_bytes(c)
-    parts["attention temporaries"] = (
-        4 * u * n_ctx  # the model's mask and the body / exact / selection masks (bool)
-        + 2 * kv_max * n_ctx * d_max * 4  # one block's gathered K and V, fp32
-        + 2 * n_heads * QUERY_BLOCK * n_ctx * 4  # its scores and softmax, fp32
-        + n_heads * u * d_max * 4 * 2  # the fp32 queries and output
-    )
+    parts["attention temporaries"] = attention_temporaries(attention, rounded, u, n_ctx, n_heads, kv_max, d_max)
     inter = int(getattr(c, "intermediate_size", 4 * hidden) or 4 * hidden)
     parts["activations"] = u * (3 * inter + 6 * hidden) * wb
     parts["logits"] = u * vocab * 4 + 2 * LOGIT_ROWS * vocab * 4
@@ -258,15 +279,19 @@ def check(est: Estimate, device_free: int | None, host_free: int) -> None:
 
 
 def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, baseline: bool,
-              dry_run: bool = False, allow_long_context: bool | None = None) -> Estimate:
+              dry_run: bool = False, allow_long_context: bool | None = None, attention: str = "auto",
+              compute: str = "exact") -> Estimate:
     """Estimate a job from its config; stop (PreflightError) if its n_ctx is beyond the model's
     trained context (`check_context`, dry run included) or it cannot fit; return the estimate.
-    `dry_run`: no capacity check, for `kvarn run/baseline --dry-run`."""
+    `dry_run`: no capacity check, for `kvarn run/baseline --dry-run`. `attention`: the option
+    (`kvarn.spec.options.attention_for` picks the path on the device), `compute` the cell's."""
     raw = config_json(spec, cache_dir)
     check_context(raw, n_ctx, allow_long_context)
     device, torch_dtype = pick_device_dtype(device, dtype)
     est = estimate(config_object(raw), n_ctx, ubatch, str(torch_dtype).removeprefix("torch."),
-                   device, baseline)
+                   device, baseline, compute=compute,
+                   # llamacpp-cpu's attention (kvarn.llamacpp.compute) gathers as ref does
+                   attention=attention_for(attention, str(device).split(":")[0]) if compute in ATTENTION_ROUNDING else "ref")
     if not dry_run:
         check(est, *capacity(device))
         record_held(est)

@@ -40,7 +40,7 @@ from kvarn.kvcache import flex
 
 from kvarn.llamacpp import compute
 from kvarn.kvcache.cache import KVarnCache, check_body_rows, exact_selection
-from kvarn.spec.options import ATTENTIONS
+from kvarn.spec.options import attention_for
 
 ATTN_NAME = "kvarn"
 
@@ -130,16 +130,9 @@ def split_mask(allowed: torch.Tensor, q_offset: int, policy, kv_offset: int = 0)
 
 
 def resolve_attention(attention: str, device) -> str:
-    """The attention path a run takes: "ref" or "flex" (`kvarn.spec.options.ATTENTIONS`).
-
-    "auto": flex on CUDA, ref on CPU (compiled flex was not faster there at the embedded
-    models' sizes: bench/perf/results/flex.md).
-    """
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention {attention!r} not accepted; use one of {', '.join(ATTENTIONS)}")
-    if attention != "auto":
-        return attention
-    return "flex" if torch.device(device).type == "cuda" else "ref"
+    """The attention path a run takes on `device`: "ref" or "flex" (`kvarn.spec.options.attention_for`:
+    "auto" is flex on CUDA, ref elsewhere)."""
+    return attention_for(attention, torch.device(device).type)
 
 
 def check_call(module, attention_mask, dropout, softcap, sliding_window, kvarn_cache):

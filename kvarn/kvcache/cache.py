@@ -108,7 +108,8 @@ class KVarnLayer(CacheLayerMixin):
     trim = True  # sliding layers forget keys no query can read (False: keep all, the tests' reference)
 
     def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype, layer_idx: int = 0,
-                 compute: str = "exact", qk_gguf_order: bool = False, exact_rotation: dict | None = None):
+                 compute: str = "exact", qk_gguf_order: bool = False, exact_rotation: dict | None = None,
+                 attn_dtype: torch.dtype | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.k_fmt, self.v_fmt, self.policy, self.tail_dtype = k_fmt, v_fmt, policy, tail_dtype
@@ -119,6 +120,9 @@ class KVarnLayer(CacheLayerMixin):
         # {"k": block | None, "v": block | None}: the exact copy rounded in the rotated frame
         # (`_exact_copy`; BeeLlama's scalar route over a rotated standard cache), else None
         self.exact_rotation = exact_rotation or {"k": None, "v": None}
+        # compute bf16-attn: the dtype attention rounds every K and V to before use; the body is
+        # stored in it (`_body_dtype`): the same values at half an fp32 body's bytes
+        self.attn_dtype = attn_dtype
         self.k_op = self.v_op = None
         self.is_sliding = policy.window is not None
         if k_fmt.group != v_fmt.group:
@@ -134,7 +138,15 @@ class KVarnLayer(CacheLayerMixin):
         self.kv_offset = 0  # position of the first key row the ubatch's attention reads
         self.rows: dict[str, Rows] = {}
 
+    narrow_body = True  # under attn_dtype store the body in it (False: the format's own, the tests' reference)
+
     def _body_dtype(self, fmt) -> torch.dtype:
+        """The body's storage: the float types' own dtype (their values are that dtype's), fp32 for
+        the quantized types (a dequantized value, a 16-bit scale times a code, or KVarN's rotated
+        back, needs more than 16 bits). Under compute bf16-attn, `attn_dtype`: attention rounds
+        the body to it before every use, so storing it rounded loses nothing (the same rounding)."""
+        if self.attn_dtype is not None and self.narrow_body:
+            return self.attn_dtype
         return FLOAT_DTYPES[fmt.name] if fmt.family == "float" else torch.float32
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -335,7 +347,7 @@ class KVarnCache(Cache):
         ]
         state = _state_layers(config, self.geometry)
         layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, layer_compute, self.qk_gguf_order,
-                             self._exact_rotation(self.geometry.layers[i].head_dim))
+                             self._exact_rotation(self.geometry.layers[i].head_dim), self.attn_dtype)
                   if p is not None else state[i]
                   for i, p in enumerate(self.policies)]
         super().__init__(layers=layers)

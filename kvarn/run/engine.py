@@ -109,10 +109,12 @@ class Context:
         return self._dumps[key]
 
 
-def _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, baseline):
+def _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, baseline, attention="auto",
+            compute="exact"):
     """(loaded model, chunk ids, identity): from `context` if given (checked), else loaded now."""
     if context is None:
-        preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline)  # before any weights load
+        preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline, attention=attention,
+                  compute=compute)  # before any weights load
         return setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
     return context.for_job(spec, n_ctx, chunks, text, device, dtype, cache_dir)
 
@@ -219,7 +221,8 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, True)
+    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, True,
+                                       attention, compute)
     set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
     path = attention_path(attention, info.device, compute)
@@ -306,7 +309,8 @@ def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512,
     # A missing, foreign or truncated dump is refused before the model is even looked at.
     base: Baseline | None = (None if llamakld.is_llama_kld(baseline)
                              else (context.open_dump if context else dump.open_dump)(baseline))
-    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False)
+    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False,
+                                       attention, compute)
     set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
     path = attention_path(attention, info.device, compute)

@@ -115,6 +115,17 @@ ATTENTION_PATHS = ("ref", "flex")
 ATTENTIONS = (*ATTENTION_PATHS, "auto")
 
 
+def attention_for(attention: str, device_type: str) -> str:
+    """The attention path an option takes on a device type ("cpu", "cuda"): "auto" is flex on CUDA,
+    ref elsewhere (compiled flex was not faster on a CPU at the embedded models' sizes:
+    bench/perf/results/flex.md); a path is itself. The one rule, torch-free (the preflight reads it)."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r} not accepted; use one of {', '.join(ATTENTIONS)}")
+    if attention != "auto":
+        return attention
+    return "flex" if device_type == "cuda" else "ref"
+
+
 # The head dims BeeLlama's KVarN accepts (`cannot enable kvarn_...: KVarN requires 128-, 256-, or
 # 512-dimensional key/value heads`); kvarn's own format also takes 64.
 BEELLAMA_KVARN_HEAD_DIMS = (128, 256, 512)
