@@ -6,7 +6,7 @@
 # config/article.yaml from the measured seconds: bench/gpu/device_run.py.
 #   bench/gpu/prepare.sh                       (here: wheels + text into .gpu/, git-ignored;
 #                                               it measures the carry: 31.1 MiB of 64)
-#   bash bench/gpu/device_run.sh OUTDIR        (there: run(command=..., carry=[".gpu"]))
+#   bash bench/gpu/device_run.sh OUTDIR        (there, with .gpu/ copied beside the checkout)
 # Every result is appended to OUTDIR/device_run.jsonl the moment it is measured and
 # OUTDIR/device_run.md is rewritten from it, so a kill keeps what finished; copy both into
 # bench/gpu/results/ to commit them. BUDGET_S (default 480) is the Python part's time, the

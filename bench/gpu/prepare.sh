@@ -3,7 +3,7 @@
 # no network; only the checkout travels, not ../shared): run here, where pip works, then call
 # the GPU machine with the folder .gpu carried beside the checkout:
 #   bench/gpu/prepare.sh                      (here)
-#   bash bench/gpu/device_run.sh OUTDIR       (there; run(..., carry=[".gpu"]))
+#   bash bench/gpu/device_run.sh OUTDIR       (there, with .gpu/ copied beside the checkout)
 # .gpu/ (git-ignored) then holds
 #   wheels/        the packages the machine's image lacks or has at another version, for its
 #                  Python 3.12, no dependencies (the image has torch, triton, numpy, einops,
