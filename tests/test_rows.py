@@ -33,6 +33,36 @@ def test_rows_keep_what_was_written_through_growth_and_moves():
         rows.view(0, 10)
 
 
+def test_rows_by_hand_capacity_moves_zeros_and_bounds():
+    x = _rand(16, 2)
+    one = Rows(torch.float32)  # no hint: the first write of 1 row allocates 2 x 1
+    one.append(x[..., :1, :])
+    assert one.capacity == 2
+    r = Rows(torch.float32, hint=6)
+    r.append(x[..., :6, :])  # exactly the hint: allocated at it, not doubled
+    assert r.capacity == 6 and r.n_moves == 0
+    r.forget_before(4)
+    r.append(x[..., 6:8, :])  # 2 kept + 2 new fit the 6: the kept rows move to the front (base 4)
+    assert (r.capacity, r.n_moves, r.base) == (6, 1, 4)
+    r.append(x[..., 8:9, :])  # rows 4..8 at buf 0..4: fits without a move
+    assert r.n_moves == 1
+    r.forget_before(7)
+    r.append(x[..., 9:11, :])  # kept 7, 8 + 2 new: the second move (base 7)
+    assert (r.capacity, r.n_moves, r.base) == (6, 2, 7)
+    assert torch.equal(r.view(7, 11), x[..., 7:11, :])
+    # buf rows 4 and 5 still hold what was there (row 8 before the move): extend zeroes them
+    assert r.buf[..., 4, :].abs().sum() > 0
+    r.extend(x, 2)
+    assert torch.equal(r.view(11, 13), torch.zeros_like(x[..., :2, :])) and r.capacity == 6
+    r.append(x[..., 13:14, :])  # past the 6 rows with nothing forgotten: a new buffer of 2 x 7
+    assert (r.capacity, r.n_moves) == (14, 2) and torch.equal(r.view(7, 11), x[..., 7:11, :])
+    assert r.view(9, 9).shape[-2] == 0  # an empty range is a view, not an error
+    with pytest.raises(IndexError, match=r"^rows 7\.\.14 are not kept \(kept: 7\.\.13\)$"):
+        r.view(7, 15)
+    with pytest.raises(IndexError, match=r"^rows 13\.\.14 are not kept \(kept: 7\.\.13\)$"):
+        r.write(13, x[..., :2, :])
+
+
 def test_rows_grow_by_doubling_without_a_hint():
     ref = _rand(300, 1)
     rows = Rows(torch.bfloat16)
