@@ -203,6 +203,20 @@ def test_baseline_streams_its_log_probs_to_the_dump_in_slices(smol_baseline_run)
     assert dump.open_dump(out).n_chunks == 1
 
 
+def test_the_forward_run_ahead_of_the_writer_writes_the_same_dump(smol_baseline_run, smol_context, tmp_path,
+                                                                  monkeypatch):
+    # The fixture's dump was written with the forward in a thread ahead of the writer (AHEAD 2);
+    # one after the other in one thread (AHEAD 0), the file is the same bytes.
+    from kvarn.run import engine
+    from kvarn.weights import sources
+
+    assert engine.AHEAD == 2
+    monkeypatch.setattr(engine, "AHEAD", 0)
+    out = tmp_path / "serial.kvd"
+    engine.run_baseline(sources.ModelSpec(*SMOL), CTX, 1, out, text=TEXT, cache_dir=CACHE_DIR, context=smol_context(CTX))
+    assert out.read_bytes() == smol_baseline_run[0].read_bytes()
+
+
 def _cell(base, k, v, tail, tmp_path_factory, context):
     from kvarn.run import engine
     from kvarn.weights import sources

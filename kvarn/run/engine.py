@@ -33,6 +33,7 @@ from kvarn.kvcache.cache import KVarnCache
 from kvarn.llamacpp.activations import set_activation_rounding
 from kvarn.spec.cell import CellSpec
 from kvarn.files.identity import job_key
+from kvarn.run.ahead import ahead
 from kvarn.spec.options import ATTENTION_ROUNDING, COMPUTE_VERSION, LLAMACPP_CPU
 from kvarn.spec.policy import exact_share
 from kvarn.budget.preflight import preflight
@@ -40,6 +41,9 @@ from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 BASELINE = CellSpec("bf16", "bf16", 0)  # the baseline is the bf16/bf16 cell at tail 0 (its compute aside)
 LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gemma's vocabulary
+# Log-prob slices the baseline's forward may run ahead of the dump's writer (kvarn.run.ahead: the
+# host's encoding overlaps the next slices' forward); 0: one after the other, in one thread.
+AHEAD = 2
 
 
 # --- loading --------------------------------------------------------------------------
@@ -256,7 +260,8 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
         "kvarn_version": kvarn.__version__,
         "device": info.device,
     })
-    dump.write_dump(out, header, blocks())
+    # the forward runs ahead in a thread while the writer encodes (the same slices, in order)
+    dump.write_dump(out, header, ahead(blocks(), AHEAD) if AHEAD else blocks())
     if llama_kld_out is not None:
         llamakld.write_from_dump(out, chunk_ids, llama_kld_out)
     n_tok = int(chunk_ids.numel())
