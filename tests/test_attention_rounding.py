@@ -249,3 +249,30 @@ def test_the_preflight_counts_the_path_and_the_compute():
     cpu = preflight.estimate(preflight.config_object(preflight.config_json(spec, "unused")), n, u, "float32", "cpu",
                              False, compute="llamacpp-cpu")
     assert cpu.host_parts["attention temporaries"] == want[("ref", "exact")]
+
+
+def test_the_matrix_plans_bf16_attn_cells_with_their_own_baseline():
+    from pathlib import Path
+
+    import yaml
+
+    from kvarn.plan import matrix as kvm
+    from kvarn.spec.options import COMPUTES
+
+    repo = Path(__file__).resolve().parents[1]
+    schema = yaml.safe_load((repo / "workflow/schemas/config.schema.yaml").read_text())
+    enums = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            if x.get("enum") and "exact" in x["enum"]:
+                enums.append(x["enum"])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+    walk(schema)
+    assert enums == [list(COMPUTES)]  # the schema accepts every compute path, named as kvarn names them
+    cell = CellSpec("q8_0", "q8_0", 0, compute=BF16_ATTN)
+    assert kvm.baseline_path("results/m/ctx2048-c1", cell.compute) == "results/m/ctx2048-c1/baseline-bf16_attn.kvd"
