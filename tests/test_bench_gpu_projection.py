@@ -163,3 +163,18 @@ def test_torch_free_and_the_command_writes_markdown(tmp_path):
     assert f"**Total: {total:.2f} GPU-hours" in md and "H100" in md
     for needle in ("Dominant:", "Assumptions", "study chunk counts", "| gemma4-31b | kvarn |"):
         assert needle in md
+
+
+def test_the_block_mask_is_built_once_per_layer_kind_and_ubatch(monkeypatch):
+    # kvarn.kvcache.flex builds a ubatch's BlockMask once per layer kind: Qwen 3.6's baseline at
+    # 65,536 in ubatches of 512 (16 full-attention layers, one kind, no exact copy) pays the dense
+    # mask_mod once per call of one layer: 512 x 512 x (1 + 2 + ... + 128) pairs / 65,536 tokens
+    # = 33,024 pairs per token, x 48 B, whatever the 16 layers.
+    from bench.gpu import projection as P
+
+    def staging():
+        return P.per_token("qwen3.6-27b", 65536, "baseline")["flex mask and K/V staging"]["bytes"]
+
+    with_build = staging()
+    monkeypatch.setattr(P, "MASK_BUILD_BYTES", 0)
+    assert with_build - staging() == pytest.approx(512 * 512 * (128 * 129 // 2) / 65536 * 48)

@@ -211,6 +211,8 @@ def per_token(model: str, n_ctx: int, kind: str = "baseline", cell: tuple[str, s
     # every ubatch reads every weight once (bf16)
     add("weights' GEMMs", 2 * w, 2 * w / ubatch, "gemm")
     kv_elems = 0  # K and V elements stored per token
+    # kvarn.kvcache.flex builds a ubatch's BlockMask once per layer kind (window), not per layer
+    same_kind = Counter(layer.window for layer in geom.layers if layer.has_kv)
     for layer in geom.layers:
         if not layer.has_kv:
             hk, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
@@ -234,7 +236,7 @@ def per_token(model: str, n_ctx: int, kind: str = "baseline", cell: tuple[str, s
         pairs = sum(q * L for q, L in calls) / n_ctx  # (query, key) pairs the mask covers per token
         concat = "body+exact" if exact else ("body" if body_bytes == 4 else "none")
         add("flex mask and K/V staging", 0,
-            pairs * (MASK_CHECK_BYTES + MASK_BUILD_BYTES * (2 if exact else 1))
+            pairs * (MASK_CHECK_BYTES + MASK_BUILD_BYTES * (2 if exact else 1) / same_kind[layer.window])
             + rows * kv * d * (1 if layer.k_eq_v else 2) * CONCAT_BYTES[concat])
         kv_elems += kv * d * (1 if layer.k_eq_v else 2)
     if kind == "baseline":
