@@ -134,7 +134,8 @@ def _common(p, out_help):
     p.add_argument("--compute", choices=COMPUTES, default=DEFAULT_COMPUTE,
                    help="attention arithmetic: exact (fp32, the format alone; default), llamacpp-cpu "
                         "(llama.cpp's CPU flash attention: Q rounded to K's dot type, f16 V accumulation...) or "
-                        "bf16-attn (Q.K and P.V on bf16 operands, fp32 accumulation and softmax: a GPU's flash attention); "
+                        "bf16-attn / tf32-attn (Q.K and P.V on bf16 / TF32 operands, fp32 sums and softmax: a GPU's flash "
+                        "attention); "
                         "a cell needs a baseline made with the same")
     _attention_arg(p)
     p.add_argument("-o", "--out", required=True, metavar="PATH", help=out_help)

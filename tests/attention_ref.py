@@ -22,14 +22,25 @@ import kvarn.kvcache.attention as kattn
 CHECK_NAME = "kvarn_check"
 
 
+def rounded(x: torch.Tensor, how: str) -> torch.Tensor:
+    """x rounded to bf16 (torch's cast, to nearest even) or to TF32's 11 significant bits (to
+    nearest, ties away from zero), in float64: m · 2^e with m in [0.5, 1) keeps round(m · 2^11)."""
+    if how == "bfloat16":
+        return x.to(torch.bfloat16).double()
+    assert how == "tfloat32", how
+    m, e = torch.frexp(x.double())
+    scaled = m * 2.0 ** 11
+    return torch.ldexp(torch.sign(scaled) * torch.floor(scaled.abs() + 0.5) / 2.0 ** 11, e)
+
+
 def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float64, round_to=None):
     """query [b, H, n_q, D]; body_k/body_v [b, H_kv, L, D] (what the cache returned).
     Returns [b, H, n_q, D] in `dtype`.
 
-    `round_to` (compute bf16-attn): Q, both copies of K and V, and the softmax numerators
-    exp(s - max) are rounded to that dtype before the products; the sums, the max and the
-    denominator stay in `dtype`."""
-    rnd = (lambda x: x.to(round_to).to(dtype)) if round_to is not None else (lambda x: x.to(dtype))  # noqa: E731
+    `round_to` (compute bf16-attn, tf32-attn: "bfloat16", "tfloat32"): Q, both copies of K and V,
+    and the softmax numerators exp(s - max) are rounded so before the products (`rounded`); the
+    sums, the max and the denominator stay in `dtype`."""
+    rnd = (lambda x: rounded(x, round_to).to(dtype)) if round_to is not None else (lambda x: x.to(dtype))  # noqa: E731
     pol = layer.policy
     b, H, n_q, D = query.shape
     n_kv, L = body_k.shape[1], body_k.shape[-2]
@@ -77,7 +88,7 @@ def checking():
                                                kvarn_cache=kvarn_cache, **kw)
         layer = kvarn_cache.layers[module.layer_idx]
         sc = scaling if scaling is not None else query.shape[-1] ** -0.5
-        rd = kvarn_cache.attn_dtype  # compute bf16-attn: the reference rounds as that path does
+        rd = kvarn_cache.attn_rounding  # compute bf16-attn, tf32-attn: the reference rounds as that path does
         ref64 = reference_attention(query, layer, sc, key, value, round_to=rd).transpose(1, 2)
         ref32 = reference_attention(query, layer, sc, key, value, torch.float32, round_to=rd).transpose(1, 2)
         rec.diffs.append((out.double() - ref64).abs().max().item())

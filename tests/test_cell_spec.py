@@ -65,7 +65,7 @@ REFUSED = [
     (("kvarn4", "kvarn4", 0), {"iters": 2.5}, "iters", ["2.5", ">= 1"]),
     (("q4_0", "q4_0", 0), {"sink": -1}, "sink", ["-1", ">= 0"]),
     (("kvarn4", "kvarn4", 0), {"sink": 0}, "sink", ["sink 0", "fixed at 128"]),
-    (("q4_0", "q4_0", 0), {"compute": "fast"}, "compute", ["'fast'", "exact, llamacpp-cpu, bf16-attn"]),
+    (("q4_0", "q4_0", 0), {"compute": "fast"}, "compute", ["'fast'", "exact, llamacpp-cpu, bf16-attn, tf32-attn"]),
     (("quanto4", "quanto4", 128), {"compute": "llamacpp-cpu"}, "compute",
      ["'quanto4'", "not a llama.cpp or BeeLlama cache type"]),
     (("q4_0", "q4_0", 0), {"sink": 4, "compute": "llamacpp-cpu"}, "compute", ["sink 4", "not accepted"]),
@@ -180,7 +180,7 @@ MESSAGES = [
     (("kvarn4", "kvarn2", 0), {"sink": 129}, "sink", 129,
      "sink 129 for kvarn4/kvarn2: KVarN's sink is fixed at 128 (a sink is an option of the standard types only)"),
     (("q4_0", "q4_0", 0), {"compute": "fast"}, "compute", "fast", "compute 'fast' not accepted; use one of exact, "
-                                                                    "llamacpp-cpu, bf16-attn"),
+                                                                    "llamacpp-cpu, bf16-attn, tf32-attn"),
 ]
 
 
@@ -245,11 +245,11 @@ def test_parse_opts_refuses_a_bad_suffix_by_name(opts):
     with pytest.raises(ValueError) as e:
         parse_opts(opts)
     assert str(e.value) == (f"{opts!r} is not a cell's options suffix; expected tokens of -norot, -td<dtype>, "
-                            "-i<n>, -s<n>, -llamacpp_cpu or -bf16_attn")
+                            "-i<n>, -s<n>, -llamacpp_cpu, -bf16_attn or -tf32_attn")
 
 
 NOT_A_NAME = ("is not a cell name; expected {k}-{v}-t{tail}{opts}, e.g. q4_0-q4_0-t128 or kvarn4-kvarn4-t0-s64 "
-              "(opts: -norot, -td<dtype>, -i<n>, -s<n>, -llamacpp_cpu or -bf16_attn, in that order)")
+              "(opts: -norot, -td<dtype>, -i<n>, -s<n>, -llamacpp_cpu, -bf16_attn or -tf32_attn, in that order)")
 
 
 @pytest.mark.parametrize("name", [None, 7, "", "q4_0-q4_0-t", "q4_0-q4_0-t0-", "xq4_0-q4_0-t0 ", "q4_0-q4-0-t0",
@@ -291,7 +291,7 @@ def test_compute_suffix_by_hand():
     assert compute_suffix("exact") == "" and compute_suffix("llamacpp-cpu") == "-llamacpp_cpu"
     with pytest.raises(ValueError) as e:
         compute_suffix("llamacpp_cpu")
-    assert str(e.value) == "compute 'llamacpp_cpu' is not one of exact, llamacpp-cpu, bf16-attn"
+    assert str(e.value) == "compute 'llamacpp_cpu' is not one of exact, llamacpp-cpu, bf16-attn, tf32-attn"
 
 
 def test_family_of_each_pair():

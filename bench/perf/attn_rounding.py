@@ -1,21 +1,21 @@
-"""What the GPU's attention arithmetic (compute bf16-attn) adds to a cell's KLD, against each format's own effect.
+"""What the GPU's attention arithmetic (compute bf16-attn or tf32-attn) adds to a cell's KLD, against each format's own effect.
 
-    python -m bench.perf.attn_rounding [--model smollm2-135m --model gemma3-270m] [--n-ctx 2048] [--chunks 1]
-                                       [--out bench/perf/results/attn_rounding.md]
+    python -m bench.perf.attn_rounding [--compute bf16-attn|tf32-attn] [--model smollm2-135m --model gemma3-270m]
+                                       [--n-ctx 2048] [--chunks 1] [--out bench/perf/results/attn_rounding.md]
 
-Compute bf16-attn (kvarn.spec.options.ATTENTION_ROUNDING) runs the cache model's attention as a GPU's
-flash attention does: Q·K and P·V on bf16 operands, fp32 accumulation and softmax. It is the path
+Compute bf16-attn / tf32-attn (kvarn.spec.options.ATTENTION_ROUNDING) runs the cache model's attention
+as a GPU's flash attention does: Q·K and P·V on bf16 (TF32) operands, fp32 accumulation and softmax. It is the path
 that lets the article's attention run on tensor cores (issue 42); it may be used for a format only
 if the KLD it adds is small beside what the format itself does. Per model and format F (every
 standard type and KVarN width of config/article.yaml, symmetric, tail 0), on the same chunks, through
 the engine's own forward (`kvarn.run.engine.chunk_logprobs`):
 
 * format: the median KLD of F on the exact (fp32) path against the exact baseline: the format's effect;
-* path: the median KLD of the bf16-attn baseline against the exact one (the same bf16 cache, only the
+* path: the median KLD of the rounded path's baseline against the exact one (the same bf16 cache, only the
   arithmetic differs): what the arithmetic alone adds; the table's verdict is path < format for every F;
-* measured: F's median KLD as a bf16-attn run measures it (against the bf16-attn baseline, as the
+* measured: F's median KLD as a rounded run measures it (against that path's baseline, as the
   workflow pairs them) and its change from `format`;
-* redraw: the median KLD between F on bf16-attn and F on the exact path, which a quantizer's
+* redraw: the median KLD between F on the rounded path and F on the exact path, which a quantizer's
   discontinuity makes of F's own size whatever the path (the table's notes say why).
 
 The model runs in fp32 on the CPU (only the attention's operands are rounded); KLD as llama.cpp's
@@ -39,7 +39,7 @@ from bench import REPO, TEXT
 from kvarn.run import engine
 from kvarn.spec import scoring
 from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import BF16_ATTN, EXACT
+from kvarn.spec.options import ATTENTION_ROUNDING, BF16_ATTN, EXACT
 from kvarn.stats import metrics
 from kvarn.weights import sources
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
@@ -58,7 +58,8 @@ def median_kld(q: list[torch.Tensor], base: list[torch.Tensor], targets: list[to
     return float(np.median(np.concatenate([metrics.token_metrics(a, b, t)["kld"] for a, b, t in zip(q, base, targets)])))
 
 
-def measure(name: str, n_ctx: int, chunks: int, text: str, cache_dir: str, formats: list[str]) -> list[dict]:
+def measure(name: str, n_ctx: int, chunks: int, text: str, cache_dir: str, formats: list[str],
+            compute: str = BF16_ATTN) -> list[dict]:
     ctx = engine.Context(sources.ModelSpec(name, f"embedded:{name}"), n_ctx, chunks, text, device="cpu",
                          cache_dir=cache_dir)
     scored = scoring.scored_positions(n_ctx)
@@ -68,35 +69,35 @@ def measure(name: str, n_ctx: int, chunks: int, text: str, cache_dir: str, forma
     def run(cell):
         return [logprobs(ctx, c, cell, scored) for c in ids]
 
-    base = {c: run(engine.baseline_cell(c)) for c in (EXACT, BF16_ATTN)}
+    base = {c: run(engine.baseline_cell(c)) for c in (EXACT, compute)}
     rows = [{"model": name, "format": "bf16 (the baseline)", "format_kld": 0.0,
-             "path_kld": median_kld(base[BF16_ATTN], base[EXACT], targets), "measured_kld": 0.0}]
+             "path_kld": median_kld(base[compute], base[EXACT], targets), "measured_kld": 0.0}]
     for f in formats:
         t0 = time.perf_counter()
-        fp32, rounded = run(CellSpec(f, f, 0)), run(CellSpec(f, f, 0, compute=BF16_ATTN))
+        fp32, rounded = run(CellSpec(f, f, 0)), run(CellSpec(f, f, 0, compute=compute))
         rows.append({"model": name, "format": f,
                      "format_kld": median_kld(fp32, base[EXACT], targets),
                      "path_kld": median_kld(rounded, fp32, targets),
-                     "measured_kld": median_kld(rounded, base[BF16_ATTN], targets)})
+                     "measured_kld": median_kld(rounded, base[compute], targets)})
         print(f"{name} {f}: format {rows[-1]['format_kld']:.4g}, path {rows[-1]['path_kld']:.4g} "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     return rows
 
 
-def markdown(rows: list[dict], command: str, elapsed: float, n_tokens: dict) -> str:
+def markdown(rows: list[dict], command: str, elapsed: float, n_tokens: dict, compute: str = BF16_ATTN) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    lines = ["# The bf16 attention path's own KLD against each format's (compute bf16-attn vs exact)", "",
+    lines = [f"# The {compute} path's own KLD against each format's (compute {compute} vs exact)", "",
              f"`{command}` at commit {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"{platform.machine()} CPU ({os.cpu_count()} cores), torch {torch.__version__}, {elapsed / 60:.1f} min. "
              "Models in fp32; symmetric pairs at tail 0; medians over the scored tokens "
              f"({', '.join(f'{m}: {n}' for m, n in n_tokens.items())}).", "",
              "- `format`: the format's median KLD on the exact (fp32) path against the exact baseline: its effect.",
-             "- `path / format`: the path's own KLD (the bf16-attn baseline against the exact one: the same bf16 "
+             f"- `path / format`: the path's own KLD (the {compute} baseline against the exact one: the same bf16 "
              "cache, only the attention's arithmetic differs) over the format's effect. Below 1: the arithmetic "
              "adds less than the format does.",
-             "- `measured`, `change`: the format's median KLD on bf16-attn against the bf16-attn baseline (how a GPU "
+             f"- `measured`, `change`: the format's median KLD on {compute} against the {compute} baseline (how a GPU "
              "run pairs them), and its change from `format`.",
-             "- `redraw`: the median KLD between the format on bf16-attn and on the exact path. Not the path's "
+             f"- `redraw`: the median KLD between the format on {compute} and on the exact path. Not the path's "
              "own effect: a quantizer is discontinuous, so the path's small changes upstream move values across "
              "rounding steps downstream and draw the format's rounding noise anew; it is of the format's own size "
              "whatever the path.", "",
@@ -124,25 +125,28 @@ def markdown(rows: list[dict], command: str, elapsed: float, n_tokens: dict) -> 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--compute", default=BF16_ATTN, choices=[c for c, r in ATTENTION_ROUNDING.items() if r],
+                    help="the rounded path compared with exact (default bf16-attn)")
     ap.add_argument("--model", action="append", help="embedded model (repeatable; default smollm2-135m, gemma3-270m)")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--chunks", type=int, default=1)
     ap.add_argument("--format", action="append", help="a format (repeatable; default every standard type and KVarN width)")
     ap.add_argument("--text", default=str(TEXT), help="wiki.test.raw (default $TEXT, else ../shared beside the checkout)")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR)
-    ap.add_argument("--out", default=str(REPO / "bench/perf/results/attn_rounding.md"))
+    ap.add_argument("--out", help="default bench/perf/results/attn_rounding.md (bf16-attn), attn_rounding_tf32.md (tf32-attn)")
     a = ap.parse_args(argv)
     models = a.model or ["smollm2-135m", "gemma3-270m"]
     t0 = time.perf_counter()
     rows, n_tokens = [], {}
     for m in models:
-        rows += measure(m, a.n_ctx, a.chunks, a.text, a.cache_dir, a.format or STANDARD + KVARN)
+        rows += measure(m, a.n_ctx, a.chunks, a.text, a.cache_dir, a.format or STANDARD + KVARN, a.compute)
         n_tokens[m] = a.chunks * len(scoring.scored_positions(a.n_ctx))
     command = "python -m bench.perf.attn_rounding " + " ".join(
-        [f"--model {m}" for m in models] + [f"--n-ctx {a.n_ctx}", f"--chunks {a.chunks}"]
+        ([f"--compute {a.compute}"] if a.compute != BF16_ATTN else []) + [f"--model {m}" for m in models] + [f"--n-ctx {a.n_ctx}", f"--chunks {a.chunks}"]
         + [f"--format {f}" for f in a.format or []])
-    text = markdown(rows, command, time.perf_counter() - t0, n_tokens)
-    Path(a.out).write_text(text)
+    text = markdown(rows, command, time.perf_counter() - t0, n_tokens, a.compute)
+    out = a.out or REPO / "bench/perf/results" / ("attn_rounding.md" if a.compute == BF16_ATTN else "attn_rounding_tf32.md")
+    Path(out).write_text(text)
     print(text)
     return 0
 

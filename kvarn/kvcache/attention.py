@@ -19,9 +19,9 @@ speed the queries go in blocks of QUERY_BLOCK, each with only the key rows its m
 select (body: one span; exact: the sink and the tail band), so the exact half costs about
 one block of extra keys instead of doubling attention, and causal waste is cut too.
 
-Under compute bf16-attn (`KVarnCache.attn_dtype`, kvarn.spec.options.ATTENTION_ROUNDING) each block
-is `rounded_attention` instead of fp32 sdpa: the same keys and mask, Q·K and P·V on bf16 operands
-with fp32 accumulation and an fp32 softmax, as a GPU's flash attention computes it.
+Under compute bf16-attn or tf32-attn (`KVarnCache.attn_rounding`, kvarn.spec.options.ATTENTION_ROUNDING)
+each block is `rounded_attention` instead of fp32 sdpa: the same keys and mask, Q·K and P·V on bf16
+(TF32) operands with fp32 accumulation and an fp32 softmax, as a GPU's flash attention computes it.
 
 That is the reference path (`attention_ref`, attention "ref"). `kvarn.kvcache.flex` computes the
 same thing as one flex_attention call per layer call (attention "flex"); the cache's
@@ -40,6 +40,7 @@ from kvarn.kvcache import flex
 
 from kvarn.llamacpp import compute
 from kvarn.kvcache.cache import KVarnCache, check_body_rows, exact_selection
+from kvarn.kvcache.rounding import round_operand
 from kvarn.spec.options import attention_for
 
 ATTN_NAME = "kvarn"
@@ -205,20 +206,21 @@ def kvarn_attention_forward(
         scaling = query.shape[-1] ** -0.5
     if kvarn_cache.attention == "flex":
         return flex.attention(module, query, key, value, attention_mask, scaling, layer, policy,
-                              kvarn_cache.attn_dtype), None
-    return attention_ref(module, query, key, value, attention_mask, scaling, layer, policy, kvarn_cache.attn_dtype), None
+                              kvarn_cache.attn_rounding), None
+    return attention_ref(module, query, key, value, attention_mask, scaling, layer, policy,
+                         kvarn_cache.attn_rounding), None
 
 
-def rounded_attention(q, k, v, mask, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Attention on operands rounded to `dtype` (compute bf16-attn), as a GPU's flash attention
-    computes it: S = (Q·K^T)·scale from `dtype` operands summed in fp32, the softmax's max and sum
-    in fp32, the numerators P = exp(S - max) rounded to `dtype` for P·V (summed in fp32), divided
-    by the fp32 sum last (flex_attention's kernel: scores scaled in fp32, p cast to V's dtype).
-    The products are formed on the rounded values widened to fp32: a product of two bf16 values
-    is exact in fp32 (and in TF32), so only the accumulation order differs from tensor cores.
+def rounded_attention(q, k, v, mask, scale: float, rounding: str) -> torch.Tensor:
+    """Attention on operands rounded as `rounding` (compute bf16-attn, tf32-attn: `round_operand`),
+    as a GPU's flash attention computes it: S = (Q·K^T)·scale from rounded operands summed in fp32,
+    the softmax's max and sum in fp32, the numerators P = exp(S - max) rounded for P·V (summed in
+    fp32), divided by the fp32 sum last (flex_attention's kernel: scores scaled in fp32, p cast to
+    V's dtype). The products are formed on the rounded values in fp32: a product of two bf16 (TF32)
+    values is exact in fp32, so only the accumulation order differs from tensor cores.
     q [..., n, D], k and v [..., L, D] (fp32), mask [..., n, L] (bool, a True in every row);
     returns fp32 [..., n, D]."""
-    r = lambda x: x.to(dtype).float()  # noqa: E731
+    r = lambda x: round_operand(x, rounding)  # noqa: E731
     s = torch.matmul(r(q), r(k).transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.exp(s - s.amax(-1, keepdim=True))
@@ -226,10 +228,10 @@ def rounded_attention(q, k, v, mask, scale: float, dtype: torch.dtype) -> torch.
 
 
 def attention_ref(module, query, key, value, attention_mask, scaling, layer, policy,
-                  attn_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  attn_rounding: str | None = None) -> torch.Tensor:
     """The reference path: fp32 sdpa per block of QUERY_BLOCK queries over the key spans the
-    block reads (the module docstring); with `attn_dtype` (compute bf16-attn) `rounded_attention`
-    in its place. Returns [b, n_q, H, D] in the query's dtype."""
+    block reads (the module docstring); with `attn_rounding` (compute bf16-attn, tf32-attn)
+    `rounded_attention` in its place. Returns [b, n_q, H, D] in the query's dtype."""
     b, n_heads, n_q, d = query.shape
     n_kv, L = key.shape[1], key.shape[-2]
     rep = n_heads // n_kv
@@ -254,10 +256,10 @@ def attention_ref(module, query, key, value, attention_mask, scaling, layer, pol
         # GQA without repeating K/V: the `rep` query heads sharing a KV head become extra
         # query rows of that head (same per-row maths as repeat_kv).
         q_blk = q[:, :, qs:qe].reshape(b, n_kv, rep * (qe - qs), d)
-        if attn_dtype is None:
+        if attn_rounding is None:
             o = F.scaled_dot_product_attention(q_blk, k_blk, v_blk, attn_mask=m_blk.repeat(1, 1, rep, 1), scale=scaling)
         else:
-            o = rounded_attention(q_blk, k_blk, v_blk, m_blk.repeat(1, 1, rep, 1), scaling, attn_dtype)
+            o = rounded_attention(q_blk, k_blk, v_blk, m_blk.repeat(1, 1, rep, 1), scaling, attn_rounding)
         outs.append(o.reshape(b, n_heads, qe - qs, d))
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(query.dtype)
     return out.transpose(1, 2).contiguous()

@@ -109,7 +109,7 @@ class KVarnLayer(CacheLayerMixin):
 
     def __init__(self, k_fmt, v_fmt, policy: LayerPolicy, tail_dtype: torch.dtype, layer_idx: int = 0,
                  compute: str = "exact", qk_gguf_order: bool = False, exact_rotation: dict | None = None,
-                 attn_dtype: torch.dtype | None = None):
+                 attn_rounding: str | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.k_fmt, self.v_fmt, self.policy, self.tail_dtype = k_fmt, v_fmt, policy, tail_dtype
@@ -120,9 +120,9 @@ class KVarnLayer(CacheLayerMixin):
         # {"k": block | None, "v": block | None}: the exact copy rounded in the rotated frame
         # (`_exact_copy`; BeeLlama's scalar route over a rotated standard cache), else None
         self.exact_rotation = exact_rotation or {"k": None, "v": None}
-        # compute bf16-attn: the dtype attention rounds every K and V to before use; the body is
-        # stored in it (`_body_dtype`): the same values at half an fp32 body's bytes
-        self.attn_dtype = attn_dtype
+        # compute bf16-attn / tf32-attn: the format attention rounds every K and V to before use
+        # (kvarn.spec.options.ATTENTION_ROUNDING); a bf16 body is stored so (`_body_dtype`)
+        self.attn_rounding = attn_rounding
         self.k_op = self.v_op = None
         self.is_sliding = policy.window is not None
         if k_fmt.group != v_fmt.group:
@@ -138,15 +138,16 @@ class KVarnLayer(CacheLayerMixin):
         self.kv_offset = 0  # position of the first key row the ubatch's attention reads
         self.rows: dict[str, Rows] = {}
 
-    narrow_body = True  # under attn_dtype store the body in it (False: the format's own, the tests' reference)
+    narrow_body = True  # under bf16 rounding store the body in bf16 (False: the format's own, the tests' reference)
 
     def _body_dtype(self, fmt) -> torch.dtype:
         """The body's storage: the float types' own dtype (their values are that dtype's), fp32 for
         the quantized types (a dequantized value, a 16-bit scale times a code, or KVarN's rotated
-        back, needs more than 16 bits). Under compute bf16-attn, `attn_dtype`: attention rounds
-        the body to it before every use, so storing it rounded loses nothing (the same rounding)."""
-        if self.attn_dtype is not None and self.narrow_body:
-            return self.attn_dtype
+        back, needs more than 16 bits). Under compute bf16-attn, bf16: attention rounds the body
+        to it before every use, so storing it rounded loses nothing (the same rounding). TF32 is
+        no storage dtype: under tf32-attn the body stays the format's own."""
+        if self.attn_rounding == "bfloat16" and self.narrow_body:
+            return torch.bfloat16
         return FLOAT_DTYPES[fmt.name] if fmt.family == "float" else torch.float32
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -318,10 +319,9 @@ class KVarnCache(Cache):
         # llamacpp-cpu with a KVarN pair or a tail: BeeLlama's scalar route, whose arithmetic is the
         # exact path's (kvarn.spec.options.scalar_route), so its layers store and attend as exact ones
         self.scalar_route = scalar_route(cell.compute, cell.k, cell.v, cell.tail)
-        # bf16-attn: the exact path's layers, its attention's operands rounded to bf16
+        # bf16-attn / tf32-attn: the exact path's layers, its attention's operands rounded
         # (kvarn.spec.options.ATTENTION_ROUNDING; kvarn.kvcache.attention applies it)
-        rounding = ATTENTION_ROUNDING.get(cell.compute)
-        self.attn_dtype: torch.dtype | None = getattr(torch, rounding) if rounding else None
+        self.attn_rounding: str | None = ATTENTION_ROUNDING.get(cell.compute)
         layer_compute = EXACT if self.scalar_route or cell.compute in ATTENTION_ROUNDING else self.compute
         self.k_fmt = make_format(cell.k, "k", cell.rot, cell.iters)
         self.v_fmt = make_format(cell.v, "v", cell.rot, cell.iters)
@@ -347,7 +347,7 @@ class KVarnCache(Cache):
         ]
         state = _state_layers(config, self.geometry)
         layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, layer_compute, self.qk_gguf_order,
-                             self._exact_rotation(self.geometry.layers[i].head_dim), self.attn_dtype)
+                             self._exact_rotation(self.geometry.layers[i].head_dim), self.attn_rounding)
                   if p is not None else state[i]
                   for i, p in enumerate(self.policies)]
         super().__init__(layers=layers)

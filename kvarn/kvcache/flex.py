@@ -31,6 +31,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from kvarn.kvcache.cache import check_body_rows, exact_selection, reads_exact
+from kvarn.kvcache.rounding import round_operand
 
 COMPILE = True
 calls = 0
@@ -120,14 +121,17 @@ def check_mask(module, layer, policy, attention_mask, n_q: int, L: int) -> None:
 
 
 def attention(module, query, key, value, attention_mask, scaling, layer, policy,
-              attn_dtype: torch.dtype | None = None) -> torch.Tensor:
+              attn_rounding: str | None = None) -> torch.Tensor:
     """query [b, H, n_q, D]; key/value: the body rows [b, H_kv, L, D]. Returns [b, n_q, H, D]
     in the query's dtype (as `kvarn.kvcache.attention.attention_ref`).
 
-    `attn_dtype` (compute bf16-attn): Q, K and V go to flex_attention in that dtype, whose compiled
-    kernel sums Q·K and P·V in fp32, keeps the softmax in fp32 and rounds P to V's dtype
-    (`kvarn.kvcache.attention.rounded_attention`'s arithmetic). Eager (`COMPILE = False`) flex
-    also rounds the scores to that dtype: the tests' tolerance, never a run's path on a GPU."""
+    `attn_rounding` (kvarn.spec.options.ATTENTION_ROUNDING): "bfloat16" (compute bf16-attn): Q, K
+    and V go to flex_attention in bf16, whose compiled kernel sums Q·K and P·V in fp32, keeps the
+    softmax in fp32 and rounds P to V's dtype (`kvarn.kvcache.attention.rounded_attention`'s
+    arithmetic); eager (`COMPILE = False`) flex also rounds the scores to bf16: the tests'
+    tolerance, never a run's path on a GPU. "tfloat32" (tf32-attn): fp32 operands rounded to TF32
+    here, and the compiled kernel's dots in TF32 (FLOAT32_PRECISION 'tf32': P read as TF32 too);
+    eager flex computes them in fp32."""
     global calls
     n_heads, n_q = query.shape[1], query.shape[-2]
     n_kv, L = key.shape[1], key.shape[-2]
@@ -138,14 +142,20 @@ def attention(module, query, key, value, attention_mask, scaling, layer, policy,
         raise RuntimeError(f"layer {module.layer_idx}: {n_exact} exact rows beside {L} body rows "
                            f"(sink {policy.sink}, tail {policy.tail}); the cache and the policy disagree")
     # fp32 keys and values (widening the bf16 / f16 body of the float types and the exact copy
-    # is exact: their values are those dtypes'), or all operands rounded to `attn_dtype`.
-    dt = attn_dtype or torch.float32
+    # is exact: their values are those dtypes'), or all operands rounded as `attn_rounding`.
+    dt = torch.bfloat16 if attn_rounding == "bfloat16" else torch.float32
     if n_exact:
         k = torch.cat([key.to(dt), ek.to(dt)], dim=-2)
         v = torch.cat([value.to(dt), ev.to(dt)], dim=-2)
     else:
         k, v = key.to(dt), value.to(dt)
+    q = query.to(dt)
+    options = {}
+    if attn_rounding == "tfloat32":
+        q, k, v = (round_operand(x, attn_rounding) for x in (q, k, v))
+        if COMPILE:
+            options = {"kernel_options": {"FLOAT32_PRECISION": "'tf32'"}}
     bm = block_mask(layer.q_offset, n_q, layer.kv_offset, L, n_exact, policy, query.device)
-    out = _kernel()(query.to(dt), k, v, block_mask=bm, scale=scaling, enable_gqa=n_heads != n_kv)
+    out = _kernel()(q, k, v, block_mask=bm, scale=scaling, enable_gqa=n_heads != n_kv, **options)
     calls += 1
     return out.to(query.dtype).transpose(1, 2).contiguous()

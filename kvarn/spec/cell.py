@@ -8,7 +8,7 @@ decode, layer error and memory take a CellSpec instead of re-checking keyword li
 
 Its directory name is `{k}-{v}-t{tail}{opts}` with the options that differ from the
 defaults as path tokens, in one order: `-norot`, `-td{dtype}`, `-i{iters}`, `-s{sink}`,
-`-llamacpp_cpu` or `-bf16_attn` (the compute path). `CellSpec.name` writes it and
+`-llamacpp_cpu`, `-bf16_attn` or `-tf32_attn` (the compute path). `CellSpec.name` writes it and
 `CellSpec.from_name` (or `from_wildcards`, the workflow's {k}, {v}, {tail}, {opts}) reads it
 back: the matrix, the workflow, the worker's requests and the report use these, nothing else
 builds or parses a cell name.
@@ -25,9 +25,9 @@ from kvarn.spec.options import COMPUTES, DEFAULT_COMPUTE, check_compute
 CELL_NAME = "{k}-{v}-t{tail}{opts}"
 # Wildcard patterns: a type name has no "-", so a cell name parses one way.
 TYPE_PATTERN = r"[a-z0-9_]+"
-OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+|-s[0-9]+|-llamacpp_cpu|-bf16_attn)*"
+OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+|-s[0-9]+|-llamacpp_cpu|-bf16_attn|-tf32_attn)*"
 _NAME_RE = re.compile(rf"(?P<k>{TYPE_PATTERN})-(?P<v>{TYPE_PATTERN})-t(?P<tail>[0-9]+)(?P<opts>{OPTS_PATTERN})")
-_OPT_RE = re.compile(r"-(?:(?P<norot>norot)|td(?P<td>[a-z0-9]+)|i(?P<iters>[0-9]+)|s(?P<sink>[0-9]+)|(?P<compute>llamacpp_cpu|bf16_attn))")
+_OPT_RE = re.compile(r"-(?:(?P<norot>norot)|td(?P<td>[a-z0-9]+)|i(?P<iters>[0-9]+)|s(?P<sink>[0-9]+)|(?P<compute>llamacpp_cpu|bf16_attn|tf32_attn))")
 
 
 class CellError(ValueError):
@@ -43,7 +43,7 @@ class CellError(ValueError):
 
 def compute_suffix(compute: str) -> str:
     """The path token of a compute path: '' for exact, else '-' and its name with '_' for '-'
-    ('-llamacpp_cpu', '-bf16_attn')."""
+    ('-llamacpp_cpu', '-bf16_attn', '-tf32_attn')."""
     if compute not in COMPUTES:
         raise ValueError(f"compute {compute!r} is not one of {', '.join(COMPUTES)}")
     return "" if compute == DEFAULT_COMPUTE else "-" + compute.replace("-", "_")
@@ -62,7 +62,7 @@ class CellSpec:
     tail_dtype: str | None = None  # None: the family's default (bf16 standard, f16 KVarN)
     iters: int = facts.KVARN_ITERS  # KVarN's variance-normalization passes
     sink: int | None = None  # None: the pair's own (0 standard, 128 KVarN)
-    compute: str = DEFAULT_COMPUTE  # kvarn.spec.options.COMPUTES: "exact" | "llamacpp-cpu" | "bf16-attn"
+    compute: str = DEFAULT_COMPUTE  # kvarn.spec.options.COMPUTES: "exact" | "llamacpp-cpu" | "bf16-attn" | "tf32-attn"
 
     def __post_init__(self):
         self.validate()
@@ -128,7 +128,7 @@ class CellSpec:
         if m is None:
             raise ValueError(f"{name!r} is not a cell name; expected {{k}}-{{v}}-t{{tail}}{{opts}}, e.g. "
                              "q4_0-q4_0-t128 or kvarn4-kvarn4-t0-s64 (opts: -norot, -td<dtype>, -i<n>, -s<n>, "
-                             "-llamacpp_cpu or -bf16_attn, in that order)")
+                             "-llamacpp_cpu, -bf16_attn or -tf32_attn, in that order)")
         try:
             spec = cls(m["k"], m["v"], int(m["tail"]), **parse_opts(m["opts"]))
         except CellError as e:
@@ -148,7 +148,7 @@ def parse_opts(opts: str) -> dict:
     """rot, tail_dtype, iters, sink and compute from a cell name's options suffix (defaults where absent)."""
     if not re.fullmatch(OPTS_PATTERN, opts or ""):
         raise ValueError(f"{opts!r} is not a cell's options suffix; expected tokens of -norot, -td<dtype>, -i<n>, "
-                         "-s<n>, -llamacpp_cpu or -bf16_attn")
+                         "-s<n>, -llamacpp_cpu, -bf16_attn or -tf32_attn")
     out = {f.name: f.default for f in fields(CellSpec) if f.default is not MISSING}  # CellSpec's defaults
     for o in _OPT_RE.finditer(opts or ""):
         if o["norot"]:

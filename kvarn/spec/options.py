@@ -18,20 +18,23 @@ from kvarn.spec.facts import get
 EXACT = "exact"
 LLAMACPP_CPU = "llamacpp-cpu"
 BF16_ATTN = "bf16-attn"
-COMPUTES = (EXACT, LLAMACPP_CPU, BF16_ATTN)
+TF32_ATTN = "tf32-attn"
+COMPUTES = (EXACT, LLAMACPP_CPU, BF16_ATTN, TF32_ATTN)
 DEFAULT_COMPUTE = EXACT
 
 # The arithmetic each compute path emulates, versioned: a cell refuses a baseline of another
 # version (kvarn.run.engine.check_baseline_compute). llamacpp-cpu 2: ggml's fp16-table GELU.
-COMPUTE_VERSION = {EXACT: 1, LLAMACPP_CPU: 2, BF16_ATTN: 1}
+COMPUTE_VERSION = {EXACT: 1, LLAMACPP_CPU: 2, BF16_ATTN: 1, TF32_ATTN: 1}
 
 # The compute paths whose attention is kvarn.kvcache.attention's (the cache model's storage, exact
-# copy and one softmax, DESIGN §2), and the dtype their attention's operands are rounded to: None,
+# copy and one softmax, DESIGN §2), and the format their attention's operands are rounded to: None,
 # fp32 throughout ("exact"); "bfloat16": Q, K, V and the softmax numerators P in bf16 for the
 # products Q·K and P·V, accumulated in fp32, the softmax itself in fp32 ("bf16-attn": what a GPU's
-# FlashAttention kernels do on bf16 tensor cores, flex_attention on bf16 operands included). Not in
-# it: llamacpp-cpu, whose attention is kvarn.llamacpp.compute's.
-ATTENTION_ROUNDING = {EXACT: None, BF16_ATTN: "bfloat16"}
+# FlashAttention kernels do on bf16 tensor cores, flex_attention on bf16 operands included);
+# "tfloat32": the same with TF32's 11 significant bits (round to nearest, ties away), fp32 storage
+# ("tf32-attn": fp32 tensors on TF32 tensor cores, flex_attention's FLOAT32_PRECISION 'tf32'). Not
+# in it: llamacpp-cpu, whose attention is kvarn.llamacpp.compute's.
+ATTENTION_ROUNDING = {EXACT: None, BF16_ATTN: "bfloat16", TF32_ATTN: "tfloat32"}
 
 # The arithmetic of a free-running decode result (kvarn.run.decode), recorded in its summary and
 # a parameter of the workflow's decode rule (a bump reruns every decode). 1: the baseline re-scored
