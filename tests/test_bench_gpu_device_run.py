@@ -223,7 +223,12 @@ def test_triton_record_reads_the_log_even_after_a_kill(tmp_path):
 
 
 def test_without_the_projection_module_the_rest_still_renders(monkeypatch):
+    import bench.gpu
+
     monkeypatch.setitem(sys.modules, "bench.gpu.projection", None)  # import fails as for a missing module
+    # and the package forgets the submodule another test may have imported (else `from bench.gpu
+    # import projection` finds it there and never asks sys.modules)
+    monkeypatch.delattr(bench.gpu, "projection", raising=False)
     recs = [{"step": "run", "item": "machine", "gpu": "NVIDIA H100 80GB HBM3, 81559 MiB, 580"},
             {"step": "qwen3.6-27b", "item": "baseline", "kind": "baseline", "status": "ok", "s_per_chunk": 42.0}]
     proj = dr.projection(recs)

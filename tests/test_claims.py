@@ -774,7 +774,13 @@ def test_the_committed_figures_were_made_by_the_code_s_numerics():
     bumped["numerics"]["compute"]["exact"] += 1
     assert provenance.stale(bumped) == [f"kvarn4: {prov['numerics']['types']['kvarn4'] + 1} recorded, "
                                         f"{prov['numerics']['types']['kvarn4']} in the code",
-                                        f"compute: {bumped['numerics']['compute']!r} recorded, "
-                                        f"{prov['numerics']['compute']!r} in the code"]
+                                        f"compute exact: {prov['numerics']['compute']['exact'] + 1} recorded, "
+                                        f"{prov['numerics']['compute']['exact']} in the code"]
+    # a compute path the figures were not made on (added since) is no staleness; one gone is
+    fewer = json.loads(json.dumps(prov))
+    fewer["numerics"]["compute"] = {"exact": prov["numerics"]["compute"]["exact"]}
+    assert provenance.stale(fewer) == []
+    fewer["numerics"]["compute"]["gone"] = 1
+    assert provenance.stale(fewer) == ["compute gone: 1 recorded, None in the code"]
     m = provenance.machine()
     assert m["cores"] >= 1 and isinstance(m["simd"], list) and m["cpu"]

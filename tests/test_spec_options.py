@@ -103,7 +103,7 @@ def test_check_compute_accepts():
 
 def test_check_compute_refuses():
     cpu = options.LLAMACPP_CPU
-    assert raises(options.check_compute, "fast") == "compute 'fast' not accepted; use one of exact, llamacpp-cpu"
+    assert raises(options.check_compute, "fast") == "compute 'fast' not accepted; use one of exact, llamacpp-cpu, bf16-attn, tf32-attn"
     assert raises(options.check_compute, cpu, "q4_0", "q4_0", 0, 4) == (
         "compute llamacpp-cpu: sink 4 not accepted; llama.cpp keeps no exact sink of its own choosing "
         "(KVarN's is its format's: leave --sink unset)")

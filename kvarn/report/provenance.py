@@ -76,6 +76,11 @@ def stale(recorded: dict) -> list[str]:
             for t, v in value.items():
                 if (then.get("types") or {}).get(t) != v:
                     out.append(f"{t}: {(then.get('types') or {}).get(t)} recorded, {v} in the code")
+        elif key == "compute" and isinstance(then.get(key), dict):
+            # per compute path the figures were made on: a path added since moves none of them
+            for c, v in then[key].items():
+                if value.get(c) != v:
+                    out.append(f"compute {c}: {v} recorded, {value.get(c)} in the code")
         elif then.get(key) != value:
             out.append(f"{key}: {then.get(key)!r} recorded, {value!r} in the code")
     return out
