@@ -178,3 +178,20 @@ def test_the_block_mask_is_built_once_per_layer_kind_and_ubatch(monkeypatch):
     with_build = staging()
     monkeypatch.setattr(P, "MASK_BUILD_BYTES", 0)
     assert with_build - staging() == pytest.approx(512 * 512 * (128 * 129 // 2) / 65536 * 48)
+
+
+def test_tf32_attention_runs_at_half_the_tensor_core_rate_on_4_byte_tiles():
+    from bench.gpu import projection as P
+
+    bf16 = P.per_token("qwen3.6-27b", 65536, "standard t0")
+    tf32 = P.per_token("qwen3.6-27b", 65536, "standard t0", compute="tf32-attn")
+    a, b = bf16["full attention"], tf32["full attention"]
+    assert (a["unit"], b["unit"]) == ("attention", "attention_tf32")
+    assert b["flops"] == a["flops"] and b["bytes"] == 2 * a["bytes"]
+    for d in P.DEVICES.values():  # TF32's dense peak is half bf16's, at the same kernel efficiency
+        assert d["fraction"]["attention_tf32"] == d["fraction"]["attention"] / 2
+        assert d["fraction"]["attention_d512_tf32"] == d["fraction"]["attention_d512"] / 2
+    assert {k: v for k, v in tf32.items() if "attention" not in k} == {k: v for k, v in bf16.items() if "attention" not in k}
+    assert P.project(compute="tf32-attn")["total_hours"] > P.project()["total_hours"]
+    with pytest.raises(ValueError, match="compute 'exact'"):
+        P.per_token("qwen3.6-27b", 65536, compute="exact")

@@ -64,6 +64,10 @@ DEVICES = {
 }
 for _d in DEVICES.values():
     _d["fraction"] = {"gemm": 0.45, "attention": 0.30, "attention_d512": 0.15, "linear": 0.15, "hbm": 0.75}
+    # compute tf32-attn: the same kernels' efficiency on TF32 tensor cores, whose dense peak is half
+    # the bf16 one (494.7 of 989 TFLOP/s), stated against the bf16 peak
+    _d["fraction"].update(attention_tf32=0.15, attention_d512_tf32=0.075)
+ATTENTION_COMPUTES = ("bf16-attn", "tf32-attn")  # the arithmetic the article's attention runs in (kvarn.spec.options)
 
 # The host side (the same on both nodes: 16 cores, PCIe gen 5):
 #   d2h_Bps      12 GB/s: `lp.cpu()` of pageable memory (pinned would reach ~50).
@@ -181,14 +185,19 @@ def _edges(window: int | None, tail: int, exact: bool) -> int:
 
 
 def per_token(model: str, n_ctx: int, kind: str = "baseline", cell: tuple[str, str, int] | None = None,
-              ubatch: int = UBATCH) -> dict[str, dict]:
+              ubatch: int = UBATCH, compute: str = "bf16-attn") -> dict[str, dict]:
     """FLOPs and bytes per forward token of one chunk, by part: {part: {"flops", "bytes",
     "unit"}} where unit names the fraction the part runs at (DEVICES' "fraction" keys, or
     "rate" for work timed at a HOST rate, its seconds per token under "rate_s").
 
     `kind` (KINDS) and `cell` (k, v, tail; default the kind's plainest article cell: bf16 for the
     baseline, q8_0 t0, q4_0 t128, kvarn4) choose the cache's work and the dump's direction.
+    `compute` (ATTENTION_COMPUTES): the attention on bf16 operands, or on fp32 ones read as TF32
+    (half the tensor-core rate, K/V tiles of 4 bytes).
     """
+    if compute not in ATTENTION_COMPUTES:
+        raise ValueError(f"compute {compute!r}: expected one of {ATTENTION_COMPUTES}")
+    tf32 = compute == "tf32-attn"
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: expected one of {KINDS}")
     cell = cell if kind != "baseline" else None
@@ -227,10 +236,10 @@ def per_token(model: str, n_ctx: int, kind: str = "baseline", cell: tuple[str, s
         d, kv = layer.head_dim, layer.n_kv_heads
         keys = _visible(n_ctx, layer.window) + EDGE_KEYS * _edges(layer.window, tail, exact)
         name = "sliding attention" if layer.window else "full attention"
-        unit = "attention_d512" if d > 256 else "attention"
+        unit = ("attention_d512" if d > 256 else "attention") + ("_tf32" if tf32 else "")
         # QK and PV: 2 x 2 d FLOPs per (query head, key); K and V tiles read once per query tile
-        # and KV head (the GQA group's query heads served from L2), bf16
-        add(name, 4 * d * n_heads * keys, keys * kv * d * 2 * 2 / QUERY_BLOCK, unit)
+        # and KV head (the GQA group's query heads served from L2), bf16 (fp32 under TF32)
+        add(name, 4 * d * n_heads * keys, keys * kv * d * 2 * (4 if tf32 else 2) / QUERY_BLOCK, unit)
         calls = list(_calls(n_ctx, ubatch, layer.window))
         rows = sum(L for _, L in calls) / n_ctx  # body rows per token, over the chunk's calls
         pairs = sum(q * L for q, L in calls) / n_ctx  # (query, key) pairs the mask covers per token
@@ -308,7 +317,8 @@ def plan(article: Path = ARTICLE, study_chunks: dict | None = None) -> dict[str,
     return out
 
 
-def modelled_parts(model: str, kind: str, device: str = "h200", article: Path = ARTICLE) -> dict[str, float]:
+def modelled_parts(model: str, kind: str, device: str = "h200", article: Path = ARTICLE,
+                   compute: str = "bf16-attn") -> dict[str, float]:
     """Seconds per chunk by part for `kind` on `model`: the mean over the kind's article cells
     (cells of one tail and family cost the same here, so each distinct one is costed once and
     weighted by its count)."""
@@ -323,15 +333,15 @@ def modelled_parts(model: str, kind: str, device: str = "h200", article: Path = 
     total = sum(variants.values())
     out: dict[str, float] = {}
     for cell, n in variants.items():
-        for name, part in per_token(model, n_ctx, kind, cell).items():
+        for name, part in per_token(model, n_ctx, kind, cell, compute=compute).items():
             out[name] = out.get(name, 0.0) + n / total * n_ctx * part_seconds(part, device)
     return out
 
 
-def modelled(model: str, kind: str, device: str = "h200") -> float:
+def modelled(model: str, kind: str, device: str = "h200", compute: str = "bf16-attn") -> float:
     """Seconds per chunk of one cell of `kind` on `model` (the roofline sum of `per_token`'s
     parts); `project` adds CELL_FIXED_S per cell and the model load per model."""
-    return sum(modelled_parts(model, kind, device).values())
+    return sum(modelled_parts(model, kind, device, compute=compute).values())
 
 
 def model_load_s(model: str) -> float:
@@ -343,7 +353,7 @@ def model_load_s(model: str) -> float:
 
 
 def project(device: str = "h200", measured: dict[str, dict[str, float]] | None = None,
-            study_chunks: dict | None = None, article: Path = ARTICLE) -> dict:
+            study_chunks: dict | None = None, article: Path = ARTICLE, compute: str = "bf16-attn") -> dict:
     """The article's device-hours on `device`: one row per (model, kind) with cells, chunks,
     s_per_chunk (`measured[model][kind]` where given, else `modelled`), its source, fixed_s (per
     cell) and gpu_hours = cells x (chunks x s_per_chunk + fixed_s) / 3600; one "model load" row
@@ -355,7 +365,7 @@ def project(device: str = "h200", measured: dict[str, dict[str, float]] | None =
     rows, part_hours, device_hours = [], {}, 0.0
     for model, kinds in plan(article, study_chunks).items():
         for kind, p in kinds.items():
-            parts = modelled_parts(model, kind, device, article)
+            parts = modelled_parts(model, kind, device, article, compute)
             rated = {name for name, part in per_token(model, p["n_ctx"], kind).items() if part["unit"] == "rate"}
             model_s = sum(parts.values())
             got = measured.get(model, {}).get(kind)
@@ -380,7 +390,7 @@ def project(device: str = "h200", measured: dict[str, dict[str, float]] | None =
     for (_, _, name), hrs in part_hours.items():
         by_part[name] += hrs
     rest = total - device_hours
-    return {"device": device, "rows": rows, "total_hours": total, "goal_hours": GOAL_HOURS,
+    return {"device": device, "compute": compute, "rows": rows, "total_hours": total, "goal_hours": GOAL_HOURS,
             "tokens": sum(r["tokens"] for r in rows),
             "dominant": {"model": top[0], "kind": top[1], "part": top[2], "gpu_hours": part_hours[top]},
             "by_part": dict(by_part.most_common()),
@@ -401,7 +411,9 @@ def markdown(proj: dict) -> str:
     L = [f"Projected device-hours of config/article.yaml on one {dev['name']} "
          f"({dev['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16, {dev['hbm_Bps'] / 1e12:.2f} TB/s HBM), "
          "`python -m bench.gpu.projection"
-         + ("" if proj["device"] == "h200" else f" --device {proj['device']}") + "`:", "",
+         + ("" if proj["device"] == "h200" else f" --device {proj['device']}")
+         + ("" if proj.get("compute", "bf16-attn") == "bf16-attn" else f" --compute {proj['compute']}")
+         + f"` (attention: compute {proj.get('compute', 'bf16-attn')}):", "",
          "| model | kind | cells | chunks | n_ctx | tokens | s/chunk | source | GPU-hours |",
          "|---|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in proj["rows"]:
@@ -451,9 +463,11 @@ def markdown(proj: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="h200", choices=sorted(DEVICES))
+    ap.add_argument("--compute", default="bf16-attn", choices=ATTENTION_COMPUTES,
+                    help="the attention's arithmetic (default bf16-attn)")
     ap.add_argument("--out", default=None, help="write the Markdown here too")
     args = ap.parse_args(argv)
-    md = markdown(project(args.device))
+    md = markdown(project(args.device, compute=args.compute))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(md)
