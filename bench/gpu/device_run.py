@@ -23,7 +23,7 @@ and either is recorded as such):
 2. Qwen 3.6 27B at 65,536, then 3. Gemma 4 31B at 16,384: random weights of the study's geometry
    (`random:config/models/<name>.json`, bf16, kvarn.weights.random_model), one
    `kvarn.run.engine.Context`, then the baseline, kvarn4, q4_0 t128 and q8_0 t0 on one chunk on
-   the flex path with `--compute` (bf16-attn: bf16 Q/K/V into flex, fp32 accumulation). Each run
+   the flex path with `--compute` (tf32-attn: TF32 dots in flex, fp32 accumulation). Each run
    is preceded by a warm-up of the same code on the chunk's first 2 ubatches (compiles flex, the
    KVarN and fla Triton kernels), its seconds recorded apart (`warmup_s`); the timed chunk then
    records how many graphs dynamo still compiled in it. The engine's own building blocks run
@@ -623,7 +623,8 @@ def projection(records: list[dict]) -> dict:
     except Exception as e:  # absent, or being written
         return {**out, "error": f"bench/gpu/projection.py not importable ({_short(e, 120)})"}
     try:
-        proj = pj.project(device=device, measured=m)
+        compute = next((r["compute"] for r in records if r.get("compute") in pj.ATTENTION_COMPUTES), "bf16-attn")
+        proj = pj.project(device=device, measured=m, compute=compute)
         return {**out, "projection": proj, "markdown": pj.markdown(proj)}
     except Exception as e:
         return {**out, "error": f"bench.gpu.projection failed: {_short(e)}"}
@@ -730,9 +731,11 @@ def _step_notes(records, step) -> list[str]:
 # --- entry ----------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    from kvarn.spec.options import ATTENTION_ROUNDING, BF16_ATTN
+    from kvarn.spec.options import ATTENTION_ROUNDING, TF32_ATTN
 
-    default_compute = BF16_ATTN  # the GPU's arithmetic: bf16 operands into flex, fp32 sums and softmax
+    # the GPU's arithmetic that kept every format's KLD (bench/perf/results/attn_rounding_tf32.md):
+    # TF32 operands into flex, fp32 sums and softmax
+    default_compute = TF32_ATTN
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "results"),
                     help="folder of device_run.jsonl and device_run.md (default bench/gpu/results)")
