@@ -16,32 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
+from blocked_imports import blocked_env
 from paths import WIKI_TEXT
 
 from bench.gpu import device_run as dr
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# polars absent as far as imports can tell (the GPU machine has none): a meta-path finder ahead
-# of all others answers "no such module" (tests/test_structure.py's way of blocking torch).
-NO_POLARS = textwrap.dedent('''
-    import sys
-
-    class NoPolars:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "polars":
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked: the device has no polars)")
-            return None
-
-    sys.meta_path.insert(0, NoPolars())
-''')
-
-
 def _no_polars_env(tmp_path: Path) -> dict:
-    site = tmp_path / "no_polars"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NO_POLARS)
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+    """polars absent as far as imports can tell (the GPU machine has none)."""
+    return blocked_env(tmp_path, ("polars",), "the device has no polars")
 
 
 def _records(results: Path) -> list[dict]:

@@ -11,33 +11,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+from blocked_imports import blocked_env
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
-# A process in which torch, transformers and triton are not installed, as far as imports can
-# tell: a meta-path finder ahead of all others answers "no such module" for them (a
-# ModuleNotFoundError, as for a missing package, so optional-dependency probes such as
-# polars' see them absent instead of crashing).
-NO_TORCH = textwrap.dedent('''
-    import sys
-
-    class NoTorch:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("torch", "transformers", "triton"):
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked: this process must stay torch-free)")
-            return None
-
-    sys.meta_path.insert(0, NoTorch())
-''')
-
 
 def _no_torch_env(tmp_path: Path) -> dict:
-    site = tmp_path / "no_torch"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NO_TORCH)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
-    return env
+    """A process in which torch, transformers and triton are not installed, as far as imports can tell."""
+    return blocked_env(tmp_path, ("torch", "transformers", "triton"), "this process must stay torch-free",
+                       OMP_NUM_THREADS="1")
 
 
 def test_import_contracts_hold():
