@@ -164,6 +164,7 @@ def test_floor_is_standard_pairs_at_tail_128_not_format_only():
     below = C.below_floor_table(prep)
     assert below["pair"].to_list() == ["kvarn6-kvarn6"] and below["mib_saved"][0] == pytest.approx(5.0)
     assert row(led, "format_only_floor")["origin"] == "ours"
+    assert row(led, "format_only_floor")["ours"] == pytest.approx(0.1)  # the format-only row's median
     # the table and the paired statistics mark the same floor
     assert prep.filter(pl.col("is_floor"))["cell"].to_list() == ["q8_0-q8_0-t128"]
 
@@ -220,6 +221,33 @@ def test_ladder_sweep_trend_prefill_same_top():
     assert row(led, "prefill_4")["ours"] is None and row(led, "prefill_4")["ours_text"] == C.NOT_TIMED_COMPARABLY
     assert row(led, "q8_0_same_top")["ours"] == pytest.approx(97.5)
     assert set(led["verdict"]) <= set(C.VERDICTS)
+
+
+def test_the_texts_of_same_top_the_two_bit_reversal_and_our_claims_by_hand():
+    # q8_0's same-top at tail 128 printed with its error (the fixture's same_top_err: 0.01)
+    cells = [("q4_0-q4_0", 128, 0.5, 10, 0.9, 1000.0), ("q8_0-q8_0", 128, 0.1, 18, 0.975, 1000.0),
+             ("kvarn4-kvarn4", 0, 0.4, 11, 0.9, 800.0)]
+    _, led = ledger_of(cells)
+    assert row(led, "q8_0_same_top")["ours_text"] == "97.500 ± 1.000 %"
+    # a claim of ours is written "*ours:* <claim>" once, the claim's own "ours: " prefix dropped
+    md = C.ledger_markdown(led)
+    assert "| *ours:* the format-only floor (standard types with KVarN's sink and F16 tail) against " in md
+    assert "*ours:* ours:" not in md
+    # read against Gemma 4's figures (kvarn2 loses there): the note names every other width where
+    # KVarN's median is above the standard type's at tail 128 too (3 and 4 bits, not 5)
+    cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.5, 6), ("q3_0-q3_0", 128, 0.5, 5),
+             ("kvarn3-kvarn3", 0, 0.6, 6), ("q4_0-q4_0", 128, 0.1, 5), ("kvarn4-kvarn4", 0, 0.2, 6),
+             ("q5_0-q5_0", 128, 0.05, 5), ("kvarn5-kvarn5", 0, 0.01, 6)]
+    _, led = ledger_of(cells, study_model="gemma4-31b")
+    assert row(led, "two_bit_reversal")["note"] == "KVarN also loses at 3 bits, 4 bits"
+    # a study whose kvarn2 median only equals q2_0's prints no reversal: no claim to read
+    import copy
+
+    study = copy.deepcopy(STUDY)
+    med = C.figure(study, "median", "gemma4-31b")
+    med[C.cell_key("kvarn2-kvarn2", 0)] = med[C.cell_key("q2_0-q2_0", 128)]
+    prep, _ = ledger_of(cells, study_model="gemma4-31b")
+    assert "two_bit_reversal" not in C.ledger(prep, "m", study, study_model="gemma4-31b")["claim_id"].to_list()
 
 
 def test_a_study_file_with_quoted_widths_reads_the_same():
