@@ -390,3 +390,11 @@ def test_standard_sink_is_read_exactly(model):
     assert not torch.equal(cache_logits(model, ids, "q2_0", "q2_0", 4, sink=8), cache_logits(model, ids, "q2_0", "q2_0", 4))
     with pytest.raises(ValueError, match="KVarN's sink is fixed at 128"):
         CellSpec("kvarn4", "kvarn4", 0, sink=0)
+
+
+def test_a_sink_of_one_keeps_an_exact_copy(model):
+    # the smallest sink, with no tail and a per-token type: the one key read exactly is the only
+    # reason the layer keeps an exact copy at all
+    cache = KVarnCache(model.config, CellSpec("q2_0", "q2_0", 0, sink=1))
+    assert [layer.keep_exact for layer in cache.layers] == [pol.sink == 1 for pol in cache.kv_policies]
+    assert_at_fp32_noise(checked_run(model, _ids(model), "q2_0", "q2_0", 0, 64, sink=1), "q2_0 sink 1")

@@ -93,7 +93,8 @@ def run_group(name: str, max_children: int, keep: Path | None, sample: int | Non
     group = load_group(name)
     modules, tests, equivalent = group["modules"], group["tests"], group["equivalent"]
     # `deselect`: tests that run the workflow in a subprocess, where mutmut's bookkeeping is absent
-    # (the clean run fails there); the group's other tests own those lines
+    # (the clean run fails there), or whole-model tests another group owns (seconds per mutant); the
+    # group's other tests own those lines
     pytest_args = ["-p", "no:xdist", "-q", "-p", "no:cacheprovider"]
     for t in group.get("deselect") or []:
         pytest_args += ["--deselect", t]
