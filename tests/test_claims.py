@@ -466,18 +466,22 @@ def test_same_width_verdict_reads_the_paired_interval_in_its_direction():
     # Δ median = kvarn − qN_0. A gain (4 bits: study +7.9 %, ours +20 %) holds when the whole
     # interval is below 0 (SmolLM2's kvarn4 vs q4_0 at tail 128: [−0.0025, −0.0017]), not when it
     # is above 0 or holds 0. A loss (2 bits here: a study printing −5 %, ours −25 %) holds when the
-    # whole interval is above 0.
-    study = {**STUDY, "figures": {**STUDY["figures"], "same_width_gain": {"qwen3.6-27b": {4: 7.9, 2: -5.0}}}}
+    # whole interval is above 0. A study gain below 1 % (8 bits here: +0.5 %) is a gain all the same.
+    study = {**STUDY, "figures": {**STUDY["figures"], "same_width_gain": {"qwen3.6-27b": {4: 7.9, 2: -5.0, 8: 0.5}}}}
     prep = prepare(summary([("q4_0-q4_0", 128, 1.0, 10), ("kvarn4-kvarn4", 0, 0.8, 11),
-                            ("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.25, 6)]), "m")
+                            ("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.25, 6),
+                            ("q8_0-q8_0", 128, 1.0, 20), ("kvarn8-kvarn8", 0, 0.9, 21)]), "m")
 
     def verdicts(lo, hi):
         rows = C.same_width_gain(prep, "m", "qwen3.6-27b", study, delta=lambda a, b: ((lo + hi) / 2, lo, hi))
         return {r["claim_id"]: r["verdict"] for r in rows if r["verdict"] != "not measurable"}
 
-    assert verdicts(-0.0025, -0.0017) == {"same_width_gain_4": "holds", "same_width_gain_2": "does not hold"}
-    assert verdicts(0.0017, 0.0025) == {"same_width_gain_4": "does not hold", "same_width_gain_2": "holds"}
-    assert verdicts(-0.001, 0.001) == {"same_width_gain_4": "does not hold", "same_width_gain_2": "does not hold"}
+    assert verdicts(-0.0025, -0.0017) == {"same_width_gain_4": "holds", "same_width_gain_8": "holds",
+                                          "same_width_gain_2": "does not hold"}
+    assert verdicts(0.0017, 0.0025) == {"same_width_gain_4": "does not hold", "same_width_gain_8": "does not hold",
+                                        "same_width_gain_2": "holds"}
+    assert verdicts(-0.001, 0.001) == {"same_width_gain_4": "does not hold", "same_width_gain_8": "does not hold",
+                                       "same_width_gain_2": "does not hold"}
 
 
 def test_study_model_choice():

@@ -448,7 +448,7 @@ def _median_ratio(higher, lower, higher_name: str, lower_name: str, delta: Delta
 def equal_memory_table(prep: pl.DataFrame) -> pl.DataFrame:
     """Decision table: rows at the matched tail (`matched`) of one family that share their KV
     bytes exactly but split them differently between K and V, best median first in each group."""
-    rows = matched(prep).with_columns((pl.col("kv_total_bytes") / float(1 << 20)).alias("kv_mib"))
+    rows = matched(prep)  # kv_mib as kvarn.report.data.prepare computes it
     groups = rows.group_by(["family", "kv_total_bytes"]).agg(pl.col("pair").n_unique().alias("n")).filter(pl.col("n") > 1)
     out = rows.join(groups.select(["family", "kv_total_bytes"]), on=["family", "kv_total_bytes"])
     out = out.with_columns((pl.col("k_type") == pl.col("v_type")).alias("symmetric"))
