@@ -275,3 +275,32 @@ def test_rows_in_same_width_and_pareto():
     assert f"{D.SERIES_ECOSYSTEM}, tail 128*" in series
     assert not set(D.pareto_frontier(both)["pair"]) & {"quanto4-quanto4", "kivi2-kivi2"}
     assert D.standard_floor(both)["pair"] == D.standard_floor(prep)["pair"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("role", ["k", "v"])
+def test_from_bytes_rebuilds_the_librarys_object(name, role):
+    """`from_bytes` re-derives the library object `to_bytes` serialized: quanto's tensor with its qtype,
+    axis, group size, shape and strides; HQQ's (W_q, meta) with every key of the library's meta."""
+    fmt = get_format(name, role=role)
+    t = _x(G, 64).to(torch.bfloat16).reshape(1, 1, G, 64)
+    q = fmt.quantize(t)
+    back = fmt.from_bytes(fmt.to_bytes(q), 64)
+    if facts.ECOSYSTEM_TYPES[name][0] == "quanto":
+        assert (back.qtype, back.axis, back._group_size, back.shape, back.stride()) == \
+            (q.qtype, q.axis, q._group_size, q.shape, q.stride())
+        return
+    (w, meta), (w_back, meta_back) = q, back
+    assert torch.equal(w_back, w) and set(meta_back) == set(meta)
+    for key, value in meta.items():
+        assert torch.equal(meta_back[key], value) if torch.is_tensor(value) else meta_back[key] == value, key
+
+
+def test_a_buffer_carries_its_format_role_library_and_dtype():
+    # the library as installed (its pin is checked by test_library_version_is_pinned)
+    for name, role, dist in (("quanto4", "k", "optimum-quanto"), ("hqq2", "v", "hqq")):
+        fmt = get_format(name, role=role)
+        want = {"format": name, "role": role, "library": f"{dist}=={importlib.metadata.version(dist)}", "dtype": "bf16"}
+        assert fmt.packed_meta() == want and fmt.encode(_x(1, G, 64)).meta == want
+    with pytest.raises(ValueError, match=r"^quanto4: n_tokens 100 is not a multiple of the group size 128$"):
+        get_format("quanto4").nbytes(100, 64)

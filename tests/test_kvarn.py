@@ -555,3 +555,29 @@ def test_fast_normalization_bitwise_on_real_tiles(name):
         p = _same_choice(tiles.reshape(-1, *tiles.shape[-2:]))
         assert len(set(p.tolist())) > 1
         _same_quantization(tiles.reshape(-1, *tiles.shape[-2:]), 4)
+
+
+def test_codes_unpack_to_uint8_on_the_device_they_were_packed_on():
+    # the dequantizer indexes with uint8 codes; a tensor made on the CPU by mistake shows on "meta"
+    codes = torch.tensor([[1, 2, 7]], dtype=torch.uint8)
+    assert K.unpack_codes(K.pack_codes(codes, 3), 3, 3).dtype == torch.uint8
+    for bits in (2, 5, 8):
+        packed = K.pack_codes(torch.zeros(2, 128, dtype=torch.uint8, device="meta"), bits)
+        assert packed.device.type == "meta" and packed.dtype == torch.uint8 and packed.shape == (2, 16 * bits)
+        back = K.unpack_codes(packed, bits, 128)
+        assert back.device.type == "meta" and back.dtype == torch.uint8 and back.shape == (2, 128)
+
+
+def test_iters_zero_is_plain_rtn_and_the_knobs_are_checked():
+    # iters 0: no normalization pass (an ablation), accepted and different from the default's passes
+    x = torch.randn(2, 128, 128, generator=_gen(5)) * torch.linspace(0.1, 8, 128)
+    plain = get_format("kvarn4", iters=0)
+    assert plain.iters == 0 and not torch.equal(plain.roundtrip(x), get_format("kvarn4").roundtrip(x))
+    with pytest.raises(ValueError, match=r"^kvarn4: iters must be an integer >= 0, got -1$"):
+        get_format("kvarn4", iters=-1)
+    with pytest.raises(ValueError, match=r"^kvarn4: impl must be 'auto', 'ref' or 'triton', got 'cuda'$"):
+        get_format("kvarn4", impl="cuda")
+    with pytest.raises(ValueError, match=r"^kvarn4: got 100 tokens; KVarN writes whole groups of 128 tokens, so "
+                                         r"n_tokens must be a multiple of 128 \(an incomplete group stays exact in "
+                                         r"the F16 tail until its last token arrives\)$"):
+        plain.roundtrip(torch.zeros(100, 128))
