@@ -336,8 +336,8 @@ def test_unnormalised_rows_are_refused_naming_the_row(token_metrics):
     q = torch.log_softmax(torch.randn(70, 5), dim=-1)
     q[66] += 0.5
     base = torch.log_softmax(torch.randn(70, 5), dim=-1)
-    with pytest.raises(ValueError, match=r"logp_q row 66 is not normalised .*pass log-probabilities "
-                                         r"\(torch\.log_softmax of the logits\), not logits"):
+    with pytest.raises(ValueError, match=r"^logp_q row 66 is not normalised \(logsumexp 0\.5\); pass log-probabilities "
+                                         r"\(torch\.log_softmax of the logits\), not logits$"):
         token_metrics(q, base, torch.zeros(70, dtype=torch.long))
 
 
@@ -348,8 +348,10 @@ def test_targets_of_any_integer_dtype_and_more_rows_than_vocabulary(token_metric
     base = torch.log_softmax(torch.randn(40, 8), dim=-1)
     t64 = torch.randint(0, 8, (40,))
     ref = metrics.token_metrics_ref(q.double(), base.double(), t64)
-    got = token_metrics(q, base, t64.numpy().astype(np.int32))  # int32 targets, 40 rows > 8 entries
-    for k in ("nll", "nll_base", "dp"):
-        assert np.allclose(got[k], ref[k], rtol=1e-6, atol=1e-7), k
-    assert np.allclose(got["kld"], ref["kld"], rtol=1e-5, atol=1e-7)
-    assert (got["same_top"] == ref["same_top"]).all()
+    # int32, uint8 (a small vocabulary's ids as stored) and int16 targets; 40 rows > 8 entries
+    for dtype in (np.int32, np.uint8, np.int16):
+        got = token_metrics(q, base, t64.numpy().astype(dtype))
+        for k in ("nll", "nll_base", "dp"):
+            assert np.allclose(got[k], ref[k], rtol=1e-6, atol=1e-7), (k, dtype)
+        assert np.allclose(got["kld"], ref["kld"], rtol=1e-5, atol=1e-7)
+        assert (got["same_top"] == ref["same_top"]).all()
