@@ -28,3 +28,33 @@ def test_the_wilson_interval_against_hand_worked_values():
     lo, hi = M.wilson(20, 20)
     assert hi == pytest.approx(1.0) and lo == pytest.approx(20 / (20 + 1.959964 ** 2))
     assert all(math.isnan(x) for x in M.wilson(0, 0))  # no mutant scored: no interval
+
+
+def _result(group, modules, sample=None, equivalent=None):
+    return {"group": group, "commit": "0123456789abcdef", "modules": modules, "survivors": ["m.x_f__mutmut_3"],
+            "equivalent": equivalent or {}, "wall_s": 60.0, "work": "/tmp/w", "rc": 0, "tests": ["tests/test_a.py"],
+            "sample": sample, "seed": 0, "generated": {m: 500 for m in modules}}
+
+
+def test_the_summary_reads_every_groups_file_as_run_writes_it(tmp_path):
+    from bench.mutation import summary as S
+
+    # two groups written by run's own writer: a full run (one module at 19 / 20 = 95 %) and a
+    # sampled one (8 of 10 killed, 2 timeouts among them = 80 %, below the goal); a first run kept
+    # as .before.md is not read
+    M.write(_result("alpha", {"kvarn/a.py": {"killed": 19, "survived": 1, "equivalent": 2}}), tmp_path,
+            "python -m bench.mutation.run alpha")
+    M.write(_result("beta", {"kvarn/b.py": {"killed": 6, "timeout": 2, "survived": 2}}, sample=10), tmp_path,
+            "python -m bench.mutation.run beta --sample 10 --seed 0")
+    (tmp_path / "beta.md").write_text((tmp_path / "beta.md").read_text() + "\nNote (added by hand): read.\n")
+    (tmp_path / "alpha.before.md").write_text("not read")
+    text = S.summary(tmp_path)
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert rows[0].startswith("| `kvarn/a.py` | alpha | 95.0 % | 22 | 19 (0) | 1 | 2 | 0123456, ")
+    assert rows[0].endswith(": `python -m bench.mutation.run alpha` |  |")
+    assert rows[1].startswith("| `kvarn/b.py` | beta | 80.0 % (49.0–94.3) | 10 (500) | 8 (2) | 2 | 0 | 0123456, ")
+    assert rows[1].endswith("`python -m bench.mutation.run beta --sample 10 --seed 0` | yes |") and len(rows) == 2
+    assert text.splitlines()[-1] == "Below 90 % at their last run: `kvarn/b.py`."
+    (tmp_path / "gamma.md").write_text("# something else\n")
+    with pytest.raises(ValueError, match=r"gamma\.md: no 'mutmut \.\.\. at <commit>"):
+        S.summary(tmp_path)
