@@ -69,7 +69,8 @@ def test_a_direct_call_takes_its_defaults(llama):
 
 def test_flex_and_ref_paths_agree_on_one_call(llama, monkeypatch):
     # the cache's `attention` picks the path: flex (eager here) ran, and gives the reference
-    # path's numbers on a cell with both copies read (q4_0 body, an exact tail of 4)
+    # path's numbers on a cell with both copies read (q4_0 body, an exact tail of 4), with the
+    # model's scaling (Gemma's query_pre_attn_scalar makes it other than 1/sqrt(D))
     monkeypatch.setattr(kflex, "COMPILE", False)
     cell = CellSpec("q4_0", "q4_0", 4)
     out = {}
@@ -77,13 +78,18 @@ def test_flex_and_ref_paths_agree_on_one_call(llama, monkeypatch):
         cache, q, k, v = filled(llama, cell, 12, attention=path)
         assert cache.attention == path
         before = kflex.calls
-        out[path], _ = kvarn_attention_forward(module_of(llama), q, k, v, causal(12, 12), kvarn_cache=cache)
+        out[path], _ = kvarn_attention_forward(module_of(llama), q, k, v, causal(12, 12), scaling=0.05,
+                                               kvarn_cache=cache)
         assert kflex.calls - before == (path == "flex")
     torch.testing.assert_close(out["flex"], out["ref"], rtol=1e-5, atol=1e-6)
-    # and the body is really read: the same call on the f32 cell differs by more than that noise
+    # and the body and the scaling are really used: the same call on the f32 cell, or at the
+    # default scaling, differs by more than that noise
     cache, q, k, v = filled(llama, CellSpec("f32", "f32", 0), 12)
-    f32, _ = kvarn_attention_forward(module_of(llama), q, k, v, causal(12, 12), kvarn_cache=cache)
+    f32, _ = kvarn_attention_forward(module_of(llama), q, k, v, causal(12, 12), scaling=0.05, kvarn_cache=cache)
     assert (f32 - out["ref"]).abs().max() > 1e-3
+    cache, q, k, v = filled(llama, cell, 12)
+    default, _ = kvarn_attention_forward(module_of(llama), q, k, v, causal(12, 12), kvarn_cache=cache)
+    assert (default - out["ref"]).abs().max() > 1e-3
 
 
 def test_each_refusal_names_the_value_and_the_fix(llama, monkeypatch):
@@ -122,10 +128,12 @@ def test_each_refusal_names_the_value_and_the_fix(llama, monkeypatch):
         call()
 
 
-def test_an_incomplete_group_read_from_the_body_is_refused(llama):
+@pytest.mark.parametrize("path", ["ref", "flex"])
+def test_an_incomplete_group_read_from_the_body_is_refused(llama, path, monkeypatch):
     # KVarN seals 128-token groups: after 200 tokens rows 128.. of the body are zeros. With the
     # tail cut to 8 (a broken policy) the query at 199 would read body rows up to 191.
-    cache, q, k, v = filled(llama, CellSpec("kvarn4", "kvarn4", 128), 200)
+    monkeypatch.setattr(kflex, "COMPILE", False)
+    cache, q, k, v = filled(llama, CellSpec("kvarn4", "kvarn4", 128), 200, attention=path)
     assert cache.layers[0].n_body == 128
     cache.policies[0] = dataclasses.replace(cache.policies[0], tail=8)
     with pytest.raises(AssertionError, match=r"^layer 0: a query reads body rows 128\.\.191 of an incomplete "
