@@ -304,3 +304,23 @@ def test_a_buffer_carries_its_format_role_library_and_dtype():
         assert fmt.packed_meta() == want and fmt.encode(_x(1, G, 64)).meta == want
     with pytest.raises(ValueError, match=r"^quanto4: n_tokens 100 is not a multiple of the group size 128$"):
         get_format("quanto4").nbytes(100, 64)
+
+
+def test_only_a_quanto_format_routes_quanto_unpack_to_python():
+    """quanto's C++ unpack is compiled (a minute) on first use: building a quanto format routes it to the
+    Python kernel (the same integers), an HQQ format leaves it alone. In a fresh interpreter, where
+    nothing has loaded it yet; the HQQ format is built here too (a mutation run selects a test by the
+    calls it sees in this process)."""
+    import subprocess
+
+    get_format("hqq4")
+    code = ("from optimum.quanto.library.extensions import get_extension\n"
+            "from kvarn.formats import get_format\n"
+            "ext = get_extension('quanto_cpp')\n"
+            "get_format('hqq4')\n"
+            "after_hqq = ext._lib is None\n"
+            "get_format('quanto4')\n"
+            "print(after_hqq, ext._lib is not None)\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stdout) == (0, "True True\n"), out.stderr

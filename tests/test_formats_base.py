@@ -156,7 +156,10 @@ def test_register_refuses_a_name_twice():
 
 
 def test_register_adds_a_new_name():
-    """In a fresh interpreter, so that the name does not stay in this session's registry."""
+    """In a fresh interpreter, so that the name does not stay in this session's registry (a mutation
+    run selects a test by the calls it sees in this process: the refused registration here)."""
+    with pytest.raises(ValueError, match=r"^format 'f16' registered twice$"):
+        register("f16", lambda role="k", rot=True: None)
     code = ("from kvarn.formats.registry import register, get_format, names\n"
             "register('made-here', lambda role='k', rot=True, **p: ('made', role, rot, p))\n"
             "print(get_format('made-here', role='v', rot=False, iters=2), names()[-1])\n")
