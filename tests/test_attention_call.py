@@ -17,8 +17,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvarn.kvcache.attention as kattn
 import kvarn.kvcache.flex as kflex
+import kvarn.llamacpp.compute as kcompute
 from kvarn.kvcache.attention import kvarn_attention_forward, resolve_attention, split_mask
-from kvarn.kvcache.cache import KVarnCache, exact_selection
+from kvarn.formats.hadamard import rotate_blocks
+from kvarn.kvcache.cache import KVarnCache, KVarnLayer, exact_selection
+from kvarn.llamacpp.channel_order import gguf_order
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.policy import LayerPolicy
 
@@ -65,6 +68,26 @@ def test_a_direct_call_takes_its_defaults(llama):
     out, weights = kvarn_attention_forward(module_of(llama), q, k, v, causal(12, 12), kvarn_cache=cache)
     assert weights is None and out.shape == (1, 12, H, D)
     torch.testing.assert_close(out, plain_sdpa(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compute", ["tf32-attn", "bf16-attn"])
+def test_a_rounded_path_takes_the_default_scaling(llama, compute):
+    # with no scaling passed, 1/sqrt(D), as if passed
+    cache, q, k, v = filled(llama, CellSpec("q8_0", "q8_0", 0, compute=compute), 12)
+    default, _ = kvarn_attention_forward(module_of(llama), q, k, v, causal(12, 12), kvarn_cache=cache)
+    given, _ = kvarn_attention_forward(module_of(llama), q, k, v, causal(12, 12), scaling=D ** -0.5, kvarn_cache=cache)
+    assert torch.equal(default, given)
+
+
+def test_the_llamacpp_path_gets_the_models_scaling(llama):
+    # compute llamacpp-cpu: the call goes to kvarn.llamacpp.compute with the model's scaling, 1/sqrt(D)
+    # when none is passed
+    cache, q, k, v = filled(llama, CellSpec("q8_0", "q8_0", 0, compute="llamacpp-cpu"), 12)
+    layer, module, mask = cache.layers[0], module_of(llama), causal(12, 12)
+    for scaling in (0.05, None):
+        out, _ = kvarn_attention_forward(module, q, k, v, mask, scaling=scaling, kvarn_cache=cache)
+        assert torch.equal(out, kcompute.attention(module, q, layer, mask, scaling or D ** -0.5))
+    assert not torch.equal(out, kcompute.attention(module, q, layer, mask, 0.05))
 
 
 def test_flex_and_ref_paths_agree_on_one_call(llama, monkeypatch):
@@ -199,3 +222,67 @@ def test_a_value_the_exact_copy_cannot_hold_names_its_token(llama):
     v[0, 1, 3, 5] = 1e6
     with pytest.raises(ValueError, match=r"^layer 0, V \(exact, float16\) head 1, token 7: "):
         layer.update(torch.zeros(1, H_KV, 4, D), v)
+
+
+def test_a_value_the_body_cannot_hold_names_its_token(llama):
+    # q4_0's f16 scale: a K of 1e8 (bf16 holds it exactly; after the rotation its block's largest
+    # value is still beyond 8 x 65504) at token 3 of the second ubatch of 4
+    cache = KVarnCache(llama.config, CellSpec("q4_0", "q4_0", 0))
+    layer = cache.layers[0]
+    layer.update(torch.zeros(1, H_KV, 4, D), torch.zeros(1, H_KV, 4, D))
+    k = torch.zeros(1, H_KV, 4, D)
+    k[0, 1, 3, 5] = 1e8
+    with pytest.raises(ValueError, match=r"^layer 0, K \(body, q4_0\) head 1, token 7: "):
+        layer.update(k, torch.zeros(1, H_KV, 4, D))
+
+
+def test_beellamas_scalar_route_keeps_the_exact_copy_in_the_rotated_frame(llama):
+    # a rotated standard cache with a tail on a llama-arch model: llama.cpp rotates K (in the GGUF's
+    # channel order) and V (in the model's) before storing them, the exact copy's bf16 included;
+    # the layer keeps that rounding rotated back, in transformers' channel order
+    cache = KVarnCache(llama.config, CellSpec("q4_0", "q4_0", 4, compute="llamacpp-cpu"))
+    assert cache.scalar_route and cache.qk_gguf_order
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(1, H_KV, 5, D, generator=g), torch.randn(1, H_KV, 5, D, generator=g)
+    layer = cache.layers[0]
+    layer.update(k, v)
+    bk, bv = cache.k_fmt.rotation_block(D), cache.v_fmt.rotation_block(D)
+
+    def rounded(x, block):
+        return rotate_blocks(rotate_blocks(x, block).to(torch.bfloat16).float(), block)
+
+    order = gguf_order(D, k.device)
+    assert torch.equal(layer.exact_values, rounded(v, bv))
+    assert torch.equal(layer.exact_keys, rounded(k[..., order], bk)[..., torch.argsort(order)])
+    assert not torch.equal(layer.exact_values, rounded(v[..., order], bv)[..., torch.argsort(order)])
+
+
+def test_reset_empties_a_layer(llama):
+    # transformers' Cache.reset: a reset layer fed the same tokens holds what a new one does
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, H_KV, 5, D, generator=g), torch.randn(1, H_KV, 5, D, generator=g)
+    used = KVarnCache(llama.config, CellSpec("q4_0", "q8_0", 2)).layers[0]
+    used.update(2 * k, 2 * v)
+    used.reset()
+    assert (used.n_tokens, used.n_body, used.q_offset, used.kv_offset, used.is_initialized) == (0, 0, 0, 0, False)
+    fresh = KVarnCache(llama.config, CellSpec("q4_0", "q8_0", 2)).layers[0]
+    for layer in (used, fresh):
+        layer.update(k, v)
+    assert used.get_seq_length() == 5 and used.get_mask_sizes(1) == fresh.get_mask_sizes(1) == (6, 0)
+    for name in ("keys", "values", "exact_keys", "exact_values"):
+        assert torch.equal(getattr(used, name), getattr(fresh, name)), name
+
+
+def test_a_layer_without_a_kv_cache_keeps_transformers_own_state():
+    # Qwen 3.5's Gated DeltaNet layers: no policy, transformers' own cache layer; the full layer a KVarnLayer
+    from transformers import Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
+                            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"])
+    cache = KVarnCache(cfg, CellSpec("q8_0", "q8_0", 0))
+    assert cache.policies[:3] == [None] * 3 and cache.policies[3] == LayerPolicy(0, 0, None)
+    assert [type(layer).__name__ for layer in cache.layers[:3]] == ["LinearAttentionLayer"] * 3
+    assert isinstance(cache.layers[3], KVarnLayer) and cache.kv_policies == [cache.policies[3]]
+
