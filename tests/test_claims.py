@@ -425,6 +425,11 @@ def test_the_tail_claims_read_their_figures():
     _, led = ledger_of(cells)
     o = row(led, "tail_effect_order")
     assert o["study"] == pytest.approx(61.2 - 0.9) and o["study_text"] == "61.2 % vs 0.9 %"
+    # Qwen's own figure (-50 % here: it holds), so no note that another model's was borrowed
+    t2 = row(led, "tail_effect_2")
+    assert (t2["study"], t2["ours"], t2["verdict"], t2["note"]) == (-61.2, pytest.approx(-50.0), "holds", "")
+    _, led_gemma = ledger_of(cells, study_model="gemma4-31b")
+    assert row(led_gemma, "tail_effect_2")["note"] == "the study printed this figure for qwen3.6-27b only"
     # 2 bits: the gain goes from 10 % at 128 to 0 % at 1024: narrows, where the study says widens
     w2 = row(led, "tail_sweep_trend_2")
     assert (w2["verdict"], w2["section"]) == ("does not hold", "precision-tail sweep")
@@ -816,3 +821,26 @@ def test_the_committed_figures_were_made_by_the_code_s_numerics():
     assert provenance.stale(fewer) == ["compute gone: 1 recorded, None in the code"]
     m = provenance.machine()
     assert m["cores"] >= 1 and isinstance(m["simd"], list) and m["cpu"]
+
+
+def test_rows_carry_their_study_figure_delta_and_missing_text(monkeypatch):
+    """The fields a reader checks a row by: the study's figure of the two-bit reversal, the floor
+    claims' paired Δ, the text naming a study figure the config lacks, and a verdict cell with
+    nothing missing left bare."""
+    monkeypatch.setattr(C, "paired_delta", lambda cells, n_boot, seed: lambda a, b: (0.1, 0.05, 0.15))
+    cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.2, 6), ("q4_0-q4_0", 128, 0.5, 9),
+             ("q8_0-q8_0", 128, 0.2, 20), ("q4_0-q4_0+tdf16-s128", 128, 0.1, 11)]
+    prep = prepare(summary(cells), "m")
+    led = C.ledger(prep, "m", STUDY, cells={"any": None}, study_model="gemma4-31b")
+    r = row(led, "two_bit_reversal")
+    assert r["study"] is not None and r["study_text"].endswith(f"({r['study']:.2f}x)")
+    fo = row(led, "format_only_floor")
+    assert (fo["ours"], fo["delta"], fo["delta_lo"], fo["delta_hi"]) == (pytest.approx(0.1), 0.1, 0.05, 0.15)
+    no_figure = {**STUDY, "figures": {k: v for k, v in STUDY["figures"].items() if k not in ("q8_0_same_top", "prefill")}}
+    led2 = C.ledger(prep, "m", no_figure, study_model="gemma4-31b")
+    missing = led2.filter((pl.col("claim_id") == "q8_0_same_top") | pl.col("claim_id").str.starts_with("prefill"))
+    assert missing.height >= 2 and set(missing["missing"]) == {"study figure (not in config/study.yaml)"}
+    md = C.ledger_markdown(led)
+    line = next(x for x in md.splitlines() if "two_bit_reversal" in x or "2 bits: kvarn2" in x)
+    assert f"| {r['verdict']} |" in line
+

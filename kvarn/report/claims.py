@@ -150,7 +150,7 @@ def _name(r: dict) -> str:
 Delta = Callable[[dict, dict], tuple]
 
 
-def paired_delta(cells: Mapping | None, n_boot: int = 2000, seed: int = 0) -> Delta:
+def paired_delta(cells: Mapping | None, n_boot: int, seed: int) -> Delta:
     """(a, b) -> (Δ median = b − a, lo, hi) from `kvarn.stats.paired.compare` over the two cells'
     tokens (`cells`: cell name -> kvarn.stats.paired.CellTokens); (None, None, None) without them."""
     from kvarn.stats.paired import compare
