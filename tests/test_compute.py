@@ -633,6 +633,10 @@ def test_round_activations_hand_worked(one_thread):
     x = torch.zeros(1, 32)
     x[0, 0], x[0, 1] = 127.0, 2.5
     assert activations.round_activations(x, "q8_1")[0, :3].tolist() == [127.0, 2.0, 0.0]
+    # a block's d of 2 (254 its largest): 3.0 -> code round(1.5) = 2 -> 2 * d = 4; q8_0 rounds alike
+    x[0, 0], x[0, 1] = 254.0, 3.0
+    for kind in ("q8_0", "q8_1"):
+        assert activations.round_activations(x, kind)[0, :3].tolist() == [254.0, 4.0, 0.0], kind
     # q8_K: 256-blocks, iscale = -127/vmax (signed), fp32 d = 1/iscale
     x = torch.zeros(1, 256)
     x[0, 0], x[0, 5] = -254.0, 3.0  # vmax -254: iscale 0.5, 3.0 -> round(1.5) = 2 -> 2/0.5 = 4
