@@ -5,6 +5,7 @@ kvarn.formats.blocks), converts Q block by block, takes integer block dots and r
 ggml's key-by-key online softmax with scalar numpy float32 / float16 arithmetic.
 """
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -646,6 +647,28 @@ def test_round_activations_hand_worked(one_thread):
     assert activations.round_activations(x, None) is x
     with pytest.raises(ValueError, match="'q4_0'"):
         activations.round_activations(x, "q4_0")
+
+
+def test_a_weight_type_llamacpp_cpu_does_not_know_is_refused_by_name(tmp_path):
+    # a GGUF whose first matmul weight is IQ2_XXS (no activation rule here): the file, the tensor, its
+    # type and every type that has one are named
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path / "odd.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((32, 64), dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 66), dtype=np.uint8), raw_dtype=QT.IQ2_XXS)  # 66 bytes per 256
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32))
+    known = "Q4_0, Q5_0, Q8_0, IQ4_NL, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16, F32"
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: blk\.0\.attn_q\.weight has type IQ2_XXS; "
+                                         rf"llamacpp-cpu knows {known}$"):
+        activations.set_activation_rounding(model, path, True)
 
 
 @pytest.mark.slow
