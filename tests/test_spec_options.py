@@ -143,3 +143,16 @@ def test_scored_positions_by_hand():
 @pytest.mark.parametrize("n_ctx", [0, 2, 3, 5, 7, 4.0, 8.0, "8", None])
 def test_scored_positions_refuses(n_ctx):
     assert raises(scoring.scored_positions, n_ctx) == f"n_ctx must be an even integer >= 4, got {n_ctx!r}"
+
+
+@pytest.mark.parametrize("attention, device, path", [
+    ("auto", "cuda", "flex"), ("auto", "cpu", "ref"), ("auto", "mps", "ref"),
+    ("flex", "cpu", "flex"), ("ref", "cuda", "ref"), ("flex", "cuda", "flex"),
+])  # fmt: skip
+def test_attention_for_picks_flex_on_cuda_only_for_auto(attention, device, path):
+    assert options.attention_for(attention, device) == path
+
+
+def test_attention_for_refuses_a_path_it_does_not_know():
+    with pytest.raises(ValueError, match=r"^attention 'sdpa' not accepted; use one of ref, flex, auto$"):
+        options.attention_for("sdpa", "cpu")
