@@ -9,6 +9,7 @@ are checked, on one real Llama attention layer.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -213,27 +214,22 @@ def test_what_each_copy_stores(llama):
     assert torch.equal(values, v.to(torch.bfloat16)) and torch.equal(keys, cache.k_fmt.roundtrip(k))
 
 
-def test_a_value_the_exact_copy_cannot_hold_names_its_token(llama):
-    # KVarN stages in f16: a V of 1e6 (beyond f16's 65504) at token 3 of the second ubatch of 4
-    cache = KVarnCache(llama.config, CellSpec("kvarn4", "kvarn4", 128))
-    layer = cache.layers[0]
-    layer.update(torch.zeros(1, H_KV, 4, D), torch.zeros(1, H_KV, 4, D))
-    v = torch.zeros(1, H_KV, 4, D)
-    v[0, 1, 3, 5] = 1e6
-    with pytest.raises(ValueError, match=r"^layer 0, V \(exact, float16\) head 1, token 7: "):
-        layer.update(torch.zeros(1, H_KV, 4, D), v)
-
-
-def test_a_value_the_body_cannot_hold_names_its_token(llama):
+@pytest.mark.parametrize("k, v, role, value, where", [
+    # KVarN stages in f16: a V of 1e6 (beyond f16's 65504)
+    ("kvarn4", "kvarn4", "v", 1e6, "V (exact, float16)"),
     # q4_0's f16 scale: a K of 1e8 (bf16 holds it exactly; after the rotation its block's largest
-    # value is still beyond 8 x 65504) at token 3 of the second ubatch of 4
-    cache = KVarnCache(llama.config, CellSpec("q4_0", "q4_0", 0))
+    # value is still beyond 8 x 65504)
+    ("q4_0", "q4_0", "k", 1e8, "K (body, q4_0)"),
+])  # fmt: skip
+def test_a_value_a_copy_cannot_hold_names_its_token(llama, k, v, role, value, where):
+    # at token 3 of the second ubatch of 4, head 1
+    cache = KVarnCache(llama.config, CellSpec(k, v, 128 if k.startswith("kvarn") else 0))
     layer = cache.layers[0]
     layer.update(torch.zeros(1, H_KV, 4, D), torch.zeros(1, H_KV, 4, D))
-    k = torch.zeros(1, H_KV, 4, D)
-    k[0, 1, 3, 5] = 1e8
-    with pytest.raises(ValueError, match=r"^layer 0, K \(body, q4_0\) head 1, token 7: "):
-        layer.update(k, torch.zeros(1, H_KV, 4, D))
+    new = {"k": torch.zeros(1, H_KV, 4, D), "v": torch.zeros(1, H_KV, 4, D)}
+    new[role][0, 1, 3, 5] = value
+    with pytest.raises(ValueError, match=rf"^layer 0, {re.escape(where)} head 1, token 7: "):
+        layer.update(new["k"], new["v"])
 
 
 def test_beellamas_scalar_route_keeps_the_exact_copy_in_the_rotated_frame(llama):

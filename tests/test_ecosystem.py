@@ -32,6 +32,7 @@ from kvarn.report import data as D
 
 sys.path.insert(0, str(Path(__file__).parent))
 import synthetic  # noqa: E402
+from paths import REPO  # noqa: E402
 
 NAMES = list(facts.ECOSYSTEM_TYPES)
 G = facts.ECOSYSTEM_GROUP
@@ -321,6 +322,5 @@ def test_only_a_quanto_format_routes_quanto_unpack_to_python():
             "after_hqq = ext._lib is None\n"
             "get_format('quanto4')\n"
             "print(after_hqq, ext._lib is not None)\n")
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert (out.returncode, out.stdout) == (0, "True True\n"), out.stderr

@@ -56,6 +56,11 @@ def confident(seed: int, n: int) -> torch.Tensor:
     return torch.log_softmax(lg, -1).float()
 
 
+def clipped(x: torch.Tensor) -> torch.Tensor:
+    """Per row: entries below hi − 16 exist (clamped to the floor, which must then stay <= −16)."""
+    return x.min(1).values < x.max(1).values - 16.0
+
+
 def mass_error(x: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
     """Per row, (decoded − true) mass of the entries above the floor, relative, in float64."""
     keep = x > KLD_BASE_FLOOR
@@ -72,7 +77,7 @@ def lattice_best(x: torch.Tensor, rows_v2: np.ndarray) -> torch.Tensor:
     scale0, lo0 = header(rows_v2)
     inf = torch.tensor(float("inf"))
     ulp_lo, ulp_s = (torch.nextafter(lo0, inf) - lo0).double(), (torch.nextafter(scale0, inf) - scale0).double()
-    clipped = x.min(1).values < x.max(1).values - 16.0
+    is_clipped = clipped(x)
     best = torch.full((len(x),), float("inf"), dtype=torch.float64)
     for k in range(-encoding.LO_ULPS, encoding.LO_ULPS + 1):
         for j in range(-encoding.SCALE_ULPS, encoding.SCALE_ULPS + 1):
@@ -80,7 +85,7 @@ def lattice_best(x: torch.Tensor, rows_v2: np.ndarray) -> torch.Tensor:
             cand = rows_v2.copy()
             cand[:, :4] = torch.stack([scale, lo], 1).numpy().view(np.uint16)
             err = mass_error(x, cand).abs()
-            ok = ~(clipped & (lo > KLD_BASE_FLOOR))
+            ok = ~(is_clipped & (lo > KLD_BASE_FLOOR))
             best = torch.where(ok & (err < best), err, best)
     return best
 
@@ -121,9 +126,9 @@ def test_the_floor_takes_the_best_lattice_point(kind, monkeypatch):
     print(f"{kind}: worst over the best {(got - best).max():.2e}; v2 {mass_error(x, v2).abs().max():.2e}")
     assert (got <= best + 2.5e-7).all(), (got - best).max()
     # a clipped row's floor stays at or below −16; the header moved within its lattice
-    clipped = x.min(1).values < x.max(1).values - 16.0
+    is_clipped = clipped(x)
     (s3, lo3), (s2, lo2) = header(v3), header(v2)
-    assert (lo3[clipped] <= KLD_BASE_FLOOR).all()
+    assert (lo3[is_clipped] <= KLD_BASE_FLOOR).all()
     steps_lo = (lo3.double() - lo2.double()) / (torch.nextafter(lo2, torch.tensor(np.inf)) - lo2).double()
     steps_s = (s3.double() - s2.double()) / (torch.nextafter(s2, torch.tensor(np.inf)) - s2).double()
     assert (steps_lo.abs() <= encoding.LO_ULPS + 1e-6).all() and (steps_s.abs() <= encoding.SCALE_ULPS + 1e-6).all()
@@ -131,11 +136,11 @@ def test_the_floor_takes_the_best_lattice_point(kind, monkeypatch):
         # the lattice is searched both ways: lo and scale each move down in some rows and up in others,
         # a clipped row's lo up too (while it stays at or below −16)
         assert (steps_lo < 0).any() and (steps_lo > 0).any() and (steps_s < 0).any() and (steps_s > 0).any()
-        assert (steps_lo[clipped] > 0).any()
+        assert (steps_lo[is_clipped] > 0).any()
     if kind == "confident":
         # a floor exactly at −16 is allowed (the entries it decodes stay out of the KLD sum, which
         # takes log-probs strictly above −16): the confident rows' shift is clamped right there
-        assert (lo3[clipped] == KLD_BASE_FLOOR).any()
+        assert (lo3[is_clipped] == KLD_BASE_FLOOR).any()
 
 
 def test_without_a_lattice_the_floor_is_the_shift_rounded_and_the_scale_untouched(monkeypatch):
@@ -144,13 +149,9 @@ def test_without_a_lattice_the_floor_is_the_shift_rounded_and_the_scale_untouche
     v2, plain = encoded(x, monkeypatch, lattice=False), llama_rows(x)
     (s2, lo2), (s0, lo0) = header(v2), header(plain)
     assert torch.equal(s2, s0)
-    keep = x > KLD_BASE_FLOOR
-    p = torch.where(keep, x.double().exp(), 0.0).sum(1)
-    e = torch.where(keep, encoding.decode_rows(plain, V).double().exp(), 0.0).sum(1)
-    delta = -torch.log1p((e - p) / p)
+    delta = -torch.log1p(mass_error(x, plain))  # −log1p(excess / mass) of llama.cpp's header
     want = (lo0.double() + delta).float()
-    clipped = x.min(1).values < x.max(1).values - 16.0
-    want = torch.where(clipped, want.clamp(max=KLD_BASE_FLOOR), want)
+    want = torch.where(clipped(x), want.clamp(max=KLD_BASE_FLOOR), want)
     # fp32 sums inside: at most one ulp of lo from the float64 shift
     assert ((lo2.double() - want.double()).abs() <= (torch.nextafter(want, torch.tensor(np.inf)) - want).double()).all()
 

@@ -19,7 +19,6 @@ import dataclasses
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,8 +28,7 @@ from kvarn.formats import get_format
 from kvarn.formats.base import KVFormat, ValueRangeError, check_finite, first_bad
 from kvarn.formats.floats import FloatFormat
 from kvarn.formats.registry import register
-
-ROOT = Path(__file__).resolve().parents[1]
+from paths import REPO
 
 
 # --- where a bad value is -------------------------------------------------------------
@@ -163,7 +161,7 @@ def test_register_adds_a_new_name():
     code = ("from kvarn.formats.registry import register, get_format, names\n"
             "register('made-here', lambda role='k', rot=True, **p: ('made', role, rot, p))\n"
             "print(get_format('made-here', role='v', rot=False, iters=2), names()[-1])\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert (out.returncode, out.stdout) == (0, "('made', 'v', False, {'iters': 2}) made-here\n"), out.stderr
 
 
