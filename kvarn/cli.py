@@ -1,5 +1,5 @@
 """The `kvarn` command: fetch a model, write a BF16 baseline, run one cache cell, compute a
-cache's memory, list formats.
+cache's memory, compare two cells, advise a configuration from a run's results, list formats.
 
 Mirrors llama-perplexity's vocabulary: --ctx (-c), --chunks, --ubatch (-ub), -ctk/-ctv
 for the cache types. Bad values exit with code 2 and a message naming the value and what
@@ -42,6 +42,8 @@ examples (llama.cpp equivalents in brackets):
       --out decode/q4_0-q4_0-t128
       (free-running greedy decode vs the BF16 baseline: tokens to first divergence, KLD per step;
        --temperature 1 --seed 0: sampled, the same Gumbel draws for every cell)
+  kvarn advise --results results --budget-mib 16
+      (per model: the frontier with bands, the cheapest cell within --max-kld / --min-same-top, the presets)
   kvarn formats
 """
 
@@ -153,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Teacher-forced KL divergence of a quantized KV cache against a BF16-cache baseline "
                     "(comparable with llama-perplexity --kl-divergence).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{fetch,baseline,run,decode,layers,memory,compare,formats}")
+    sub = ap.add_subparsers(dest="cmd", required=True,
+                            metavar="{fetch,baseline,run,decode,layers,memory,compare,advise,formats}")
 
     f = sub.add_parser("fetch", help="download / convert a model into the cache directory",
                        description="Download (and verify, and convert once) a model's weights into the cache "
@@ -251,8 +254,65 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block length in tokens (default: Politis-White from the per-token autocorrelation)")
     c.add_argument("--json", action="store_true", help="print the result as JSON")
 
+    a = sub.add_parser("advise", help="which cache configuration: per model, the memory-damage frontier with "
+                                      "bands, the cheapest cell within a tolerance, the study's presets",
+                       description="Reads a run's results (summary.parquet and the cells' tokens.parquet) and "
+                                   "prints, per model and engine, the frontier (lowest median KLD at each size) in "
+                                   "bands the paired test cannot separate, the cheapest cell within the tolerance, "
+                                   "and the presets quality / balanced / compact by our rule.")
+    a.add_argument("--results", default="results", metavar="DIR",
+                   help="a run's results folder: DIR/summary.parquet and its cells (default results)")
+    a.add_argument("-m", "--model", action="append", default=None, metavar="NAME",
+                   help="only this model (repeatable; default every model of the run)")
+    a.add_argument("--max-kld", type=_positive_float("--max-kld"), default=None, metavar="NATS",
+                   help="largest acceptable median KLD (default 0.001)")
+    a.add_argument("--min-same-top", type=_positive_float("--min-same-top"), default=None, metavar="PCT",
+                   help="smallest acceptable same-top, in %% (default 99)")
+    a.add_argument("--budget-mib", type=_positive_float("--budget-mib"), default=None, metavar="MIB",
+                   help="KV cache of one sequence at most this many MiB")
+    a.add_argument("--budget-bits", type=_positive_float("--budget-bits"), default=None, metavar="BITS",
+                   help="at most this many bits per cached value (comparable across models)")
+    a.add_argument("--boot", type=_int_at_least("--boot", 100), default=2000, metavar="N",
+                   help="bootstrap resamples of the paired intervals (default 2000)")
+    a.add_argument("--seed", type=_nonneg_int("--seed"), default=0, metavar="N", help="resampling seed (default 0)")
+
     sub.add_parser("formats", help="list KV cache types: family and bits per value at head dim 64/128/256")
     return ap
+
+
+def _positive_float(name):
+    """argparse type: a finite number > 0, the error naming the option and the value."""
+    import math
+
+    def parse(s):
+        try:
+            v = float(s)
+        except ValueError:
+            v = None
+        if v is None or not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a number > 0, got {s!r}")
+        return v
+
+    return parse
+
+
+def _advise(args) -> str:
+    """`kvarn advise`: results/answer.md's text for a results folder and the user's tolerance."""
+    import polars as pl
+
+    from kvarn.report import advise as adv
+
+    summary_path = Path(args.results) / "summary.parquet"
+    if not summary_path.is_file():
+        raise UsageError(f"--results {args.results}: no {summary_path}; run some cells first (`make run`)")
+    if args.min_same_top is not None and args.min_same_top > 100:
+        raise UsageError(f"--min-same-top {args.min_same_top:g}: a percentage in (0, 100]")
+    given = {"max_kld": args.max_kld, "budget_mib": args.budget_mib, "budget_bits": args.budget_bits,
+             "min_same_top": None if args.min_same_top is None else args.min_same_top / 100}
+    tol = adv.Tolerance(**{k: v for k, v in given.items() if v is not None})
+    summary = pl.read_parquet(summary_path)
+    answers = adv.advise(summary, adv.token_dirs(summary, args.results), args.model, tol, args.boot, args.seed)
+    return adv.answers_markdown(answers)
 
 
 def _cell_probe_args(p):
@@ -433,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "memory":
             sys.stdout.write(_memory(args))
+            return 0
+        if args.cmd == "advise":
+            sys.stdout.write(_advise(args))
             return 0
         if args.cmd == "compare":
             import json

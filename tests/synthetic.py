@@ -29,7 +29,7 @@ import polars as pl
 from kvarn.spec.cell import CellSpec
 from kvarn.spec import facts
 from kvarn.spec.geometry import Geometry
-from kvarn.budget.memory import summary_fields
+from kvarn.budget.memory import bits_per_value, summary_fields
 
 MODELS = {
     # name: (layers, kv_heads, head_dim, windows per layer, median KLD at 2 / 8 bits, kvarn gain)
@@ -157,6 +157,7 @@ def make_results(root: str | Path, n_ctx: int = 1024, chunks: int = 4, seed: int
                 "family": family, "tail_requested": tail, "tail_label": facts.tail_label(k, v, tail),
                 "cell": f"{k}-{v}-t{tail}{opts}",
                 "kv_delta_bytes_vs_tail0": mem["kv_total_bytes"] - mem["kv_total_bytes_tail0"],
+                "bits_per_value": bits_per_value(mem["kv_total_bytes"], mem["kv_bf16_bytes"]),
             })
     summary = pl.DataFrame(rows, infer_schema_length=None)
     summary.write_parquet(root / "results" / "summary.parquet")

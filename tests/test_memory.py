@@ -11,7 +11,7 @@ from kvarn import cli
 from kvarn.formats import get_format
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.geometry import Geometry, geometry_from_config
-from kvarn.budget.memory import (ACCOUNTINGS, MIB, KVBytes, int_at_least, at_tail0, bytes_table, check_accounting,
+from kvarn.budget.memory import (ACCOUNTINGS, MIB, KVBytes, bits_per_value, int_at_least, at_tail0, bytes_table, check_accounting,
                                  kv_bytes, resummarize, summary_fields)
 
 TINY = Geometry.uniform(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, None))
@@ -452,8 +452,21 @@ def test_summary_fields_by_hand_under_beellama():
         "memory_accounting": "beellama-gemma", "kv_body_bytes": body, "kv_staging_bytes": staging,
         "kv_overlay_bytes": 257 * f16_row, "kv_total_bytes": body + staging + 257 * f16_row,
         "kv_total_bytes_tail0": body + staging + 129 * f16_row,
+        "kv_bf16_bytes": 2 * 2 * 64 * 300 * 2 * 2,  # layers x heads x dim x tokens x (K, V) x 2 B
         "kv_geometry": [["full_attention", 2, 64, None, False]] * 2,
     }
+
+
+def test_bits_per_value_by_hand():
+    # blocks of 32 values with an f16 scale: q8_0 34 B, q4_0 18 B per 32 values -> 8.5 and 4.5 bits
+    for t, bits in (("q8_0", 8.5), ("q4_0", 4.5), ("bf16", 16.0)):
+        f = summary_fields(TINY, 256, CellSpec(t, t, 0))
+        assert bits_per_value(f["kv_total_bytes"], f["kv_bf16_bytes"]) == bits
+    # the BF16 reference holds what the cache holds: a sliding layer of W 100 stores W + ubatch tokens
+    f = summary_fields(FULL_SLIDING, 1000, CellSpec("q4_0", "q4_0", 0), ubatch=64)
+    assert f["kv_bf16_bytes"] == (1000 + 164) * 64 * 2 * 2
+    with pytest.raises(ValueError, match="kv_bf16_bytes must be a positive byte count, got 0"):
+        bits_per_value(100, 0)
 
 
 # a full layer and a sliding one of W 100, one KV head of 64 each; q4_0 is 72 B a token, K and V
@@ -472,7 +485,8 @@ def test_resummarize_reads_every_recorded_option():
     body, overlay = (1000 + 164) * 72, (128 + 64 + 100) * 512
     assert got == {"memory_accounting": "packed", "kv_body_bytes": body, "kv_staging_bytes": 0,
                    "kv_overlay_bytes": overlay, "kv_total_bytes": body + overlay,
-                   "kv_total_bytes_tail0": body + 64 * 512, "kv_geometry": _recorded()["kv_geometry"]}
+                   "kv_total_bytes_tail0": body + 64 * 512, "kv_bf16_bytes": (1000 + 164) * 256,
+                   "kv_geometry": _recorded()["kv_geometry"]}
     # nothing recorded: ubatch 512 (the sliding layer holds 612 tokens), bf16 rows (256 B), no sink
     got = resummarize(_recorded(), "packed")
     assert (got["kv_body_bytes"], got["kv_overlay_bytes"]) == ((1000 + 612) * 72, (128 + 100) * 256)

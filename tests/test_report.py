@@ -129,17 +129,22 @@ def test_pareto_spec(prep):
     spec = R.pareto(prep["smollm2-135m"]).to_dict()
     us = list(units(spec))
     points = [u for u in us if mark(u) == "point"]
-    assert points and fields(points[0])["x"] == "kv_mib" and fields(points[0])["y"] == "kld_median"
-    assert points[0]["encoding"]["x"]["title"].startswith("KV cache MiB, packed accounting")
+    # the synthetic summary carries bits per value: x is that (MiB: test_pareto_x_bits_per_value_else_mib)
+    assert points and fields(points[0])["x"] == "bits_per_value" and fields(points[0])["y"] == "kld_median"
+    assert points[0]["encoding"]["x"]["title"].startswith("bits per cached K/V value, packed accounting")
     assert points[0]["encoding"]["y"]["scale"]["type"] == "log"
     series = points[0]["encoding"]["color"]["scale"]["domain"]
     assert series[:3] == [D.SERIES_STANDARD_T0, D.SERIES_STANDARD_T128, D.SERIES_KVARN]
     assert {D.SERIES_STANDARD_T0, D.SERIES_STANDARD_T128, D.SERIES_KVARN} <= dataset_values(spec, "series")
     tips = {t["field"] for t in points[0]["encoding"]["tooltip"]}
-    assert {"pair", "tail_label", "tail_eff_full", "rot", "body_mib", "overlay_mib", "kld_mean", "same_top_pct"} <= tips
-    frontier = [u for u in us if mark(u) == "line"]
-    assert len(frontier) == 1 and fields(frontier[0])["y"] == "frontier_kld"
-    assert frontier[0]["mark"]["interpolate"] == "step-after"
+    assert {"pair", "tail_label", "tail_eff_full", "rot", "kv_mib", "body_mib", "overlay_mib", "kld_mean",
+            "kld_p99", "same_top_pct"} <= tips
+    frontier = [u for u in us if mark(u) == "line"]  # one per panel: median, p99
+    assert len(frontier) == 2 and all(fields(f)["y"] == "frontier_kld" for f in frontier)
+    assert all(f["mark"]["interpolate"] == "step-after" for f in frontier)
+    # the median panel's step line is kvarn.report.data.pareto_frontier's, drawn on bits per value
+    assert [r["frontier_kld"] for r in spec["datasets"][frontier[0]["data"]["name"]]] == \
+        D.pareto_frontier(prep["smollm2-135m"])["frontier_kld"].to_list()
     rule = [u for u in us if mark(u) == "rule"]
     assert len(rule) == 1 and fields(rule[0])["y"] == "floor_kld"
     floor = D.standard_floor(prep["smollm2-135m"])
@@ -149,6 +154,120 @@ def test_pareto_spec(prep):
     assert (front["frontier_kld"].diff().drop_nulls() <= 0).all()
     std = prep["smollm2-135m"].filter(pl.col("family") == "standard")
     assert front["frontier_kld"].min() == std["kld_median"].min() <= floor["kld_median"]
+
+
+def hand_prep(series_cells: dict[str, list[tuple[str, float, float]]], bits: bool = True) -> pl.DataFrame:
+    """A prepared frame by hand: per series, cells (pair, bits per value, median KLD); p99 = 20 × median,
+    MiB = bits/value × 1.5 (a BF16 cache of 24 MiB)."""
+    rows = []
+    for series, cells in series_cells.items():
+        fam = "kvarn" if series.startswith("KVarN") else "ecosystem" if series.startswith(D.SERIES_ECOSYSTEM) \
+            else "standard"
+        tail = int(series.rsplit(" ", 1)[1].rstrip("*"))
+        fmt = series.startswith(D.SERIES_FORMAT_ONLY)
+        for pair, bpv, med in cells:
+            rows.append({
+                "model": "hand", "n_ctx": 2048, "chunks": 1, "n_tokens": 1023, "pair": pair + (D.FORMAT_ONLY_OPTS if fmt else ""),
+                "family": fam, "opts": D.FORMAT_ONLY_OPTS if fmt else "", "tail_requested": 0 if fam != "standard" else tail,
+                "tail_eff_full": tail, "tail_label": f"{tail}*" if fam != "standard" else str(tail), "series": series,
+                "bits_per_value": bpv if bits else None, "kv_mib": bpv * 1.5, "kv_total_bytes": int(bpv * 1.5 * 2**20),
+                "kv_bf16_bytes": 24 * 2**20, "memory_accounting": "packed", "kld_median": med,
+                "kld_mean": 2 * med, "kld_p99": 20 * med, "same_top": 0.99})
+    return pl.DataFrame(rows, schema_overrides={"bits_per_value": pl.Float64})
+
+
+HAND_SERIES = {
+    D.SERIES_STANDARD_T0: [("q8_0-q8_0", 8.5, 0.002), ("q4_0-q4_0", 4.5, 0.05)],
+    D.SERIES_STANDARD_T128: [("q8_0-q8_0", 8.9, 0.001), ("q4_0-q4_0", 4.9, 0.02)],
+    D.SERIES_KVARN: [("kvarn4-kvarn4", 4.8, 0.012)],
+    f"{D.SERIES_FORMAT_ONLY}, tail 128": [("q4_0-q4_0", 5.3, 0.015)],
+}
+
+
+def caption_series(caption: str) -> dict[str, str]:
+    """The caption's series list: {series: 'colour marks'}."""
+    m = re.search(r"(\d+) series: (.*?)\. ", caption)
+    entries = dict(reversed(e.split(": ", 1)) for e in m.group(2).split("; "))
+    assert int(m.group(1)) == len(entries)
+    return entries
+
+
+def test_pareto_caption_names_exactly_the_series_drawn(prep):
+    from kvarn.report.figures import COLOR_NAMES, SHAPE_NAMES, pareto_caption
+
+    hand = hand_prep(HAND_SERIES)
+    named = caption_series(pareto_caption(hand))
+    assert set(named) == set(HAND_SERIES) and "4 series: " in pareto_caption(hand)
+    # each with the colour and mark the figure draws it in
+    enc = [u for u in units(R.pareto(hand).to_dict()) if mark(u) == "point"][0]["encoding"]
+    for s, look in named.items():
+        i = enc["color"]["scale"]["domain"].index(s)
+        assert look == f"{COLOR_NAMES[enc['color']['scale']['range'][i]]} {SHAPE_NAMES[enc['shape']['scale']['range'][i]]}"
+    assert named[D.SERIES_STANDARD_T0] == "grey circles" and named[D.SERIES_KVARN] == "red triangles"
+    assert "step line" in pareto_caption(hand).lower() and "standard floor, q8_0-q8_0 t128" in pareto_caption(hand)
+    # a series not drawn is not named
+    three = hand_prep({k: v for k, v in HAND_SERIES.items() if k != D.SERIES_KVARN})
+    assert set(caption_series(pareto_caption(three))) == set(HAND_SERIES) - {D.SERIES_KVARN}
+    assert "KVarN, tail" not in pareto_caption(three)
+    # the synthetic run's eight series, every one drawn and named
+    smol = prep["smollm2-135m"]
+    drawn = set(D.figure_rows(smol)["series"])
+    assert len(drawn) == 8 and set(caption_series(pareto_caption(smol))) == drawn
+
+
+def test_pareto_legend_shows_every_label_in_full(prep):
+    spec = R.pareto(prep["smollm2-135m"]).to_dict()
+    points = [u for u in units(spec) if mark(u) == "point"]
+    assert len(points) == 2
+    for u in points:
+        for channel in ("color", "shape"):
+            legend = u["encoding"][channel]["legend"]
+            assert legend["labelLimit"] == 0 and legend["orient"] == "bottom"  # 0: no limit; outside the plot
+    assert spec["resolve"]["scale"]["color"] == spec["resolve"]["scale"]["shape"] == "shared"  # one legend
+
+
+def test_pareto_x_bits_per_value_else_mib():
+    from kvarn.report.figures import pareto_caption
+
+    def xs(spec):
+        return {fields(u).get("x") for u in units(spec) if "x" in fields(u)} - {None}
+
+    spec = R.pareto(hand_prep(HAND_SERIES)).to_dict()
+    assert xs(spec) == {"bits_per_value"}
+    tips = [t["field"] for u in units(spec) if mark(u) == "point" for t in u["encoding"]["tooltip"]]
+    assert "kv_mib" in tips and "bits_per_value" in tips  # MiB kept on hover
+    assert any("MiB = bits/value × 1.5 " in line for line in spec["title"]["subtitle"])  # 24 MiB / 16
+    assert "bits per cached value" in pareto_caption(hand_prep(HAND_SERIES))
+    old = hand_prep(HAND_SERIES, bits=False)  # aggregated before bits per value were counted
+    spec = R.pareto(old).to_dict()
+    assert xs(spec) == {"kv_mib"}
+    assert any("not bits per value" in line for line in spec["title"]["subtitle"])
+    assert "KV cache MiB, not bits per value" in pareto_caption(old)
+    tips = [t["field"] for u in units(spec) if mark(u) == "point" for t in u["encoding"]["tooltip"]]
+    assert "bits_per_value" not in tips and "kv_mib" in tips
+    one_null = hand_prep(HAND_SERIES).with_row_index().with_columns(
+        pl.when(pl.col("index") == 0).then(None).otherwise(pl.col("bits_per_value")).alias("bits_per_value"))
+    assert xs(R.pareto(one_null.drop("index")).to_dict()) == {"kv_mib"}  # a cell without one: no point lost
+
+
+def test_pareto_p99_panel_beside_the_median():
+    hand = hand_prep(HAND_SERIES)
+    spec = R.pareto(hand).to_dict()
+    assert len(spec["hconcat"]) == 2
+    panels = [list(units(p)) for p in spec["hconcat"]]
+    points = [[u for u in p if mark(u) == "point"][0] for p in panels]
+    assert [fields(p)["y"] for p in points] == ["kld_median", "kld_p99"]
+    assert points[1]["encoding"]["y"]["scale"]["type"] == "log"
+    assert fields(points[0])["x"] == fields(points[1])["x"] and spec["resolve"]["scale"]["x"] == "shared"
+    assert points[0]["encoding"]["color"]["scale"] == points[1]["encoding"]["color"]["scale"]
+    # the p99 panel's step line: the running minimum of the standard p99 over x
+    line = [u for u in panels[1] if mark(u) == "line"][0]
+    drawn = [(r["bits_per_value"], r["frontier_kld"]) for r in spec["datasets"][line["data"]["name"]]]
+    std = hand.filter(pl.col("family") == "standard").sort("bits_per_value")
+    assert drawn == list(zip(std["bits_per_value"], std["kld_p99"].cum_min()))
+    assert drawn[-1][1] == pytest.approx(20 * 0.001)
+    # the floor (a median) only in the median panel
+    assert [sum(mark(u) == "rule" for u in p) for p in panels] == [1, 0]
 
 
 def test_same_width_pairs_matched_and_missing_skipped(prep):
@@ -361,15 +480,15 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     jobs = dict(re.findall(r"^(\w+)\s+(\d+)\s*$", dry.stdout + dry.stderr, flags=re.M))
     # per model a table, the paired statistics and one job for all its figures; one claims job
     assert {r: int(n) for r, n in jobs.items() if r != "total"} == {
-        "report_table": 2, "paired": 2, "report_figures": 2, "claims": 1, "all": 1}, jobs
+        "report_table": 2, "paired": 2, "report_figures": 2, "claims": 1, "answer": 1, "all": 1}, jobs
     lint = subprocess.run([snakemake, "--lint"], cwd=tmp_path, capture_output=True, text=True)
     for f in ("report.smk", "paired.smk"):
         assert "Lints for snakefile " + str(ROOT / "workflow/rules" / f) not in lint.stdout + lint.stderr, lint.stdout
     from kvarn.report import workflow as W
 
     targets = W.targets(MODELS)
-    assert len(targets) == 2 * (3 + 9 * 3) + 3 + 2 and "results/figures/gemma3-270m/pareto.vl.json" in targets
-    assert {"results/claims.md", "results/tables/decisions/smollm2-135m.md"} <= set(targets)
+    assert len(targets) == 2 * (3 + 9 * 3) + 3 + 2 + 2 and "results/figures/gemma3-270m/pareto.vl.json" in targets
+    assert {"results/answer.md", "results/claims.md", "results/tables/decisions/smollm2-135m.md"} <= set(targets)
     assert "results/figures/gemma3-270m/kernel_share.vl.json" in targets
 
 
@@ -428,7 +547,10 @@ def test_every_memory_view_names_its_accounting(results):
     assert "KV cache MiB, beellama-qwen (Δ)" in page
     prep_q = R.prepare(summary, "smollm2-135m")
     x = [u for u in units(R.pareto(prep_q).to_dict()) if mark(u) == "point"][0]["encoding"]["x"]
-    assert x["title"].startswith("KV cache MiB, beellama-qwen accounting")
+    assert x["title"].startswith("bits per cached K/V value, beellama-qwen accounting")
+    x = [u for u in units(R.pareto(prep_q.with_columns(pl.lit(None, pl.Float64).alias("bits_per_value"))).to_dict())
+         if mark(u) == "point"][0]["encoding"]["x"]
+    assert x["title"].startswith("KV cache MiB, beellama-qwen accounting")  # results without bits per value
     bars = [u for u in units(R.same_width(prep_q).to_dict()) if mark(u) == "bar" and fields(u)["y"] == "mib"]
     assert bars[0]["encoding"]["y"]["title"] == "KV cache MiB, beellama-qwen accounting"
 

@@ -191,6 +191,19 @@ def bytes_table(geom: Geometry, n_ctx: int, pairs, tails=(0, 128), tail_dtype: s
     return out
 
 
+#: The reference a cell's bits per value are counted against: a BF16 cache, no tail.
+BF16_CELL = CellSpec("bf16", "bf16", 0)
+
+
+def bits_per_value(kv_total_bytes: float, kv_bf16_bytes: float) -> float:
+    """Bits per cached K or V value: 16 × the cell's KV bytes / a BF16 cache's on the same geometry,
+    n_ctx and accounting (so a sliding layer's window and every scale, sink and tail byte count).
+    Comparable across models, unlike MiB: q8_0 is 8.5, q4_0 4.5 (blocks of 32, an f16 scale)."""
+    if not kv_bf16_bytes or kv_bf16_bytes <= 0:
+        raise ValueError(f"kv_bf16_bytes must be a positive byte count, got {kv_bf16_bytes!r}")
+    return 16.0 * kv_total_bytes / kv_bf16_bytes
+
+
 def at_tail0(cell: CellSpec) -> CellSpec:
     """The cell's pair at tail 0, for the Δ of its tail's bytes. The bytes do not depend on the
     compute path, so the tail-0 twin is taken on the default one."""
@@ -200,9 +213,11 @@ def at_tail0(cell: CellSpec) -> CellSpec:
 def summary_fields(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
                    accounting: str = DEFAULT_ACCOUNTING) -> dict:
     """The memory keys of a cell's summary.json: the accounting, body/staging/overlay/total
-    bytes, the total at tail 0 (for Δ) and the geometry they were computed from."""
+    bytes, the total at tail 0 (for Δ), a BF16 cache's total on the same geometry (for bits per
+    value, `bits_per_value`) and the geometry they were computed from."""
     b = kv_bytes(geom, n_ctx, cell, ubatch, accounting)
     b0 = kv_bytes(geom, n_ctx, at_tail0(cell), ubatch, accounting)
+    bf16 = kv_bytes(geom, n_ctx, BF16_CELL, ubatch, accounting)
     return {
         "memory_accounting": accounting,
         "kv_body_bytes": b.body,
@@ -210,6 +225,7 @@ def summary_fields(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512
         "kv_overlay_bytes": b.overlay,
         "kv_total_bytes": b.total,
         "kv_total_bytes_tail0": b0.total,
+        "kv_bf16_bytes": bf16.total,
         "kv_geometry": geom.to_list(),
     }
 

@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 
 from kvarn.spec import facts
-from kvarn.budget.memory import ACCOUNTINGS, resummarize
+from kvarn.budget.memory import ACCOUNTINGS, bits_per_value, resummarize
 from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
 from kvarn.spec.options import ATTENTIONS, DTYPES, SAMPLING_PATTERN, check_sampling, sampling_name  # noqa: F401 (the rules read SAMPLING_PATTERN here)
 from kvarn.program.settings import ENGINE as LLAMACPP, Settings, engine_of
@@ -446,7 +446,8 @@ def cell_columns(cell: CellSpec, memory_accounting: str = "packed") -> dict:
 
 def summary_row(summary: dict, columns: dict, where: str = "summary.json") -> dict:
     """One tidy row of results/summary.parquet: a cell's summary.json + `cell_columns`
-    + the KV bytes saved or spent against the same pair at tail 0.
+    + the KV bytes saved or spent against the same pair at tail 0 + its bits per value
+    (`kvarn.budget.memory.bits_per_value`).
 
     The memory keys are those of `columns["memory_accounting"]` (default: as recorded),
     recomputed from the geometry the cell recorded (`kvarn.budget.memory.resummarize`)."""
@@ -456,4 +457,6 @@ def summary_row(summary: dict, columns: dict, where: str = "summary.json") -> di
         row.pop(nested, None)
     if "kv_total_bytes" in row and "kv_total_bytes_tail0" in row:
         row["kv_delta_bytes_vs_tail0"] = row["kv_total_bytes"] - row["kv_total_bytes_tail0"]
+    if row.get("kv_bf16_bytes"):
+        row["bits_per_value"] = bits_per_value(row["kv_total_bytes"], row["kv_bf16_bytes"])
     return row

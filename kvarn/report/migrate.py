@@ -3,7 +3,7 @@
 Each column a summary lacks is filled as the run that wrote it had it: `kv_delta_bytes` (once
 `kv_delta_bytes_vs_tail0`, or computed from the tail-0 total), `tail_eff_full` (the request),
 `memory_accounting` (`packed`, before accountings were named), `kv_staging_bytes` (0, before
-staging was counted) and `exact_share` (null, before the column existed). A summary that has
+staging was counted), `exact_share`, `kv_bf16_bytes` and `bits_per_value` (null, before the columns existed). A summary that has
 a column keeps it.
 """
 
@@ -26,4 +26,8 @@ def migrate_summary(df: pl.DataFrame) -> pl.DataFrame:
         df = df.with_columns(pl.lit(0).alias("kv_staging_bytes"))
     if "exact_share" not in df.columns:  # results written before the column existed
         df = df.with_columns(pl.lit(None, dtype=pl.Float64).alias("exact_share"))
+    if "kv_bf16_bytes" not in df.columns:  # summaries aggregated before bits per value were counted
+        df = df.with_columns(pl.lit(None, dtype=pl.Int64).alias("kv_bf16_bytes"))
+    if "bits_per_value" not in df.columns:
+        df = df.with_columns(pl.lit(None, dtype=pl.Float64).alias("bits_per_value"))
     return df

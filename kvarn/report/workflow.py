@@ -38,6 +38,8 @@ DEFAULTS = {"cells": None, "widths": [2, 4, 8], "tail": 128, "position_bins": 24
 
 
 CLAIMS_OUTPUTS = {"md": "results/claims.md", "parquet": "results/claims.parquet", "html": "results/claims.html"}
+# The answer (kvarn.report.advise): the frontier with bands, the pick within the default tolerance, the presets.
+ANSWER_OUTPUTS = {"md": "results/answer.md", "parquet": "results/answer.parquet"}
 CLAIMS_CATEGORY = "1. the study's claims"  # the report sorts categories by name: digits first
 
 
@@ -47,8 +49,8 @@ def decision_tables(models) -> list[str]:
 
 
 def targets(models) -> list[str]:
-    """Every table and figure path of every model, the claims ledger and the decision tables."""
-    out = [*CLAIMS_OUTPUTS.values(), *decision_tables(models)]
+    """Every table and figure path of every model, the answer, the claims ledger and the decision tables."""
+    out = [*ANSWER_OUTPUTS.values(), *CLAIMS_OUTPUTS.values(), *decision_tables(models)]
     for m in models:
         out += [f"results/tables/{m}.{ext}" for ext in TABLE_FORMATS]
         out += [f"results/figures/{m}/{f}.{ext}" for f in MODEL_FIGURES for ext in FIGURE_FORMATS]

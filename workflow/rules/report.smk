@@ -15,6 +15,26 @@ figure_tokens = lambda wildcards: kvr.figure_tokens(token_parquets(wildcards.mod
 figure_outputs = kvr.figure_outputs
 
 
+# The answer a user came for (kvarn.report.advise; `kvarn advise` prints the same with a tolerance of
+# one's own): per model the frontier with its bands, the cheapest cell within the default tolerance,
+# the presets. Optional config: report: {boot: 2000, seed: 0}.
+rule answer:
+    input:
+        summary="results/summary.parquet",
+        tokens=lambda wildcards: [p for m in model_names() for p in kvr.report_run_tokens(token_parquets(m))],
+    output:
+        **kvr.ANSWER_OUTPUTS,
+    params:
+        boot=kvr.option(config, "boot"),
+        seed=kvr.option(config, "seed"),
+    log:
+        "logs/report/answer.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/answer.py"
+
+
 # The study's claims as a ledger (kvarn.report.claims), with the paired intervals from the
 # tokens of the cells each model's tables show, and each model's decision tables. Optional
 # config: report: {study_model: {MODEL: qwen3.6-27b | gemma4-31b}} (default: config/study.yaml).

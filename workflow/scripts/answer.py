@@ -1,0 +1,21 @@
+"""Rule answer: results/summary.parquet + the report run's tokens -> results/answer.md and .parquet
+(kvarn.report.advise at its default tolerance)."""
+
+from pathlib import Path
+
+import polars as pl
+from _wf import atomic, start
+
+start(snakemake)  # noqa: F821
+from kvarn.report import advise  # noqa: E402
+from kvarn.report.data import parse_cell_path  # noqa: E402
+
+sm = snakemake  # noqa: F821
+summary = pl.read_parquet(sm.input.summary)
+dirs = {(parse_cell_path(p)["model"], Path(p).parent.name): Path(p).parent for p in sm.input.tokens}
+answers = advise.advise(summary, dirs, n_boot=sm.params.boot, seed=sm.params.seed)
+with atomic(sm.output.parquet) as tmp:
+    advise.frontier_frame(answers).write_parquet(tmp)
+with atomic(sm.output.md) as tmp:
+    tmp.write_text(advise.answers_markdown(answers), encoding="utf-8")
+print(advise.answers_markdown(answers))
