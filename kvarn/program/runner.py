@@ -27,12 +27,13 @@ import os
 import re
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvarn.files.atomic import atomic_path, write_text
+from kvarn.files.identity import uncached_sha256
 from kvarn.program import build as pbuild
 from kvarn.spec import facts, scoring
 from kvarn.spec.cell import CellSpec
@@ -78,14 +79,21 @@ def cell_args(b: pbuild.Build, cell: CellSpec) -> tuple[list[str], dict]:
 
 # --- identity ---------------------------------------------------------------------------
 
+def program_env(settings: Settings, env: dict | None = None) -> dict:
+    """The numerics environment the program runs under, sorted: the NUMERICS_ENV variables set in this
+    process, then the settings' env, then a cell's own (`cell_args`), a later one winning."""
+    return dict(sorted({**{k: os.environ[k] for k in pbuild.NUMERICS_ENV if k in os.environ}, **settings.env,
+                        **(env or {})}.items()))
+
+
 def run_identity(b: pbuild.Build, settings: Settings, threads: int, ubatch: int, n_ctx: int, gguf_sha256: str,
                  text_sha256: str) -> dict:
     """What a baseline and its cells must share: the build, every setting, the numerics environment."""
-    numerics = {**{k: os.environ[k] for k in pbuild.NUMERICS_ENV if k in os.environ}, **settings.env}
+    numerics = program_env(settings)
     numerics.pop("LLAMA_ATTN_ROT_DISABLE", None)  # the cell's rot, not the run's
     return {"engine": ENGINE, "build": b.identity(), "threads": threads, "batch": min(settings.batch, n_ctx),
             "ubatch": ubatch, "flash_attn": settings.flash_attn, "gpu_layers": settings.gpu_layers,
-            "args": list(settings.args), "env": dict(sorted(numerics.items())), "n_ctx": n_ctx,
+            "args": list(settings.args), "env": numerics, "n_ctx": n_ctx,
             "weights_sha256": gguf_sha256, "text_sha256": text_sha256}
 
 
@@ -340,55 +348,85 @@ def cell_job(spec, cache_dir, text, n_ctx: int, ubatch: int, engine: dict, job_t
 
 # --- the self-check: does the build's answer depend on its thread count? ----------------------
 
-SELF_CHECK_TOLERANCE = 0.01  # relative difference of a one-chunk mean or median KLD that refuses a build
-
-
-def cell_kind(cell: CellSpec) -> str:
-    """The route a cell takes in a llama.cpp build, for the self-check: its family and whether it keeps an
-    exact tail (BeeLlama's tail route differs from its tail-0 one)."""
+def self_check_key(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf_sha256: str, n_ctx: int, ubatch: int,
+                   threads: int, env: dict) -> dict:
+    """What can change whether the program races or rounds differently, the self-check's cache key: the build
+    and the harness compiled against it, the weights, n_ctx, batch, ubatch, the settings, the thread count,
+    the whole cell with its effective tail and tail dtype (and whether the exact tail's ring, tail + 1 slots,
+    is shorter than a ubatch: BeeLlama's race), and the numerics environment with the cell's `env`."""
     tail = facts.pair_effective_tail(cell.k, cell.v, cell.tail)
-    return f"{cell.family}-{'tail' if tail else 'notail'}"
+    return {"build": b.identity(), "harness_sha256": uncached_sha256(pbuild.harness(b)),
+            "weights_sha256": gguf_sha256, "n_ctx": n_ctx, "batch": min(settings.batch, n_ctx), "ubatch": ubatch,
+            "settings": settings.as_param(), "threads": threads, "cell": {"name": cell.name, **asdict(cell)},
+            "tail_eff": tail, "tail_ring_short": 0 < tail and tail + 1 < ubatch,
+            "tail_dtype": cell.tail_dtype or facts.pair_default_tail_dtype(cell.k, cell.v),
+            "env": program_env(settings, env)}
+
+
+def _differing(a, b) -> int:
+    """Tokens whose records differ in any column (all of them when the two runs scored different tokens)."""
+    if a.height != b.height:
+        return max(a.height, b.height)
+    return int(np.any([a[c].to_numpy() != b[c].to_numpy() for c in RECORD_COLUMNS], axis=0).sum())
+
+
+def _moved(run: dict, ref: dict) -> str:
+    """A run's mean / median / p99 KLD, how far each moved from `ref`'s, and the most one token's KLD moved."""
+    out = []
+    for k in ("mean", "median", "p99"):
+        rel = f", {100 * (run[k] - ref[k]) / abs(ref[k]):+.1f} %" if ref[k] else ""
+        out.append(f"{k} {run[k]:.6g} ({run[k] - ref[k]:+.3g}{rel})")
+    token = run["max_token_move"]
+    return ", ".join(out) + (f", one token's KLD by up to {token:.3g}" if token is not None else "")
 
 
 def self_check(b: pbuild.Build, settings: Settings, cell: CellSpec, gguf: Path, gguf_sha256: str, n_ctx: int,
                ubatch: int, threads: int, baseline: Path, work: Path) -> dict:
-    """One chunk of `cell` at -t 1 and twice at -t `threads`, against the baseline's first chunk; cached per
-    (build, weights, settings, n_ctx, cell kind, threads) in the build's folder. Returns the result; raises
-    (naming the measured difference) when the build's answer depends on its thread count or changes
-    between identical runs. Nothing to check at one thread."""
+    """One chunk of `cell` at -t 1 and twice at -t `threads`, against the baseline's first chunk; cached in the
+    build's folder per `self_check_key`. A sound build writes bit-identical records at every thread count: any
+    difference between the three runs' per-token records refuses the cell (Refused, naming each run's mean /
+    median / p99 KLD and how far it moved). Nothing to check at one thread."""
     if threads == 1:
-        return {"kind": cell_kind(cell), "threads": 1, "checked": False}
-    key = json.dumps([b.identity(), gguf_sha256, settings.as_param(), n_ctx, ubatch, cell_kind(cell), threads],
-                     sort_keys=True)
-    cached = b.dir / "kvarn" / "selfcheck" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+        return {"cell": cell.name, "threads": 1, "checked": False}
+    cell_extra, env = cell_args(b, cell)
+    key = self_check_key(b, settings, cell, gguf_sha256, n_ctx, ubatch, threads, env)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    cached = b.dir / "kvarn" / "selfcheck" / f"{digest[:16]}.json"
     if cached.is_file():
         result = json.loads(cached.read_text())
     else:
-        cell_extra, env = cell_args(b, cell)
         work.mkdir(parents=True, exist_ok=True)
-        stats = []
+        frames = []
         for i, t in enumerate((1, threads, threads)):
             rec = work / f"selfcheck-{i}.tsv"
             args = [*common_args(b, settings, gguf, n_ctx, ubatch, t), *cell_extra, "--kl-divergence-base",
                     str(baseline), "--kl-divergence", "--chunks", "1"]
             run_harness(b, "cell", args, {**settings.env, **env}, rec, work / f"selfcheck-{i}.log")
-            kld = read_records(rec)["kld"].to_numpy()
-            stats.append({"threads": t, "mean": float(kld.mean()), "median": float(np.median(kld))})
-        ref = stats[0]
-        diff = max(abs(s[k] - ref[k]) / max(abs(ref[k]), 1e-12) for s in stats[1:] for k in ("mean", "median"))
-        repeat = max(abs(stats[1][k] - stats[2][k]) / max(abs(ref[k]), 1e-12) for k in ("mean", "median"))
-        result = {"kind": cell_kind(cell), "cell": cell.name, "threads": threads, "checked": True, "runs": stats,
-                  "max_rel_diff": max(diff, repeat), "ok": max(diff, repeat) <= SELF_CHECK_TOLERANCE}
+            frames.append(read_records(rec))
+        runs, ref = [], frames[0]["kld"].to_numpy()
+        for t, f in zip((1, threads, threads), frames):
+            kld = f["kld"].to_numpy()
+            runs.append({"threads": t, "tokens": f.height, "mean": float(kld.mean()), "median": float(np.median(kld)),
+                         "p99": float(np.percentile(kld, 99)),
+                         "max_token_move": float(np.abs(kld - ref).max()) if len(kld) == len(ref) else None})
+        differ = {"t1_run1": _differing(frames[0], frames[1]), "t1_run2": _differing(frames[0], frames[2]),
+                  "run1_run2": _differing(frames[1], frames[2])}
+        result = {"cell": cell.name, "threads": threads, "checked": True, "key": key, "runs": runs,
+                  "differing_tokens": differ, "ok": not any(differ.values())}
         cached.parent.mkdir(parents=True, exist_ok=True)
         write_text(cached, json.dumps(result, indent=1) + "\n")
     if not result["ok"]:
-        r = result["runs"]
+        r, d, k = result["runs"], result["differing_tokens"], result["key"]
+        ring = (f" (its exact tail's ring, {k['tail_eff']} + 1 slots, is shorter than the {k['ubatch']}-token ubatch, "
+                f"where BeeLlama v0.4.3 races)" if k["tail_ring_short"] else "")
         raise Refused(
-            f"{cell.name}: llama.cpp build {b.dir} ({b.version}) answers differently at {threads} threads for "
-            f"{result['kind']} cells: one chunk's mean KLD {r[0]['mean']:.6g} at -t 1, {r[1]['mean']:.6g} and "
-            f"{r[2]['mean']:.6g} in two runs at -t {threads} (median {r[0]['median']:.6g} / {r[1]['median']:.6g} / "
-            f"{r[2]['median']:.6g}; {100 * result['max_rel_diff']:.1f} % > {100 * SELF_CHECK_TOLERANCE:.0f} %). "
-            "Run this model at one thread (engine.threads: 1); docs/notes/beellama-thread-race.md")
+            f"{cell.name}: llama.cpp build {b.dir} ({b.version}) does not write the same per-token records at -t 1 "
+            f"and -t {threads}{ring}: of one chunk's {r[0]['tokens']} tokens, {d['t1_run1']} differ between -t 1 and "
+            f"the first -t {threads} run, {d['t1_run2']} between -t 1 and the second, {d['run1_run2']} between the "
+            f"two -t {threads} runs. KLD at -t 1: mean {r[0]['mean']:.6g}, median {r[0]['median']:.6g}, p99 "
+            f"{r[0]['p99']:.6g}; -t {threads} run 1: {_moved(r[1], r[0])}; -t {threads} run 2: {_moved(r[2], r[0])}. "
+            "A sound build is bit-identical at every thread count: run this model at one thread (engine.threads: 1); "
+            "docs/notes/beellama-thread-race.md")
     return result
 
 
