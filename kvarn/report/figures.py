@@ -2,12 +2,14 @@
 
 Every builder is a pure function of prepared DataFrames (kvarn.report.data) returning an
 `alt.TopLevelMixin`; `save_chart` writes the spec and renders it offline with vl-convert.
-Damage is always median (or mean) per-token KLD against the BF16-cache baseline; lower is
-better, and KLD axes are logarithmic because widths differ by orders of magnitude.
+Damage is median (or mean; the Pareto figure adds the 99th percentile) per-token KLD against the
+BF16-cache baseline; lower is better, and KLD axes are logarithmic because widths differ by orders
+of magnitude.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -21,7 +23,16 @@ from kvarn.report import tokens as T
 
 # One colour per Pareto series; other tails (if a matrix has them) get the spare colours.
 SERIES_COLORS = {D.SERIES_STANDARD_T0: "#9a9a9a", D.SERIES_STANDARD_T128: "#4c78a8", D.SERIES_KVARN: "#e45756"}
-SPARE_COLORS = ["#72b7b2", "#b279a2", "#f58518", "#54a24b", "#eeca3b"]
+SPARE_COLORS = ["#72b7b2", "#b279a2", "#f58518", "#54a24b", "#eeca3b", "#ff9da6", "#9d755d"]
+# The words a generated caption uses for the series' colours and marks (pareto_caption).
+COLOR_NAMES = {"#9a9a9a": "grey", "#4c78a8": "blue", "#e45756": "red", "#72b7b2": "teal", "#b279a2": "purple",
+               "#f58518": "orange", "#54a24b": "green", "#eeca3b": "yellow", "#ff9da6": "pink", "#9d755d": "brown"}
+# One mark per Pareto series, likewise: the three named series keep theirs, the rest take the spares.
+SERIES_SHAPES = {D.SERIES_STANDARD_T0: "circle", D.SERIES_STANDARD_T128: "square", D.SERIES_KVARN: "triangle-up"}
+SPARE_SHAPES = ["diamond", "cross", "triangle-down", "triangle-right", "triangle-left", "wedge", "arrow"]
+SHAPE_NAMES = {"circle": "circles", "square": "squares", "triangle-up": "triangles", "diamond": "diamonds",
+               "cross": "crosses", "triangle-down": "down triangles", "triangle-right": "right triangles",
+               "triangle-left": "left triangles", "wedge": "wedges", "arrow": "arrows"}
 # Line style per family (kvarn.report.data.family_of): solid KVarN, dashed standard, dotted for
 # transformers' QuantizedCache backends; a figure's legend lists the families it draws.
 FAMILY_DASH = {"kvarn": ([1, 0], "solid: KVarN"), "standard": ([5, 3], "dashed: standard"),
@@ -49,29 +60,129 @@ def _placeholder(model: str, name: str, why: str) -> alt.Chart:
         fontSize=14, color="#555").encode(text="why:N").properties(width=WIDTH, height=80)
 
 
+def _series_order(name: str) -> tuple:
+    """Legend order of a series past the named three (kvarn.report.data.series_of): standard,
+    format-only, KVarN, QuantizedCache backends, each by tail; a name of no known family last."""
+    prefixes = [(D.SERIES_FORMAT_ONLY, 1), ("standard", 0), ("KVarN", 2), (D.SERIES_ECOSYSTEM, 3)]
+    rank = next((r for p, r in prefixes if name.startswith(p)), len(prefixes))
+    tail = re.search(r"tail (\d+)\*?$", name)
+    return rank, int(tail.group(1)) if tail else 1 << 30, name
+
+
+def series_styles(series: Iterable[str]) -> list[tuple[str, str, str]]:
+    """(series, colour, shape) of each series present, in legend order: the colour and mark a
+    figure draws it with (SERIES_COLORS / SERIES_SHAPES, else the next spare)."""
+    present = {s for s in series if s is not None}
+    domain = [s for s in SERIES_COLORS if s in present] + sorted(present - set(SERIES_COLORS), key=_series_order)
+    colors, shapes = iter(SPARE_COLORS * 4), iter(SPARE_SHAPES * 4)
+    return [(s, SERIES_COLORS.get(s) or next(colors), SERIES_SHAPES.get(s) or next(shapes)) for s in domain]
+
+
 def _series_scale(series: Iterable[str]) -> alt.Scale:
-    present = set(series)
-    domain = [s for s in SERIES_COLORS if s in present] + sorted(present - set(SERIES_COLORS))
-    spare = iter(SPARE_COLORS * 4)
-    return alt.Scale(domain=domain, range=[SERIES_COLORS.get(s) or next(spare) for s in domain])
+    styles = series_styles(series)
+    return alt.Scale(domain=[s for s, _, _ in styles], range=[c for _, c, _ in styles])
+
+
+def _shape_scale(series: Iterable[str]) -> alt.Scale:
+    styles = series_styles(series)
+    return alt.Scale(domain=[s for s, _, _ in styles], range=[m for _, _, m in styles])
 
 
 # ---------------------------------------------------------------- figures from the summary
 
 
-def pareto(prep: pl.DataFrame) -> alt.LayerChart:
-    """Median KLD (log) vs KV cache MiB, one series per family/tail, the standard frontier and floor."""
+def pareto_x(prep: pl.DataFrame) -> str:
+    """The Pareto figure's x: `bits_per_value` when every cell drawn has one (comparable across
+    models), else `kv_mib` (results aggregated before bits per value were counted)."""
+    rows = D.figure_rows(prep)
+    if "bits_per_value" in rows.columns and rows.height and rows["bits_per_value"].null_count() == 0:
+        return "bits_per_value"
+    return "kv_mib"
+
+
+def _mib_per_bit(prep: pl.DataFrame) -> float | None:
+    """MiB per bit per value (a BF16 cache's MiB / 16) when every row has the one BF16 size, else None."""
+    if "kv_bf16_bytes" not in prep.columns or prep["kv_bf16_bytes"].null_count():
+        return None
+    sizes = prep["kv_bf16_bytes"].unique()
+    return float(sizes[0]) / D.MIB / 16 if sizes.len() == 1 else None
+
+
+def _pareto_x_text(prep: pl.DataFrame, x: str) -> tuple[str, str]:
+    """The x axis title, and what x is (the subtitle's and the caption's words)."""
+    acc = D.accounting_of(prep)
+    if x == "bits_per_value":
+        per = _mib_per_bit(prep)
+        return (f"bits per cached K/V value, {acc} accounting (16 × KV bytes / a BF16 cache's)",
+                "bits per cached value, 16 × the cell's KV bytes / a BF16 cache's on the same geometry, so two "
+                "models' figures compare" + (f"; MiB = bits/value × {per:.4g}" if per else "")
+                + " (each cell's MiB in its tooltip)")
+    return (f"KV cache MiB, {acc} accounting (body + staging + exact overlay)",
+            "KV cache MiB, not bits per value: these results were aggregated before bits per value were "
+            "counted (aggregate them again for an x that compares across models)")
+
+
+def _pareto_lines_text(prep: pl.DataFrame) -> list[str]:
+    """What the step line and the dashed line are (subtitle and caption), for those drawn."""
+    out = []
+    if (prep["family"] == "standard").any():
+        out.append("step line: the standard frontier, the lowest KLD a standard cell reaches at or below that size "
+                   "(a point under it beats every standard cell of its size)")
+    floor = D.standard_floor(prep)
+    if floor is not None:
+        out.append(f"dashed green line (median panel): the standard floor, {floor['pair']} t{floor['tail_label']}, "
+                   f"the lowest median of the standard pairs at tail {D.FLOOR_TAIL}")
+    return out
+
+
+def pareto_caption(prep: pl.DataFrame) -> str:
+    """The Pareto figure's caption, built from the cells it draws: what x and y are, every series
+    with its colour and mark (none that is not drawn), the step line and the floor."""
+    rows = D.figure_rows(prep)
+    styles = series_styles(rows["series"].to_list())
+    p99 = "kld_p99" in rows.columns and not rows["kld_p99"].is_null().all()
+    panels = ("drawn twice: median KLD against the BF16 cache (left) and 99th-percentile KLD, the worst 1 % of "
+              "tokens (right), both log" if p99 else "median KLD against the BF16 cache (log; no p99 in these results)")
+    x_words = _pareto_x_text(prep, pareto_x(prep))[1]
+    parts = [f"Each point a cell, {panels}; lower left is better. The x axis: {x_words}.",
+             f"{len(styles)} series: "
+             + "; ".join(f"{COLOR_NAMES.get(c, c)} {SHAPE_NAMES.get(m, m)}: {s}" for s, c, m in styles) + "."]
+    parts += [f"{line[0].upper()}{line[1:]}." for line in _pareto_lines_text(prep)]
+    labelled = [name for fam, name in (("kvarn", "KVarN"), ("ecosystem", "QuantizedCache"))
+                if (rows["family"] == fam).any()]
+    if labelled:
+        parts.append(f"Text labels name the {' and '.join(labelled)} cells.")
+    return " ".join(parts)
+
+
+def _pareto_frontier(rows: pl.DataFrame, x: str, y: str) -> pl.DataFrame:
+    """kvarn.report.data.pareto_frontier on any x and KLD column: the standard cells sorted by x,
+    `frontier_kld` the running minimum of y."""
+    std = rows.filter(pl.col("family") == "standard").drop_nulls([x, y]).sort([x, y])
+    return std.select("pair", "tail_label", *dict.fromkeys([x, "kv_mib"]), y,
+                      pl.col(y).cum_min().alias("frontier_kld"))
+
+
+# The Pareto figure's panels, side by side: (KLD column, what it is), the median first.
+PARETO_PANELS = (("kld_median", "median"), ("kld_p99", "99th-percentile"))
+
+
+def pareto(prep: pl.DataFrame) -> alt.HConcatChart:
+    """Median KLD and p99 KLD (log) vs bits per value (MiB for older results), one series per
+    family/tail, the standard frontier and the floor; pareto_caption says what is drawn."""
     model = prep["model"][0]
     rows = D.figure_rows(prep).with_columns(
         pl.col("same_top").mul(100).alias("same_top_pct"),
         pl.when(pl.col("family").is_in(["kvarn", "ecosystem"])).then(pl.col("pair")).otherwise(pl.lit(""))
         .alias("point_label"),
     )
+    x_field = pareto_x(prep)
     tooltip = [
         alt.Tooltip("pair:N", title="K-V pair"), alt.Tooltip("tail_label:N", title="tail"),
         alt.Tooltip("tail_eff_full:Q", title="tail eff (full layers)"),
         alt.Tooltip("tail_eff_sliding:Q", title="tail eff (sliding layers)"),
         alt.Tooltip("sink:Q", title="sink"), alt.Tooltip("rot:N", title="rot"),
+        alt.Tooltip("bits_per_value:Q", title="bits per value", format=".3f"),
         alt.Tooltip("kv_mib:Q", title="KV MiB total", format=".2f"),
         alt.Tooltip("body_mib:Q", title="MiB body", format=".2f"),
         alt.Tooltip("staging_mib:Q", title="MiB staging", format=".2f"),
@@ -79,41 +190,56 @@ def pareto(prep: pl.DataFrame) -> alt.LayerChart:
         alt.Tooltip("memory_accounting:N", title="memory accounting"),
         alt.Tooltip("kld_median:Q", title="median KLD", format=KLD_FMT),
         alt.Tooltip("kld_mean:Q", title="mean KLD", format=KLD_FMT),
+        alt.Tooltip("kld_p99:Q", title="p99 KLD", format=KLD_FMT),
         alt.Tooltip("same_top_pct:Q", title="same top %", format=".2f"),
     ]
-    tooltip = [t for t in tooltip if t.to_dict()["field"] in rows.columns]
-    x = alt.X("kv_mib:Q", title=f"KV cache MiB, {D.accounting_of(prep)} accounting (body + staging + exact overlay)",
-              scale=alt.Scale(zero=False))
-    y = alt.Y("kld_median:Q", title="median KLD vs BF16 cache (log)", scale=alt.Scale(type="log"))
-    series = _series_scale(rows["series"].to_list())
-    points = alt.Chart(rows, name="cells").mark_point(filled=True, size=70, opacity=0.9).encode(
-        x=x, y=y, color=alt.Color("series:N", scale=series, title=None, legend=alt.Legend(orient="top-right")),
-        shape=alt.Shape("series:N", scale=alt.Scale(domain=series.domain), title=None), tooltip=tooltip,
-    )
-    labels = alt.Chart(rows).mark_text(align="left", dx=7, fontSize=9, color=SERIES_COLORS[D.SERIES_KVARN]).encode(
-        x="kv_mib:Q", y="kld_median:Q", text="point_label:N")
-    layers = [points, labels]
-    front = D.pareto_frontier(prep)
-    if not front.is_empty():
-        layers.insert(0, alt.Chart(front, name="standard_frontier").mark_line(
-            interpolate="step-after", color=SERIES_COLORS[D.SERIES_STANDARD_T128], strokeWidth=1.5, opacity=0.6,
-        ).encode(x="kv_mib:Q", y="frontier_kld:Q", tooltip=[
-            alt.Tooltip("frontier_kld:Q", title="best standard median at ≤ this MiB", format=KLD_FMT),
-            alt.Tooltip("kv_mib:Q", title="MiB", format=".2f")]))
+    tooltip = [t for t in tooltip if t.to_dict()["field"] in rows.columns
+               and (t.to_dict()["field"] != "bits_per_value" or x_field == "bits_per_value")]
+    x_title, x_sentence = _pareto_x_text(prep, x_field)
+    x = alt.X(f"{x_field}:Q", title=x_title, scale=alt.Scale(zero=False))
+    series = rows["series"].to_list()
+    # one legend under both panels, every label in full (labelLimit 0: no limit)
+    legend = alt.Legend(orient="bottom", columns=3, labelLimit=0, symbolLimit=0)
+    color = alt.Color("series:N", scale=_series_scale(series), title=None, legend=legend)
+    shape = alt.Shape("series:N", scale=_shape_scale(series), title=None, legend=legend)
     floor = D.standard_floor(prep)
-    if floor is not None:
-        fl = pl.DataFrame({"floor_kld": [floor["kld_median"]],
-                           "floor_label": [f"standard floor: {floor['pair']} t{floor['tail_label']} "
-                                           f"({floor['kld_median']:.3g})"]})
-        layers += [alt.Chart(fl, name="standard_floor").mark_rule(color=FLOOR_COLOR, strokeDash=[6, 4]
-                                                                  ).encode(y="floor_kld:Q"),
-                   alt.Chart(fl, name="standard_floor_label").mark_text(align="left", baseline="bottom", dy=-3, x=4, color=FLOOR_COLOR, fontSize=10
-                                  ).encode(y="floor_kld:Q", text="floor_label:N")]
-    return alt.layer(*layers).properties(
-        width=WIDTH, height=HEIGHT,
-        title=_title(model, "damage vs cache size",
-                     f"{_run_desc(prep)}; lower left is better. Step line: standard frontier; dashed: standard floor"),
-    )
+    panels = []
+    for y_field, stat in PARETO_PANELS:
+        suffix = "" if y_field == "kld_median" else f"_{y_field.removeprefix('kld_')}"
+        if y_field not in rows.columns or rows[y_field].is_null().all():
+            panels.append(_placeholder(model, f"{stat} KLD", f"these results have no {y_field} column"))
+            continue
+        y = alt.Y(f"{y_field}:Q", title=f"{stat} KLD vs BF16 cache (log)", scale=alt.Scale(type="log"))
+        layers = [
+            alt.Chart(rows, name=f"cells{suffix}").mark_point(filled=True, size=70, opacity=0.9).encode(
+                x=x, y=y, color=color, shape=shape, tooltip=tooltip),
+            alt.Chart(rows, name=f"cell_labels{suffix}").mark_text(
+                align="left", dx=7, fontSize=9, color=SERIES_COLORS[D.SERIES_KVARN]).encode(
+                x=f"{x_field}:Q", y=f"{y_field}:Q", text="point_label:N"),
+        ]
+        front = _pareto_frontier(rows, x_field, y_field)
+        if not front.is_empty():
+            layers.insert(0, alt.Chart(front, name=f"standard_frontier{suffix}").mark_line(
+                interpolate="step-after", color=SERIES_COLORS[D.SERIES_STANDARD_T128], strokeWidth=1.5, opacity=0.6,
+            ).encode(x=f"{x_field}:Q", y="frontier_kld:Q", tooltip=[
+                alt.Tooltip("frontier_kld:Q", title=f"best standard {stat} at ≤ this size", format=KLD_FMT),
+                alt.Tooltip(f"{x_field}:Q", title="bits per value" if x_field == "bits_per_value" else "MiB",
+                            format=".3f" if x_field == "bits_per_value" else ".2f")]))
+        if floor is not None and y_field == "kld_median":  # the floor is the study's, a median
+            fl = pl.DataFrame({"floor_kld": [floor["kld_median"]],
+                               "floor_label": [f"standard floor: {floor['pair']} t{floor['tail_label']} "
+                                               f"({floor['kld_median']:.3g})"]})
+            layers += [alt.Chart(fl, name="standard_floor").mark_rule(color=FLOOR_COLOR, strokeDash=[6, 4]
+                                                                      ).encode(y="floor_kld:Q"),
+                       alt.Chart(fl, name="standard_floor_label").mark_text(
+                           align="left", baseline="bottom", dy=-3, x=4, color=FLOOR_COLOR, fontSize=10
+                       ).encode(y="floor_kld:Q", text="floor_label:N")]
+        panels.append(alt.layer(*layers).properties(
+            width=WIDTH, height=HEIGHT, title=alt.TitleParams(f"{stat} KLD", fontSize=12, anchor="start")))
+    subtitle = [f"{_run_desc(prep)}; lower left is better; left: median KLD, right: 99th percentile "
+                "(the worst 1 % of tokens)", f"x: {x_sentence}", *_pareto_lines_text(prep)]
+    return alt.hconcat(*panels).resolve_scale(x="shared", y="independent", color="shared", shape="shared").properties(
+        title=_title(model, "damage vs cache size", subtitle))
 
 
 def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Chart:
