@@ -110,8 +110,7 @@ def test_study_numbers_give_the_studys_figures_gemma():
     prep, led = ledger_of(cells, model="g", study_model="gemma4-31b", accounting="beellama-gemma")
     r = row(led, "below_floor_kvarn6-kvarn6")
     assert f"{r['ours']:.2f}" == "109.38" and r["verdict"] == "holds"
-    r = row(led, "two_bit_reversal")
-    assert r["ours"] == pytest.approx(2.091697 / 1.329847) and r["verdict"] == "holds"
+    assert "two_bit_reversal" not in led["claim_id"].to_list()  # the same comparison as same_width_gain_2
     r = row(led, "cheapest_match")
     assert r["ours"] == 0 and r["verdict"] == "holds"
     # the study's Gemma same-width gain at 4 bits, computed from its printed medians
@@ -201,7 +200,7 @@ def test_equal_memory_and_presets():
     assert (p["compact"]["pair"], p["compact"]["kv_mib"]) == ("kvarn3-kvarn3", pytest.approx(9.0))
 
 
-def test_ladder_sweep_trend_prefill_same_top():
+def test_ladder_sweep_trend_same_top_and_no_prefill_row():
     cells = [("q4_0-q4_0", 128, 0.5, 10, 0.9, 1000.0), ("q5_0-q5_0", 128, 0.3, 12),
              ("q6_0-q6_0", 128, 0.2, 14), ("q8_0-q8_0", 128, 0.1, 18, 0.975, 1000.0),
              ("kvarn4-kvarn4", 0, 0.4, 11, 0.9, 800.0),
@@ -217,37 +216,25 @@ def test_ladder_sweep_trend_prefill_same_top():
     assert w8["ours"] == pytest.approx(-15.0) and w8["verdict"] == "holds"
     r3 = row(led, "tail_sweep_trend_3")
     assert r3["verdict"] == "not measurable" and "kvarn3-kvarn3 at tail 128" in r3["missing"]
-    # the cells' tokens/s are separate jobs' timings: no ratio is printed from them
-    assert row(led, "prefill_4")["ours"] is None and row(led, "prefill_4")["ours_text"] == C.NOT_TIMED_COMPARABLY
+    # the cells' tokens/s are separate jobs' timings: no row is made of them
+    assert not [c for c in led["claim_id"].to_list() if c.startswith("prefill")]
     assert row(led, "q8_0_same_top")["ours"] == pytest.approx(97.5)
     assert set(led["verdict"]) <= set(C.VERDICTS)
 
 
-def test_the_texts_of_same_top_the_two_bit_reversal_and_our_claims_by_hand():
+def test_the_texts_of_same_top_and_our_claims_by_hand():
     # q8_0's same-top at tail 128 printed with its error (the fixture's same_top_err: 0.01)
     cells = [("q4_0-q4_0", 128, 0.5, 10, 0.9, 1000.0), ("q8_0-q8_0", 128, 0.1, 18, 0.975, 1000.0),
              ("kvarn4-kvarn4", 0, 0.4, 11, 0.9, 800.0)]
     _, led = ledger_of(cells)
     assert row(led, "q8_0_same_top")["ours_text"] == "97.500 ± 1.000 %"
-    # a claim of ours is written "*ours:* <claim>" once, the claim's own "ours: " prefix dropped
+    # a claim of ours is listed under "Our statistics", the claim's own "ours: " prefix dropped
     md = C.ledger_markdown(led)
-    assert "| *ours:* the format-only floor (standard types with KVarN's sink and F16 tail) against " in md
-    assert "*ours:* ours:" not in md
-    # read against Gemma 4's figures (kvarn2 loses there): the note names every other width where
-    # KVarN's median is above the standard type's at tail 128 too (3 and 4 bits, not 5)
-    cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.5, 6), ("q3_0-q3_0", 128, 0.5, 5),
-             ("kvarn3-kvarn3", 0, 0.6, 6), ("q4_0-q4_0", 128, 0.1, 5), ("kvarn4-kvarn4", 0, 0.2, 6),
-             ("q5_0-q5_0", 128, 0.05, 5), ("kvarn5-kvarn5", 0, 0.01, 6)]
-    _, led = ledger_of(cells, study_model="gemma4-31b")
-    assert row(led, "two_bit_reversal")["note"] == "KVarN also loses at 3 bits, 4 bits"
-    # a study whose kvarn2 median only equals q2_0's prints no reversal: no claim to read
-    import copy
-
-    study = copy.deepcopy(STUDY)
-    med = C.figure(study, "median", "gemma4-31b")
-    med[C.cell_key("kvarn2-kvarn2", 0)] = med[C.cell_key("q2_0-q2_0", 128)]
-    prep, _ = ledger_of(cells, study_model="gemma4-31b")
-    assert "two_bit_reversal" not in C.ledger(prep, "m", study, study_model="gemma4-31b")["claim_id"].to_list()
+    ours = md[md.index("## Our statistics"):]
+    assert "| the format-only floor (standard types with KVarN's sink and F16 tail) against " not in md[:md.index(
+        "## Our statistics")]
+    assert "q8_0-q8_0 at tail 128: same-top % | 97.500 ± 1.000 % |" in ours
+    assert "ours:" not in md
 
 
 def test_a_study_file_with_quoted_widths_reads_the_same():
@@ -272,16 +259,21 @@ def test_a_study_file_with_quoted_widths_reads_the_same():
 
 
 def test_the_ledger_markdown_keeps_its_table_whole():
-    """A | inside a cell would split the row: it is written /, and a * is escaped; each row names
-    its section of the study."""
+    """A | inside a cell would split the row: it is escaped \\| (an absolute value stays one), and a * is
+    escaped; each row names its section of the study."""
     cells = [("q2_0-q2_0", 0, 1.2, 5), ("q2_0-q2_0", 128, 1.0, 5), ("q8_0-q8_0", 0, 0.11, 17),
              ("q8_0-q8_0", 128, 0.1, 18), ("kvarn4-kvarn4", 0, 0.2, 11), ("q4_0-q4_0", 0, 0.5, 9),
              ("q4_0-q4_0", 128, 0.3, 10)]
     _, led = ledger_of(cells)
     md = C.ledger_markdown(led)
-    assert "| the tail helps 2 bits more than 8 bits (/change/ of the median) | 61.2 % vs 0.9 % | tail 0 vs 128 |" in md
+    assert "| the tail helps 2 bits more than 8 bits (\\|change\\| of the median) | 61.2 % vs 0.9 % | " in md
     assert "kvarn4 at 128\\* beats q4_0" in md
-    assert all(line.count(" | ") == 5 for line in md.splitlines() if line.startswith("| ") and "---" not in line)
+    study = md[md.index("## The study's claims"):md.index("## Our statistics")]
+    ours = md[md.index("## Our statistics"):md.index("## Glossary")]
+    assert all(line.replace("\\|", "").count(" | ") == 4 for line in study.splitlines()
+               if line.startswith("| ") and "---" not in line)
+    assert all(line.replace("\\|", "").count(" | ") == 2 for line in ours.splitlines()
+               if line.startswith("| ") and "---" not in line)
     for claim_id in ("exactness_vs_format", "exactness_vs_format_sweep"):
         assert row(led, claim_id)["section"] == "precision tail vs format"
 
@@ -305,7 +297,6 @@ def test_every_ledger_row_is_complete(tmp_path):
         assert of["same_width_gain_4"] == "kvarn4 128* − q4_0 t128"
         assert of["tail_effect_8"] == "q8_0 t128 − q8_0 t0"
         if sm == "gemma4-31b":
-            assert of["two_bit_reversal"] == "kvarn2 128* − q2_0 t128"
             assert of["below_floor_kvarn6-kvarn6"] == "kvarn6-kvarn6 128* − floor"
 
 
@@ -313,9 +304,9 @@ def _figure_key(claim_id: str) -> str:
     """The config/study.yaml figure a ledger row's claim reads (its section)."""
     for key in ("same_width_gain", "tail_effect_order", "tail_effect", "below_floor", "format_only_floor",
                 "standard_floor", "cheapest_match", "exactness_vs_format", "equal_memory", "preset", "ladder",
-                "q8_0_same_top", "tail_sweep_trend", "prefill", "two_bit_reversal"):
+                "q8_0_same_top", "tail_sweep_trend"):
         if claim_id.startswith(key):
-            return {"preset": "presets", "format_only_floor": "standard_floor", "two_bit_reversal": "median",
+            return {"preset": "presets", "format_only_floor": "standard_floor",
                     "tail_effect_order": "tail_effect"}.get(key, key)
     raise KeyError(claim_id)
 
@@ -365,14 +356,6 @@ def test_the_rows_read_their_own_inputs():
     assert (row(g, "below_floor_kvarn6-kvarn6")["note"], row(g, "below_floor_kvarn6-kvarn6")["verdict"]) == ("", "holds")
 
 
-def test_two_bit_reversal_names_the_other_widths_where_kvarn_loses():
-    cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.2, 6), ("q4_0-q4_0", 128, 0.3, 10),
-             ("kvarn4-kvarn4", 0, 0.35, 11), ("q8_0-q8_0", 128, 0.1, 18), ("kvarn8-kvarn8", 0, 0.09, 19)]
-    _, led = ledger_of(cells, study_model="gemma4-31b")
-    r = row(led, "two_bit_reversal")
-    assert r["ours"] == pytest.approx(1.2) and r["note"].endswith("KVarN also loses at 4 bits")
-
-
 def test_every_row_of_a_ledger_short_of_cells_is_complete():
     """The not-measurable branches: each row still names its model, study model and section,
     shows the study's figure and says what is missing."""
@@ -385,11 +368,8 @@ def test_every_row_of_a_ledger_short_of_cells_is_complete():
     _, led = ledger_of([("kvarn4-kvarn4", 0, 0.3, 12)])
     assert row(led, "tail_sweep_trend_2")["study_text"] == "widens"
     assert row(led, "equal_memory")["missing"] == "kvarn3-kvarn3 t128*, kvarn4-kvarn2 t128*"
-    _, two = ledger_of([("kvarn2-kvarn2", 0, 0.9, 6), ("kvarn4-kvarn4", 0, 0.3, 12)])
-    assert [(r["claim_id"], r["missing"]) for r in two.iter_rows(named=True) if r["claim_id"].startswith("prefill_")] \
-        == [("prefill_2", "q2_0-q2_0 t128"), ("prefill_4", "q4_0-q4_0 t128")]
     _, g = ledger_of([("kvarn4-kvarn4", 0, 0.3, 12)], study_model="gemma4-31b")
-    assert row(g, "two_bit_reversal")["missing"] == "q2_0-q2_0 t128, kvarn2-kvarn2 t128*"
+    assert row(g, "same_width_gain_2")["missing"] == "q2_0-q2_0 t128, kvarn2-kvarn2 t128*"
     assert row(g, "standard_floor")["study_text"] == "q8_0-q8_0"  # the study printed no median for Gemma's floor
     assert row(g, "cheapest_match")["claim"] == ("no KVarN row saves memory against the cheapest standard row of "
                                                  "equal or lower median")
@@ -403,16 +383,16 @@ def test_every_row_of_a_ledger_short_of_cells_is_complete():
 
 
 def test_rows_with_a_paired_interval_carry_it_in_their_direction(monkeypatch):
-    """A fixed interval for every pair (B − A = +0.1 [+0.05, +0.15]): the ratio claims (B above A)
+    """A fixed interval for every pair (B − A = +0.1 [+0.05, +0.15]): the claims that B is above A
     hold and carry it; equal memory's note names the two MiB when they differ."""
     monkeypatch.setattr(C, "paired_delta", lambda cells, n_boot, seed: lambda a, b: (0.1, 0.05, 0.15))
     cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.2, 6), ("q8_0-q8_0", 128, 0.1, 18),
              ("kvarn8-kvarn8", 0, 0.1, 19), ("kvarn4-kvarn2", 0, 0.6, 9), ("kvarn3-kvarn3", 0, 0.3, 10)]
     prep = prepare(summary(cells), "m")
     led = C.ledger(prep, "m", STUDY, cells={"any": None}, study_model="gemma4-31b")
-    r = row(led, "two_bit_reversal")
+    r = row(led, "same_width_gain_2")  # Gemma 4's: kvarn2 loses to q2_0, B = kvarn2 above A = q2_0
     assert (r["verdict"], r["delta"], r["delta_lo"], r["delta_hi"]) == ("holds", 0.1, 0.05, 0.15)
-    assert r["note"] == ""  # kvarn8 equals q8_0: not a width where KVarN loses
+    assert r["note"] == ""
     e = row(led, "equal_memory")
     assert (e["verdict"], e["delta"], e["delta_lo"], e["delta_hi"]) == ("holds", 0.1, 0.05, 0.15)
     assert e["note"].startswith("not equal memory here: 9.00 vs 10.00 MiB (packed)")
@@ -452,19 +432,24 @@ def test_below_floor_rows_each_on_their_own():
 
 def test_the_ledger_markdown_opens_with_how_to_read_it():
     _, led = ledger_of([("q4_0-q4_0", 128, 0.5, 10)])
-    assert C.ledger_markdown(led).startswith(
-        "# The study's claims, computed\n\nOne row per claim: the study's figure (config/study.yaml), ours from "
-        "this run, the paired 95 % block-bootstrap interval of Δ median where the claim is a difference between "
-        "two cells (kvarn.stats.paired), and the verdict (holds / does not hold / not measurable, naming what is "
-        "missing). Rows marked *ours* are our own statistics, not the study's. Definitions: kvarn/report/claims.py.\n\n")
+    md = C.ledger_markdown(led)
+    assert md.startswith(
+        "# The study's claims, computed\n\nThe study's claims, each computed by the study's own definition "
+        "(kvarn/report/claims.py) on this run's cells and graded against the study's printed figure "
+        "(config/study.yaml); then, separately, our own statistics. Terms and signs: the glossary at the end.\n\n")
+    assert md.index("## The study's claims") < md.index("## Our statistics") < md.index("## Glossary")
+    assert md.rstrip().endswith(C.GLOSSARY.rstrip())
 
 
 def test_directional_verdict_reads_the_interval():
     assert C.directional(True, None, None, -1) == ("holds", "")
+    assert C.directional(False, None, None, -1) == ("does not hold", "")
     assert C.directional(True, -0.3, -0.1, -1) == ("holds", "")
-    assert C.directional(True, -0.3, 0.1, -1)[0] == "does not hold"
+    # an interval holding 0 cannot tell the cells apart, whichever way the point estimate points
+    assert C.directional(True, -0.3, 0.1, -1) == ("not separable", "the paired interval of the difference holds 0")
+    assert C.directional(False, -0.3, 0.1, +1)[0] == "not separable"
     assert C.directional(True, 0.1, 0.3, +1) == ("holds", "")
-    assert C.directional(False, -0.3, -0.1, -1)[0] == "does not hold"
+    assert C.directional(False, 0.1, 0.3, -1)[0] == "does not hold"
 
 
 def test_same_width_verdict_reads_the_paired_interval_in_its_direction():
@@ -485,8 +470,8 @@ def test_same_width_verdict_reads_the_paired_interval_in_its_direction():
                                           "same_width_gain_2": "does not hold"}
     assert verdicts(0.0017, 0.0025) == {"same_width_gain_4": "does not hold", "same_width_gain_8": "does not hold",
                                         "same_width_gain_2": "holds"}
-    assert verdicts(-0.001, 0.001) == {"same_width_gain_4": "does not hold", "same_width_gain_8": "does not hold",
-                                       "same_width_gain_2": "does not hold"}
+    assert verdicts(-0.001, 0.001) == {"same_width_gain_4": "not separable", "same_width_gain_8": "not separable",
+                                       "same_width_gain_2": "not separable"}
 
 
 def test_study_model_choice():
@@ -512,8 +497,12 @@ def test_ledger_intervals_are_kvarn_paired(tmp_path):
     ref = compare(cells["q4_0-q4_0-t128"], cells["kvarn4-kvarn4-t0"], n_boot=200)["stats"]["kld_median"]
     assert (r["delta"], r["delta_lo"], r["delta_hi"]) == (ref["delta"], ref["lo"], ref["hi"])
     md = C.ledger_markdown(led)
-    assert "## smollm2-135m (read against the study's qwen3.6-27b)" in md
-    assert md.count("\n| ") == led.height + 1  # a header and one line per row
+    assert "### smollm2-135m (read against the study's qwen3.6-27b)" in md
+    # two headers, then a line per row the run answers; one line names the rest
+    shown = led.filter(~C.lacks_a_cell() & ((pl.col("ours_text").fill_null("") != "") | C.is_study_claim()))
+    assert md.count("\n| ") == 2 + shown.height
+    assert md.count("This run lacks a cell for ") == (led.filter(C.lacks_a_cell() & C.is_study_claim()).height > 0) + (
+        led.filter(C.lacks_a_cell() & ~C.is_study_claim()).height > 0)
     assert C.conclusion_markdown(led) in md  # what to conclude, above the rows
 
 
@@ -720,19 +709,20 @@ def test_findings_put_each_models_row_in_its_own_column():
     lines = md.splitlines()
     assert lines[0] == C.conclusion_markdown(led).strip() and lines[1] == ""  # a paragraph, then the table
     assert lines[2] == "| claim | small (study: qwen3.6-27b) | other (study: gemma4-31b) |"
-    # conclusion, blank, header, rule, one line per claim sentence
-    assert len(lines) == 4 + led.select(["claim_id", "claim"]).unique().height
-    # a | in a claim ("(|change| of the median)") is written /: every line has the header's three cells
-    assert all(ln.count("|") == 4 for ln in lines[2:])
-    assert any("(/change/ of the median)" in ln for ln in lines)
+    # conclusion, blank, header, rule, one line per study claim sentence either model answers, blank,
+    # the line naming the claims neither has a cell for
+    study = led.filter(C.is_study_claim())
+    answered = study.filter(~C.lacks_a_cell()).select(["claim_id", "claim"]).unique().height
+    assert len(lines) == 4 + answered + 2 and lines[-1].startswith("This run lacks a cell for ")
+    # a | in a claim ("(|change| of the median)") is escaped: every line has the header's three cells
+    assert all(ln.replace("\\|", "").count("|") == 4 for ln in lines[2:-2])
     gain = next(ln for ln in lines if ln.startswith("| 4 bits: kvarn4"))
     small, other = gain.split(" | ")[1:3]
     # small: (1 - 0.004/0.01) = +60 %, it holds; other: 0.02 vs 0.01 = -100 %, it does not
     assert small.startswith("**holds**: ours +60.0 % (0.004 vs 0.01)")
     assert other.startswith("**does not hold**: ours -100.0 % (0.02 vs 0.01)")
     assert f"study {row(led.filter(pl.col('model') == 'other'), 'same_width_gain_4')['study_text']}" in other
-    floor = next(ln for ln in lines if "format-only floor" in ln)
-    assert floor.startswith("| *ours:* the format-only floor") and "missing: a format-only row" in floor
+    assert not any("format-only floor" in ln or "ladder" in ln for ln in lines)  # ours: not the study's claims
 
 
 def test_findings_give_a_claim_whose_direction_differs_a_line_per_model():
@@ -759,7 +749,7 @@ def test_the_conclusion_counts_the_claims_the_study_printed():
              ("q8_0-q8_0", 0, 0.01, 20.0), ("q8_0-q8_0", 128, 0.001, 21.0)]
     led = ledger_of(cells, "m")[1]
     c = C.verdict_counts(led, "m")
-    study_rows = led.filter((pl.col("origin") == "study") & ~pl.col("missing").str.starts_with("study figure"))
+    study_rows = led.filter((pl.col("origin") == "study") & (pl.col("study_text").fill_null("") != ""))
     assert sum(c.values()) == study_rows.height
     assert row(led, "same_width_gain_4")["verdict"] == "holds"
     assert row(led, "tail_effect_order")["verdict"] == "does not hold"  # |-5 %| < |-90 %|
@@ -769,6 +759,20 @@ def test_the_conclusion_counts_the_claims_the_study_printed():
                            f"claims the study printed a figure for **hold**, {c['does not hold']} "
                            f"{'does' if c['does not hold'] == 1 else 'do'} not, "
                            f"{c['not measurable']} lack a cell of this run.")
+
+
+def test_rows_the_study_printed_no_figure_for_are_never_counted_as_its_claims():
+    """A run short of cells: the ladder steps and q8_0's same-top have no study figure, and lack a cell
+    here too; they are neither counted among the study's claims nor said to lack a cell for them (the
+    count once read `missing`, which names the cell, not the figure)."""
+    led = ledger_of([("kvarn4-kvarn4", 0, 0.3, 12)], "m")[1]
+    for cid in ("ladder_4_5", "q8_0_same_top"):
+        r = row(led, cid)
+        assert r["study_text"] is None and r["missing"] and not r["missing"].startswith("study figure")
+    counted = led.filter(C.is_study_claim())
+    assert not counted.filter(pl.col("claim_id").str.starts_with("ladder") | (pl.col("claim_id") == "q8_0_same_top")).height
+    assert sum(C.verdict_counts(led, "m").values()) == counted.height
+    assert counted.height == led.filter(pl.col("study_text").fill_null("") != "").height
 
 
 def test_splice_claims_rewrites_only_the_block():
@@ -824,23 +828,24 @@ def test_the_committed_figures_were_made_by_the_code_s_numerics():
 
 
 def test_rows_carry_their_study_figure_delta_and_missing_text(monkeypatch):
-    """The fields a reader checks a row by: the study's figure of the two-bit reversal, the floor
-    claims' paired Δ, the text naming a study figure the config lacks, and a verdict cell with
-    nothing missing left bare."""
+    """The fields a reader checks a row by: the study's figure and whose it is, the floor claims'
+    paired Δ, the text naming a study figure the config lacks, and a verdict cell with nothing
+    missing left bare."""
     monkeypatch.setattr(C, "paired_delta", lambda cells, n_boot, seed: lambda a, b: (0.1, 0.05, 0.15))
     cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.2, 6), ("q4_0-q4_0", 128, 0.5, 9),
              ("q8_0-q8_0", 128, 0.2, 20), ("q4_0-q4_0+tdf16-s128", 128, 0.1, 11)]
     prep = prepare(summary(cells), "m")
     led = C.ledger(prep, "m", STUDY, cells={"any": None}, study_model="gemma4-31b")
-    r = row(led, "two_bit_reversal")
-    assert r["study"] is not None and r["study_text"].endswith(f"({r['study']:.2f}x)")
+    r = row(led, "same_width_gain_2")
+    assert (round(r["study"], 1), r["study_text"], r["figure_of"]) == (-57.3, "-57.3 %", "gemma4-31b")
+    assert row(led, "tail_effect_2")["figure_of"] == "qwen3.6-27b"  # printed for Qwen only
     fo = row(led, "format_only_floor")
     assert (fo["ours"], fo["delta"], fo["delta_lo"], fo["delta_hi"]) == (pytest.approx(0.1), 0.1, 0.05, 0.15)
-    no_figure = {**STUDY, "figures": {k: v for k, v in STUDY["figures"].items() if k not in ("q8_0_same_top", "prefill")}}
+    no_figure = {**STUDY, "figures": {k: v for k, v in STUDY["figures"].items() if k != "q8_0_same_top"}}
     led2 = C.ledger(prep, "m", no_figure, study_model="gemma4-31b")
-    missing = led2.filter((pl.col("claim_id") == "q8_0_same_top") | pl.col("claim_id").str.starts_with("prefill"))
-    assert missing.height >= 2 and set(missing["missing"]) == {"study figure (not in config/study.yaml)"}
+    missing = led2.filter(pl.col("claim_id") == "q8_0_same_top")
+    assert missing.height == 1 and set(missing["missing"]) == {"study figure (not in config/study.yaml)"}
     md = C.ledger_markdown(led)
-    line = next(x for x in md.splitlines() if "two_bit_reversal" in x or "2 bits: kvarn2" in x)
-    assert f"| {r['verdict']} |" in line
+    line = next(x for x in md.splitlines() if "2 bits: kvarn2" in x)
+    assert line.endswith(f"| **{r['verdict']}** |")
 

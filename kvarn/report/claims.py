@@ -9,9 +9,16 @@ verdict:
 
 * `holds`          — our figure points the way the study's does (a difference: its interval,
                      when tokens were given, excludes 0 on that side);
-* `does not hold`  — it points the other way, or the interval holds 0 (the note says which);
+* `does not hold`  — it points the other way (a difference: its interval excludes 0 on the other side);
+* `not separable`  — a difference whose paired interval holds 0: this run cannot tell the two cells
+                     apart, whichever way the point estimate points;
 * `not measurable` — a cell the claim needs is not in this run (`missing` names it), or the
                      study's figure is not in config/study.yaml (our figure is still printed).
+
+Signs, one convention: a gain is printed as the study prints it, (1 − KVarN / standard) · 100,
+positive when KVarN damages less; a tail effect as the % change of the median from tail 0 to 128,
+negative when the tail lowers it; every Δ median is the second-named cell minus the first, negative
+when the second damages less. `figure_of` names the study model whose figure grades a row.
 
 Definitions (the study's, unless a row's `origin` is `ours`):
 * standard floor: the lowest median among the standard pairs at tail 128 (default options;
@@ -31,8 +38,10 @@ Definitions (the study's, unless a row's `origin` is `ours`):
   cheapest row at the matched tail whose median is at most the reference's;
 * ladder: median steps q4_0 → q5_0 → q6_0 → q8_0 (symmetric, tail 128);
 * tail-sweep trend: the same-width gain at the effective tails both families measured; it
-  widens if the gain at the longest tail exceeds the gain at 128;
-* prefill cost: tokens/s of kvarnN at 128* over qN_0 at tail 128.
+  widens if the gain at the longest tail exceeds the gain at 128.
+
+Prefill speed is not a row: the cells' tokens/s come from separate jobs under whatever else the
+machine ran, so their ratio is not a measurement (bench/perf/engine.py times cells side by side).
 """
 
 from __future__ import annotations
@@ -48,14 +57,15 @@ from kvarn.report.data import (FLOOR_TAIL, figure_rows, format_only_floor, stand
 
 STUDY_FILE = Path(__file__).resolve().parents[2] / "config" / "study.yaml"
 DEFAULT_STUDY_MODEL = "qwen3.6-27b"
-VERDICTS = ("holds", "does not hold", "not measurable")
+VERDICTS = ("holds", "does not hold", "not separable", "not measurable")
 LADDER = (4, 5, 6, 8)
 PRESET_LEVELS = (("quality", 8), ("balanced", 5), ("compact", 4))
 SWEEP_TAILS = (128, 512, 1024)
 
 #: Columns of results/claims.parquet, in order.
 LEDGER_COLUMNS = ["model", "study_model", "claim_id", "claim", "origin", "section", "quoted", "study", "study_text",
-                  "ours", "ours_text", "delta", "delta_lo", "delta_hi", "delta_of", "verdict", "missing", "note"]
+                  "figure_of", "ours", "ours_text", "delta", "delta_lo", "delta_hi", "delta_of", "verdict", "missing",
+                  "note"]
 
 
 # ---------------------------------------------------------------- the study's figures
@@ -90,16 +100,16 @@ def figure(study: dict, claim: str, study_model: str):
     return (study["figures"].get(claim) or {}).get(study_model)
 
 
-def figure_or_other(study: dict, claim: str, study_model: str) -> tuple[object, str]:
+def figure_or_other(study: dict, claim: str, study_model: str) -> tuple[object, str, str | None]:
     """The study's figure of a claim for `study_model`, else another study model's (the claim's
-    definition does not depend on the model), with a note naming whose figure it is."""
+    definition does not depend on the model), with a note naming whose figure it is and that model."""
     fig = figure(study, claim, study_model)
     if fig is not None:
-        return fig, ""
+        return fig, "", study_model
     for other in study["models"]:
         if (fig := figure(study, claim, other)) is not None:
-            return fig, f"the study printed this figure for {other} only"
-    return None, ""
+            return fig, f"the study printed this figure for {other} only", other
+    return None, "", None
 
 
 def cell_key(pair: str, tail: int) -> str:
@@ -181,15 +191,13 @@ def tail_effect_pct(t128_median: float, t0_median: float) -> float:
 
 
 def directional(sign_ok: bool, lo, hi, want: int) -> tuple[str, str]:
-    """Verdict of a difference that should have sign `want` (−1: B below A): its point estimate,
-    then its interval when there is one."""
-    if not sign_ok:
-        return "does not hold", ""
+    """Verdict of a difference that should have sign `want` (−1: B below A): its interval when there
+    is one (holding 0: not separable, whichever way the point estimate points), then `sign_ok`."""
     if lo is None:
-        return "holds", ""
-    if (want < 0 and hi < 0) or (want > 0 and lo > 0):
-        return "holds", ""
-    return "does not hold", "the interval of the difference holds 0: not distinguishable"
+        return ("holds" if sign_ok else "does not hold"), ""
+    if lo <= 0 <= hi:
+        return "not separable", "the paired interval of the difference holds 0"
+    return ("holds" if sign_ok and (hi < 0 if want < 0 else lo > 0) else "does not hold"), ""
 
 
 def _row(model, study_model, claim_id, claim, study_file, section_of, origin="study", **kw) -> dict:
@@ -197,6 +205,8 @@ def _row(model, study_model, claim_id, claim, study_file, section_of, origin="st
     row = dict.fromkeys(LEDGER_COLUMNS)
     row.update(model=model, study_model=study_model, claim_id=claim_id, claim=claim, origin=origin,
                section=sec.get("section"), quoted=sec.get("quoted"), missing="", note="", **kw)
+    if row["figure_of"] is None and row["study_text"]:
+        row["figure_of"] = study_model
     if row["verdict"] not in VERDICTS:
         raise AssertionError(f"verdict {row['verdict']!r} of {claim_id} is not one of {VERDICTS}")
     return row
@@ -244,14 +254,14 @@ def same_width_gain(prep, model, sm, study, delta: Delta = _no_delta) -> list[di
 
 def tail_effect(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
     """Per width the study printed: the % change of qN_0's median from tail 0 to tail 128."""
-    fig, whose = figure_or_other(study, "tail_effect", sm)
+    fig, whose, of = figure_or_other(study, "tail_effect", sm)
     fig = fig or {}
     rows = []
     for w in sorted(int(k) for k in fig):
         s = float(fig.get(w, fig.get(str(w))))
         t0, t128 = std_row(prep, f"q{w}_0-q{w}_0", 0), std_row(prep, f"q{w}_0-q{w}_0", 128)
         claim = f"{w} bits: an exact 128-token tail lowers q{w}_0's median (tail 0 → 128)"
-        base = dict(study=s, study_text=f"{s:+.1f} %", delta_of=f"q{w}_0 t128 − q{w}_0 t0")
+        base = dict(study=s, study_text=f"{s:+.1f} %", delta_of=f"q{w}_0 t128 − q{w}_0 t0", figure_of=of)
         missing = _missing(**{f"q{w}_0-q{w}_0 t0": t0, f"q{w}_0-q{w}_0 t128": t128})
         if missing:
             rows.append(_row(model, sm, f"tail_effect_{w}", claim, study, "tail_effect", verdict="not measurable", **base)
@@ -269,7 +279,7 @@ def tail_effect(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
         a, b = by[f"tail_effect_{lo_w}"], by[f"tail_effect_{hi_w}"]
         claim = f"the tail helps {lo_w} bits more than {hi_w} bits (|change| of the median)"
         base = dict(study=abs(a["study"]) - abs(b["study"]),
-                    study_text=f"{abs(a['study']):.1f} % vs {abs(b['study']):.1f} %")
+                    study_text=f"{abs(a['study']):.1f} % vs {abs(b['study']):.1f} %", figure_of=of)
         if a["ours"] is None or b["ours"] is None:
             rows.append(_row(model, sm, "tail_effect_order", claim, study, "tail_effect", verdict="not measurable", **base)
                         | {"missing": ", ".join(filter(None, (a["missing"], b["missing"])))})
@@ -403,13 +413,13 @@ def cheapest_match(prep, model, sm, study, delta: Delta = _no_delta) -> list[dic
 
 def exactness_vs_format(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
     """The study's ratio (q4_0 t0 − q4_0 t128) / (q4_0 t128 − kvarn4 128*), and ours beside it."""
-    fig, whose = figure_or_other(study, "exactness_vs_format", sm)
+    fig, whose, of = figure_or_other(study, "exactness_vs_format", sm)
     rows = []
     t0, t128, kv = std_row(prep, "q4_0-q4_0", 0), std_row(prep, "q4_0-q4_0", 128), kvarn_row(prep, "kvarn4-kvarn4")
     if fig is not None:
         claim = "the exact tail moves q4_0's median more than the format does (the study's ratio > 1)"
         base = dict(study=float(fig["ratio"]), study_text=f"{fig['tail_change']:.6f} / {fig['format_change']:.6f} "
-                                                          f"= {float(fig['ratio']):.1f}")
+                                                          f"= {float(fig['ratio']):.1f}", figure_of=of)
         missing = _missing(**{"q4_0-q4_0 t0": t0, "q4_0-q4_0 t128": t128, "kvarn4-kvarn4 t128*": kv})
         if missing:
             rows.append(_row(model, sm, "exactness_vs_format", claim, study, "exactness_vs_format",
@@ -421,7 +431,7 @@ def exactness_vs_format(prep, model, sm, study, delta: Delta = _no_delta) -> lis
                              ours_text=f"{tail:.6f} / {fmt:.6f} = {ratio:.1f}",
                              verdict="holds" if ratio > 1 else "does not hold", **base) | {"note": whose})
     sweep = tail_vs_format(tail_sweep(prep), format_only=None)
-    claim = "ours: the tail's |Δln| over the sweep against the format's at equal tails (kvarn.report.data.tail_vs_format)"
+    claim = "ours: the tail's mean |Δln median| over the sweep against the format's at equal tails"
     if sweep is None:
         rows.append(_row(model, sm, "exactness_vs_format_sweep", claim, study, "exactness_vs_format", origin="ours",
                          verdict="not measurable") | {"missing": "a tail sweep of q4_0-q4_0 and kvarn4-kvarn4"})
@@ -458,13 +468,13 @@ def equal_memory_table(prep: pl.DataFrame) -> pl.DataFrame:
 
 def equal_memory(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
     """The study's asymmetric-vs-symmetric pair at equal memory: median ratio asym / sym."""
-    fig, whose = figure_or_other(study, "equal_memory", sm)
+    fig, whose, of = figure_or_other(study, "equal_memory", sm)
     if fig is None:
         return []
     a_pair, s_pair = fig["asymmetric"], fig["symmetric"]
     claim = f"at equal memory {a_pair} has a higher median than {s_pair} (ratio asymmetric / symmetric)"
     base = dict(study=float(fig["ratio"]), study_text=f"about {float(fig['ratio']):g}x at {float(fig['mib']):.2f} MiB",
-                delta_of=f"{a_pair} − {s_pair}")
+                delta_of=f"{a_pair} − {s_pair}", figure_of=of)
     a, s = kvarn_row(prep, a_pair), kvarn_row(prep, s_pair)
     got = _median_ratio(a, s, f"{a_pair} t128*", f"{s_pair} t128*", delta)
     if "missing" in got:
@@ -554,7 +564,7 @@ def q8_0_same_top(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict
 def tail_sweep_trend(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
     """Per width the study described: does KVarN's same-width gain widen or narrow from tail 128 to
     the longest tail both families measured (SWEEP_TAILS)?"""
-    fig, whose = figure_or_other(study, "tail_sweep_trend", sm)
+    fig, whose, of = figure_or_other(study, "tail_sweep_trend", sm)
     fig = fig or {}
     rows = []
     for w in sorted(int(k) for k in fig):
@@ -565,7 +575,7 @@ def tail_sweep_trend(prep, model, sm, study, delta: Delta = _no_delta) -> list[d
             std, kv = std_row(prep, f"q{w}_0-q{w}_0", t), kvarn_row(prep, f"kvarn{w}-kvarn{w}", t)
             if std is not None and kv is not None:
                 gains[t] = same_width_gain_pct(kv["kld_median"], std["kld_median"])
-        base = dict(study_text=s)
+        base = dict(study_text=s, figure_of=of)
         if FLOOR_TAIL not in gains or len(gains) < 2:
             need = [f"q{w}_0-q{w}_0 and kvarn{w}-kvarn{w} at tail {t}" for t in SWEEP_TAILS if t not in gains]
             rows.append(_row(model, sm, f"tail_sweep_trend_{w}", claim, study, "tail_sweep_trend",
@@ -580,58 +590,9 @@ def tail_sweep_trend(prep, model, sm, study, delta: Delta = _no_delta) -> list[d
     return rows
 
 
-NOT_TIMED_COMPARABLY = "not timed comparably (separate jobs; bench/perf/engine.py times cells side by side)"
-
-
-def prefill(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
-    """Per symmetric width measured in both families: KVarN's prompt tokens/s against qN_0's at tail 128.
-
-    The cells' tokens/s come from separate jobs, run at different times under whatever else the
-    machine was doing (a resumed run, another job beside it), so their ratio is not a measurement:
-    the row says so instead of printing one (NOT_TIMED_COMPARABLY). A speed ratio is measured with
-    the cells timed side by side, interleaved, in one process (bench/perf/engine.py)."""
-    rows = []
-    widths = sorted(set(_plain(prep).filter(pl.col("family") == "kvarn")["width"].drop_nulls().to_list()))
-    for w in widths:
-        std, kv = std_row(prep, f"q{w}_0-q{w}_0", FLOOR_TAIL), kvarn_row(prep, f"kvarn{w}-kvarn{w}")
-        claim = f"{w} bits: prefill tokens/s, kvarn{w} at 128* over q{w}_0 at tail {FLOOR_TAIL}"
-        if std is None or kv is None or not std.get("tokens_per_s") or kv.get("tokens_per_s") is None:
-            rows.append(_row(model, sm, f"prefill_{w}", claim, study, "prefill", verdict="not measurable")
-                        | {"missing": ", ".join(_missing(**{f"q{w}_0-q{w}_0 t{FLOOR_TAIL}": std}) or ["tokens/s"])})
-            continue
-        rows.append(_row(model, sm, f"prefill_{w}", claim, study, "prefill", ours=None,
-                         ours_text=NOT_TIMED_COMPARABLY, verdict="not measurable")
-                    | {"missing": "study figure (not in config/study.yaml)"})
-    return rows
-
-
-def two_bit_reversal(prep, model, sm, study, delta: Delta = _no_delta) -> list[dict]:
-    """Where the study's KVarN loses at 2 bits (its printed kvarn2 median above q2_0's): does ours?"""
-    med = figure(study, "median", sm) or {}
-    kv_key, std_key = cell_key("kvarn2-kvarn2", 0), cell_key("q2_0-q2_0", 128)
-    if kv_key not in med or std_key not in med or med[kv_key] <= med[std_key]:
-        return []
-    s = med[kv_key] / med[std_key]
-    claim = "2 bits: kvarn2 at 128* has a higher median than q2_0 at tail 128 (the one width where KVarN loses)"
-    base = dict(study=s, study_text=f"{med[kv_key]:.6f} vs {med[std_key]:.6f} ({s:.2f}x)", delta_of="kvarn2 128* − q2_0 t128")
-    std, kv = std_row(prep, "q2_0-q2_0", 128), kvarn_row(prep, "kvarn2-kvarn2")
-    got = _median_ratio(kv, std, "kvarn2-kvarn2 t128*", "q2_0-q2_0 t128", delta)
-    if "missing" in got:
-        return [_row(model, sm, "two_bit_reversal", claim, study, "median", verdict="not measurable", **base) | got]
-    ratio, d, lo, hi, verdict, note = (got[c] for c in ("ratio", "d", "lo", "hi", "verdict", "note"))
-    losing = [f"{w} bits" for w in range(3, 9)
-              if (a := std_row(prep, f"q{w}_0-q{w}_0", 128)) and (b := kvarn_row(prep, f"kvarn{w}-kvarn{w}"))
-              and b["kld_median"] > a["kld_median"]]
-    if losing:
-        note = "; ".join(filter(None, [note, "KVarN also loses at " + ", ".join(losing)]))
-    return [_row(model, sm, "two_bit_reversal", claim, study, "median", ours=ratio,
-                 ours_text=f"{kv['kld_median']:.6g} vs {std['kld_median']:.6g} ({ratio:.2f}x)", delta=d, delta_lo=lo,
-                 delta_hi=hi, verdict=verdict, **base) | {"note": note}]
-
-
 #: Every claim function, in ledger order.
-CLAIMS = [exactness_vs_format, same_width_gain, two_bit_reversal, tail_effect, floor_claims, below_floor,
-          cheapest_match, ladder, equal_memory, presets, q8_0_same_top, tail_sweep_trend, prefill]
+CLAIMS = [exactness_vs_format, same_width_gain, tail_effect, floor_claims, below_floor, cheapest_match, ladder,
+          equal_memory, presets, q8_0_same_top, tail_sweep_trend]
 
 
 def ledger(prep: pl.DataFrame, model: str, study: dict | None = None, cells: Mapping | None = None,
@@ -659,92 +620,166 @@ def _g(x) -> str:
 
 
 def _cell(text: str) -> str:
-    """A table cell's text as Markdown: a | would end the cell (written /), a * starts emphasis."""
-    return text.replace("|", "/").replace("*", "\\*")
+    """A table cell's text as Markdown: a | would end the cell (escaped \\|), a * starts emphasis."""
+    return text.replace("|", "\\|").replace("*", "\\*")
 
 
-def ledger_markdown(table: pl.DataFrame) -> str:
-    """The ledger as Markdown: one section per model, one line per claim."""
-    out = ["# The study's claims, computed", "",
-           "One row per claim: the study's figure (config/study.yaml), ours from this run, the paired 95 % "
-           "block-bootstrap interval of Δ median where the claim is a difference between two cells "
-           "(kvarn.stats.paired), and the verdict (holds / does not hold / not measurable, naming what is missing). "
-           "Rows marked *ours* are our own statistics, not the study's. Definitions: kvarn/report/claims.py.", "",
-           conclusion_markdown(table) if table.height else ""]
-    for model in table["model"].unique(maintain_order=True).to_list():
-        t = table.filter(pl.col("model") == model)
-        out += [f"## {model} (read against the study's {t['study_model'][0]})", "",
-                "| claim | study | where | ours | Δ median [95 % CI] | verdict |", "|---|---|---|---|---|---|"]
-        for r in t.iter_rows(named=True):
-            ours = r["origin"] == "ours"
-            claim = ("*ours:* " if ours else "") + _cell(r["claim"].removeprefix("ours: ") if ours else r["claim"])
-            ci = "–" if r["delta"] is None else f"{_g(r['delta'])} [{_g(r['delta_lo'])}, {_g(r['delta_hi'])}] ({r['delta_of']})"
-            verdict = r["verdict"] + (f" — missing: {r['missing']}" if r["missing"] else "") \
-                + (f" — {r['note']}" if r["note"] else "")
-            cells = [r["study_text"] or "–", r["section"] or "–", r["ours_text"] or "–", ci, verdict]
-            out.append("| " + " | ".join([claim, *map(_cell, cells)]) + " |")
-        out.append("")
-    return "\n".join(out)
+#: Every term the ledger, the answer and the README use, defined once (Markdown).
+GLOSSARY = """\
+* **KLD**: per token, the KL divergence of the quantized cache's next-token distribution from the
+  BF16 cache's (nats), as `llama-perplexity --kl-divergence` computes it; **median / mean / p99**
+  over the scored tokens. **Same-top**: the share of tokens where both caches rank the same token
+  first. **PPL ratio**: the quantized cache's perplexity over the BF16 cache's.
+* **Cell** `K-V tN`: K and V cache types with an exact (unquantized) tail of the last N tokens.
+  **128\\***: KVarN's own exact tokens at tail request 0 (a 128-token tail and a 128-token sink on
+  full-attention layers). **`-tdf16-s128`**: a standard type given KVarN's exact tokens (sink 128,
+  F16 tail), so against KVarN at 128\\* only the quantizer differs (the *format-only* rows).
+* **Standard floor**: the lowest median among the standard pairs at tail 128 (the study's);
+  **format-only floor**: the lowest median among the format-only rows (ours).
+* **MiB**: one sequence's KV cache under the run's memory accounting; **bits per value**: 16 × a
+  cell's KV bytes / a BF16 cache's on the same geometry (comparable across models).
+* **Signs**: a gain is (1 − KVarN / standard) · 100, positive when KVarN damages less; a tail
+  effect is the % change of the median from tail 0 to 128, negative when the tail lowers it; a
+  **Δ median** is the second-named cell minus the first, negative when the second damages less,
+  with its paired 95 % block-bootstrap interval.
+* **Verdicts**: *holds* (our figure points the study's way; a difference's interval excludes 0),
+  *does not hold* (it points the other way), *not separable* (the interval holds 0: this run
+  cannot tell the cells apart), *not measurable* (a cell is missing; named).
+* **Frontier** (`kvarn advise`): each cell whose median is below every cheaper cell's; **band**:
+  frontier rows the paired test cannot separate from the band's cheapest row, none better than
+  another.
+"""
 
 
 def has_study_figure() -> pl.Expr:
-    """Ledger rows whose study figure is known: a row without one names it in `missing` as
-    "study figure (...)"; any other `missing` is a cell the run lacks."""
-    return ~pl.col("missing").fill_null("").str.starts_with("study figure")
+    """Ledger rows for which the study printed a figure (config/study.yaml): those a reader can check."""
+    return pl.col("study_text").fill_null("") != ""
 
 
 def lacks_a_cell() -> pl.Expr:
     """Ledger rows "not measurable" because the run lacks a cell they read (not for want of a study figure)."""
-    return (pl.col("verdict") == "not measurable") & has_study_figure()
+    return (pl.col("verdict") == "not measurable") & ~pl.col("missing").fill_null("").str.starts_with("study figure")
+
+
+def is_study_claim() -> pl.Expr:
+    """The study's claims: rows of origin `study` whose figure the study printed."""
+    return (pl.col("origin") == "study") & has_study_figure()
 
 
 def verdict_counts(table: pl.DataFrame, model: str) -> dict[str, int]:
-    """Per verdict, how many of a model's rows the study printed a figure for (origin `study`, its figure
-    known): the rows a reader can check the study against."""
-    rows = table.filter((pl.col("model") == model) & (pl.col("origin") == "study") & has_study_figure())
+    """Per verdict, how many of a model's study claims (`is_study_claim`) have it."""
+    rows = table.filter((pl.col("model") == model) & is_study_claim())
     return {v: rows.filter(pl.col("verdict") == v).height for v in VERDICTS}
 
 
 def conclusion_markdown(table: pl.DataFrame) -> str:
-    """One generated sentence per model: how many of the study's checkable claims hold, do not hold, or
-    lack a cell in this run."""
+    """One generated sentence per model: how many of the study's claims hold, do not hold, cannot be
+    separated, or lack a cell in this run."""
     out = []
     for m in table["model"].unique(maintain_order=True).to_list():
         c = verdict_counts(table, m)
         n = sum(c.values())
         sm = table.filter(pl.col("model") == m)["study_model"][0]
-        lack = f", {c['not measurable']} lack a cell of this run" if c["not measurable"] else ""
+        rest = [f"{c['does not hold']} {'does' if c['does not hold'] == 1 else 'do'} not"]
+        if c["not separable"]:
+            rest.append(f"{c['not separable']} {'is' if c['not separable'] == 1 else 'are'} not separable")
+        if c["not measurable"]:
+            rest.append(f"{c['not measurable']} lack a cell of this run")
         out.append(f"On **{m}** (read against the study's {sm}), {c['holds']} of the {n} claims the study printed "
-                   f"a figure for **hold**, {c['does not hold']} {'does' if c['does not hold'] == 1 else 'do'} not{lack}.")
+                   f"a figure for **hold**, " + ", ".join(rest) + ".")
     return " ".join(out) + "\n"
 
 
+def _ci(r: dict) -> str:
+    return "–" if r["delta"] is None else f"{_g(r['delta'])} [{_g(r['delta_lo'])}, {_g(r['delta_hi'])}]"
+
+
+def _study_text(r: dict) -> str:
+    """The study's figure, naming the study model whose it is when that is not the row's own."""
+    whose = f" ({r['figure_of']})" if r["figure_of"] and r["figure_of"] != r["study_model"] else ""
+    return (r["study_text"] or "–") + whose
+
+
+def _lacking_line(rows: pl.DataFrame) -> str:
+    """One line naming the claims this run lacks a cell for, and what runs them."""
+    if rows.is_empty():
+        return ""
+    names = [c.removeprefix("ours: ") for c in rows["claim"].unique(maintain_order=True).to_list()]
+    return (f"This run lacks a cell for {len(names)} more claim{'s' if len(names) != 1 else ''} (`make study` runs "
+            "every cell the ledger reads): " + "; ".join(_cell(n) for n in names) + ".\n")
+
+
+def ledger_markdown(table: pl.DataFrame) -> str:
+    """The ledger as Markdown: the study's claims per model (rows this run answers; one line for the
+    rest), then our own statistics, then the glossary."""
+    out = ["# The study's claims, computed", "",
+           "The study's claims, each computed by the study's own definition (kvarn/report/claims.py) on this run's "
+           "cells and graded against the study's printed figure (config/study.yaml); then, separately, our own "
+           "statistics. Terms and signs: the glossary at the end.", "",
+           conclusion_markdown(table) if table.height else ""]
+    models = table["model"].unique(maintain_order=True).to_list()
+    out += ["## The study's claims", ""]
+    for model in models:
+        t = table.filter((pl.col("model") == model) & is_study_claim())
+        shown = t.filter(~lacks_a_cell())
+        out += [f"### {model} (read against the study's {table.filter(pl.col('model') == model)['study_model'][0]})",
+                "", "| claim | study | ours | Δ median [95 % CI] | verdict |", "|---|---|---|---|---|"]
+        for r in shown.iter_rows(named=True):
+            ci = _ci(r) + (f" ({r['delta_of']})" if r["delta"] is not None else "")
+            verdict = f"**{r['verdict']}**" + (f" — {r['note']}" if r["note"] else "")
+            out.append("| " + " | ".join(_cell(x) for x in [r["claim"], _study_text(r), r["ours_text"] or "–", ci])
+                       + " | " + _cell(verdict).replace("\\*\\*", "**") + " |")
+        out += ["", _lacking_line(t.filter(lacks_a_cell()))]
+    out += ["## Our statistics", "",
+            "Not the study's claims (it printed no figure for them): our reading of the same cells.", ""]
+    for model in models:
+        t = table.filter((pl.col("model") == model) & ~is_study_claim())
+        shown = t.filter(pl.col("ours_text").fill_null("") != "")
+        out += [f"### {model}", "", "| statistic | ours | Δ median [95 % CI] |", "|---|---|---|"]
+        for r in shown.iter_rows(named=True):
+            ci = _ci(r) + (f" ({r['delta_of']})" if r["delta"] is not None else "")
+            out.append("| " + " | ".join(_cell(x) for x in [r["claim"].removeprefix("ours: "), r["ours_text"], ci])
+                       + " |")
+        rest = t.filter(pl.col("ours_text").fill_null("") == "")
+        out += ["", _lacking_line(rest)]
+    out += ["## Glossary", "", GLOSSARY]
+    return "\n".join(out)
+
+
 def findings_markdown(table: pl.DataFrame) -> str:
-    """The ledger side by side for the README: the generated conclusion (`conclusion_markdown`), then
-    one line per claim sentence, and per run model the verdict, ours, the study's figure (for the study
-    model that run is read against) and the paired interval. A claim whose sentence differs between
-    models (its direction follows each study model's figure: KVarN "beats" or "loses to") gets a line
-    per sentence, so no column contradicts its line. Every figure comes from `table`
-    (`readme_figures.py --readme` writes it between the README's claims markers)."""
+    """The study's claims side by side for the README: the generated conclusion (`conclusion_markdown`),
+    then one line per claim sentence this run answers for at least one model, per model its verdict,
+    ours, the study's figure (naming whose, when not the column's study model) and the paired
+    interval; then one line naming the claims no model has a cell for. A claim whose sentence differs
+    between models (its direction follows each study model's figure) gets a line per sentence."""
+    t = table.filter(is_study_claim())
     models = table["model"].unique(maintain_order=True).to_list()
     head = ["claim"] + [f"{m} (study: {table.filter(pl.col('model') == m)['study_model'][0]})" for m in models]
     out = [conclusion_markdown(table), "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for cid, claim in table.select(["claim_id", "claim"]).unique(maintain_order=True).iter_rows():
-        rows = {r["model"]: r for r in table.filter((pl.col("claim_id") == cid) & (pl.col("claim") == claim))
+    answered = t.filter(~lacks_a_cell())["claim"].unique().to_list()
+    for cid, claim in t.select(["claim_id", "claim"]).unique(maintain_order=True).iter_rows():
+        if claim not in answered:
+            continue
+        rows = {r["model"]: r for r in t.filter((pl.col("claim_id") == cid) & (pl.col("claim") == claim))
                 .iter_rows(named=True)}
-        first = next(iter(rows.values()))
-        cells = [("*ours:* " + _cell(claim.removeprefix("ours: "))) if first["origin"] == "ours" else _cell(claim)]
+        cells = [_cell(claim)]
         for m in models:
             r = rows.get(m)
             if r is None:
                 cells.append("–")
                 continue
-            ci = "" if r["delta"] is None else f"; Δ median {_g(r['delta'])} [{_g(r['delta_lo'])}, {_g(r['delta_hi'])}]"
-            why = f" (missing: {_cell(r['missing'])})" if r["missing"] else ""
-            cells.append(f"**{r['verdict']}**{why}: ours {_cell(r['ours_text'] or '–')}; "
-                         f"study {_cell(r['study_text'] or '–')}{ci}")
+            if r["verdict"] == "not measurable":
+                cells.append(f"**not measurable** (missing: {_cell(r['missing'])})")
+                continue
+            ci = "" if r["delta"] is None else f"; Δ median {_ci(r)}"
+            cells.append(f"**{r['verdict']}**: ours {_cell(r['ours_text'] or '–')}; "
+                         f"study {_cell(_study_text(r))}{ci}")
         out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+    out.append("")
+    lacking = t.filter(lacks_a_cell() & ~pl.col("claim").is_in(answered))
+    if lacking.height:
+        out.append(_lacking_line(lacking).rstrip("\n"))
+    return "\n".join(out).rstrip("\n") + "\n"
 
 
 def table_markdown(df: pl.DataFrame, title: str, empty: str) -> str:
