@@ -26,10 +26,19 @@ DEFAULT_MAX_KLD = 0.001
 #: ... and the quantized cache's top token the BF16 cache's on at least this fraction of tokens.
 DEFAULT_MIN_SAME_TOP = 0.99
 
-#: Columns of results/answer.parquet (the frontier; one row per frontier cell).
-FRONTIER_COLUMNS = ["model", "engine", "n_ctx", "chunks", "cell", "name", "band", "kv_mib", "bits_per_value",
-                    "kld_median", "kld_mean", "kld_p99", "same_top", "ppl_ratio", "prev", "delta", "delta_lo",
-                    "delta_hi", "separable"]
+#: Columns of results/answer.parquet: per run, one row per frontier cell (role `frontier`), the pick
+#: (role `pick`) and each preset (role `preset:NAME`), with the run's tolerance.
+FRONTIER_COLUMNS = ["model", "engine", "n_ctx", "chunks", "n_tokens", "accounting", "role", "cell", "name", "band",
+                    "kv_mib", "bits_per_value", "kld_median", "kld_mean", "kld_p99", "same_top", "ppl_ratio", "prev",
+                    "delta", "delta_lo", "delta_hi", "separable", "max_kld", "min_same_top"]
+
+
+ANSWER_SCHEMA = {"model": pl.String, "engine": pl.String, "n_ctx": pl.Int64, "chunks": pl.Int64, "n_tokens": pl.Int64,
+                 "accounting": pl.String, "role": pl.String, "cell": pl.String, "name": pl.String, "band": pl.Int64,
+                 "kv_mib": pl.Float64, "bits_per_value": pl.Float64, "kld_median": pl.Float64, "kld_mean": pl.Float64,
+                 "kld_p99": pl.Float64, "same_top": pl.Float64, "ppl_ratio": pl.Float64, "prev": pl.String,
+                 "delta": pl.Float64, "delta_lo": pl.Float64, "delta_hi": pl.Float64, "separable": pl.Boolean,
+                 "max_kld": pl.Float64, "min_same_top": pl.Float64}
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,7 @@ class Answer:
     n_tokens: int
     accounting: str
     frontier: pl.DataFrame
+    cells: dict  # cell name -> its prepared row
     pick: dict | None
     pick_interval: dict | None
     presets: pl.DataFrame
@@ -212,6 +222,7 @@ def answer(summary: pl.DataFrame, model: str, engine: str = "torch", tol: Tolera
         unanswered.append(f"no cell is within {tol.describe()}: loosen the tolerance or run wider types")
     return Answer(model=model, engine=engine, n_ctx=int(first["n_ctx"]), chunks=int(first["chunks"]),
                   n_tokens=int(first.get("n_tokens") or 0), accounting=D.accounting_of(prep), frontier=front,
+                  cells={r["cell"]: r for r in prep.iter_rows(named=True)},
                   pick=chosen, pick_interval=interval, presets=presets_table(prep), unanswered=unanswered,
                   tolerance=tol)
 
@@ -309,12 +320,30 @@ def answers_markdown(answers: list[Answer]) -> str:
     return "\n".join(head + [answer_markdown(a) for a in answers])
 
 
+def _cell_row(src: dict) -> dict:
+    """A prepared row (the pick, a preset) shaped as a frontier row, without band or Δ."""
+    return {"cell": src["cell"], "name": name_of(src), "band": None, "kv_mib": src["kv_mib"],
+            "bits_per_value": src.get("bits_per_value"), "kld_median": src["kld_median"],
+            "kld_mean": src.get("kld_mean"), "kld_p99": src.get("kld_p99"), "same_top": src.get("same_top"),
+            "ppl_ratio": src.get("ppl_ratio"), "prev": None, "delta": None, "delta_lo": None, "delta_hi": None,
+            "separable": None}
+
+
 def frontier_frame(answers: list[Answer]) -> pl.DataFrame:
-    """Every run's frontier, one frame (results/answer.parquet, FRONTIER_COLUMNS)."""
-    frames = [a.frontier.with_columns(pl.lit(a.model).alias("model"), pl.lit(a.engine).alias("engine"),
-                                      pl.lit(a.n_ctx).alias("n_ctx"), pl.lit(a.chunks).alias("chunks"))
-              for a in answers]
-    return pl.concat(frames).select(FRONTIER_COLUMNS)
+    """Every run's frontier, pick and presets, one frame (results/answer.parquet, FRONTIER_COLUMNS)."""
+    frames = []
+    for a in answers:
+        rows = [{**r, "role": "frontier"} for r in a.frontier.iter_rows(named=True)]
+        if a.pick is not None:
+            band = a.frontier.filter(pl.col("cell") == a.pick["cell"])["band"]
+            rows.append({**_cell_row(a.pick), "band": band[0] if band.len() else None, "role": "pick"})
+        by_name = {name_of(r): r for r in a.cells.values()}
+        for p in a.presets.iter_rows(named=True):
+            rows.append({**_cell_row(by_name[f"{p['pair']} t{p['tail_label']}"]), "role": f"preset:{p['preset']}"})
+        run = {"model": a.model, "engine": a.engine, "n_ctx": a.n_ctx, "chunks": a.chunks, "n_tokens": a.n_tokens,
+               "accounting": a.accounting, "max_kld": a.tolerance.max_kld, "min_same_top": a.tolerance.min_same_top}
+        frames.append(pl.DataFrame([{**run, **r} for r in rows], schema=ANSWER_SCHEMA).select(FRONTIER_COLUMNS))
+    return pl.concat(frames)
 
 
 # ---------------------------------------------------------------- a whole results folder
