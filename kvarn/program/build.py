@@ -153,6 +153,12 @@ class Build:
 
 def _cmake_cache(build: Path) -> dict:
     cache = build / "CMakeCache.txt"
+    if not build.exists():
+        raise BuildError(f"{build}: no such folder; give a llama.cpp build folder (the one cmake -B made) or "
+                         f"'{UPSTREAM}'")
+    if not build.is_dir():
+        raise BuildError(f"{build} is a file, not a llama.cpp build folder; give the folder cmake -B made or "
+                         f"'{UPSTREAM}'")
     if not cache.is_file():
         raise BuildError(f"{build} is not a llama.cpp build folder: no CMakeCache.txt (configure it with cmake "
                          f"-B {build} and build llama-perplexity)")
@@ -295,8 +301,11 @@ def main(argv=None) -> int:
         t0 = time.time()
         build_upstream(jobs=a.jobs)
         print(f"kvarn: upstream llama.cpp ready ({time.time() - t0:.0f} s)", file=sys.stderr)
-    b = read_build(a.build)
-    exe = harness(b)
+    try:
+        b = read_build(a.build)
+        exe = harness(b)
+    except BuildError as e:
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     print(json.dumps({"dir": str(b.dir), **b.identity(), "cache_types": list(b.cache_types), "harness": str(exe)},
                      indent=1))
     return 0
