@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: setup run study test test-cluster bench report clean-results llamacpp
+.PHONY: setup run study test test-cluster bench report report-snakemake browser clean-results llamacpp
 
 setup: $(VENV)/.installed
 
@@ -30,7 +30,7 @@ llamacpp: setup
 # The suite on TEST_WORKERS pytest-xdist workers (tests/conftest.py says how the work is split);
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-test: setup llamacpp
+test: setup llamacpp browser
 	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 # The Slurm profile against a one-node Slurm cluster set up on this machine (root; README "On a cluster")
@@ -41,5 +41,24 @@ bench: setup
 	$(BIN)/python -m bench.perf.formats
 	$(BIN)/python -m bench.perf.engine
 
+# Debian's chromium, which tests/test_page.py loads the report page in (headless): installed with apt-get
+# when `chromium` is not on PATH (as root; otherwise the command to run is printed and make stops).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "chromium is not installed: run 'sudo apt-get install -y chromium' (Debian), then make again" >&2; exit 1; fi; \
+	  command -v apt-get >/dev/null 2>&1 || { \
+	    echo "chromium is not installed and there is no apt-get: install Debian's chromium package" >&2; exit 1; }; \
+	  DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+	@command -v chromium >/dev/null 2>&1 || { echo "chromium is still not on PATH after apt-get" >&2; exit 1; }
+
+# The landing page (results/report.html, rule report_page: the answer first, then the claims ledger, the
+# figures, retrieval and per-layer results where they exist), built from the run's results (running what
+# is missing, as `make run` does) and copied to report.html: one self-contained file.
 report: setup
-	$(BIN)/snakemake --cores $(CORES) --resources gpu=1 --report report.html
+	$(BIN)/snakemake --cores $(CORES) --resources gpu=1 --forcerun report_page -- results/report.html
+	cp results/report.html report.html
+
+# Snakemake's own report of the same results: every table and figure by category, with its caption.
+report-snakemake: setup
+	$(BIN)/snakemake --cores $(CORES) --resources gpu=1 --report report-snakemake.html

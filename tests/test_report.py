@@ -480,14 +480,14 @@ def test_rules_plan_every_target_and_lint_clean(results, tmp_path):
     jobs = dict(re.findall(r"^(\w+)\s+(\d+)\s*$", dry.stdout + dry.stderr, flags=re.M))
     # per model a table, the paired statistics and one job for all its figures; one claims job
     assert {r: int(n) for r, n in jobs.items() if r != "total"} == {
-        "report_table": 2, "paired": 2, "report_figures": 2, "claims": 1, "answer": 1, "all": 1}, jobs
+        "report_table": 2, "paired": 2, "report_figures": 2, "claims": 1, "answer": 1, "report_page": 1, "all": 1}, jobs
     lint = subprocess.run([snakemake, "--lint"], cwd=tmp_path, capture_output=True, text=True)
     for f in ("report.smk", "paired.smk"):
         assert "Lints for snakefile " + str(ROOT / "workflow/rules" / f) not in lint.stdout + lint.stderr, lint.stdout
     from kvarn.report import workflow as W
 
     targets = W.targets(MODELS)
-    assert len(targets) == 2 * (3 + 9 * 3) + 3 + 2 + 2 and "results/figures/gemma3-270m/pareto.vl.json" in targets
+    assert len(targets) == 2 * (3 + 9 * 3) + 3 + 2 + 2 + 1 and "results/figures/gemma3-270m/pareto.vl.json" in targets
     assert {"results/answer.md", "results/claims.md", "results/tables/decisions/smollm2-135m.md"} <= set(targets)
     assert "results/figures/gemma3-270m/kernel_share.vl.json" in targets
 

@@ -41,6 +41,16 @@ CLAIMS_OUTPUTS = {"md": "results/claims.md", "parquet": "results/claims.parquet"
 # The answer (kvarn.report.advise): the frontier with bands, the pick within the default tolerance, the presets.
 ANSWER_OUTPUTS = {"md": "results/answer.md", "parquet": "results/answer.parquet"}
 CLAIMS_CATEGORY = "1. the study's claims"  # the report sorts categories by name: digits first
+# The landing page (kvarn.report.page, rule report_page): the answer first, then the ledger, the figures, and the
+# retrieval and per-layer results found. One self-contained file; `make report` copies it to report.html.
+PAGE = "results/report.html"
+# Shown when present and found at planning time (`page_found`), not inputs: the retrieval report is a target of
+# its own config (workflow/rules/retrieval.smk) and per-layer runs are `kvarn layers` by hand. The retrieval
+# report's files the page reads (kvarn.retrieval.plan.report_files() writes them there) ...
+PAGE_RETRIEVAL = {"scores": "results/retrieval/scores.parquet", "paragraph": "results/retrieval/README-paragraph.md",
+                  "figure": "results/retrieval/figures/retrieval.svg"}
+# ... and the per-layer results: `kvarn layers ... -o results/layers/STEM` writes STEM.parquet and STEM.svg.
+PAGE_LAYERS_DIR = "results/layers"
 
 
 def decision_tables(models) -> list[str]:
@@ -49,12 +59,40 @@ def decision_tables(models) -> list[str]:
 
 
 def targets(models) -> list[str]:
-    """Every table and figure path of every model, the answer, the claims ledger and the decision tables."""
+    """Every table and figure path of every model, the answer, the claims ledger, the decision tables
+    and the landing page."""
     out = [*ANSWER_OUTPUTS.values(), *CLAIMS_OUTPUTS.values(), *decision_tables(models)]
     for m in models:
         out += [f"results/tables/{m}.{ext}" for ext in TABLE_FORMATS]
         out += [f"results/figures/{m}/{f}.{ext}" for f in MODEL_FIGURES for ext in FIGURE_FORMATS]
+    return out + [PAGE]
+
+
+def page_figures(models, decode_paths=()) -> list[str]:
+    """rule report_page's figures: each model's MODEL_FIGURES as .svg and .vl.json (the spec tells a
+    placeholder), then its free-running decode figure where `decode_paths` (common.smk's
+    decode_targets()) hold one."""
+    decode = {str(p) for p in decode_paths}
+    out = []
+    for m in models:
+        figures = MODEL_FIGURES + (["decode"] if f"results/figures/{m}/decode.svg" in decode else [])
+        out += [f"results/figures/{m}/{f}.{ext}" for f in figures for ext in ("svg", "vl.json")]
     return out
+
+
+def page_found(root=".") -> dict[str, int]:
+    """The optional results the page shows that exist under `root` now (PAGE_RETRIEVAL's files,
+    PAGE_LAYERS_DIR's STEM.parquet and STEM.svg), each with its modification time in ns: rule
+    report_page's param, so the page is built again when one appears or changes."""
+    from pathlib import Path
+
+    base = Path(root)
+    paths = list(PAGE_RETRIEVAL.values())
+    layers = base / PAGE_LAYERS_DIR
+    if layers.is_dir():
+        paths += [str(p.relative_to(base)) for p in sorted(layers.glob("*.parquet"))]
+        paths += [str(p.relative_to(base)) for p in sorted(layers.glob("*.svg"))]
+    return {p: (base / p).stat().st_mtime_ns for p in sorted(paths) if (base / p).is_file()}
 
 
 def option(config: dict, key: str):

@@ -2,7 +2,8 @@
 # and distribution figures, a few cells' tokens.parquet). The drawing is kvarn.report;
 # the scripts are thin adapters. How to read each output: docs/notes/report.md.
 #
-# Uses from common.smk: model_names(), token_parquets(model).
+# Uses from common.smk: model_names(), token_parquets(model); rule report_page also decode_targets()
+# where the including Snakefile has it (a decoding model's figure joins its page).
 # Optional config (kvarn.report.workflow.DEFAULTS; the schema must allow a `report` section):
 #   report: {cells: ["q4_0-q4_0-t128", "kvarn4-kvarn4-t0"], widths: [2, 4, 8], tail: 128, position_bins: 24}
 #   cells: the cells the per-token figures draw (cell directory names); default: the
@@ -13,6 +14,9 @@ from kvarn.report import workflow as kvr
 report_targets = lambda: kvr.targets(model_names())
 figure_tokens = lambda wildcards: kvr.figure_tokens(token_parquets(wildcards.model), config)
 figure_outputs = kvr.figure_outputs
+page_figures = lambda: kvr.page_figures(
+    model_names(), decode_targets() if "decode_targets" in globals() else ()
+)
 
 
 # The answer a user came for (kvarn.report.advise; `kvarn advise` prints the same with a tolerance of
@@ -107,3 +111,29 @@ rule report_figures:
         "../../envs/kvarn.yaml"
     script:
         "../scripts/figures.py"
+
+
+# The landing page, results/report.html (kvarn.report.page; `make report` copies it to report.html): the
+# answer first, then the claims ledger and decision tables, then every model's figures with their captions
+# (placeholders left out, named), then the retrieval and per-layer results where they exist. One
+# self-contained file: inline CSS, the figures as SVG data URIs, no script. The optional results are found
+# at planning time (kvr.page_found: path -> mtime), a param, so the page is rebuilt when one appears or
+# changes without their own rules being asked to run.
+rule report_page:
+    input:
+        summary="results/summary.parquet",
+        answer_md=kvr.ANSWER_OUTPUTS["md"],
+        answer=kvr.ANSWER_OUTPUTS["parquet"],
+        claims=kvr.CLAIMS_OUTPUTS["parquet"],
+        decisions=lambda wildcards: kvr.decision_tables(model_names()),
+        figures=lambda wildcards: page_figures(),
+    output:
+        html=kvr.PAGE,
+    params:
+        found=lambda wildcards: kvr.page_found(),
+    log:
+        "logs/report/page.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/page.py"
