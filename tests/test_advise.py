@@ -209,3 +209,23 @@ def test_kvarn_advise_reads_a_results_folder(tmp_path, capsys):
         main(["advise", "--results", str(tmp_path / "nothing")])
     assert e.value.code == 2
     assert "no " in capsys.readouterr().err
+
+
+def test_token_dirs_read_each_model_s_run_only(tmp_path):
+    """Two runs of one model (n_ctx 256 and 512): the cells' tokens come from the larger, never the other."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from synthetic import make_results
+
+    small = make_results(tmp_path / "a", n_ctx=256, chunks=2)
+    large = make_results(tmp_path / "b", n_ctx=512, chunks=2)
+    root = tmp_path / "a" / "results"
+    import shutil
+
+    for m in ("smollm2-135m", "gemma3-270m"):
+        shutil.copytree(tmp_path / "b" / "results" / m / "ctx512-c2", root / m / "ctx512-c2")
+    both = pl.concat([large, small], how="diagonal_relaxed")  # the smaller run last: read last, it would win
+    dirs = A.token_dirs(both, root)
+    assert dirs and all(d.parent.parent.name == "ctx512-c2" for d in dirs.values())

@@ -350,12 +350,15 @@ def frontier_frame(answers: list[Answer]) -> pl.DataFrame:
 
 
 def token_dirs(summary: pl.DataFrame, root: str | Path) -> dict[tuple[str, str], Path]:
-    """(model, cell) -> the cell directory under `root` (RUN_DIR/cells/CELL) of every summary row
-    whose tokens.parquet exists."""
+    """(model, cell) -> the cell directory under `root` (RUN_DIR/cells/CELL) of every row of each
+    model's run (`kvarn.report.data.select_run`: its largest n_ctx, then chunks) whose tokens.parquet
+    exists."""
     from kvarn.plan.matrix import ALL_CHUNKS, RUN_DIR
 
     out = {}
-    for r in summary.select(["model", "n_ctx", "chunks", "cell"]).iter_rows(named=True):
+    runs_ = pl.concat([D.select_run(summary, m) for m in summary["model"].unique(maintain_order=True)],
+                      how="diagonal_relaxed")
+    for r in runs_.select(["model", "n_ctx", "chunks", "cell"]).iter_rows(named=True):
         run = Path(root) / Path(RUN_DIR.format(model=r["model"], n_ctx=r["n_ctx"], chunks=r["chunks"])).relative_to(
             "results")
         found = [run / "cells" / r["cell"]] + sorted(run.parent.glob(f"ctx{r['n_ctx']}-c{ALL_CHUNKS}/cells/{r['cell']}"))
