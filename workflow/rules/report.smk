@@ -33,6 +33,8 @@ rule answer:
         seed=kvr.option(config, "seed"),
     log:
         "logs/report/answer.log",
+    benchmark:
+        "benchmarks/report/answer.tsv"
     conda:
         "../../envs/kvarn.yaml"
     script:
@@ -64,6 +66,8 @@ rule claims:
         seed=kvr.option(config, "seed"),
     log:
         "logs/report/claims.log",
+    benchmark:
+        "benchmarks/report/claims.tsv"
     conda:
         "../../envs/kvarn.yaml"
     script:
@@ -86,6 +90,8 @@ rule report_table:
         parquet="results/tables/{model}.parquet",
     log:
         "logs/report/{model}/table.log",
+    benchmark:
+        "benchmarks/report/{model}/table.tsv"
     conda:
         "../../envs/kvarn.yaml"
     script:
@@ -107,6 +113,8 @@ rule report_figures:
         options=kvr.figure_options(config),
     log:
         "logs/report/{model}/figures.log",
+    benchmark:
+        "benchmarks/report/{model}/figures.tsv"
     conda:
         "../../envs/kvarn.yaml"
     script:
@@ -133,6 +141,8 @@ rule report_page:
         found=lambda wildcards: kvr.page_found(),
     log:
         "logs/report/page.log",
+    benchmark:
+        "benchmarks/report/page.tsv"
     conda:
         "../../envs/kvarn.yaml"
     script:
