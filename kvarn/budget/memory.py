@@ -57,6 +57,12 @@ own log at context creation (bench/oracles/beellama/memory.py, bench/oracles/bee
 Memory is computed, never measured: a cell's summary.json records the geometry it ran
 (`kv_geometry`), so an accounting change recomputes the bytes of finished cells without
 rerunning them (`kvarn.plan.matrix.summary_row`).
+
+Per-layer types (kvarn.spec.allocation): every sum above is over the layers, each with its own
+K and V types (`kvarn.spec.allocation.layer_types`); the tail, sink, tail dtype and group are the
+family's, the same on every layer. A cell of an allocation records it in its summary.json
+(`kv_alloc`: the definition; `kv_alloc_k`, `kv_alloc_v`: the type of each decoder layer), so
+its bytes are recomputed from the summary alone.
 """
 
 from __future__ import annotations
@@ -65,7 +71,8 @@ import math
 from dataclasses import dataclass, replace
 
 from kvarn.spec import facts
-from kvarn.spec.cell import CellSpec
+from kvarn.spec.allocation import Allocation, layer_types, lookup
+from kvarn.spec.cell import CellSpec, cell_spec
 from kvarn.spec.geometry import Geometry
 from kvarn.spec.options import DEFAULT_COMPUTE
 from kvarn.spec.policy import default_tail_dtype, layer_policy, pair_family
@@ -120,23 +127,25 @@ def int_at_least(name: str, v, lo: int) -> int:
 
 
 def kv_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
-             accounting: str = DEFAULT_ACCOUNTING) -> KVBytes:
-    """Bytes of the K and V cache of one sequence of n_ctx tokens for `cell` (its types, tail,
-    tail dtype, rotation and sink; see the module docstring)."""
+             accounting: str = DEFAULT_ACCOUNTING, alloc: Allocation | None = None) -> KVBytes:
+    """Bytes of the K and V cache of one sequence of n_ctx tokens for `cell` (its types, per layer
+    where it has an allocation: `alloc`, else the one its token names; tail, tail dtype, rotation
+    and sink; see the module docstring)."""
     if not isinstance(cell, CellSpec):
         raise TypeError(f"kv_bytes takes a kvarn.spec.cell.CellSpec, got {cell!r}")
     int_at_least("n_ctx", n_ctx, 1)
     int_at_least("ubatch", ubatch, 1)
     check_accounting(accounting)
-    k, v, rot = facts.get(cell.k), facts.get(cell.v), cell.rot
-    family = pair_family(k, v)
-    tail_dtype = cell.tail_dtype or default_tail_dtype(k, v)
+    rot = cell.rot
+    family = pair_family(facts.get(cell.k), facts.get(cell.v))  # one family on every layer
+    tail_dtype = cell.tail_dtype or default_tail_dtype(facts.get(cell.k), facts.get(cell.v))
     exact, f16 = facts.get(tail_dtype), facts.get("f16")
-    group = max(k.group, v.group)
     body = staging = overlay = 0
-    for layer in geom.layers:
+    for layer, (kt, vt) in zip(geom.layers, layer_types(cell, geom, alloc)):
         if not layer.has_kv:
             continue
+        k, v = facts.get(kt), facts.get(vt)
+        group = max(k.group, v.group)
         h, d, w = layer.n_kv_heads, layer.head_dim, layer.window
         pol = layer_policy(k, v, cell.tail, w, cell.sink)
         stored = n_ctx if w is None else min(n_ctx, w + ubatch)
@@ -211,13 +220,21 @@ def at_tail0(cell: CellSpec) -> CellSpec:
 
 
 def summary_fields(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
-                   accounting: str = DEFAULT_ACCOUNTING) -> dict:
+                   accounting: str = DEFAULT_ACCOUNTING, alloc: Allocation | None = None) -> dict:
     """The memory keys of a cell's summary.json: the accounting, body/staging/overlay/total
     bytes, the total at tail 0 (for Δ), a BF16 cache's total on the same geometry (for bits per
-    value, `bits_per_value`) and the geometry they were computed from."""
-    b = kv_bytes(geom, n_ctx, cell, ubatch, accounting)
-    b0 = kv_bytes(geom, n_ctx, at_tail0(cell), ubatch, accounting)
+    value, `bits_per_value`) and the geometry they were computed from; for a cell of an
+    allocation (`alloc`, else the one its token names) also the allocation (`kv_alloc`) and the
+    types of each decoder layer (`kv_alloc_k`, `kv_alloc_v`)."""
+    if cell.alloc is not None and alloc is None:
+        alloc = lookup(cell.alloc)
+    b = kv_bytes(geom, n_ctx, cell, ubatch, accounting, alloc)
+    b0 = kv_bytes(geom, n_ctx, at_tail0(cell), ubatch, accounting, alloc)
     bf16 = kv_bytes(geom, n_ctx, BF16_CELL, ubatch, accounting)
+    per_layer = {}
+    if alloc is not None:
+        ks, vs = zip(*layer_types(cell, geom, alloc))
+        per_layer = {"kv_alloc": alloc.record(), "kv_alloc_k": list(ks), "kv_alloc_v": list(vs)}
     return {
         "memory_accounting": accounting,
         "kv_body_bytes": b.body,
@@ -227,13 +244,14 @@ def summary_fields(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512
         "kv_total_bytes_tail0": b0.total,
         "kv_bf16_bytes": bf16.total,
         "kv_geometry": geom.to_list(),
+        **per_layer,
     }
 
 
 def resummarize(summary: dict, accounting: str, where: str = "summary.json") -> dict:
     """A cell's memory keys under `accounting`, recomputed from what its summary.json
-    recorded (geometry, n_ctx, types, tail, tail dtype, ubatch): no rerun of the cell.
-    A summary without the geometry (older runs) is taken as it is if its accounting matches."""
+    recorded (geometry, n_ctx, types, tail, tail dtype, ubatch, the allocation): no rerun of the
+    cell. A summary without the geometry (older runs) is taken as it is if its accounting matches."""
     check_accounting(accounting, where=f"{where}: memory_accounting")
     recorded = summary.get("memory_accounting", DEFAULT_ACCOUNTING)
     if "kv_geometry" not in summary:
@@ -243,7 +261,9 @@ def resummarize(summary: dict, accounting: str, where: str = "summary.json") -> 
                 f"be recomputed under {accounting!r}; rerun the cell"
             )
         return {"memory_accounting": recorded}
-    cell = CellSpec(summary["k_type"], summary["v_type"], int(summary["tail"]), rot=bool(summary.get("rot", True)),
-                    tail_dtype=summary.get("tail_dtype"), sink=summary.get("sink_requested"))
+    alloc = Allocation.from_record(summary["kv_alloc"], f"{where}: kv_alloc") if summary.get("kv_alloc") else None
+    cell = cell_spec(summary["k_type"], summary["v_type"], int(summary["tail"]), rot=bool(summary.get("rot", True)),
+                     tail_dtype=summary.get("tail_dtype"), sink=summary.get("sink_requested"),
+                     alloc=None if alloc is None else alloc.token)
     return summary_fields(Geometry.from_list(summary["kv_geometry"]), int(summary["n_ctx"]), cell,
-                          int(summary.get("ubatch", 512)), accounting)
+                          int(summary.get("ubatch", 512)), accounting, alloc)

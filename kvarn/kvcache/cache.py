@@ -26,6 +26,11 @@ layers and 256-wide sliding layers each get their own), and layers with their ow
 (Qwen 3.5/3.6 Gated DeltaNet `linear_attention`) get transformers' own cache layer for
 that type, so their conv and recurrent state is exactly what the model's `DynamicCache`
 would keep, in the baseline and in every cell.
+
+Each attention layer stores with its own K and V formats: the cell's pair, or for a cell of
+per-layer types (kvarn.spec.allocation) the types its allocation gives that layer
+(`kvarn.spec.allocation.layer_types`, decoder-layer indices as llama.cpp counts them); the tail,
+sink and tail dtype are the family's, the same on every layer.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 import kvarn.llamacpp.compute as kcompute
 from kvarn.llamacpp.channel_order import gguf_order, gguf_qk_permuted
+from kvarn.spec.allocation import layer_types
 from kvarn.spec.cell import CellSpec
 from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
@@ -302,7 +308,8 @@ class KVarnCache(Cache):
 
     `layers[i]` is a `KVarnLayer` on attention layers and transformers' own state layer
     (e.g. `LinearAttentionLayer`) elsewhere; `policies[i]` is the layer's `LayerPolicy`,
-    or None on a layer without a KV cache.
+    or None on a layer without a KV cache; `layer_types[i]` its (K type, V type). `k_fmt` and
+    `v_fmt` are the cell's pair (an allocation's main types), each layer's own are its `KVarnLayer`'s.
     """
 
     def __init__(self, config, cell: CellSpec, attention: str = "ref"):
@@ -323,8 +330,14 @@ class KVarnCache(Cache):
         # (kvarn.spec.options.ATTENTION_ROUNDING; kvarn.kvcache.attention applies it)
         self.attn_rounding: str | None = ATTENTION_ROUNDING.get(cell.compute)
         layer_compute = EXACT if self.scalar_route or cell.compute in ATTENTION_ROUNDING else self.compute
-        self.k_fmt = make_format(cell.k, "k", cell.rot, cell.iters)
-        self.v_fmt = make_format(cell.v, "v", cell.rot, cell.iters)
+        fmts = {}
+
+        def fmt(name: str, role: str):
+            if (name, role) not in fmts:
+                fmts[name, role] = make_format(name, role, cell.rot, cell.iters)
+            return fmts[name, role]
+
+        self.k_fmt, self.v_fmt = fmt(cell.k, "k"), fmt(cell.v, "v")
         if self.scalar_route and self.k_fmt.group > 1 and self.qk_gguf_order:
             raise ValueError(f"compute {LLAMACPP_CPU}: {cell.k}/{cell.v} on a {text_config(config).model_type} model, "
                              "whose GGUF permutes Q/K channels: BeeLlama's KVarN tiles in that order are not emulated")
@@ -332,34 +345,38 @@ class KVarnCache(Cache):
         td = FLOAT_DTYPES[self.tail_dtype_name]
         self.geometry: Geometry = geometry_from_config(config)
         self.windows = list(self.geometry.windows)
-        for i in self.geometry.kv_layers:
+        self.layer_types = layer_types(cell, self.geometry)  # (K, V) per decoder layer
+        layer_fmts = {i: (fmt(self.layer_types[i][0], "k"), fmt(self.layer_types[i][1], "v"))
+                      for i in self.geometry.kv_layers}
+        for i, pair in layer_fmts.items():
             d = self.geometry.layers[i].head_dim
-            for fmt in (self.k_fmt, self.v_fmt):
+            for f in pair:
                 try:
-                    fmt.check_head_dim(d)
+                    f.check_head_dim(d)
                 except ValueError as e:
                     raise ValueError(f"layer {i} ({self.geometry.layers[i].kind}) has head dim {d}: {e}") from e
-                if self.scalar_route and fmt.group > 1 and d not in BEELLAMA_KVARN_HEAD_DIMS:
+                if self.scalar_route and f.group > 1 and d not in BEELLAMA_KVARN_HEAD_DIMS:
                     raise ValueError(f"compute {LLAMACPP_CPU}: layer {i} has head dim {d}; BeeLlama's KVarN takes "
                                      f"head dims {', '.join(map(str, BEELLAMA_KVARN_HEAD_DIMS))} only")
         self.policies: list[LayerPolicy | None] = [
-            layer_policy(self.k_fmt, self.v_fmt, cell.tail, g.window, cell.sink) if g.has_kv else None for g in self.geometry.layers
+            layer_policy(*layer_fmts[i], cell.tail, g.window, cell.sink) if g.has_kv else None
+            for i, g in enumerate(self.geometry.layers)
         ]
         state = _state_layers(config, self.geometry)
-        layers = [KVarnLayer(self.k_fmt, self.v_fmt, p, td, i, layer_compute, self.qk_gguf_order,
-                             self._exact_rotation(self.geometry.layers[i].head_dim), self.attn_rounding)
+        layers = [KVarnLayer(*layer_fmts[i], p, td, i, layer_compute, self.qk_gguf_order,
+                             self._exact_rotation(self.geometry.layers[i].head_dim, *layer_fmts[i]), self.attn_rounding)
                   if p is not None else state[i]
                   for i, p in enumerate(self.policies)]
         super().__init__(layers=layers)
 
-    def _exact_rotation(self, head_dim: int) -> dict | None:
+    def _exact_rotation(self, head_dim: int, k_fmt, v_fmt) -> dict | None:
         """On BeeLlama's scalar route, the rotation blocks llama.cpp applies to a quantized K and V
         before storing them (`attn_rot_k` / `attn_rot_v`: block types with rot), which its exact
         copy keeps in the rotated frame; None elsewhere (the exact copy is the tail dtype's)."""
         if not self.scalar_route:
             return None
         return {r: f.rotation_block(head_dim) if f.family == "block" and f.rot else None
-                for r, f in (("k", self.k_fmt), ("v", self.v_fmt))}
+                for r, f in (("k", k_fmt), ("v", v_fmt))}
 
     @property
     def kv_policies(self) -> list[LayerPolicy]:

@@ -20,6 +20,15 @@ Config shape (documented key by key in config/README.md):
       - {k: [q8_0, q4_0], v: [q8_0, q4_0], tail: 128}  # the K x V product
       - {pairs: [q8_0/q4_0], tail: 0}                  # explicit K/V pairs
       - {types: [kvarn4], tail: 0}                     # KVarN: tail 0 runs as 128 ("128*")
+      - {alloc: [edges8], tail: 128}                   # per-layer types, named under allocations:
+    allocations:
+      edges8: {k: "0-1:q8_0,2-27:q4_0,28-29:q8_0", v: q4_0, v_first: "q8_0,2", v_last: "q8_0,2"}
+
+An allocation (kvarn.spec.allocation) is checked here, before any job: its ranges, types and
+family; a layer past a model is refused where the model's geometry is known (the cache, the
+memory accounting). Its cells are `{k}-{v}-t{tail}-a{name}.{digest}`, K and V its main types:
+an edited definition is a new digest, hence a new path. `publish_allocations` writes the
+definitions where the jobs (and their workers) look them up.
 
 This module is pure Python over the type facts (`kvarn.spec.facts`: no torch, no model, no
 download), so `snakemake -n` of any matrix, the article's included, plans without a network.
@@ -32,12 +41,18 @@ each summary.json recorded.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
-from kvarn.spec import facts
+from kvarn.files.atomic import write_text
+from kvarn.spec import allocation, facts
 from kvarn.budget.memory import ACCOUNTINGS, bits_per_value, resummarize
+from kvarn.spec.allocation import Allocation, AllocationError
 from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
+from kvarn.spec.cell import cell_spec
 from kvarn.spec.options import ATTENTIONS, DTYPES, SAMPLING_PATTERN, check_sampling, sampling_name  # noqa: F401 (the rules read SAMPLING_PATTERN here)
 from kvarn.program.settings import ENGINE as LLAMACPP, Settings, engine_of
 from kvarn.weights.sources import unpinned
@@ -128,11 +143,12 @@ class Cell(CellSpec):
     n_ctx: int = field(kw_only=True)
     chunks: int | str = field(kw_only=True)  # a count, or ALL_CHUNKS
     engine: str = field(default="torch", kw_only=True)  # the model's engine: not in the cell's path
+    alloc: str | None = field(default=None, kw_only=True)  # the allocation's token (kvarn.spec.allocation)
 
     @property
     def spec(self) -> CellSpec:
-        """What identifies the cell within its run (kvarn.spec.cell): types, tail, options."""
-        return CellSpec(**{f.name: getattr(self, f.name) for f in fields(CellSpec)})
+        """What identifies the cell within its run (kvarn.spec.cell): types, tail, options, allocation."""
+        return cell_spec(**{f.name: getattr(self, f.name) for f in fields(CellSpec)}, alloc=self.alloc)
 
     @property
     def run_dir(self) -> str:
@@ -154,6 +170,7 @@ class Matrix:
     models: dict[str, Model]
     cells: list[Cell] = field(default_factory=list)
     attention: str = "auto"  # the jobs' attention path (ATTENTIONS); in no cell's path
+    allocations: dict[str, Allocation] = field(default_factory=dict)  # the config's, by name
 
     def runs(self) -> list[tuple[str, int, int]]:
         """The (model, n_ctx, chunks) runs the cells need, in first-use order."""
@@ -346,10 +363,38 @@ def _pairs(where: str, entry: dict) -> list[tuple[str, str, dict]]:
     raise MatrixError(f"{where}: give exactly one of 'types' (K = V), 'k' and 'v' (their product) or 'pairs' ('K/V')")
 
 
+def _allocations(config: dict) -> dict[str, Allocation]:
+    """The config's `allocations:`, each checked (kvarn.spec.allocation) and defined in this process."""
+    raw = config.get("allocations") or {}
+    if not isinstance(raw, dict):
+        raise MatrixError(f"allocations: {raw!r}; give a mapping of names to {{k, v, k_first, k_last, v_first, v_last}}")
+    try:
+        return {name: allocation.define(Allocation.parse(name, a, f"allocations.{name}")) for name, a in raw.items()}
+    except AllocationError as e:
+        raise MatrixError(str(e)) from None
+
+
+def _alloc_pairs(where: str, entry: dict, allocs: dict[str, Allocation]) -> list[tuple[str, str, dict, str]]:
+    """(k, v, fields, token) for a group of allocations: K and V their main types."""
+    if any(key in entry for key in ("types", "k", "v", "pairs")):
+        raise MatrixError(f"{where}: give exactly one of 'types' (K = V), 'k' and 'v' (their product), 'pairs' ('K/V') "
+                          "or 'alloc' (named allocations)")
+    out = []
+    for i, name in enumerate(_as_list(entry["alloc"])):
+        f = f"{where}.alloc[{i}]"
+        if name not in allocs:
+            raise MatrixError(f"{f}: unknown allocation {name!r}; defined: "
+                              f"{', '.join(allocs) or 'none (name them under allocations:)'}")
+        a = allocs[name]
+        out.append((*a.base, {"k": f, "v": f, "pair": f, "alloc": f}, a.token))
+    return out
+
+
 def expand(config: dict) -> Matrix:
     """The checked, de-duplicated cell list of a (schema-validated or raw) config."""
     models = _models(config)
     check_pinned(models, config.get("allow_unpinned", False), plan_only=True)
+    allocs = _allocations(config)
     cells: dict[Cell, None] = {}
     raw = config.get("cells")
     if not isinstance(raw, list) or not raw:
@@ -364,15 +409,18 @@ def expand(config: dict) -> Matrix:
         for n in names:
             if n not in models:
                 raise MatrixError(f"{where}.models: unknown model {n!r}; defined: {', '.join(models)}")
-        for k, v, flds in _pairs(where, entry):
-            specs = [_cell_spec(where, flds, k, v, tail, opts) for tail in tails]  # each checked once
+        pairs = (_alloc_pairs(where, entry, allocs) if "alloc" in entry
+                 else [(k, v, flds, None) for k, v, flds in _pairs(where, entry)])
+        for k, v, flds, token in pairs:
+            specs = [_cell_spec(where, flds, k, v, tail, opts, token) for tail in tails]  # each checked once
             for name in names:
                 m = models[name]
                 for n_ctx in m.n_ctx:
                     for spec in specs:
                         if spec.tail >= n_ctx:
                             raise MatrixError(f"{where}.tail: {spec.tail} must be < n_ctx {n_ctx} of model {name!r}")
-                        cell = _normalize(Cell(**vars(spec), model=name, n_ctx=n_ctx, chunks=m.chunks,
+                        cell = _normalize(Cell(**{f.name: getattr(spec, f.name) for f in fields(CellSpec)},
+                                               alloc=spec.alloc, model=name, n_ctx=n_ctx, chunks=m.chunks,
                                                engine=m.engine))
                         if m.engine == LLAMACPP:
                             _check_program_cell(where, name, cell)
@@ -384,12 +432,15 @@ def expand(config: dict) -> Matrix:
                 if c not in have:
                     raise MatrixError(f"models[{i}].decode.cells[{j}]: {c!r} is not a cell of model {m.name!r}; "
                                       f"its cells: {', '.join(have)}")
-    return Matrix(models, list(cells), check_attention(config.get("attention", "auto")))
+    return Matrix(models, list(cells), check_attention(config.get("attention", "auto")), allocs)
 
 
 def _check_program_cell(where: str, model: str, spec: CellSpec) -> None:
     """The options the llama.cpp engine cannot take whatever the build (kvarn.program.runner.cell_args
     checks the types and the tail against the build itself when the job starts)."""
+    if spec.alloc is not None:
+        raise MatrixError(f"{where}.alloc: allocation {spec.alloc} for model {model!r}, which runs engine llama.cpp: "
+                          "the program takes one K and one V type; per-layer types run on the torch engine")
     for opt, default in (("compute", CELL_DEFAULTS["compute"]), ("sink", None), ("tail_dtype", None),
                          ("iters", CELL_DEFAULTS["iters"])):
         if getattr(spec, opt) != default:
@@ -397,11 +448,11 @@ def _check_program_cell(where: str, model: str, spec: CellSpec) -> None:
                               f"the program takes its own {opt}; accepted there: types, tail, rot")
 
 
-def _cell_spec(where: str, flds: dict, k, v, tail, opts: dict) -> CellSpec:
+def _cell_spec(where: str, flds: dict, k, v, tail, opts: dict, alloc: str | None = None) -> CellSpec:
     """The CellSpec of one config cell; a refused option is a MatrixError naming its config field
-    (`flds`: the fields the K type, the V type and the pair came from)."""
+    (`flds`: the fields the K type, the V type, the pair and the allocation came from)."""
     try:
-        return CellSpec(k, v, tail, **opts)
+        return cell_spec(k, v, tail, alloc=alloc, **opts)
     except CellError as e:
         raise MatrixError(f"{flds.get(e.field, f'{where}.{e.field}')}: {e}") from None
 
@@ -412,8 +463,11 @@ def _normalize(cell: Cell) -> Cell:
     KVarN always rotates and iters only matter to KVarN; a tail dtype or sink equal to
     the pair's default is the default (so existing cell paths stay as they were); a tail the
     format rounds is the tail it runs at (`kvarn.spec.facts.job_tail`: KVarN 500 is the 512 job,
-    a tail of 0 stays t0).
+    a tail of 0 stays t0); an allocation of one K and one V type on every layer of any model is
+    the plain cell of that pair (bit for bit the same run, tests/test_allocation_cache.py).
     """
+    if cell.alloc is not None and allocation.lookup(cell.alloc).uniform:
+        cell = replace(cell, alloc=None)
     default_td = facts.pair_default_tail_dtype(cell.k, cell.v)
     own_sink = max(facts.get(cell.k).sink, facts.get(cell.v).sink)
     kvarn = cell.family == "kvarn"
@@ -433,7 +487,7 @@ def cell_columns(cell: CellSpec, memory_accounting: str = "packed") -> dict:
     computes these at planning time (from the cell's path, `CellSpec.from_wildcards`) and
     hands them to the row job as params.
     """
-    return {
+    out = {
         "memory_accounting": memory_accounting,
         "family": cell.family,
         "tail_requested": cell.tail,
@@ -442,6 +496,38 @@ def cell_columns(cell: CellSpec, memory_accounting: str = "packed") -> dict:
         "k_version": format_version(cell.k, "k"),
         "v_version": format_version(cell.v, "v"),
     }
+    if cell.alloc is not None:  # the newest version among the types of each role
+        a = allocation.lookup(cell.alloc)
+        out.update(alloc=cell.alloc, k_version=max(map(format_version, a.k.types())),
+                   v_version=max(map(format_version, a.v.types())))
+    return out
+
+
+def allocation_versions(cell: CellSpec) -> dict:
+    """What a cell job's `versions` param adds to its K and V types' versions: for a cell of an
+    allocation {"alloc": {type: version}} of every type it uses (a bump reruns its cells); {} else."""
+    if cell.alloc is None:
+        return {}
+    a = allocation.lookup(cell.alloc)
+    return {"alloc": {t: format_version(t) for t in dict.fromkeys(a.k.types() + a.v.types())}}
+
+
+def publish_allocations(allocs, directory=None) -> Path | None:
+    """Write each allocation's record to `directory` (default kvarn.spec.allocation.directory())
+    as `{token}.json` and name that directory in $KVARN_ALLOCATIONS_DIR, so the job scripts this
+    process starts, and the workers they start, find them (`kvarn.spec.allocation.lookup`).
+    Content-addressed: a file already there holds the same definition. None when there is none."""
+    allocs = list(allocs)
+    if not allocs:
+        return None
+    d = Path(directory or allocation.directory()).resolve()
+    for a in allocs:
+        allocation.define(a)
+        path = d / f"{a.token}.json"
+        if not path.is_file():
+            write_text(path, json.dumps(a.record(), indent=1) + "\n")
+    os.environ[allocation.DIR_ENV] = str(d)
+    return d
 
 
 def summary_row(summary: dict, columns: dict, where: str = "summary.json") -> dict:
@@ -453,8 +539,12 @@ def summary_row(summary: dict, columns: dict, where: str = "summary.json") -> di
     recomputed from the geometry the cell recorded (`kvarn.budget.memory.resummarize`)."""
     accounting = columns.get("memory_accounting") or summary.get("memory_accounting", "packed")
     row = {**summary, **columns, **resummarize(summary, accounting, where)}
-    for nested in ("kv_geometry", "engine_identity", "program_env", "self_check"):  # stay in summary.json, not in the table
+    # stay in summary.json, not in the table
+    for nested in ("kv_geometry", "engine_identity", "program_env", "self_check", "kv_alloc"):
         row.pop(nested, None)
+    for role in ("k", "v"):  # an allocation's types per layer: the table's one string, '0-1:q8_0,2-27:q4_0,...'
+        if f"kv_alloc_{role}" in row:
+            row[f"alloc_{role}"] = allocation.range_string(row.pop(f"kv_alloc_{role}"))
     if "kv_total_bytes" in row and "kv_total_bytes_tail0" in row:
         row["kv_delta_bytes_vs_tail0"] = row["kv_total_bytes"] - row["kv_total_bytes_tail0"]
     if row.get("kv_bf16_bytes"):

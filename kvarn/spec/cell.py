@@ -7,27 +7,35 @@ one place each is checked: the CLI, the matrix, the workflow, the engine, the ca
 decode, layer error and memory take a CellSpec instead of re-checking keyword lists).
 
 Its directory name is `{k}-{v}-t{tail}{opts}` with the options that differ from the
-defaults as path tokens, in one order: `-norot`, `-td{dtype}`, `-i{iters}`, `-s{sink}`,
-`-llamacpp_cpu`, `-bf16_attn` or `-tf32_attn` (the compute path). `CellSpec.name` writes it and
+defaults as path tokens, in one order: `-a{allocation}`, `-norot`, `-td{dtype}`, `-i{iters}`,
+`-s{sink}`, `-llamacpp_cpu`, `-bf16_attn` or `-tf32_attn` (the compute path). `CellSpec.name` writes it and
 `CellSpec.from_name` (or `from_wildcards`, the workflow's {k}, {v}, {tail}, {opts}) reads it
 back: the matrix, the workflow, the worker's requests and the report use these, nothing else
 builds or parses a cell name.
+
+A cell of per-layer types (kvarn.spec.allocation) is an `AllocCellSpec`: a CellSpec with the
+allocation's token (`edges8.1a2b3c4d`: its name and the digest of its definition) in `alloc`,
+its K and V the allocation's main types. A plain CellSpec has no `alloc` field (a class
+attribute None), so its fields, and the workflow params made of them, are what they were.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
+from typing import ClassVar
 
-from kvarn.spec import facts, policy
-from kvarn.spec.options import COMPUTES, DEFAULT_COMPUTE, check_compute
+from kvarn.spec import allocation, facts, policy
+from kvarn.spec.options import COMPUTES, DEFAULT_COMPUTE, LLAMACPP_CPU, check_compute
 
 CELL_NAME = "{k}-{v}-t{tail}{opts}"
 # Wildcard patterns: a type name has no "-", so a cell name parses one way.
 TYPE_PATTERN = r"[a-z0-9_]+"
-OPTS_PATTERN = r"(?:-norot|-td[a-z0-9]+|-i[0-9]+|-s[0-9]+|-llamacpp_cpu|-bf16_attn|-tf32_attn)*"
+OPTS_PATTERN = (r"(?:-a" + allocation.TOKEN_PATTERN
+                + r"|-norot|-td[a-z0-9]+|-i[0-9]+|-s[0-9]+|-llamacpp_cpu|-bf16_attn|-tf32_attn)*")
 _NAME_RE = re.compile(rf"(?P<k>{TYPE_PATTERN})-(?P<v>{TYPE_PATTERN})-t(?P<tail>[0-9]+)(?P<opts>{OPTS_PATTERN})")
-_OPT_RE = re.compile(r"-(?:(?P<norot>norot)|td(?P<td>[a-z0-9]+)|i(?P<iters>[0-9]+)|s(?P<sink>[0-9]+)|(?P<compute>llamacpp_cpu|bf16_attn|tf32_attn))")
+_OPT_RE = re.compile(r"-(?:a(?P<alloc>" + allocation.TOKEN_PATTERN + r")|(?P<norot>norot)|td(?P<td>[a-z0-9]+)"
+                     r"|i(?P<iters>[0-9]+)|s(?P<sink>[0-9]+)|(?P<compute>llamacpp_cpu|bf16_attn|tf32_attn))")
 
 
 class CellError(ValueError):
@@ -63,6 +71,7 @@ class CellSpec:
     iters: int = facts.KVARN_ITERS  # KVarN's variance-normalization passes
     sink: int | None = None  # None: the pair's own (0 standard, 128 KVarN)
     compute: str = DEFAULT_COMPUTE  # kvarn.spec.options.COMPUTES: "exact" | "llamacpp-cpu" | "bf16-attn" | "tf32-attn"
+    alloc: ClassVar[str | None] = None  # per-layer types: AllocCellSpec's field (the allocation's token)
 
     def __post_init__(self):
         self.validate()
@@ -101,6 +110,23 @@ class CellSpec:
             check_compute(self.compute, self.k, self.v, self.tail, self.sink)
         except ValueError as e:
             raise CellError("compute", self.compute, str(e)) from None
+        if self.alloc is not None or isinstance(self, AllocCellSpec):
+            self._check_alloc()
+
+    def _check_alloc(self) -> None:
+        """The allocation's token; its main types where this process knows its definition."""
+        a = self.alloc
+        if not isinstance(a, str) or not allocation.TOKEN_RE.fullmatch(a):
+            raise CellError("alloc", a, f"alloc must be an allocation's token, its name and 8 hex digits of its "
+                                        f"definition (e.g. edges8.1a2b3c4d), got {a!r}")
+        if self.compute == LLAMACPP_CPU:
+            raise CellError("compute", self.compute, f"allocation {a} with compute {LLAMACPP_CPU}: per-layer types "
+                                                     "are not emulated there (llama.cpp keeps one K and one V type); "
+                                                     "use compute exact, bf16-attn or tf32-attn")
+        known = allocation.known(a)
+        if known is not None and known.base != (self.k, self.v):
+            raise CellError("alloc", a, f"allocation {a} has main types {'/'.join(known.base)}: its cells are named "
+                                        f"{'-'.join(known.base)}-t..., not {self.k}-{self.v}-t...")
 
     @property
     def family(self) -> str:
@@ -110,7 +136,8 @@ class CellSpec:
     @property
     def opts(self) -> str:
         """The non-default options as path tokens, in their one order."""
-        return (("" if self.rot else "-norot")
+        return ((f"-a{self.alloc}" if self.alloc is not None else "")
+                + ("" if self.rot else "-norot")
                 + (f"-td{self.tail_dtype}" if self.tail_dtype else "")
                 + (f"-i{self.iters}" if self.iters != facts.KVARN_ITERS else "")
                 + (f"-s{self.sink}" if self.sink is not None else "")
@@ -130,7 +157,7 @@ class CellSpec:
                              "q4_0-q4_0-t128 or kvarn4-kvarn4-t0-s64 (opts: -norot, -td<dtype>, -i<n>, -s<n>, "
                              "-llamacpp_cpu, -bf16_attn or -tf32_attn, in that order)")
         try:
-            spec = cls(m["k"], m["v"], int(m["tail"]), **parse_opts(m["opts"]))
+            spec = cell_spec(m["k"], m["v"], int(m["tail"]), **parse_opts(m["opts"]))
         except CellError as e:
             raise CellError(e.field, e.value, f"{name!r} is not the cell name of a valid cell: {e}") from None
         if spec.name != name:
@@ -144,14 +171,34 @@ class CellSpec:
                                               opts=wildcards.opts))
 
 
+@dataclass(frozen=True)
+class AllocCellSpec(CellSpec):
+    """A cell of per-layer types: `alloc` is its allocation's token (kvarn.spec.allocation), `k` and
+    `v` that allocation's main types; every other option as a CellSpec's, on every layer."""
+
+    alloc: str = field(kw_only=True)
+
+
+def cell_spec(k: str, v: str, tail: int, alloc: str | None = None, **opts) -> CellSpec:
+    """The CellSpec of these fields: an AllocCellSpec when `alloc` names an allocation."""
+    return CellSpec(k, v, tail, **opts) if alloc is None else AllocCellSpec(k, v, tail, alloc=alloc, **opts)
+
+
 def parse_opts(opts: str) -> dict:
-    """rot, tail_dtype, iters, sink and compute from a cell name's options suffix (defaults where absent)."""
+    """rot, tail_dtype, iters, sink and compute from a cell name's options suffix (defaults where absent),
+    and alloc where it names an allocation."""
     if not re.fullmatch(OPTS_PATTERN, opts or ""):
+        if re.search(r"-a[a-z0-9_]*\.", opts or ""):
+            raise ValueError(f"{opts!r} is not a cell's options suffix; expected tokens of -a<allocation>.<digest> "
+                             "(e.g. -aedges8.1a2b3c4d), -norot, -td<dtype>, -i<n>, -s<n>, -llamacpp_cpu, -bf16_attn "
+                             "or -tf32_attn")
         raise ValueError(f"{opts!r} is not a cell's options suffix; expected tokens of -norot, -td<dtype>, -i<n>, "
                          "-s<n>, -llamacpp_cpu, -bf16_attn or -tf32_attn")
     out = {f.name: f.default for f in fields(CellSpec) if f.default is not MISSING}  # CellSpec's defaults
     for o in _OPT_RE.finditer(opts or ""):
-        if o["norot"]:
+        if o["alloc"]:
+            out["alloc"] = o["alloc"]
+        elif o["norot"]:
             out["rot"] = False
         elif o["td"]:
             out["tail_dtype"] = o["td"]

@@ -1,3 +1,13 @@
+# The cells of the matrix (kvarn.plan.matrix): one job per cell path, and its table row.
+#
+# Per-layer allocations (kvarn.spec.allocation): their definitions are written where the cell jobs,
+# and the workers they start, look them up by the token in the cell's path (content-addressed, so a
+# worker started before an edit never reads a stale one); a cell's `versions` param holds the
+# numerics version of its K and V types and, for an allocation, of every type it uses
+# (kvarn.plan.matrix.allocation_versions: bumping one reruns the cells using it).
+kvm.publish_allocations(MATRIX.allocations.values())
+
+
 rule cell:
     wildcard_constraints:
         model=TORCH_MODELS,
@@ -14,7 +24,8 @@ rule cell:
         ubatch=model_param("ubatch"),
         dtype=model_param("dtype"),
         cell=cell_fields,
-        versions=format_versions,
+        versions=lambda wildcards: {**format_versions(wildcards),
+                                    **kvm.allocation_versions(kvm.CellSpec.from_wildcards(wildcards))},
     threads: MODEL_THREADS
     resources:
         gpu=1,
