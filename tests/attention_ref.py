@@ -24,23 +24,34 @@ CHECK_NAME = "kvarn_check"
 
 def rounded(x: torch.Tensor, how: str) -> torch.Tensor:
     """x rounded to bf16 (torch's cast, to nearest even) or to TF32's 11 significant bits (to
-    nearest, ties away from zero), in float64: m · 2^e with m in [0.5, 1) keeps round(m · 2^11)."""
+    nearest, ties away from zero), in float64: m · 2^e with m in [0.5, 1) keeps round(m · 2^11).
+    "tfloat32-truncate": TF32's 11 bits by truncation toward zero, m keeps trunc(m · 2^11) (how the
+    flex kernel's TF32 dot reads its fp32 P, kvarn.kvcache.rounding's module doc)."""
     if how == "bfloat16":
         return x.to(torch.bfloat16).double()
-    assert how == "tfloat32", how
+    assert how in ("tfloat32", "tfloat32-truncate"), how
     m, e = torch.frexp(x.double())
     scaled = m * 2.0 ** 11
-    return torch.ldexp(torch.sign(scaled) * torch.floor(scaled.abs() + 0.5) / 2.0 ** 11, e)
+    kept = torch.trunc(scaled) if how == "tfloat32-truncate" else torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return torch.ldexp(kept / 2.0 ** 11, e)
 
 
-def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float64, round_to=None):
+def p_rounding(how: str, p_rule: str = "truncate") -> str:
+    """How P is rounded under `how`: TF32's numerators by `p_rule` (the kernel's: truncate), bf16's
+    as the other operands."""
+    return "tfloat32-truncate" if how == "tfloat32" and p_rule == "truncate" else how
+
+
+def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float64, round_to=None, p_rule="truncate"):
     """query [b, H, n_q, D]; body_k/body_v [b, H_kv, L, D] (what the cache returned).
     Returns [b, H, n_q, D] in `dtype`.
 
     `round_to` (compute bf16-attn, tf32-attn: "bfloat16", "tfloat32"): Q, both copies of K and V,
-    and the softmax numerators exp(s - max) are rounded so before the products (`rounded`); the
-    sums, the max and the denominator stay in `dtype`."""
+    and the softmax numerators exp(s - max) are rounded so before the products (`rounded`; under
+    TF32 the numerators by `p_rule`, `p_rounding`); the sums, the max and the denominator stay in
+    `dtype`."""
     rnd = (lambda x: rounded(x, round_to).to(dtype)) if round_to is not None else (lambda x: x.to(dtype))  # noqa: E731
+    rnd_p = (lambda x: rounded(x, p_rounding(round_to, p_rule)).to(dtype)) if round_to is not None else rnd  # noqa: E731
     pol = layer.policy
     b, H, n_q, D = query.shape
     n_kv, L = body_k.shape[1], body_k.shape[-2]
@@ -61,7 +72,7 @@ def reference_attention(query, layer, scaling, body_k, body_v, dtype=torch.float
     s = torch.where(exact, s_exact, s_body) * scaling
     s = s.masked_fill(~allowed, float("-inf"))
     e = torch.exp(s - s.amax(-1, keepdim=True))
-    a = rnd(e) / e.sum(-1, keepdim=True)  # the softmax; its numerators rounded under round_to
+    a = rnd_p(e) / e.sum(-1, keepdim=True)  # the softmax; its numerators rounded under round_to
     zero = torch.zeros((), dtype=dtype)
     out = (torch.einsum("bgrql,bgld->bgrqd", torch.where(exact, a, zero), rnd(ev))
            + torch.einsum("bgrql,bgld->bgrqd", torch.where(exact, zero, a), rnd(body_v)))

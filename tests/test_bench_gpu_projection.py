@@ -191,7 +191,68 @@ def test_tf32_attention_runs_at_half_the_tensor_core_rate_on_4_byte_tiles():
     for d in P.DEVICES.values():  # TF32's dense peak is half bf16's, at the same kernel efficiency
         assert d["fraction"]["attention_tf32"] == d["fraction"]["attention"] / 2
         assert d["fraction"]["attention_d512_tf32"] == d["fraction"]["attention_d512"] / 2
-    assert {k: v for k, v in tf32.items() if "attention" not in k} == {k: v for k, v in bf16.items() if "attention" not in k}
-    assert P.project(compute="tf32-attn")["total_hours"] > P.project()["total_hours"]
+    # the rest is the same work but the fp32 operands' staging and TF32 rounding (test_tf32_operand_rounding_by_hand)
+    tf32_only = ("attention", "flex mask and K/V staging", "TF32 operand rounding")
+    assert {k: v for k, v in tf32.items() if not any(t in k for t in tf32_only)} == \
+        {k: v for k, v in bf16.items() if not any(t in k for t in tf32_only)}
+    assert "TF32 operand rounding" not in bf16
+    assert P.project(compute="tf32-attn")["total_hours"] > P.project(compute="bf16-attn")["total_hours"]
     with pytest.raises(ValueError, match="compute 'exact'"):
         P.per_token("qwen3.6-27b", 65536, compute="exact")
+
+
+def test_tf32_operand_rounding_by_hand(tiny):
+    # TINY at n_ctx 8 in ubatches of 4: calls of (4 queries, 4 rows) and (4, 8): 12 / 8 = 1.5 body rows
+    # and (16 + 32) / 8 = 6 (query, key) pairs per token; 1 KV head of 4, 2 query heads of 4.
+    # q4_0 at tail 2 keeps an exact copy: [body ; exact] = 3 rows per token, K and V each.
+    cell = ("q4_0", "q4_0", 2)
+    tf32 = pj.per_token(tiny, 8, "standard tail", cell, ubatch=4, compute="tf32-attn")
+    bf16 = pj.per_token(tiny, 8, "standard tail", cell, ubatch=4, compute="bf16-attn")
+    # kvarn.kvcache.rounding.round_operand per fp32 element: |word| 4 + 4, its finite test 4 + 1, word + half
+    # 4 + 4, masked 4 + 4, the result where finite 1 + 4 + 4 + 4: 42 B
+    assert pj.TF32_ROUND_BYTES == 8 + 5 + 8 + 8 + 13 == 42
+    # K and V over 3 rows x 1 head x 4 channels, 42 B each: 1008; Q, 2 heads x 4, widened from bf16
+    # (2 + 4) and rounded (42): 384
+    assert tf32["TF32 operand rounding"]["bytes"] == pytest.approx(3 * 4 * 2 * 42 + 2 * 4 * (6 + 42)) == 1392
+    # staging: the mask check (50) and the build (48 per half, 2 halves, one layer kind) over 6 pairs, 876;
+    # then per body row element (1.5 x 4 x 2 = 12): bf16 14 B (cast and concatenate), fp32 22 B (the
+    # 16-bit exact copy widened, 2 + 4, and both concatenated, 4 + 4 read, 8 written)
+    assert bf16["flex mask and K/V staging"]["bytes"] == pytest.approx(876 + 12 * 14)
+    assert tf32["flex mask and K/V staging"]["bytes"] == pytest.approx(876 + 12 * 22)
+    # the baseline (a bf16 body, no exact copy): its rows widened to fp32 (2 + 4) and rounded, 1.5 rows
+    base = pj.per_token(tiny, 8, "baseline", ubatch=4, compute="tf32-attn")
+    assert base["TF32 operand rounding"]["bytes"] == pytest.approx(1.5 * 4 * 2 * 42 + 2 * 4 * 48)
+    assert base["flex mask and K/V staging"]["bytes"] == pytest.approx(6 * (50 + 48) + 1.5 * 4 * 2 * 6)
+    assert tf32["TF32 operand rounding"]["unit"] == "hbm"  # bandwidth-bound, eager elementwise kernels
+
+
+def test_the_projection_runs_the_articles_compute(tmp_path):
+    # config/article.yaml's cells name their compute; the projection models that one unless told
+    # another. One it does not model (exact: fp32 attention off the tensor cores) is projected under
+    # FALLBACK_COMPUTE, and the result and its Markdown say so.
+    article = yaml.safe_load((ROOT / "config" / "article.yaml").read_text())
+    computes = {g.get("compute", "exact") for g in article["cells"]}
+    assert len(computes) == 1 and pj.article_compute() == computes.pop()
+
+    def with_compute(name, compute):
+        for g in article["cells"]:
+            g["compute"] = compute
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(article))
+        return path
+
+    exact, bf16 = with_compute("exact.yaml", "exact"), with_compute("bf16.yaml", "bf16-attn")
+    p = pj.project(article=exact)
+    assert p["compute"] == pj.FALLBACK_COMPUTE == "tf32-attn" and "runs compute 'exact'" in p["note"]
+    assert "Note: exact.yaml runs compute 'exact', which this does not model" in pj.markdown(p)
+    assert p["total_hours"] == pj.project(article=exact, compute="tf32-attn")["total_hours"]
+    assert pj.project(article=exact, compute="bf16-attn")["note"] is None
+    q = pj.project(article=bf16)
+    assert q["compute"] == "bf16-attn" and q["note"] is None and "Note:" not in pj.markdown(q)
+    assert pj.modelled("qwen3.6-27b", "kvarn", article=bf16) == pytest.approx(
+        pj.modelled("qwen3.6-27b", "kvarn", article=exact, compute="bf16-attn"))
+    article["cells"][0]["compute"] = "tf32-attn"
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text(yaml.safe_dump(article))
+    with pytest.raises(ValueError, match="the projection takes one"):
+        pj.project(article=mixed)

@@ -1,7 +1,7 @@
 """The article's GPU-hours before the device: FLOPs and bytes per token from the models'
 geometry, a stated attainable fraction of an H100 / H200, a roofline per part.
 
-    python -m bench.gpu.projection [--device h200|h100] [--out FILE]
+    python -m bench.gpu.projection [--device h200|h100] [--compute bf16-attn|tf32-attn] [--out FILE]
 
 Torch-free and fast: the device script (bench/gpu/article.py's successor) imports it, passes
 the seconds per chunk it measured (`project(measured=...)`) and gets the same table with
@@ -13,7 +13,10 @@ max(FLOPs / (peak x its compute fraction), bytes / (HBM x its memory fraction)),
 with a stated rate instead (the baseline's log-probs to the host and their encoding there, the
 GPU waiting; the cells' dump reads; KVarN's Triton quantization, measured), bytes at that rate.
 A cell kind's seconds per chunk are the mean over that kind's article cells (their tails
-differ); `project` adds a fixed overhead per cell and one model load per model.
+differ); `project` adds a fixed overhead per cell and one model load per model. The attention's
+arithmetic is the article's own (its cells' `compute`, `article_compute`) unless one is given; only
+bf16-attn and tf32-attn are modelled (exact, fp32 attention off the tensor cores, is not: an article
+on it is projected under FALLBACK_COMPUTE, and the result says so in its `note`).
 
 Every constant below says where it comes from: a datasheet, a count (the bytes per element of
 the cache update, the flex mask and the KLD were counted on CPU by summing the bytes of every
@@ -68,6 +71,9 @@ for _d in DEVICES.values():
     # the bf16 one (494.7 of 989 TFLOP/s), stated against the bf16 peak
     _d["fraction"].update(attention_tf32=0.15, attention_d512_tf32=0.075)
 ATTENTION_COMPUTES = ("bf16-attn", "tf32-attn")  # the arithmetic the article's attention runs in (kvarn.spec.options)
+# What an article on an unmodelled compute (exact) is projected under: the GPU path whose own KLD is
+# below every format's (bench/perf/results/attn_rounding_tf32_truncP.md, P read as the kernel reads it)
+FALLBACK_COMPUTE = "tf32-attn"
 
 # The host side (the same on both nodes: 16 cores, PCIe gen 5):
 #   d2h_Bps      12 GB/s: `lp.cpu()` of pageable memory (pinned would reach ~50).
@@ -89,6 +95,13 @@ UPDATE_BYTES = {"baseline": 109, "standard": 255, "kvarn": 110}  # KVarnCache.up
 CONCAT_BYTES = {"none": 0, "body": 6, "body+exact": 14}  # kvarn.kvcache.flex.attention per body row element:
 # the bf16 baseline's keys pass as they are; an fp32 body is rounded to bf16 (4 read + 2 written); with
 # an exact copy both are concatenated into 2L bf16 rows (+ 2 + 2 read, 4 written)
+CONCAT_BYTES_TF32 = {"none": 6, "body": 0, "body+exact": 22}  # the same under tf32-attn, fp32 operands:
+# the bf16 baseline's keys widened to fp32 (2 read + 4 written); an fp32 body passes as it is; with an
+# exact copy the 16-bit copy widened (2 + 4) and both concatenated into 2L fp32 rows (4 + 4 read, 8 written)
+TF32_ROUND_BYTES = 42  # kvarn.kvcache.rounding.round_operand per fp32 element, every call, on Q, K and V:
+# the magnitude word (4 read + 4 written), its finite test (4 + 1), the word plus half a step (4 + 4),
+# masked (4 + 4), the result chosen where finite (1 + 4 + 4 read, 4 written), counted as UPDATE_BYTES were
+QUERY_WIDEN_BYTES = 6  # tf32-attn: the model's bf16 queries widened to fp32 before rounding (2 read + 4 written)
 MASK_BUILD_BYTES = 48  # create_block_mask's dense mask_mod per (query, key row) element
 MASK_CHECK_BYTES = 50  # flex.check_mask per (query, key) element
 LOGSOFTMAX_BYTES = 14  # log_softmax(logits.float()) per vocabulary entry (bf16 logits)
@@ -193,7 +206,8 @@ def per_token(model: str, n_ctx: int, kind: str = "baseline", cell: tuple[str, s
     `kind` (KINDS) and `cell` (k, v, tail; default the kind's plainest article cell: bf16 for the
     baseline, q8_0 t0, q4_0 t128, kvarn4) choose the cache's work and the dump's direction.
     `compute` (ATTENTION_COMPUTES): the attention on bf16 operands, or on fp32 ones read as TF32
-    (half the tensor-core rate, K/V tiles of 4 bytes).
+    (half the tensor-core rate, K/V tiles of 4 bytes; the fp32 [body ; exact] rows staged with
+    CONCAT_BYTES_TF32 and Q, K and V rounded to TF32 every call, TF32_ROUND_BYTES per element).
     """
     if compute not in ATTENTION_COMPUTES:
         raise ValueError(f"compute {compute!r}: expected one of {ATTENTION_COMPUTES}")
@@ -246,7 +260,12 @@ def per_token(model: str, n_ctx: int, kind: str = "baseline", cell: tuple[str, s
         concat = "body+exact" if exact else ("body" if body_bytes == 4 else "none")
         add("flex mask and K/V staging", 0,
             pairs * (MASK_CHECK_BYTES + MASK_BUILD_BYTES * (2 if exact else 1) / same_kind[layer.window])
-            + rows * kv * d * (1 if layer.k_eq_v else 2) * CONCAT_BYTES[concat])
+            + rows * kv * d * (1 if layer.k_eq_v else 2) * (CONCAT_BYTES_TF32 if tf32 else CONCAT_BYTES)[concat])
+        if tf32:
+            # kvarn.kvcache.flex rounds Q and both K and V (a K-as-V layer's too: two tensors) over
+            # every row the call passes, [body ; exact] (2L) with an exact copy, every call
+            add("TF32 operand rounding", 0, rows * (2 if exact else 1) * kv * d * 2 * TF32_ROUND_BYTES
+                + n_heads * d * (QUERY_WIDEN_BYTES + TF32_ROUND_BYTES))
         kv_elems += kv * d * (1 if layer.k_eq_v else 2)
     if kind == "baseline":
         add("KV cache write", 0, kv_elems * UPDATE_BYTES["baseline"])
@@ -298,6 +317,27 @@ def article_cells(article: Path = ARTICLE) -> dict[str, dict[str, list]]:
     return out
 
 
+def article_compute(article: Path = ARTICLE) -> str:
+    """The attention arithmetic config/article.yaml's cells run (their `compute`; ValueError for a mix)."""
+    computes = {c.compute for kinds in article_cells(article).values() for cells in kinds.values() for c in cells}
+    if len(computes) != 1:
+        raise ValueError(f"{article}: its cells run computes {sorted(computes)}; the projection takes one")
+    return computes.pop()
+
+
+def resolve_compute(compute: str | None, article: Path = ARTICLE) -> tuple[str, str | None]:
+    """(the compute to project, a note or None): `compute` as given; None: the article's, or
+    FALLBACK_COMPUTE with a note where the article runs one the projection does not model."""
+    if compute is not None:
+        return compute, None
+    own = article_compute(article)
+    if own in ATTENTION_COMPUTES:
+        return own, None
+    return FALLBACK_COMPUTE, (f"{Path(article).name} runs compute {own!r}, which this does not model (fp32 attention "
+                              f"off the tensor cores); projected under {FALLBACK_COMPUTE}, the path its cells would "
+                              "need to run on for these hours")
+
+
 def plan(article: Path = ARTICLE, study_chunks: dict | None = None) -> dict[str, dict[str, dict]]:
     """Per model, per kind: cells, chunks per cell, n_ctx and tokens (cells x chunks x n_ctx).
     Chunk counts: `study_chunks` (default bench.gpu.article.STUDY_CHUNKS, issue 9's reading of
@@ -318,10 +358,11 @@ def plan(article: Path = ARTICLE, study_chunks: dict | None = None) -> dict[str,
 
 
 def modelled_parts(model: str, kind: str, device: str = "h200", article: Path = ARTICLE,
-                   compute: str = "bf16-attn") -> dict[str, float]:
+                   compute: str | None = None) -> dict[str, float]:
     """Seconds per chunk by part for `kind` on `model`: the mean over the kind's article cells
     (cells of one tail and family cost the same here, so each distinct one is costed once and
-    weighted by its count)."""
+    weighted by its count). `compute` None: the article's (`resolve_compute`)."""
+    compute = resolve_compute(compute, article)[0]
     cells = article_cells(article)[model]
     n_ctx = next(c.n_ctx for kind_cells in cells.values() for c in kind_cells)
     if kind == "baseline":
@@ -338,10 +379,12 @@ def modelled_parts(model: str, kind: str, device: str = "h200", article: Path = 
     return out
 
 
-def modelled(model: str, kind: str, device: str = "h200", compute: str = "bf16-attn") -> float:
+def modelled(model: str, kind: str, device: str = "h200", compute: str | None = None,
+             article: Path = ARTICLE) -> float:
     """Seconds per chunk of one cell of `kind` on `model` (the roofline sum of `per_token`'s
-    parts); `project` adds CELL_FIXED_S per cell and the model load per model."""
-    return sum(modelled_parts(model, kind, device, compute=compute).values())
+    parts; `compute` None: the article's, `resolve_compute`); `project` adds CELL_FIXED_S per
+    cell and the model load per model."""
+    return sum(modelled_parts(model, kind, device, article, compute).values())
 
 
 def model_load_s(model: str) -> float:
@@ -353,20 +396,24 @@ def model_load_s(model: str) -> float:
 
 
 def project(device: str = "h200", measured: dict[str, dict[str, float]] | None = None,
-            study_chunks: dict | None = None, article: Path = ARTICLE, compute: str = "bf16-attn") -> dict:
-    """The article's device-hours on `device`: one row per (model, kind) with cells, chunks,
+            study_chunks: dict | None = None, article: Path = ARTICLE, compute: str | None = None) -> dict:
+    """The article's device-hours on `device` under `compute` (None: the article's own, or
+    FALLBACK_COMPUTE with a `note` where it is not modelled, `resolve_compute`): one row per
+    (model, kind) with cells, chunks,
     s_per_chunk (`measured[model][kind]` where given, else `modelled`), its source, fixed_s (per
     cell) and gpu_hours = cells x (chunks x s_per_chunk + fixed_s) / 3600; one "model load" row
     per model; the total; and the dominant (model, kind, part): the part with the most hours
     (a measured row's seconds shared among its parts as the model shares them)."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r}: expected one of {sorted(DEVICES)}")
+    compute, note = resolve_compute(compute, article)
     measured = measured or {}
     rows, part_hours, device_hours = [], {}, 0.0
     for model, kinds in plan(article, study_chunks).items():
         for kind, p in kinds.items():
             parts = modelled_parts(model, kind, device, article, compute)
-            rated = {name for name, part in per_token(model, p["n_ctx"], kind).items() if part["unit"] == "rate"}
+            rated = {name for name, part in per_token(model, p["n_ctx"], kind, compute=compute).items()
+                     if part["unit"] == "rate"}
             model_s = sum(parts.values())
             got = measured.get(model, {}).get(kind)
             s = float(got) if got is not None else model_s
@@ -390,7 +437,7 @@ def project(device: str = "h200", measured: dict[str, dict[str, float]] | None =
     for (_, _, name), hrs in part_hours.items():
         by_part[name] += hrs
     rest = total - device_hours
-    return {"device": device, "compute": compute, "rows": rows, "total_hours": total, "goal_hours": GOAL_HOURS,
+    return {"device": device, "compute": compute, "note": note, "rows": rows, "total_hours": total, "goal_hours": GOAL_HOURS,
             "tokens": sum(r["tokens"] for r in rows),
             "dominant": {"model": top[0], "kind": top[1], "part": top[2], "gpu_hours": part_hours[top]},
             "by_part": dict(by_part.most_common()),
@@ -412,7 +459,7 @@ def markdown(proj: dict) -> str:
          f"({dev['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16, {dev['hbm_Bps'] / 1e12:.2f} TB/s HBM), "
          "`python -m bench.gpu.projection"
          + ("" if proj["device"] == "h200" else f" --device {proj['device']}")
-         + ("" if proj.get("compute", "bf16-attn") == "bf16-attn" else f" --compute {proj['compute']}")
+         + f" --compute {proj['compute']}"
          + f"` (attention: compute {proj.get('compute', 'bf16-attn')}):", "",
          "| model | kind | cells | chunks | n_ctx | tokens | s/chunk | source | GPU-hours |",
          "|---|---|---:|---:|---:|---:|---:|---|---:|"]
@@ -427,6 +474,8 @@ def markdown(proj: dict) -> str:
     L += ["", f"**Total: {total:.2f} GPU-hours for {proj['tokens']:,} tokens, {verdict} the goal of "
           f"≤ {goal:g} H200-hours** ({proj['tokens'] / (total * 3600):,.0f} tokens/s on average; the goal needs "
           f"{proj['tokens'] / (goal * 3600):,.0f}).", ""]
+    if proj.get("note"):
+        L += [f"Note: {proj['note']}.", ""]
     d = proj["dominant"]
     share = d["gpu_hours"] / total
     L.append(f"Dominant: **{d['part']}** of {d['model']} {d['kind']} cells, {d['gpu_hours']:.2f} h "
@@ -455,6 +504,11 @@ def markdown(proj: dict) -> str:
           f"* per cell {CELL_FIXED_S:g} s fixed; per model the weights at {LOAD_DISK_Bps / 1e9:g} GB/s and "
           f"{COMPILE_S:g} s of flex compilation per head dim; flex tiles of {QUERY_BLOCK}, ubatch {UBATCH}, "
           f"baseline entries above the floor {NONZERO_SHARE:.1%} of the vocabulary (Gemma 3 270M's mean)"]
+    if proj.get("compute") == "tf32-attn":
+        L.append(f"* tf32-attn: the attention at half those fractions of the bf16 peak (TF32's dense rate), K/V tiles "
+                 f"of 4 bytes, the fp32 [body ; exact] rows staged ({CONCAT_BYTES_TF32['body+exact']} B per body row "
+                 f"element with an exact copy) and Q, K and V rounded to TF32 every call ({TF32_ROUND_BYTES} B per "
+                 "element, kvarn.kvcache.rounding)")
     sources = Counter(r["source"] for r in proj["rows"] if r["kind"] != "model load")
     L.append(f"* rows measured on the device: {sources.get('measured', 0)}, modelled: {sources.get('model', 0)}")
     return "\n".join(L) + "\n"
@@ -463,11 +517,16 @@ def markdown(proj: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="h200", choices=sorted(DEVICES))
-    ap.add_argument("--compute", default="bf16-attn", choices=ATTENTION_COMPUTES,
-                    help="the attention's arithmetic (default bf16-attn)")
+    ap.add_argument("--compute", default=None, choices=ATTENTION_COMPUTES,
+                    help=f"the attention's arithmetic (default config/article.yaml's, or {FALLBACK_COMPUTE} where "
+                         "the projection does not model it)")
     ap.add_argument("--out", default=None, help="write the Markdown here too")
     args = ap.parse_args(argv)
-    md = markdown(project(args.device, compute=args.compute))
+    try:
+        md = markdown(project(args.device, compute=args.compute))
+    except ValueError as e:  # an article whose cells mix computes
+        print(f"bench.gpu.projection: {e}", file=sys.stderr)
+        return 2
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(md)

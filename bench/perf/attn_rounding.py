@@ -1,6 +1,7 @@
 """What the GPU's attention arithmetic (compute bf16-attn or tf32-attn) adds to a cell's KLD, against each format's own effect.
 
-    python -m bench.perf.attn_rounding [--compute bf16-attn|tf32-attn] [--model smollm2-135m --model gemma3-270m]
+    python -m bench.perf.attn_rounding [--compute bf16-attn|tf32-attn] [--tf32-p-rule truncate|nearest]
+                                       [--model smollm2-135m --model gemma3-270m]
                                        [--n-ctx 2048] [--chunks 1] [--out bench/perf/results/attn_rounding.md]
 
 Compute bf16-attn / tf32-attn (kvarn.spec.options.ATTENTION_ROUNDING) runs the cache model's attention
@@ -19,7 +20,9 @@ the engine's own forward (`kvarn.run.engine.chunk_logprobs`):
   discontinuity makes of F's own size whatever the path (the table's notes say why).
 
 The model runs in fp32 on the CPU (only the attention's operands are rounded); KLD as llama.cpp's
-(kvarn.stats.metrics.token_metrics).
+(kvarn.stats.metrics.token_metrics). Under tf32-attn the numerators P are read as `--tf32-p-rule`
+says (kvarn.kvcache.rounding.TF32_P_RULE, default the flex kernel's truncation; "nearest" is the
+rule bench/perf/results/attn_rounding_tf32.md was made with).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from bench import REPO, TEXT
 from kvarn.run import engine
 from kvarn.spec import scoring
 from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import ATTENTION_ROUNDING, BF16_ATTN, EXACT
+from kvarn.kvcache import rounding
+from kvarn.spec.options import ATTENTION_ROUNDING, BF16_ATTN, EXACT, TF32_ATTN
 from kvarn.stats import metrics
 from kvarn.weights import sources
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
@@ -84,13 +88,16 @@ def measure(name: str, n_ctx: int, chunks: int, text: str, cache_dir: str, forma
     return rows
 
 
-def markdown(rows: list[dict], command: str, elapsed: float, n_tokens: dict, compute: str = BF16_ATTN) -> str:
+def markdown(rows: list[dict], command: str, elapsed: float, n_tokens: dict, compute: str = BF16_ATTN,
+             p_rule: str | None = None) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     lines = [f"# The {compute} path's own KLD against each format's (compute {compute} vs exact)", "",
              f"`{command}` at commit {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"{platform.machine()} CPU ({os.cpu_count()} cores), torch {torch.__version__}, {elapsed / 60:.1f} min. "
              "Models in fp32; symmetric pairs at tail 0; medians over the scored tokens "
-             f"({', '.join(f'{m}: {n}' for m, n in n_tokens.items())}).", "",
+             f"({', '.join(f'{m}: {n}' for m, n in n_tokens.items())})."
+             + (f" TF32's P rule: {p_rule} (kvarn.kvcache.rounding.round_p; Q, K and V to nearest)."
+                if compute == TF32_ATTN and p_rule else ""), "",
              "- `format`: the format's median KLD on the exact (fp32) path against the exact baseline: its effect.",
              f"- `path / format`: the path's own KLD (the {compute} baseline against the exact one: the same bf16 "
              "cache, only the attention's arithmetic differs) over the format's effect. Below 1: the arithmetic "
@@ -127,25 +134,33 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compute", default=BF16_ATTN, choices=[c for c, r in ATTENTION_ROUNDING.items() if r],
                     help="the rounded path compared with exact (default bf16-attn)")
+    ap.add_argument("--tf32-p-rule", choices=rounding.TF32_P_RULES, default=rounding.TF32_P_RULE,
+                    help="how tf32-attn reads P (default the flex kernel's: truncate)")
     ap.add_argument("--model", action="append", help="embedded model (repeatable; default smollm2-135m, gemma3-270m)")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--chunks", type=int, default=1)
     ap.add_argument("--format", action="append", help="a format (repeatable; default every standard type and KVarN width)")
     ap.add_argument("--text", default=str(TEXT), help="wiki.test.raw (default $TEXT, else ../shared beside the checkout)")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR)
-    ap.add_argument("--out", help="default bench/perf/results/attn_rounding.md (bf16-attn), attn_rounding_tf32.md (tf32-attn)")
+    ap.add_argument("--out", help="default bench/perf/results/attn_rounding.md (bf16-attn), attn_rounding_tf32_truncP.md "
+                                  "(tf32-attn, P truncated), attn_rounding_tf32.md (tf32-attn, P to nearest)")
     a = ap.parse_args(argv)
+    rounding.TF32_P_RULE = a.tf32_p_rule  # rounded_attention reads it at each call
     models = a.model or ["smollm2-135m", "gemma3-270m"]
     t0 = time.perf_counter()
     rows, n_tokens = [], {}
     for m in models:
         rows += measure(m, a.n_ctx, a.chunks, a.text, a.cache_dir, a.format or STANDARD + KVARN, a.compute)
         n_tokens[m] = a.chunks * len(scoring.scored_positions(a.n_ctx))
+    tf32 = a.compute == TF32_ATTN
     command = "python -m bench.perf.attn_rounding " + " ".join(
-        ([f"--compute {a.compute}"] if a.compute != BF16_ATTN else []) + [f"--model {m}" for m in models] + [f"--n-ctx {a.n_ctx}", f"--chunks {a.chunks}"]
+        ([f"--compute {a.compute}"] if a.compute != BF16_ATTN else []) + ([f"--tf32-p-rule {a.tf32_p_rule}"] if tf32 else [])
+        + [f"--model {m}" for m in models] + [f"--n-ctx {a.n_ctx}", f"--chunks {a.chunks}"]
         + [f"--format {f}" for f in a.format or []])
-    text = markdown(rows, command, time.perf_counter() - t0, n_tokens, a.compute)
-    out = a.out or REPO / "bench/perf/results" / ("attn_rounding.md" if a.compute == BF16_ATTN else "attn_rounding_tf32.md")
+    text = markdown(rows, command, time.perf_counter() - t0, n_tokens, a.compute, a.tf32_p_rule if tf32 else None)
+    name = ("attn_rounding.md" if not tf32 else
+            "attn_rounding_tf32_truncP.md" if a.tf32_p_rule == "truncate" else "attn_rounding_tf32.md")
+    out = a.out or REPO / "bench/perf/results" / name
     Path(out).write_text(text)
     print(text)
     return 0

@@ -14,14 +14,18 @@ What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
   W - 1 + ubatch rows a query can still read): a cell an fp32 body and a 16-bit exact
   copy of each (12 bytes per row and channel, the most any cell stores; bf16 / f16 bodies
   and cells without an exact copy store less; under compute bf16-attn the body is bf16, 8
-  bytes), the baseline only its bf16 body (4 bytes), per layer n_kv_heads x rows x head_dim, from `kvarn.spec.geometry`;
+  bytes; under tf32-attn it stays fp32, 12), the baseline only its bf16 body (4 bytes), per layer
+  n_kv_heads x rows x head_dim, from `kvarn.spec.geometry`;
   linear-attention layers keep transformers' conv and recurrent state (fp32, a few MB);
 * temporaries: one attention call of the run's path (`attention_temporaries`): on ref
   (`kvarn.kvcache.attention`) the boolean masks of a ubatch, one 128-query block's gathered K/V
   in fp32 and its fp32 score matrix and softmax, as SDPA's math path makes them (under
-  bf16-attn also the rounded copies and the numerators); on flex (`kvarn.kvcache.flex`) the
+  bf16-attn also the rounded copies and the numerators; under tf32-attn the numerators and the
+  TF32 rounding's own temporaries, `TF32_ROUNDING_BYTES`); on flex (`kvarn.kvcache.flex`) the
   masks, the [body ; exact] K and V in the operands' dtype and the mask_mod's dense grid over
-  them while the BlockMask is built (int64 indices); then the MLP activations of a ubatch, and
+  them while the BlockMask is built (int64 indices), under tf32-attn the larger of that and the
+  fp32 operands while they are rounded (both K and V before and after, the temporaries of one:
+  about 10.5 bytes per element of each); then the MLP activations of a ubatch, and
   the logits of a ubatch (vocab wide, fp32) plus the log-softmax slices of `kvarn.run.engine`;
 * host, baseline: one LOGIT_ROWS slice of fp32 log-probs on its way to `kvarn.baseline.dump` (the
   engine streams a chunk slice by slice; the writer encodes it with float64 temporaries
@@ -56,6 +60,11 @@ MEMORY_ENV = "KVARN_DEVICE_MEMORY"  # the capacity override (bytes), see the mod
 # Bytes per cached row and channel (K and V together), kvarn.kvcache.cache.KVarnLayer's storage:
 CELL_ROW_BYTES = 2 * (4 + 2)  # fp32 body + tail-dtype (16-bit) exact copy, K and V
 ROUNDED_CELL_ROW_BYTES = 2 * (2 + 2)  # compute bf16-attn: the body in bf16 (kvarn.kvcache.cache.KVarnLayer)
+# (tf32-attn keeps the fp32 body: CELL_ROW_BYTES; only bf16-attn narrows it, KVarnLayer.narrow_body)
+# kvarn.kvcache.rounding's TF32 rounding (round_operand, truncate_tf32) of an fp32 tensor holds, per
+# element beyond its input, at most a bool mask (1 B) and two int32 words (the word plus half a step,
+# then masked; or the masked word and the fp32 result): 9 bytes, the result's 4 of them staying.
+TF32_ROUNDING_BYTES = 1 + 4 + 4
 BASELINE_ROW_BYTES = 2 * 2  # the bf16/bf16 tail-0 baseline: bf16 bodies only
 QUERY_BLOCK = 128  # kvarn.kvcache.attention.QUERY_BLOCK (not imported: it pulls in torch and transformers)
 LOGIT_ROWS = 64  # kvarn.run.engine.LOGIT_ROWS
@@ -159,20 +168,40 @@ def _linear_state_bytes(c: Any) -> int:
     return 4 * (conv_dim * int(c.linear_conv_kernel_dim) + v_heads * k_dim * v_dim)
 
 
-def attention_temporaries(path: str, rounded: bool, u: int, n_ctx: int, n_heads: int, kv_max: int, d_max: int) -> int:
+def attention_temporaries(path: str, rounding: str | None, u: int, n_ctx: int, n_heads: int, kv_max: int,
+                          d_max: int) -> int:
     """Bytes one attention call of the path ("ref" | "flex") holds at its peak, for a ubatch of u
-    queries over n_ctx keys (the largest layer: kv_max KV heads of head dim d_max). `rounded`:
-    compute bf16-attn (bf16 operands)."""
+    queries over n_ctx keys (the largest layer: kv_max KV heads of head dim d_max). `rounding`:
+    kvarn.spec.options.ATTENTION_ROUNDING's value for the compute: None (exact), "bfloat16"
+    (bf16-attn: bf16 operands) or "tfloat32" (tf32-attn: fp32 operands rounded by
+    kvarn.kvcache.rounding, TF32_ROUNDING_BYTES of temporaries per element while one is rounded)."""
+    if rounding not in (None, "bfloat16", "tfloat32"):
+        raise ValueError(f"rounding {rounding!r}: expected None, bfloat16 or tfloat32")
     masks = 4 * u * n_ctx  # the model's mask and the body / exact / selection masks (bool)
-    io = n_heads * u * d_max * 4 * 2  # the fp32 queries and output
+    io = n_heads * u * d_max * 4 * 2  # the fp32 queries and output (under tf32: the query and its rounded copy)
     if path == "ref":
-        block = 2 * kv_max * n_ctx * d_max * 4 * (2 if rounded else 1)  # one block's K and V (and their rounded copies)
-        scores = (3 if rounded else 2) * n_heads * QUERY_BLOCK * n_ctx * 4  # scores, softmax (and numerators), fp32
+        kv_elems = kv_max * n_ctx * d_max  # one block's K (as many V)
+        score_elems = n_heads * QUERY_BLOCK * n_ctx
+        if rounding == "tfloat32":
+            # rounded_attention: rounding P (scores and numerators alive, P's rounding temporaries;
+            # K and V, their rounded copies freed after Q·K) or, later, V (scores, numerators and
+            # rounded P alive; V's temporaries): the larger of the two
+            return masks + io + max(kv_elems * 8 + score_elems * (4 + 4 + TF32_ROUNDING_BYTES),
+                                    kv_elems * (8 + TF32_ROUNDING_BYTES) + score_elems * 4 * 3)
+        rounded = rounding == "bfloat16"
+        block = 2 * kv_elems * 4 * (2 if rounded else 1)  # one block's K and V (and their rounded copies)
+        scores = (3 if rounded else 2) * score_elems * 4  # scores, softmax (and numerators), fp32
         return masks + block + scores + io
     if path == "flex":
         rows = 2 * n_ctx  # [body ; exact]
-        operands = 2 * kv_max * rows * d_max * (2 if rounded else 4)  # K and V concatenated, in the operands' dtype
+        kv_elems = kv_max * rows * d_max  # K (as many V) concatenated
         grid = u * rows * (2 * 8 + 2)  # the mask_mod over every (query, row): two int64 and two bool grids
+        if rounding == "tfloat32":
+            # kvarn.kvcache.flex rounds Q, K and V (fp32) before it builds the BlockMask: at the
+            # rounding of V, K before and after (4 + 4), V (4) and its temporaries (9), 21 bytes per
+            # element pair; then the rounded K and V (8) beside the grid. The larger holds.
+            return masks + io + max(kv_elems * (4 + 4 + 4 + TF32_ROUNDING_BYTES), kv_elems * 8 + grid)
+        operands = 2 * kv_elems * (2 if rounding == "bfloat16" else 4)  # K and V concatenated, in the operands' dtype
         return masks + operands + grid + io
     raise ValueError(f"attention path {path!r}: expected ref or flex")
 
@@ -193,8 +222,9 @@ def estimate(config: Any, n_ctx: int, ubatch: int, dtype: str, device: str, base
     n_linear = sum(1 for layer in geom.layers if not layer.has_kv)
     d_max = max(layer.head_dim for layer in kv)
     kv_max = max(layer.n_kv_heads for layer in kv)
-    rounded = ATTENTION_ROUNDING.get(compute) is not None
-    row_bytes = BASELINE_ROW_BYTES if baseline else ROUNDED_CELL_ROW_BYTES if rounded else CELL_ROW_BYTES
+    rounding = ATTENTION_ROUNDING.get(compute)
+    # only bf16-attn narrows the body (kvarn.kvcache.cache.KVarnLayer.narrow_body); tf32-attn keeps fp32
+    row_bytes = BASELINE_ROW_BYTES if baseline else ROUNDED_CELL_ROW_BYTES if rounding == "bfloat16" else CELL_ROW_BYTES
     parts = {
         "weights": (n_params if n_params is not None else param_count(config)) * wb,
         "cache copies": sum(layer.n_kv_heads * cached_rows(layer.window, n_ctx, u) * layer.head_dim * row_bytes
@@ -202,7 +232,7 @@ def estimate(config: Any, n_ctx: int, ubatch: int, dtype: str, device: str, base
     }
     if n_linear:
         parts["linear-attention state"] = n_linear * _linear_state_bytes(c)
-    parts["attention temporaries"] = attention_temporaries(attention, rounded, u, n_ctx, n_heads, kv_max, d_max)
+    parts["attention temporaries"] = attention_temporaries(attention, rounding, u, n_ctx, n_heads, kv_max, d_max)
     inter = int(getattr(c, "intermediate_size", 4 * hidden) or 4 * hidden)
     parts["activations"] = u * (3 * inter + 6 * hidden) * wb
     parts["logits"] = u * vocab * 4 + 2 * LOGIT_ROWS * vocab * 4

@@ -40,7 +40,7 @@ from kvarn.kvcache import flex
 
 from kvarn.llamacpp import compute
 from kvarn.kvcache.cache import KVarnCache, check_body_rows, exact_selection
-from kvarn.kvcache.rounding import round_operand
+from kvarn.kvcache.rounding import round_operand, round_p
 from kvarn.spec.options import attention_for
 
 ATTN_NAME = "kvarn"
@@ -211,20 +211,24 @@ def kvarn_attention_forward(
                          kvarn_cache.attn_rounding), None
 
 
-def rounded_attention(q, k, v, mask, scale: float, rounding: str) -> torch.Tensor:
+def rounded_attention(q, k, v, mask, scale: float, rounding: str, p_rule: str | None = None) -> torch.Tensor:
     """Attention on operands rounded as `rounding` (compute bf16-attn, tf32-attn: `round_operand`),
     as a GPU's flash attention computes it: S = (Q·K^T)·scale from rounded operands summed in fp32,
     the softmax's max and sum in fp32, the numerators P = exp(S - max) rounded for P·V (summed in
     fp32), divided by the fp32 sum last (flex_attention's kernel: scores scaled in fp32, p cast to
     V's dtype). The products are formed on the rounded values in fp32: a product of two bf16 (TF32)
     values is exact in fp32, so only the accumulation order differs from tensor cores.
+    P under TF32 (`kvarn.kvcache.rounding.round_p`): `p_rule` "truncate" (None: TF32_P_RULE, the
+    flex kernel's TF32 dot, which reads its fp32 P truncated; the evidence in that module) or
+    "nearest"; Q, K and V are rounded to nearest either way (the flex path rounds them before the
+    kernel, whose truncation then changes nothing).
     q [..., n, D], k and v [..., L, D] (fp32), mask [..., n, L] (bool, a True in every row);
     returns fp32 [..., n, D]."""
     r = lambda x: round_operand(x, rounding)  # noqa: E731
     s = torch.matmul(r(q), r(k).transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.exp(s - s.amax(-1, keepdim=True))
-    return torch.matmul(r(p), r(v)) / p.sum(-1, keepdim=True)
+    return torch.matmul(round_p(p, rounding, p_rule), r(v)) / p.sum(-1, keepdim=True)
 
 
 def attention_ref(module, query, key, value, attention_mask, scaling, layer, policy,

@@ -130,7 +130,7 @@ def attention(module, query, key, value, attention_mask, scaling, layer, policy,
     softmax in fp32 and rounds P to V's dtype (`kvarn.kvcache.attention.rounded_attention`'s
     arithmetic); eager (`COMPILE = False`) flex also rounds the scores to bf16: the tests'
     tolerance, never a run's path on a GPU. "tfloat32" (tf32-attn): fp32 operands rounded to TF32
-    here, and the compiled kernel's dots in TF32 (FLOAT32_PRECISION 'tf32': P read as TF32 too);
+    here, and the compiled kernel's dots in TF32 (FLOAT32_PRECISION 'tf32': P truncated to TF32 as the MMA reads it, kvarn.kvcache.rounding);
     eager flex computes them in fp32."""
     global calls
     n_heads, n_q = query.shape[1], query.shape[-2]
