@@ -467,3 +467,17 @@ def test_a_missing_chromium_fails_naming_make_browser(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(pytest.fail.Exception, match="make browser"):
         chromium()
+
+
+def test_a_kvarn_pick_named_with_its_128_star_reads_back(run):
+    """KVarN's own tail prints 128* (escaped \\* in Markdown): a pick ending in it is read whole, not
+    cut at the star (the study's Gemma 3 picks kvarn6-kvarn6 t128*)."""
+    from kvarn.report import advise as A
+
+    summary = run["summary"].filter(pl.col("k_type").str.starts_with("kvarn"))  # only KVarN cells: a KVarN pick
+    res = run["root"] / "results"
+    answers = A.advise(summary, A.token_dirs(summary, res), models=["gemma3-270m"], n_boot=BOOT,
+                       tol=A.Tolerance(max_kld=1.0, min_same_top=0.0))
+    assert answers[0].pick is not None and A.name_of(answers[0].pick).endswith("t128*")
+    html = P.answer_html(A.answers_markdown(answers), A.frontier_frame(answers))
+    assert 'id="answer-gemma3-270m"' in html

@@ -211,7 +211,8 @@ def answer_html(answer_md: str, answer: pl.DataFrame) -> str:
         elif t.type == "paragraph_close" and run is not None and tokens[i - 1].content.startswith("**"):
             said = tokens[i - 1].content
             pick = roles(answer.filter((pl.col("model") == run[0]) & (pl.col("engine") == run[1])), "pick")
-            name = _unescape(said[len("**Pick: "):].split("**", 1)[0]) if said.startswith("**Pick: ") else None
+            m = re.match(r"\*\*Pick: ((?:\\\*|[^*])+)\*\*", said)  # the name may end in an escaped \* (128*)
+            name = _unescape(m[1]) if m else None
             if said.startswith(("**Pick: ", "**No cell")) and pick["name"].to_list() != ([name] if name else []):
                 raise ValueError(f"answer.md picks {name or 'nothing'} for {answer_heading(*run)}, answer.parquet "
                                  f"{pick['name'].to_list() or 'nothing'}: run rule answer again")
