@@ -9,29 +9,21 @@ import json
 import polars as pl
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 import kvarn.kvcache.attention as kattn
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer
 from kvarn.spec.allocation import Allocation, AllocationError, define
 from kvarn.spec.cell import CellSpec, cell_spec
+import test_cache
 from paths import ENGINE_TEXT
 
 
-def _llama():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).eval()
+def _llama():  # three layers, so an allocation has a middle one
+    return test_cache._llama(n_layers=3, max_positions=1024)
 
 
 def _gemma():
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=32,
-                           sliding_window=16, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           max_position_embeddings=1024)
-    return Gemma3ForCausalLM(cfg).eval()
+    return test_cache._gemma(max_positions=1024)
 
 
 MODELS = {"llama": _llama, "gemma3": _gemma}

@@ -21,19 +21,20 @@ from kvarn.spec.policy import layer_policy
 N = 64  # tokens per test sequence
 
 
-def _llama():
+def _llama(n_layers: int = 2, max_positions: int = 512):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=n_layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=max_positions)
     return LlamaForCausalLM(cfg).eval()
 
 
-def _gemma():
+def _gemma(max_positions: int = 512):
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                            num_attention_heads=4, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=32,
                            sliding_window=16, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           max_position_embeddings=512)
+                           max_position_embeddings=max_positions)
     return Gemma3ForCausalLM(cfg).eval()
 
 

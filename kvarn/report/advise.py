@@ -19,7 +19,7 @@ from typing import Mapping
 import polars as pl
 
 from kvarn.report import data as D
-from kvarn.report.claims import PRESET_LEVELS, presets_table
+from kvarn.report.claims import PRESET_LEVELS, paired_delta, presets_table
 
 #: The tolerance when the user gives none: median KLD at most this (nats) ...
 DEFAULT_MAX_KLD = 0.001
@@ -51,17 +51,15 @@ class Tolerance:
     budget_bits: float | None = None
 
     def __post_init__(self):
-        checks = {"max_kld": (self.max_kld, "a KLD in nats > 0"),
-                  "min_same_top": (self.min_same_top, "a fraction in [0, 1]"),
-                  "budget_mib": (self.budget_mib, "MiB > 0"), "budget_bits": (self.budget_bits, "bits per value > 0")}
-        for name, (v, what) in checks.items():
+        checks = {"max_kld": (lambda v: v > 0, "a KLD in nats > 0"),
+                  "min_same_top": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+                  "budget_mib": (lambda v: v > 0, "MiB > 0"), "budget_bits": (lambda v: v > 0, "bits per value > 0")}
+        for name, (accepted, what) in checks.items():
+            v = getattr(self, name)
             if v is None and name.startswith("budget"):
                 continue
-            bad = not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 \
-                or (name == "min_same_top" and v > 1)
-            if name == "min_same_top" and isinstance(v, (int, float)) and v == 0:
-                bad = False
-            if bad:
+            number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not number or not accepted(v):
                 raise ValueError(f"{name} {v!r} is not accepted: give {what}")
 
     def describe(self) -> str:
@@ -78,23 +76,29 @@ def name_of(r: dict) -> str:
     return f"{r['pair']} t{r['tail_label']}"
 
 
+def _with_engine(summary: pl.DataFrame) -> pl.DataFrame:
+    """The summary with its `engine` column ("torch" where a torch-engine summary has none)."""
+    if "engine" not in summary.columns:
+        return summary.with_columns(pl.lit("torch").alias("engine"))
+    return summary.with_columns(pl.col("engine").fill_null("torch"))
+
+
 def runs(summary: pl.DataFrame) -> list[tuple[str, str]]:
     """The (model, engine) runs a summary holds: cells of two engines are never mixed in one answer."""
     if summary.is_empty():
         raise ValueError("the summary has no cells: run some first (`make run`, or snakemake with a config)")
-    s = summary if "engine" in summary.columns else summary.with_columns(pl.lit("torch").alias("engine"))
-    s = s.with_columns(pl.col("engine").fill_null("torch"))
+    s = _with_engine(summary)
     return [tuple(r) for r in s.select(["model", "engine"]).unique(maintain_order=True).iter_rows()]
 
 
 def prepared(summary: pl.DataFrame, model: str, engine: str = "torch") -> pl.DataFrame:
     """One (model, engine) run's cells as `kvarn.report.data.prepare` shapes them (its largest n_ctx,
     then chunks; format damage only), KVarN requests that repeat the 128* cell dropped."""
-    s = summary if "engine" in summary.columns else summary.with_columns(pl.lit("torch").alias("engine"))
+    s = _with_engine(summary)
     known = sorted(set(s["model"].to_list()))
     if model not in known:
         raise ValueError(f"model {model!r} has no cells in this run; models present: {', '.join(known)}")
-    s = s.filter((pl.col("model") == model) & (pl.col("engine").fill_null("torch") == engine))
+    s = s.filter((pl.col("model") == model) & (pl.col("engine") == engine))
     if s.is_empty():
         raise ValueError(f"model {model!r} has no cells run by engine {engine!r}")
     return D.figure_rows(D.prepare(s, model)).sort(["kv_total_bytes", "kld_median"])
@@ -110,36 +114,29 @@ def frontier(prep: pl.DataFrame, cells: Mapping | None = None, n_boot: int = 200
     cheapest row excludes 0 (`separable`), else it joins that band. Without tokens for a pair
     (`cells`: cell name -> kvarn.stats.paired.CellTokens), the rows are not compared: `separable`
     is null and the row opens a band of its own."""
-    from kvarn.stats.paired import compare
-
     rows, best = [], math.inf
     for r in prep.iter_rows(named=True):
         if r["kld_median"] < best:
             rows.append(r)
             best = r["kld_median"]
 
-    def delta(a, b):
-        if not cells or a["cell"] not in cells or b["cell"] not in cells:
-            return None
-        return compare(cells[a["cell"]], cells[b["cell"]], n_boot=n_boot, seed=seed)["stats"]["kld_median"]
-
+    delta = paired_delta(cells, n_boot, seed)  # (Δ median, lo, hi), or Nones without both cells' tokens
     out, band, head = [], 0, None
     for i, r in enumerate(rows):
         prev = rows[i - 1] if i else None
-        d = delta(prev, r) if prev else None
+        d = delta(prev, r) if prev else (None, None, None)
         if head is None:
             band, head, separable = 1, r, None
         else:
-            vs_head = d if head is prev else delta(head, r)
-            separable = None if vs_head is None else bool(vs_head["significant"])
+            _, lo, hi = d if head is prev else delta(head, r)
+            separable = None if lo is None else not lo <= 0 <= hi
             if separable is not False:
                 band, head = band + 1, r
         out.append({"cell": r["cell"], "name": name_of(r), "band": band, "kv_mib": r["kv_mib"],
                     "bits_per_value": r.get("bits_per_value"), "kld_median": r["kld_median"],
                     "kld_mean": r.get("kld_mean"), "kld_p99": r.get("kld_p99"), "same_top": r.get("same_top"),
                     "ppl_ratio": r.get("ppl_ratio"), "prev": name_of(prev) if prev else None,
-                    "delta": d["delta"] if d else None, "delta_lo": d["lo"] if d else None,
-                    "delta_hi": d["hi"] if d else None, "separable": separable})
+                    "delta": d[0], "delta_lo": d[1], "delta_hi": d[2], "separable": separable})
     schema = {"cell": pl.String, "name": pl.String, "band": pl.Int64, "kv_mib": pl.Float64,
               "bits_per_value": pl.Float64, "kld_median": pl.Float64, "kld_mean": pl.Float64,
               "kld_p99": pl.Float64, "same_top": pl.Float64, "ppl_ratio": pl.Float64, "prev": pl.String,
