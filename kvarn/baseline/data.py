@@ -1,7 +1,8 @@
 """The evaluation text and how it is cut into chunks (DESIGN §6).
 
-Owns: reading Wikitext-2 raw `wiki.test.raw` byte for byte (from a file, or rebuilt from
-the Hugging Face `Salesforce/wikitext` rows), tokenizing it once as a whole, cutting the
+Owns: reading Wikitext-2 raw `wiki.test.raw` (or the validation split `wiki.valid.raw`, the
+per-layer search's text) byte for byte (from a file, or rebuilt from the Hugging Face
+`Salesforce/wikitext` rows), tokenizing it once as a whole, cutting the
 tokens into llama-perplexity chunks, and the positions whose logits are scored.
 """
 
@@ -18,8 +19,13 @@ import torch
 WIKI_TEST_BYTES = 1_290_590
 WIKI_TEST_SHA256 = "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"
 
+WIKI_VALID_BYTES = 1_146_846
+WIKI_VALID_SHA256 = "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7"
+# split -> (file name, bytes, sha256): the evaluation text, and the text the per-layer search reads
+SPLITS = {"test": ("wiki.test.raw", WIKI_TEST_BYTES, WIKI_TEST_SHA256),
+          "validation": ("wiki.valid.raw", WIKI_VALID_BYTES, WIKI_VALID_SHA256)}
+
 HUB_DATASET = ("Salesforce/wikitext", "wikitext-2-raw-v1")
-HUB_SPLIT = "test"
 
 
 def text_sha256(text: str) -> str:
@@ -37,43 +43,48 @@ def rebuild_raw(rows: Iterable[str]) -> str:
     return "".join(row if row else " \n" for row in rows)
 
 
-def check_wiki_test(text: str, source: str) -> str:
-    """Return `text` if it is the original wiki.test.raw, else raise naming `source`."""
+def check_wiki_test(text: str, source: str, split: str = "test") -> str:
+    """Return `text` if it is the original file of `split` (wiki.test.raw, wiki.valid.raw), else raise naming `source`."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not a Wikitext-2 split kvarn reads; use one of {', '.join(SPLITS)}")
+    name, size, sha = SPLITS[split]
     data = text.encode("utf-8")
     digest = hashlib.sha256(data).hexdigest()
-    if len(data) != WIKI_TEST_BYTES or digest != WIKI_TEST_SHA256:
+    if len(data) != size or digest != sha:
         raise ValueError(
-            f"{source} is not the original wikitext-2-raw-v1 wiki.test.raw: "
-            f"{len(data):,} bytes, sha256 {digest}; expected {WIKI_TEST_BYTES:,} bytes, "
-            f"sha256 {WIKI_TEST_SHA256}"
+            f"{source} is not the original wikitext-2-raw-v1 {name}: "
+            f"{len(data):,} bytes, sha256 {digest}; expected {size:,} bytes, sha256 {sha}"
         )
     return text
 
 
-def load_text(path: str | os.PathLike | None = None, *, verify: bool = True) -> str:
-    """wiki.test.raw as a str, from `path` if given, else from the hub via `datasets`.
+def load_text(path: str | os.PathLike | None = None, *, verify: bool = True, split: str = "test") -> str:
+    """wiki.test.raw (`split` "validation": wiki.valid.raw) as a str, from `path` if given, else
+    from the hub via `datasets`.
 
     Either way the bytes are checked against the original's size and sha256 (pass
     `verify=False` to read another text file as is).
     """
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not a Wikitext-2 split kvarn reads; use one of {', '.join(SPLITS)}")
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(
-                f"text file {str(p)!r} does not exist; give the path of wiki.test.raw, "
+                f"text file {str(p)!r} does not exist; give the path of {SPLITS[split][0]}, "
                 "or None to fetch it from the Hugging Face hub"
             )
         # newline="" keeps the bytes as they are (no universal-newline translation).
         with open(p, encoding="utf-8", newline="") as f:
             text = f.read()
-        return check_wiki_test(text, str(p)) if verify else text
+        return check_wiki_test(text, str(p), split) if verify else text
 
     import datasets  # heavy; only needed off our machines
 
-    ds = datasets.load_dataset(*HUB_DATASET, split=HUB_SPLIT)
+    ds = datasets.load_dataset(*HUB_DATASET, split=split)
     text = rebuild_raw(ds["text"])
-    source = f"hub dataset {HUB_DATASET[0]}/{HUB_DATASET[1]} split {HUB_SPLIT} (rebuilt)"
-    return check_wiki_test(text, source) if verify else text
+    source = f"hub dataset {HUB_DATASET[0]}/{HUB_DATASET[1]} split {split} (rebuilt)"
+    return check_wiki_test(text, source, split) if verify else text
 
 
 def tokenize(tokenizer, text: str) -> torch.LongTensor:

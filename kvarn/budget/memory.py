@@ -126,11 +126,26 @@ def int_at_least(name: str, v, lo: int) -> int:
     return v
 
 
-def kv_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
-             accounting: str = DEFAULT_ACCOUNTING, alloc: Allocation | None = None) -> KVBytes:
-    """Bytes of the K and V cache of one sequence of n_ctx tokens for `cell` (its types, per layer
-    where it has an allocation: `alloc`, else the one its token names; tail, tail dtype, rotation
-    and sink; see the module docstring)."""
+@dataclass(frozen=True)
+class LayerBytes:
+    """One attention layer's share of `kv_bytes`: its body rows and the bytes of each part."""
+    layer: int
+    n_body: int  # rows of the body copy (what `body_bytes` prices a type over)
+    k_body: int
+    v_body: int
+    staging: int
+    overlay: int
+
+
+def body_bytes(layer, n_body: int, type_name: str, role: str, rot: bool = True) -> int:
+    """Bytes of one layer's K (`role` "k") or V body of `n_body` rows in `type_name` over its KV heads
+    (`layer`: a kvarn.spec.geometry layer): what the per-layer search prices a layer's type at."""
+    return layer.n_kv_heads * facts.get(type_name).nbytes(n_body, layer.head_dim, role, rot)
+
+
+def layer_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
+                accounting: str = DEFAULT_ACCOUNTING, alloc: Allocation | None = None) -> list[LayerBytes]:
+    """`kv_bytes` layer by layer (attention layers only, in layer order)."""
     if not isinstance(cell, CellSpec):
         raise TypeError(f"kv_bytes takes a kvarn.spec.cell.CellSpec, got {cell!r}")
     int_at_least("n_ctx", n_ctx, 1)
@@ -140,8 +155,8 @@ def kv_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
     family = pair_family(facts.get(cell.k), facts.get(cell.v))  # one family on every layer
     tail_dtype = cell.tail_dtype or default_tail_dtype(facts.get(cell.k), facts.get(cell.v))
     exact, f16 = facts.get(tail_dtype), facts.get("f16")
-    body = staging = overlay = 0
-    for layer, (kt, vt) in zip(geom.layers, layer_types(cell, geom, alloc)):
+    out = []
+    for i, (layer, (kt, vt)) in enumerate(zip(geom.layers, layer_types(cell, geom, alloc))):
         if not layer.has_kv:
             continue
         k, v = facts.get(kt), facts.get(vt)
@@ -150,6 +165,7 @@ def kv_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
         pol = layer_policy(k, v, cell.tail, w, cell.sink)
         stored = n_ctx if w is None else min(n_ctx, w + ubatch)
         row = 2 * h * exact.nbytes(1, d)  # one token's K and V over this layer's heads
+        staging = 0
         if accounting == "packed":
             n_body = stored - stored % group
             rows = min(pol.tail, stored) + min(pol.sink, stored)
@@ -164,13 +180,25 @@ def kv_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
                 n_body = groups * group
                 stage_rows = BEELLAMA_STAGING_ROWS if accounting != "beellama-v043" else \
                     group * V043_STAGE_GROUPS["full" if w is None else "sliding"]
-                staging += stage_rows * 2 * h * f16.nbytes(1, d)
+                staging = stage_rows * 2 * h * f16.nbytes(1, d)
             else:
                 n_body = stored
             rows = _beellama_rows(accounting, family, pol.tail, ubatch)
-        if n_body:
-            body += h * (k.nbytes(n_body, d, "k", rot) + v.nbytes(n_body, d, "v", rot))
-        overlay += rows * row
+        kb = body_bytes(layer, n_body, kt, "k", rot) if n_body else 0
+        vb = body_bytes(layer, n_body, vt, "v", rot) if n_body else 0
+        out.append(LayerBytes(i, n_body, kb, vb, staging, rows * row))
+    return out
+
+
+def kv_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
+             accounting: str = DEFAULT_ACCOUNTING, alloc: Allocation | None = None) -> KVBytes:
+    """Bytes of the K and V cache of one sequence of n_ctx tokens for `cell` (its types, per layer
+    where it has an allocation: `alloc`, else the one its token names; tail, tail dtype, rotation
+    and sink; see the module docstring): the sum of `layer_bytes`."""
+    layers = layer_bytes(geom, n_ctx, cell, ubatch, accounting, alloc)
+    body = sum(x.k_body + x.v_body for x in layers)
+    staging = sum(x.staging for x in layers)
+    overlay = sum(x.overlay for x in layers)
     return KVBytes(body, staging, overlay, body + staging + overlay, accounting)
 
 

@@ -131,9 +131,10 @@ class KVarnLayer(CacheLayerMixin):
         self.attn_rounding = attn_rounding
         self.k_op = self.v_op = None
         self.is_sliding = policy.window is not None
-        if k_fmt.group != v_fmt.group:
+        if k_fmt.group != v_fmt.group and "float" not in (k_fmt.family, v_fmt.family):
             raise ValueError(f"K type {k_fmt.name} and V type {v_fmt.name} have different group sizes")
-        self.group = k_fmt.group
+        # a float role beside a grouped one (`probe_cache`) is written per group too: rounding is per value
+        self.group = max(k_fmt.group, v_fmt.group)
         # The exact copy is needed when some query reads it, or as KVarN's staging group.
         self.keep_exact = policy.sink > 0 or policy.tail > 0 or self.group > 1
         self.exact_keys = self.exact_values = None
@@ -391,6 +392,31 @@ class KVarnCache(Cache):
         for layer in self.layers:
             if isinstance(layer, KVarnLayer):
                 layer.n_ctx = n_ctx
+
+
+def probe_cache(config, layer: int, role: str, type_name: str, tail: int, attention: str = "ref") -> KVarnCache:
+    """The per-layer sensitivity's cache (kvarn.perlayer.sensitivity): the baseline's (BF16 K and V,
+    tail 0) on every layer but `layer`, whose `role` ("k" or "v") is stored as `type_name` under the
+    policy of that type's uniform cell at `tail` (its sink, effective tail and exact-copy dtype) and
+    whose other role keeps a BF16 body. So the KLD against the baseline is what quantizing that one
+    layer's K (or V) alone adds; every other layer is the baseline's, bit for bit."""
+    if role not in ("k", "v"):
+        raise ValueError(f"role {role!r}: use 'k' or 'v'")
+    cache = KVarnCache(config, CellSpec("bf16", "bf16", 0), attention=attention)
+    geom = cache.geometry
+    if not 0 <= layer < geom.n_layers or not geom.layers[layer].has_kv:
+        kv = ", ".join(map(str, geom.kv_layers))
+        raise ValueError(f"layer {layer} is not a layer with a KV cache of this model; its KV layers are {kv}")
+    cell = CellSpec(type_name, type_name, tail)  # validates the type and tail as a cell would
+    fmt = make_format(type_name, role, cell.rot, cell.iters)
+    other = make_format("bf16", "v" if role == "k" else "k", cell.rot, cell.iters)
+    k_fmt, v_fmt = (fmt, other) if role == "k" else (other, fmt)
+    policy = layer_policy(fmt, fmt, tail, geom.layers[layer].window, cell.sink)
+    td = FLOAT_DTYPES[cell.tail_dtype or default_tail_dtype(fmt, fmt)]
+    cache.layers[layer] = KVarnLayer(k_fmt, v_fmt, policy, td, layer, EXACT)
+    cache.policies[layer] = policy
+    cache.layer_types[layer] = (k_fmt.name, v_fmt.name)
+    return cache
 
 
 def _state_layers(config, geometry: Geometry) -> dict[int, object]:
