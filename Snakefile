@@ -51,6 +51,7 @@ include: "workflow/rules/report.smk"
 include: "workflow/rules/paired.smk"
 include: "workflow/rules/decode.smk"
 include: "workflow/rules/retrieval.smk"
+include: "workflow/rules/perlayer.smk"
 include: "workflow/rules/slurm.smk"  # last: it reads the rules above
 
 

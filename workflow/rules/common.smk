@@ -20,6 +20,13 @@ from kvarn.plan import matrix as kvm
 from kvarn.plan.slurm import cpus_per_task
 
 MATRIX = kvm.expand(config)
+# The per-layer study (kvarn.perlayer, workflow/rules/perlayer.smk) adds the uniform cells it compares against.
+from kvarn.perlayer import plan as kvpl
+
+PERLAYER = kvpl.expand(config)
+if PERLAYER is not None:
+    MATRIX = kvm.expand(kvpl.with_uniform_cells(config, PERLAYER, [n for n, m in MATRIX.models.items()
+                                                                   if m.engine == "torch"]))
 for _note in kvm.check_pinned(MATRIX.models, config.get("allow_unpinned", False), plan_only=True):
     sys.stderr.write(f"kvarn: unpinned model {_note}; fetch_model refuses it without --config allow_unpinned=true\n")
 MODELS = {name: vars(m) for name, m in MATRIX.models.items()}  # for lookup(dpath=...)
@@ -180,18 +187,20 @@ def fetch_model_marker(marker, model, key, log):
         os.replace(tmp, marker)
 
 
-def copy_wikitext(source, out, log):
-    """wiki.test.raw from `source` (a path; None or missing: the hub), sha256-verified, to `out`."""
+def copy_wikitext(source, out, log, split="test"):
+    """The Wikitext-2 `split`'s raw file (wiki.test.raw; "validation": wiki.valid.raw) from `source` (a path;
+    None or missing: the hub), sha256-verified, to `out`."""
     import contextlib, os
     from pathlib import Path
-    from kvarn.baseline.data import load_text, text_sha256
+    from kvarn.baseline.data import SPLITS, load_text, text_sha256
 
+    name = SPLITS[split][0]
     with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         if source is not None and not Path(source).is_file():
-            print(f"text: {source!r} does not exist; rebuilding wiki.test.raw from the Hugging Face hub")
+            print(f"text: {source!r} does not exist; rebuilding {name} from the Hugging Face hub")
             source = None
-        text = load_text(source)  # raises unless the bytes are the original file's
+        text = load_text(source, split=split)  # raises unless the bytes are the original file's
         tmp = Path(f"{out}.tmp{os.getpid()}")
         tmp.write_bytes(text.encode("utf-8"))
         os.replace(tmp, out)
-        print(f"wiki.test.raw from {source or 'the hub'}: {len(text.encode()):,} bytes, sha256 {text_sha256(text)}")
+        print(f"{name} from {source or 'the hub'}: {len(text.encode()):,} bytes, sha256 {text_sha256(text)}")

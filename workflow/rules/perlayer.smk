@@ -1,0 +1,151 @@
+# Which layers deserve the bits (kvarn.perlayer; docs/notes/per-layer.md). With a `perlayer:` key
+# (config/perlayer.yaml), per torch model: each type's one-layer sensitivities on Wikitext-2 valid,
+# per budget the searched allocations (a checkpoint: the cells it picks are known once it has run),
+# those allocations run as cells of the model's first run on the test text (rule cell), and the
+# held-out table. Not part of rule all:
+#   snakemake perlayer --configfile config/matrix.yaml config/perlayer.yaml --cores all --resources gpu=1
+#
+#   results/perlayer/{model}/sensitivity/{type}.parquet   one row per (attention layer, K or V)
+#   results/perlayer/{model}/search/{budget}.json         the allocations, their bytes, the first/last tries
+#   results/perlayer/perlayer.{md,parquet}, figures/{model}-sensitivity.{svg,png,vl.json}
+#
+# Uses from common.smk: PERLAYER, MATRIX, TORCH_MODELS, MODEL_THREADS, model_marker, model_param.
+import json
+
+PERLAYER_LOG = "logs/perlayer/{model}"
+
+
+def perlayer_plan():
+    if PERLAYER is None:
+        raise WorkflowError("target perlayer needs a perlayer: key; add --configfile config/perlayer.yaml")
+    return PERLAYER
+
+
+def perlayer_run(model):
+    """The (n_ctx, chunks) of the model's run the allocations are judged on: its first n_ctx."""
+    m = MATRIX.models[model]
+    return m.n_ctx[0], m.chunks
+
+
+def perlayer_cells(model):
+    """The cell directories of the model's searched allocations, once their searches have run (each
+    allocation published where its cell job looks it up)."""
+    n_ctx, chunks = perlayer_run(model)
+    out, allocs = [], []
+    for budget in perlayer_plan().budgets:
+        path = checkpoints.perlayer_search.get(model=model, budget=budget).output[0]
+        for e in json.loads(open(path).read())["allocations"]:
+            allocs.append(kvm.allocation.Allocation.from_record(e["record"], path))
+            out.append(f"{kvm.RUN_DIR.format(model=model, n_ctx=n_ctx, chunks=chunks)}/cells/{e['cell']}")
+    kvm.publish_allocations([a for a in allocs if not a.uniform])
+    return list(dict.fromkeys(out))
+
+
+def perlayer_targets():
+    from kvarn.perlayer import plan as kvpl
+    from kvarn.report.workflow import FIGURE_FORMATS
+
+    models = [n for n, m in MATRIX.models.items() if m.engine == "torch"]
+    return [*kvpl.TABLE_FILES.values(),
+            *[f"{kvpl.HEATMAP.format(model=m)}.{ext}" for m in models for ext in FIGURE_FORMATS]]
+
+
+rule perlayer:
+    input:
+        lambda wildcards: perlayer_targets() if perlayer_plan() else [],
+
+
+rule wikitext_valid:
+    output:
+        kvpl.SEARCH_TEXT,
+    log:
+        "logs/wikitext_valid.log",
+    run:
+        # as rule wikitext: where to read it is not what it is (the sha256 fixes that)
+        copy_wikitext(perlayer_plan().text, output[0], log[0], split="validation")
+
+
+rule perlayer_sensitivity:
+    wildcard_constraints:
+        model=TORCH_MODELS,
+        type=kvm.TYPE_PATTERN,
+    input:
+        model=model_marker,
+        text=ancient(kvpl.SEARCH_TEXT),
+    output:
+        kvpl.SENSITIVITY_FILE,
+    params:
+        source=model_param("source"),
+        revision=model_param("revision"),
+        ubatch=model_param("ubatch"),
+        dtype=model_param("dtype"),
+        search=lambda wildcards: {"n_ctx": perlayer_plan().n_ctx, "chunks": perlayer_plan().chunks,
+                                  "tail": perlayer_plan().tail_of(wildcards.type),
+                                  "version": kvm.format_version(wildcards.type)},
+    threads: MODEL_THREADS
+    resources:
+        gpu=1,
+    log:
+        f"{PERLAYER_LOG}/sensitivity/{{type}}.log",
+    benchmark:
+        "benchmarks/perlayer/{model}/sensitivity/{type}.tsv"
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/perlayer_sensitivity.py"
+
+
+checkpoint perlayer_search:
+    wildcard_constraints:
+        model=TORCH_MODELS,
+        budget=kvm.TYPE_PATTERN,
+    input:
+        model=model_marker,
+        text=ancient(kvpl.SEARCH_TEXT),
+        sensitivity=lambda wildcards: perlayer_plan().sensitivity_files(wildcards.model),
+    output:
+        kvpl.SEARCH_FILE,
+    params:
+        source=model_param("source"),
+        revision=model_param("revision"),
+        ubatch=model_param("ubatch"),
+        dtype=model_param("dtype"),
+        accounting=model_param("memory_accounting"),
+        eval_n_ctx=lambda wildcards: perlayer_run(wildcards.model)[0],
+        plan=lambda wildcards: {**vars(perlayer_plan()), "budgets": None},  # a budget's job: not the others'
+    threads: MODEL_THREADS
+    resources:
+        gpu=1,
+    log:
+        f"{PERLAYER_LOG}/search/{{budget}}.log",
+    benchmark:
+        "benchmarks/perlayer/{model}/search/{budget}.tsv"
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/perlayer_search.py"
+
+
+rule perlayer_table:
+    input:
+        summary="results/summary.parquet",
+        searches=lambda wildcards: [kvpl.SEARCH_FILE.format(model=m, budget=b) for m in MATRIX.models
+                                    if MATRIX.models[m].engine == "torch" for b in perlayer_plan().budgets],
+        sensitivity=lambda wildcards: [p for m, mm in MATRIX.models.items() if mm.engine == "torch"
+                                       for p in perlayer_plan().sensitivity_files(m)],
+        tokens=lambda wildcards: [f"{c.dir}/tokens.parquet" for c in MATRIX.cells if c.engine == "torch"]
+        + [f"{d}/tokens.parquet" for m, mm in MATRIX.models.items() if mm.engine == "torch"
+           for d in perlayer_cells(m)],
+    output:
+        **{k: v for k, v in kvpl.TABLE_FILES.items()},
+        figures=[f"{kvpl.HEATMAP.format(model=m)}.{ext}" for m, mm in MATRIX.models.items()
+                 if mm.engine == "torch" for ext in ("svg", "png", "vl.json")] if PERLAYER else [],
+    params:
+        boot=kvr.option(config, "boot"),
+        seed=kvr.option(config, "seed"),
+    log:
+        "logs/perlayer/table.log",
+    conda:
+        "../../envs/kvarn.yaml"
+    script:
+        "../scripts/perlayer_table.py"
