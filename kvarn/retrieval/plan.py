@@ -18,6 +18,7 @@ load), writing one answer file per task.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvarn.retrieval.score import BASELINE_CELL
 from kvarn.retrieval.tasks import TASK_VERSION, TASKS  # noqa: F401  (TASK_VERSION: the rules' param)
@@ -32,10 +33,11 @@ REPORT_FILES = {
     "exact_tail": "exact_tail.parquet", "ordering": "ordering.parquet", "answers": "answers.parquet",
     "md": "retrieval.md", "paragraph": "README-paragraph.md",
 }
+SUMMARY = "results/summary.parquet"  # the teacher-forced run's table (workflow/rules/aggregate.smk)
 FIGURE_STEM = RETRIEVAL_DIR + "/figures/retrieval"
 DEFAULTS = {"seed": 0, "gen_tokens": 8, "batch": 8, "threads": None, "tasks": list(TASKS), "depths": [0.25, 0.5, 1.0],
             "prompts": 2, "distance_bins": [0, 128, 512, 2048, 8192, 32768],
-            "teacher_forced": "results/summary.parquet"}
+            "teacher_forced": SUMMARY}
 _TOP = set(DEFAULTS) | {"models", "cells"}
 _MODEL = {"name", "contexts", "depths", "prompts", "cells"}
 
@@ -92,7 +94,8 @@ class Retrieval:
 
     def n_jobs(self) -> int:
         """The jobs of `snakemake retrieval` from nothing: the task files, one cell job per
-        (model, context, cell, baseline included), the report and the target rule (model fetches aside)."""
+        (model, context, cell, baseline included), the report and the target rule (model fetches and
+        the teacher-forced companion run that makes the report's `teacher_forced` summary aside)."""
         cells = sum(len(m.contexts) * len(m.cells) for m in self.models.values())
         return len(self.task_files()) + cells + 2
 
@@ -104,6 +107,14 @@ def report_files() -> dict[str, str]:
     out = {k: f"{RETRIEVAL_DIR}/{v}" for k, v in REPORT_FILES.items()}
     out.update({f"figure_{ext.replace('.', '_')}": f"{FIGURE_STEM}.{ext}" for ext in FIGURE_FORMATS})
     return out
+
+
+def teacher_forced_input(plan: Retrieval) -> list[str]:
+    """The report's declared teacher-forced input: the configured summary when it is the workflow's
+    own (`SUMMARY`, made by rule summary from the config's cells) or already exists, else nothing
+    (the report then says that there is no teacher-forced summary)."""
+    path = plan.teacher_forced
+    return [path] if path == SUMMARY or Path(path).is_file() else []
 
 
 def require(plan: Retrieval | None) -> Retrieval:

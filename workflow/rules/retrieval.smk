@@ -68,6 +68,9 @@ rule retrieval_cell:
 rule retrieval_report:
     input:
         answers=lambda wildcards: kvret.require(RETRIEVAL).answer_files(),
+        # the median-KLD ordering's summary: made by rule summary from this config's cells (the
+        # workflow's own path), or an existing file; another path that is not there is reported as missing
+        teacher_forced=lambda wildcards: kvret.teacher_forced_input(kvret.require(RETRIEVAL)),
     output:
         **kvret.report_files(),
     params:
