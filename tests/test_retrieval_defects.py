@@ -36,3 +36,74 @@ def test_the_teacher_forced_summary_is_a_declared_input_of_the_report():
     inputs = re.search(r"^\s+input: (.*)$", block, flags=re.M).group(1).split(", ")
     assert "results/summary.parquet" in inputs
     assert re.search(r"^summary\s+1\s*$", out, flags=re.M), out[-2000:]
+
+
+# ---------------------------------------------------------------- scores per context length
+
+
+def _rows(rows, context=100, n_prompt=92):
+    """Answer rows of model m: (cell, id, given, answer, needle_start) at one context."""
+    return [{"model": "m", "context": context, "task": "passkey", "id": i, "cell": c, "given": g, "answer": a,
+             "correct": g == a, "text": f" {g}.", "needle_start": s, "needle_end": s + 10, "n_prompt": n_prompt,
+             "gen_tokens": 8, "distance": n_prompt - s - 10} for c, i, g, a, s in rows]
+
+
+def test_scores_are_grouped_by_context_never_pooled():
+    """Two contexts of one model: the long one loses both prompts, the short one none. Pooled, the
+    cell would read 2/4 with 2 lost; per context it is 2/2 (lost 0) and 0/2 (lost 2)."""
+    import polars as pl
+
+    from kvarn.retrieval import score
+
+    base, q4, kv = "bf16-bf16-t0", "q4_0-q4_0-t128", "kvarn4-kvarn4-t0"
+    short = [(base, "a", "1", "1", 10), (base, "b", "2", "2", 10), (q4, "a", "1", "1", 10), (q4, "b", "2", "2", 10),
+             (kv, "a", "1", "1", 10), (kv, "b", "2", "2", 10)]
+    long = [(base, "a", "1", "1", 172), (base, "b", "2", "2", 172), (q4, "a", "7", "1", 172),
+            (q4, "b", "7", "2", 172), (kv, "a", "1", "1", 172), (kv, "b", "2", "2", 172)]  # needles in the tail
+    df = pl.DataFrame(_rows(short, 100, 92) + _rows(long, 200, 192))  # the same ids at both lengths
+    s = score.cell_scores(df).filter(pl.col("cell") == q4)
+    assert s.select("context", "n", "correct", "lost").rows() == [(100, 2, 2, 0), (200, 2, 0, 2)]
+    t = score.cell_scores(df, by=("model", "task")).filter(pl.col("cell") == q4)
+    assert t.select("context", "n", "correct").rows() == [(100, 2, 2), (200, 2, 0)]
+    c = score.comparisons(df)
+    assert c.select("context", "a", "n", "a_only", "b_only").rows() == [(100, kv, 2, 0, 0), (200, kv, 2, 2, 0)]
+    d = score.by_distance(df, edges=(0, 1000)).filter(pl.col("cell") == q4)
+    assert d.select("context", "n", "correct").rows() == [(100, 2, 2), (200, 2, 0)]
+    e = score.exact_tail(df).filter(pl.col("cell") == q4)
+    assert e.select("context", "n_in_tail", "lost").rows() == [(100, 2, 0), (200, 2, 2)]
+
+
+def _write_answers(tmp_path, rows) -> list[Path]:
+    """Answer JSONL files (one per (context, cell)) holding `rows` with every column the report reads."""
+    import json
+
+    out = {}
+    for r in rows:
+        full = {"depth": 0.5, "depth_index": 0, "prompt_index": 0, "wall_s": 1.0, **r}
+        out.setdefault(tmp_path / f"ctx{r['context']}" / f"{r['cell']}.jsonl", []).append(full)
+    for p, rs in out.items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("".join(json.dumps(x) + "\n" for x in rs))
+    return sorted(out)
+
+
+def _outputs(tmp_path) -> dict:
+    from kvarn.retrieval import plan
+
+    return {k: str(tmp_path / "out" / Path(v).name) for k, v in plan.report_files().items()}
+
+
+def test_the_report_has_a_section_per_context(tmp_path):
+    import polars as pl
+
+    from kvarn.retrieval import report
+
+    base, q4 = "bf16-bf16-t0", "q4_0-q4_0-t128"
+    rows = _rows([(base, "a", "1", "1", 10), (q4, "a", "1", "1", 10)], 100, 92) + _rows(
+        [(base, "a", "1", "1", 10), (q4, "a", "5", "1", 10)], 200, 192)
+    outs = _outputs(tmp_path)
+    report.write_report(_write_answers(tmp_path, rows), outs, teacher_forced=str(tmp_path / "none.parquet"))
+    md = Path(outs["md"]).read_text()
+    assert "## m, context 100" in md and "## m, context 200" in md
+    s = pl.read_parquet(outs["scores"]).filter(pl.col("cell") == q4)
+    assert s.select("context", "correct", "lost").rows() == [(100, 1, 0), (200, 0, 1)]

@@ -70,13 +70,22 @@ def teacher_forced_kld(path, model: str, cells) -> tuple[pl.DataFrame | None, st
     return got.select("cell", "kld_median"), note
 
 
-def ordering(scores: pl.DataFrame, teacher_forced) -> tuple[pl.DataFrame, dict[str, str]]:
-    """Per model and non-baseline cell: retrieval rank and median-KLD rank (None without a
-    teacher-forced row); and per model a note (which run was read, Kendall's tau, the pairs the
-    two orderings disagree on)."""
+def _runs(frame: pl.DataFrame) -> list[tuple[str, int]]:
+    """The (model, context) pairs of a frame, in order: every table and note is per pair."""
+    return [(m, c) for m, c in frame.select(*score.GROUP).unique(maintain_order=True).sort(*score.GROUP).rows()]
+
+
+def _of(frame: pl.DataFrame, model: str, context: int) -> pl.DataFrame:
+    return frame.filter((pl.col("model") == model) & (pl.col("context") == context))
+
+
+def ordering(scores: pl.DataFrame, teacher_forced) -> tuple[pl.DataFrame, dict[tuple[str, int], str]]:
+    """Per model, context and non-baseline cell: retrieval rank and median-KLD rank (None without
+    a teacher-forced row); and per (model, context) a note (which run was read, Kendall's tau, the
+    pairs the two orderings disagree on)."""
     rows, notes = [], {}
-    for model in scores["model"].unique(maintain_order=True):
-        s = scores.filter((pl.col("model") == model) & (pl.col("cell") != score.BASELINE_CELL))
+    for model, context in _runs(scores):
+        s = _of(scores, model, context).filter(pl.col("cell") != score.BASELINE_CELL)
         kld, note = teacher_forced_kld(teacher_forced, model, s["cell"].to_list())
         s = s.join(kld, on="cell", how="left") if kld is not None else s.with_columns(
             pl.lit(None, dtype=pl.Float64).alias("kld_median"))
@@ -95,20 +104,20 @@ def ordering(scores: pl.DataFrame, teacher_forced) -> tuple[pl.DataFrame, dict[s
                                  f"with the higher median KLD ({hi['kld_median']:.3g} vs {lo['kld_median']:.3g})")
         have = s.filter(pl.col("kld_median").is_not_null())
         tau = float(kendalltau(-have["accuracy"], have["kld_median"]).statistic) if have.height > 2 else math.nan
-        notes[model] = note + (f"; Kendall's tau (accuracy vs median KLD) {tau:+.2f}" if not math.isnan(tau) else "") + (
+        notes[(model, context)] = note + (f"; Kendall's tau (accuracy vs median KLD) {tau:+.2f}" if not math.isnan(tau) else "") + (
             "; disagreements: " + "; ".join(pairs) if pairs else ("; no pair ordered differently" if kld is not None else ""))
         rows.append(s.with_columns(pl.lit(len(pairs)).alias("disagreements")))
-    return pl.concat(rows, how="diagonal_relaxed").sort("model", "retrieval_rank"), notes
+    return pl.concat(rows, how="diagonal_relaxed").sort(*score.GROUP, "retrieval_rank"), notes
 
 
 def figure(scores: pl.DataFrame, dist: pl.DataFrame) -> alt.TopLevelMixin:
-    """Per model: accuracy by the needle's distance from the end of the prompt, one line per cell
-    (the exact cache black), Wilson intervals as bars; beside it each cell's overall accuracy."""
-    models = scores["model"].unique(maintain_order=True).to_list()
+    """Per model and context: accuracy by the needle's distance from the end of the prompt, one
+    line per cell, Wilson intervals as bars; beside it each cell's overall accuracy."""
     panels = []
-    for model in models:
-        d = dist.filter(pl.col("model") == model)
-        s = scores.filter(pl.col("model") == model)
+    for model, context in _runs(scores):
+        d = _of(dist, model, context)
+        s = _of(scores, model, context)
+        model = f"{model} ({context} tokens)"
         order = s.sort("cell")["label"].to_list()
         color = alt.Color("label:N", title="cell", sort=order)
         base = alt.Chart(d).encode(x=alt.X("bin:O", title="needle distance from the end (tokens)",
@@ -144,55 +153,55 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes) -> str:
              f"{', '.join(map(str, sorted(answers['context'].unique())))}; accuracy with 95 % Wilson intervals; "
              "agreement = same answer as the exact (bf16, tail 0) cache; lost / gained = prompts the exact cache "
              "answers right and the cell wrong / the reverse.", ""]
-    for model in scores["model"].unique(maintain_order=True):
-        s = scores.filter(pl.col("model") == model)
-        parts += [f"## {model}", "", _table(
+    for model, context in _runs(scores):
+        s = _of(scores, model, context)
+        parts += [f"## {model}, context {context}", "", _table(
             ["cell", "accuracy", "95 % CI", "correct", "agreement", "lost", "gained"],
             [[r["label"], _fmt(r["accuracy"]), f"[{_fmt(r['acc_lo'])}, {_fmt(r['acc_hi'])}]", f"{r['correct']}/{r['n']}",
               _fmt(r["agreement"]), r["lost"], r["gained"]] for r in s.iter_rows(named=True)]), ""]
-        t = by_task.filter(pl.col("model") == model)
+        t = _of(by_task, model, context)
         tasks = sorted(t["task"].unique())
         parts += ["Accuracy per task:", "", _table(["cell", *tasks], [
             [lab, *[(lambda x: f"{x['correct'][0]}/{x['n'][0]}" if x.height else "–")(
                 t.filter((pl.col("label") == lab) & (pl.col("task") == k))) for k in tasks]]
             for lab in s["label"]]), ""]
-        c = comps.filter(pl.col("model") == model)
+        c = _of(comps, model, context)
         if c.height:
             parts += ["Paired comparisons (exact McNemar on the same prompts):", "", _table(
                 ["A", "B", "prompts", "accuracy A", "accuracy B", "A only right", "B only right", "p (two-sided)"],
                 [[r["a_label"], r["b_label"], r["n"], _fmt(r["acc_a"]), _fmt(r["acc_b"]), r["a_only"], r["b_only"],
                   _p(r["p"])] for r in c.iter_rows(named=True)]), ""]
-        d = dist.filter(pl.col("model") == model)
+        d = _of(dist, model, context)
         bins = d.sort("bin_lo")["bin"].unique(maintain_order=True).to_list()
         parts += ["Accuracy by the needle's distance from the end of the prompt (tokens):", "", _table(
             ["cell", *bins], [[lab, *[(lambda x: f"{x['correct'][0]}/{x['n'][0]}" if x.height else "–")(
                 d.filter((pl.col("label") == lab) & (pl.col("bin") == b))) for b in bins]] for lab in s["label"]]), ""]
-        e = tail.filter(pl.col("model") == model)
+        e = _of(tail, model, context)
         if e.height:
             parts += ["Needles inside the cell's exact tail (every answering query reads them exactly):", "", _table(
                 ["cell", "prompts in tail", "exact cache right", "cell right", "lost", "answer differs"],
                 [[r["label"], r["n_in_tail"], r["base_correct"], r["correct"], r["lost"], r["differ"]]
                  for r in e.iter_rows(named=True)]), ""]
-        o = order.filter(pl.col("model") == model)
+        o = _of(order, model, context)
         parts += ["Ordering: retrieval beside the teacher-forced median KLD of the same cells:", "", _table(
             ["cell", "retrieval rank", "accuracy", "median KLD", "KLD rank"],
             [[r["label"], r["retrieval_rank"], _fmt(r["accuracy"]),
               "–" if r["kld_median"] is None else f"{r['kld_median']:.4g}",
               "–" if r["kld_rank"] is None else int(r["kld_rank"])] for r in o.iter_rows(named=True)]), "",
-                  notes[model] + ".", ""]
+                  notes[(model, context)] + ".", ""]
     return "\n".join(parts)
 
 
 def paragraph(scores, comps, tail, order, notes) -> str:
     """The findings in prose, every number read from the tables."""
     out = []
-    for model in scores["model"].unique(maintain_order=True):
-        s = scores.filter(pl.col("model") == model)
+    for model, context in _runs(scores):
+        s = _of(scores, model, context)
         base = s.filter(pl.col("cell") == score.BASELINE_CELL).row(0, named=True)
         cells = s.filter(pl.col("cell") != score.BASELINE_CELL).sort("accuracy", descending=True)
         acc = ", ".join(f"{r['label']} {r['correct']}/{r['n']} (lost {r['lost']})" for r in cells.iter_rows(named=True))
-        text = (f"**{model}**: the exact cache answers {base['correct']}/{base['n']} prompts; the quantized cells {acc}.")
-        c = comps.filter(pl.col("model") == model)
+        text = (f"**{model}**, {context}-token prompts: the exact cache answers {base['correct']}/{base['n']} prompts; the quantized cells {acc}.")
+        c = _of(comps, model, context)
         if c.height:
             text += " Paired on the same prompts (exact McNemar): " + "; ".join(
                 f"{r['a_label']} alone right on {r['a_only']}, {r['b_label']} alone on {r['b_only']} of {r['n']} "
@@ -202,14 +211,15 @@ def paragraph(scores, comps, tail, order, notes) -> str:
                 text += " Significant at 5 %: " + ", ".join(f"{r['a_label']} vs {r['b_label']}" for r in sig.iter_rows(named=True)) + "."
             else:
                 text += " None is significant at 5 % with this many prompts."
-        e = tail.filter(pl.col("model") == model)
+        e = _of(tail, model, context)
         if e.height:
             lost, n = int(e["lost"].sum()), int(e["n_in_tail"].sum())
             text += (f" Of the {n} (cell, prompt) pairs whose needle lies inside the cell's exact tail, "
                      f"{lost} {'is' if lost == 1 else 'are'} lost against the exact cache"
                      + (" — the needle itself is read exactly there, so such a loss comes from the quantized rest of the context." if lost else
                         ": a needle in the exact tail was never lost.") )
-        text += " " + notes[model][0].upper() + notes[model][1:] + "."
+        note = notes[(model, context)]
+        text += " " + note[0].upper() + note[1:] + "."
         out.append(text)
     return "\n\n".join(out) + "\n"
 

@@ -30,6 +30,7 @@ from kvarn.spec import facts
 from kvarn.spec.cell import CellSpec
 
 BASELINE_CELL = "bf16-bf16-t0"
+GROUP = ("model", "context")  # every score is per model and context length: lengths are never pooled
 CONFIDENCE = 0.95
 _DIGITS = re.compile(r"\d+")
 
@@ -64,15 +65,15 @@ def mcnemar(a_correct, b_correct) -> dict:
 
 def _with_baseline(answers: pl.DataFrame) -> pl.DataFrame:
     base = answers.filter(pl.col("cell") == BASELINE_CELL).select(
-        "model", "id", pl.col("given").alias("base_given"), pl.col("correct").alias("base_correct"))
+        *GROUP, "id", pl.col("given").alias("base_given"), pl.col("correct").alias("base_correct"))
     if base.height == 0:
         raise ValueError(f"retrieval answers hold no baseline rows (cell {BASELINE_CELL}); every score is "
                          "counted against the exact cache's own answers")
-    missing = answers.join(base, on=["model", "id"], how="anti")
+    missing = answers.join(base, on=[*GROUP, "id"], how="anti")
     if missing.height:
         raise ValueError(f"retrieval answers without a baseline answer to the same prompt: "
                          f"{missing['model'][0]} {missing['id'][0]} (and {missing.height - 1} more)")
-    return answers.join(base, on=["model", "id"])
+    return answers.join(base, on=[*GROUP, "id"])
 
 
 def cell_label(name: str) -> str:
@@ -85,9 +86,15 @@ def cell_label(name: str) -> str:
     return f"{pair} {'t' if not tail.endswith('*') else ''}{tail}{c.opts}"
 
 
-def cell_scores(answers: pl.DataFrame, by=("model",)) -> pl.DataFrame:
-    """Per (by…, cell): n, correct, accuracy and its Wilson interval, agreement with the
-    baseline's answer, lost and gained (the flips)."""
+def _by(by) -> list[str]:
+    """The grouping columns: model and context first (never pooled across lengths), then `by`'s others."""
+    return list(dict.fromkeys([*GROUP, *by]))
+
+
+def cell_scores(answers: pl.DataFrame, by=GROUP) -> pl.DataFrame:
+    """Per (model, context, by…, cell): n, correct, accuracy and its Wilson interval, agreement
+    with the baseline's answer, lost and gained (the flips)."""
+    by = _by(by)
     df = _with_baseline(answers)
     g = df.group_by([*by, "cell"], maintain_order=True).agg(
         pl.len().alias("n"), pl.col("correct").sum().alias("correct"),
@@ -122,27 +129,26 @@ def pairs_of(cells) -> list[tuple[str, str, str]]:
 
 
 def comparisons(answers: pl.DataFrame) -> pl.DataFrame:
-    """Per model and pair (`pairs_of`): accuracies of A and B on the same prompts and the exact
-    McNemar test (a_only: A right and B wrong; b_only: the reverse)."""
+    """Per model, context and pair (`pairs_of`): accuracies of A and B on the same prompts and the
+    exact McNemar test (a_only: A right and B wrong; b_only: the reverse)."""
     rows = []
-    for model in answers["model"].unique(maintain_order=True):
-        m = answers.filter(pl.col("model") == model)
+    for (model, context), m in answers.sort(*GROUP).group_by(GROUP, maintain_order=True):
         for a, b, kind in pairs_of(m["cell"].unique()):
             j = m.filter(pl.col("cell") == a).select("id", pl.col("correct").alias("ca")).join(
                 m.filter(pl.col("cell") == b).select("id", pl.col("correct").alias("cb")), on="id")
             t = mcnemar(j["ca"], j["cb"])
-            rows.append({"model": model, "kind": kind, "a": a, "b": b, "a_label": cell_label(a),
+            rows.append({"model": model, "context": context, "kind": kind, "a": a, "b": b, "a_label": cell_label(a),
                          "b_label": cell_label(b), "n": t["n"], "acc_a": float(j["ca"].mean()) if t["n"] else math.nan,
                          "acc_b": float(j["cb"].mean()) if t["n"] else math.nan, "a_only": t["a_only"],
                          "b_only": t["b_only"], "p": t["p"]})
-    schema = {"model": pl.String, "kind": pl.String, "a": pl.String, "b": pl.String, "a_label": pl.String,
+    schema = {"model": pl.String, "context": pl.Int64, "kind": pl.String, "a": pl.String, "b": pl.String, "a_label": pl.String,
               "b_label": pl.String, "n": pl.Int64, "acc_a": pl.Float64, "acc_b": pl.Float64, "a_only": pl.Int64,
               "b_only": pl.Int64, "p": pl.Float64}
     return pl.DataFrame(rows, schema=schema)
 
 
 def by_distance(answers: pl.DataFrame, edges=(0, 128, 512, 2048, 8192, 32768)) -> pl.DataFrame:
-    """Accuracy per (model, cell, bin of the needle's distance from the end of the prompt):
+    """Accuracy per (model, context, cell, bin of the needle's distance from the end of the prompt):
     bins [edges[i], edges[i+1]), the last open-ended; with Wilson intervals."""
     edges = sorted(edges)
     labels = [f"{a}–{b - 1}" for a, b in zip(edges, edges[1:])] + [f"≥{edges[-1]}"]
@@ -153,9 +159,9 @@ def by_distance(answers: pl.DataFrame, edges=(0, 128, 512, 2048, 8192, 32768)) -
     df = answers.with_columns(pl.col("distance").map_elements(bin_of, return_dtype=pl.String).alias("bin"),
                               pl.col("distance").map_elements(lambda d: max(e for e in edges if d >= e),
                                                               return_dtype=pl.Int64).alias("bin_lo"))
-    g = df.group_by("model", "cell", "bin", "bin_lo").agg(
+    g = df.group_by(*GROUP, "cell", "bin", "bin_lo").agg(
         pl.len().alias("n"), pl.col("correct").sum().alias("correct"),
-        pl.col("distance").mean().alias("mean_distance")).sort("model", "cell", "bin_lo")
+        pl.col("distance").mean().alias("mean_distance")).sort(*GROUP, "cell", "bin_lo")
     ci = [wilson(k, n) for k, n in zip(g["correct"], g["n"])]
     return g.with_columns((pl.col("correct") / pl.col("n")).alias("accuracy"),
                           pl.Series("acc_lo", [c[0] for c in ci]), pl.Series("acc_hi", [c[1] for c in ci]),
@@ -179,10 +185,10 @@ def exact_tail(answers: pl.DataFrame) -> pl.DataFrame:
     flag = [in_exact_tail(c, s, n, g) for c, s, n, g in
             zip(df["cell"], df["needle_start"], df["n_prompt"], df["gen_tokens"])]
     df = df.with_columns(pl.Series("in_tail", flag, dtype=pl.Boolean)).filter(pl.col("in_tail"))
-    return df.group_by("model", "cell", maintain_order=True).agg(
+    return df.group_by(*GROUP, "cell", maintain_order=True).agg(
         pl.len().alias("n_in_tail"), pl.col("base_correct").sum().alias("base_correct"),
         pl.col("correct").sum().alias("correct"),
         (pl.col("base_correct") & ~pl.col("correct")).sum().alias("lost"),
         (pl.col("given") != pl.col("base_given")).sum().alias("differ"),
-    ).sort("model", "cell").with_columns(
+    ).sort(*GROUP, "cell").with_columns(
         pl.col("cell").map_elements(cell_label, return_dtype=pl.String).alias("label"))
