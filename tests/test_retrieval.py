@@ -69,7 +69,7 @@ def test_mcnemar_exact_by_hand():
 def _answers(rows):
     """Answer rows of one model, context 100, gen 8: (cell, id, given, answer, needle_start)."""
     return pl.DataFrame([{"model": "m", "context": 100, "task": "passkey", "id": i, "cell": c, "given": g,
-                          "answer": a, "correct": g == a, "needle_start": s, "n_prompt": 92, "gen_tokens": 8,
+                          "answer": a, "correct": g == a, "needle_start": s, "needle_end": s + 10, "n_prompt": 92, "gen_tokens": 8,
                           "distance": 92 - s - 10} for c, i, g, a, s in rows])
 
 
@@ -118,7 +118,7 @@ def test_exact_tail_rule_by_hand():
     base, q4 = "bf16-bf16-t0", "q4_0-q4_0-t128"
     rows = [(base, "a", "1", "1", 10), (base, "b", "2", "2", 85), (q4, "a", "5", "1", 10), (q4, "b", "3", "2", 85)]
     t = score.exact_tail(_answers(rows)).row(0, named=True)
-    assert (t["cell"], t["n_in_tail"], t["base_correct"], t["correct"], t["lost"]) == (q4, 2, 2, 0, 2)
+    assert (t["cell"], t["position"], t["n"], t["base_correct"], t["correct"], t["lost"]) == (q4, "tail", 2, 2, 0, 2)
 
 
 def test_by_distance_bins():

@@ -70,7 +70,7 @@ def test_scores_are_grouped_by_context_never_pooled():
     d = score.by_distance(df, edges=(0, 1000)).filter(pl.col("cell") == q4)
     assert d.select("context", "n", "correct").rows() == [(100, 2, 2), (200, 2, 0)]
     e = score.exact_tail(df).filter(pl.col("cell") == q4)
-    assert e.select("context", "n_in_tail", "lost").rows() == [(100, 2, 0), (200, 2, 2)]
+    assert e.select("context", "n", "lost").rows() == [(100, 2, 0), (200, 2, 2)]
 
 
 def _write_answers(tmp_path, rows) -> list[Path]:
@@ -107,3 +107,34 @@ def test_the_report_has_a_section_per_context(tmp_path):
     assert "## m, context 100" in md and "## m, context 200" in md
     s = pl.read_parquet(outs["scores"]).filter(pl.col("cell") == q4)
     assert s.select("context", "correct", "lost").rows() == [(100, 1, 0), (200, 0, 1)]
+
+
+# ---------------------------------------------------------------- sink, tail, body
+
+
+def test_the_needle_position_counts_kvarns_sink():
+    """n_prompt 992, gen 8: the last answering query is at 998. KVarN keeps its first 128 tokens exact
+    on full-attention layers (kvarn.spec.policy), a standard type none unless its cell asks (-s<n>)."""
+    import polars as pl
+
+    from kvarn.retrieval import score
+
+    pos = score.needle_position
+    assert pos("kvarn4-kvarn4-t0", 20, 60, 992, 8) == "sink"
+    assert pos("kvarn4-kvarn4-t0", 100, 128, 992, 8) == "sink"  # its last token is 127
+    assert pos("kvarn4-kvarn4-t0", 100, 129, 992, 8) == "body"  # token 128 is in the body
+    assert pos("q4_0-q4_0-t128", 20, 60, 992, 8) == "body"  # no sink
+    assert pos("q4_0-q4_0-t128-s64", 20, 60, 992, 8) == "sink" and pos("q4_0-q4_0-t128-s64", 20, 65, 992, 8) == "body"
+    assert pos("kvarn4-kvarn4-t0", 871, 890, 992, 8) == "tail" and pos("kvarn4-kvarn4-t0", 870, 890, 992, 8) == "body"
+    assert pos("q4_0-q4_0-t0", 980, 990, 992, 8) == "body"  # tail 0: nothing exact
+    assert pos("bf16-bf16-t0", 20, 60, 992, 8) == "exact"  # a float cache has no body
+    # a short prompt whose needle runs from the sink into the tail is read exactly throughout: "sink"
+    assert pos("kvarn2-kvarn2-t0", 100, 140, 242, 8) == "sink"  # 100..127 sink, 128..139 tail (248 - 128 < 128)
+    assert pos("kvarn2-kvarn2-t0", 100, 140, 262, 8) == "body"  # 268 - 128 >= 128: token 128 from the body
+    # the table: per (model, context, cell, position), a KVarN needle in the sink counted as such
+    base, kv, q4 = "bf16-bf16-t0", "kvarn4-kvarn4-t0", "q4_0-q4_0-t128"
+    rows = _rows([(base, "a", "1", "1", 20), (kv, "a", "1", "1", 20), (q4, "a", "9", "1", 20),
+                  (base, "b", "2", "2", 900), (kv, "b", "2", "2", 900), (q4, "b", "2", "2", 900)], 1000, 992)
+    t = score.exact_tail(pl.DataFrame(rows))
+    assert t.select("cell", "position", "n", "lost").rows() == [(kv, "sink", 1, 0), (kv, "tail", 1, 0),
+                                                                 (q4, "body", 1, 1), (q4, "tail", 1, 0)]

@@ -178,9 +178,11 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes) -> str:
                 d.filter((pl.col("label") == lab) & (pl.col("bin") == b))) for b in bins]] for lab in s["label"]]), ""]
         e = _of(tail, model, context)
         if e.height:
-            parts += ["Needles inside the cell's exact tail (every answering query reads them exactly):", "", _table(
-                ["cell", "prompts in tail", "exact cache right", "cell right", "lost", "answer differs"],
-                [[r["label"], r["n_in_tail"], r["base_correct"], r["correct"], r["lost"], r["differ"]]
+            parts += ["By where a full-attention layer reads the needle from (sink: all of it in the cell's exact "
+                      "leading tokens, KVarN's 128; tail: all of it within every answering query's exact tail; "
+                      "body: some of it from the quantized body):", "", _table(
+                ["cell", "needle in", "prompts", "exact cache right", "cell right", "lost", "answer differs"],
+                [[r["label"], r["position"], r["n"], r["base_correct"], r["correct"], r["lost"], r["differ"]]
                  for r in e.iter_rows(named=True)]), ""]
         o = _of(order, model, context)
         parts += ["Ordering: retrieval beside the teacher-forced median KLD of the same cells:", "", _table(
@@ -212,12 +214,14 @@ def paragraph(scores, comps, tail, order, notes) -> str:
             else:
                 text += " None is significant at 5 % with this many prompts."
         e = _of(tail, model, context)
-        if e.height:
-            lost, n = int(e["lost"].sum()), int(e["n_in_tail"].sum())
-            text += (f" Of the {n} (cell, prompt) pairs whose needle lies inside the cell's exact tail, "
-                     f"{lost} {'is' if lost == 1 else 'are'} lost against the exact cache"
-                     + (" — the needle itself is read exactly there, so such a loss comes from the quantized rest of the context." if lost else
-                        ": a needle in the exact tail was never lost.") )
+        for where, what in (("tail", "exact tail"), ("sink", "exact sink (KVarN's first 128 tokens)")):
+            w = e.filter(pl.col("position") == where)
+            if w.height:
+                lost, n = int(w["lost"].sum()), int(w["n"].sum())
+                text += (f" Of the {n} (cell, prompt) pairs whose needle lies inside the cell's {what}, "
+                         f"{lost} {'is' if lost == 1 else 'are'} lost against the exact cache"
+                         + (" — the needle itself is read exactly there, so such a loss comes from the quantized "
+                            "rest of the context." if lost else ": such a needle was never lost."))
         note = notes[(model, context)]
         text += " " + note[0].upper() + note[1:] + "."
         out.append(text)
@@ -226,7 +230,7 @@ def paragraph(scores, comps, tail, order, notes) -> str:
 
 def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.parquet", bins=None) -> list[Path]:
     """Every output of `kvarn.retrieval.plan.report_files` from the answer files, atomically."""
-    answers = load_answers(answer_paths)
+    answers = score.with_position(load_answers(answer_paths))
     scores = score.cell_scores(answers)
     by_task = score.cell_scores(answers, by=("model", "task"))
     comps = score.comparisons(answers)

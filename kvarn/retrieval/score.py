@@ -14,8 +14,12 @@ Owns `read_answer` (the answer a generated text gives), `wilson`, `mcnemar`, and
   exact two-sided p = `binomtest(b, b + c, 0.5).pvalue` (1 when b + c = 0);
 * the pairs compared: each KVarN cell at 128* against the standard type of its width at tail 128
   (kvarn4 vs q4_0), and each standard type at tail 0 against itself at tail 128;
-* in the exact tail: a needle whose every token lies within the cell's effective tail of every
-  answering query (the last one at n_prompt + gen_tokens − 2) is read from the exact copy only.
+* the needle's position (`needle_position`), on full-attention layers under the cell's policy
+  (`kvarn.spec.policy.layer_policy`: KVarN's 128-token sink, a standard type's `-s<n>`, the
+  effective tail): "sink" when every token of it lies in the sink, "tail" when every token lies
+  within the effective tail of every answering query (the last one at n_prompt + gen_tokens − 2),
+  "body" when some answering query reads some token of it from the quantized body, "exact" for a
+  float cache. (Sliding-window layers keep no sink: there a needle in the sink is read from the body.)
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import re
 import polars as pl
 from scipy.stats import binomtest
 
-from kvarn.spec import facts
+from kvarn.spec import facts, policy
 from kvarn.spec.cell import CellSpec
 
 BASELINE_CELL = "bf16-bf16-t0"
@@ -63,7 +67,14 @@ def mcnemar(a_correct, b_correct) -> dict:
     return {"n": len(a), "a_only": b, "b_only": c, "p": p}
 
 
+def _ctx(answers: pl.DataFrame) -> pl.DataFrame:
+    """The answers with a `context` column: a frame without one (rows of a single, unnamed length)
+    gets context 0, so that grouping by length never pools two lengths and never fails."""
+    return answers if "context" in answers.columns else answers.with_columns(pl.lit(0, dtype=pl.Int64).alias("context"))
+
+
 def _with_baseline(answers: pl.DataFrame) -> pl.DataFrame:
+    answers = _ctx(answers)
     base = answers.filter(pl.col("cell") == BASELINE_CELL).select(
         *GROUP, "id", pl.col("given").alias("base_given"), pl.col("correct").alias("base_correct"))
     if base.height == 0:
@@ -132,6 +143,7 @@ def comparisons(answers: pl.DataFrame) -> pl.DataFrame:
     """Per model, context and pair (`pairs_of`): accuracies of A and B on the same prompts and the
     exact McNemar test (a_only: A right and B wrong; b_only: the reverse)."""
     rows = []
+    answers = _ctx(answers)
     for (model, context), m in answers.sort(*GROUP).group_by(GROUP, maintain_order=True):
         for a, b, kind in pairs_of(m["cell"].unique()):
             j = m.filter(pl.col("cell") == a).select("id", pl.col("correct").alias("ca")).join(
@@ -156,7 +168,7 @@ def by_distance(answers: pl.DataFrame, edges=(0, 128, 512, 2048, 8192, 32768)) -
     def bin_of(d):
         return labels[max(i for i, e in enumerate(edges) if d >= e)]
 
-    df = answers.with_columns(pl.col("distance").map_elements(bin_of, return_dtype=pl.String).alias("bin"),
+    df = _ctx(answers).with_columns(pl.col("distance").map_elements(bin_of, return_dtype=pl.String).alias("bin"),
                               pl.col("distance").map_elements(lambda d: max(e for e in edges if d >= e),
                                                               return_dtype=pl.Int64).alias("bin_lo"))
     g = df.group_by(*GROUP, "cell", "bin", "bin_lo").agg(
@@ -168,6 +180,36 @@ def by_distance(answers: pl.DataFrame, edges=(0, 128, 512, 2048, 8192, 32768)) -
                           pl.col("cell").map_elements(cell_label, return_dtype=pl.String).alias("label"))
 
 
+POSITIONS = ("sink", "tail", "body")
+
+
+def full_layer_policy(cell: str) -> policy.LayerPolicy | None:
+    """The cell's sink and effective tail on a full-attention layer; None for a float cache (no body)."""
+    c = CellSpec.from_name(cell)
+    if c.family not in ("kvarn", "standard") or facts.get(c.k).bits >= 16:
+        return None
+    return policy.layer_policy(facts.get(c.k), facts.get(c.v), c.tail, window=None, sink=c.sink)
+
+
+def needle_position(cell: str, needle_start: int, needle_end: int, n_prompt: int, gen_tokens: int) -> str:
+    """Where a full-attention layer of the cell reads the needle [needle_start, needle_end) from for
+    every answering query (n_prompt − 1 … n_prompt + gen_tokens − 2): "sink" (all of it in the sink),
+    "tail" (all of it within the effective tail of the last query), "body" (some token from the
+    quantized body for some query), "exact" (a float cache). A needle read exactly throughout but
+    partly in the sink and partly in the tail (prompts shorter than sink + tail) counts as "sink"."""
+    pol = full_layer_policy(cell)
+    if pol is None:
+        return "exact"
+    last = n_prompt + gen_tokens - 2
+    if needle_end <= pol.sink:
+        return "sink"
+    if last - needle_start < pol.tail:
+        return "tail"
+    if needle_start < pol.sink and last - pol.sink < pol.tail:  # tokens >= sink all in the tail
+        return "sink"
+    return "body"
+
+
 def in_exact_tail(cell: str, needle_start: int, n_prompt: int, gen_tokens: int) -> bool:
     """Whether every answering query reads the whole needle from the exact copy: the farthest
     (last query n_prompt + gen_tokens − 2, first needle token) is within the effective tail."""
@@ -177,18 +219,23 @@ def in_exact_tail(cell: str, needle_start: int, n_prompt: int, gen_tokens: int) 
     return (n_prompt + gen_tokens - 2) - needle_start < facts.pair_effective_tail(c.k, c.v, c.tail)
 
 
+def with_position(answers: pl.DataFrame) -> pl.DataFrame:
+    """The answers with a `position` column (`needle_position` of each row's cell and needle)."""
+    pos = [needle_position(c, s, e, n, g) for c, s, e, n, g in
+           zip(answers["cell"], answers["needle_start"], answers["needle_end"], answers["n_prompt"],
+               answers["gen_tokens"])]
+    return answers.with_columns(pl.Series("position", pos, dtype=pl.String))
+
+
 def exact_tail(answers: pl.DataFrame) -> pl.DataFrame:
-    """Per (model, cell): the prompts whose needle lies in the cell's exact tail (`in_exact_tail`),
-    how many of them the baseline answers right, how many the cell loses (baseline right, cell
-    wrong) and how many answers differ from the baseline's."""
-    df = _with_baseline(answers).filter(pl.col("cell") != BASELINE_CELL)
-    flag = [in_exact_tail(c, s, n, g) for c, s, n, g in
-            zip(df["cell"], df["needle_start"], df["n_prompt"], df["gen_tokens"])]
-    df = df.with_columns(pl.Series("in_tail", flag, dtype=pl.Boolean)).filter(pl.col("in_tail"))
-    return df.group_by(*GROUP, "cell", maintain_order=True).agg(
-        pl.len().alias("n_in_tail"), pl.col("base_correct").sum().alias("base_correct"),
+    """Per (model, context, cell, needle position: sink / tail / body, `needle_position`): the
+    prompts, how many the baseline answers right, the cell answers right, the cell loses (baseline
+    right, cell wrong), and how many answers differ from the baseline's."""
+    df = with_position(_with_baseline(answers).filter(pl.col("cell") != BASELINE_CELL))
+    return df.group_by(*GROUP, "cell", "position", maintain_order=True).agg(
+        pl.len().alias("n"), pl.col("base_correct").sum().alias("base_correct"),
         pl.col("correct").sum().alias("correct"),
         (pl.col("base_correct") & ~pl.col("correct")).sum().alias("lost"),
         (pl.col("given") != pl.col("base_given")).sum().alias("differ"),
-    ).sort(*GROUP, "cell").with_columns(
+    ).sort(*GROUP, "cell", "position").with_columns(
         pl.col("cell").map_elements(cell_label, return_dtype=pl.String).alias("label"))
