@@ -138,3 +138,38 @@ def test_the_needle_position_counts_kvarns_sink():
     t = score.exact_tail(pl.DataFrame(rows))
     assert t.select("cell", "position", "n", "lost").rows() == [(kv, "sink", 1, 0), (kv, "tail", 1, 0),
                                                                  (q4, "body", 1, 1), (q4, "tail", 1, 0)]
+
+
+# ---------------------------------------------------------------- answers rescored at report time
+
+
+def test_stored_answers_are_rescored_by_the_current_reader(tmp_path, monkeypatch):
+    """`given` and `correct` come from the stored generated text through score.read_answer when the
+    report loads the answers, not from what the answer job wrote: a stale stored verdict is ignored
+    and a changed reader rescores every stored answer."""
+    from kvarn.retrieval import report, score
+
+    rows = _rows([("bf16-bf16-t0", "a", "1", "12345", 10)])
+    rows[0].update(text=" 12345. Remember 54321", given="stale", correct=False)
+    paths = _write_answers(tmp_path, rows)
+    got = report.load_answers(paths).row(0, named=True)
+    assert (got["given"], got["correct"]) == ("12345", True)
+    monkeypatch.setattr(score, "read_answer", lambda text: text.split()[-1])  # another reader: the last word
+    got = report.load_answers(paths).row(0, named=True)
+    assert (got["given"], got["correct"]) == ("54321", False)
+
+
+def test_the_report_reruns_when_the_reader_changes(monkeypatch):
+    """The report rule's params carry a digest of the answer reader's code, so that snakemake reruns
+    the report (and only it) when the reader changes."""
+    from kvarn.retrieval import score
+
+    text = (ROOT / "workflow" / "rules" / "retrieval.smk").read_text()
+    report_rule = text[text.index("rule retrieval_report:"):]
+    assert "reader=kvret.reader_digest()" in report_rule
+    from kvarn.retrieval import plan
+
+    d = plan.reader_digest()
+    assert len(d) == 16 and d == plan.reader_digest()
+    monkeypatch.setattr(score, "_DIGITS", __import__("re").compile(r"\d{5}"))
+    assert plan.reader_digest() != d

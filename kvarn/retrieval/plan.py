@@ -117,6 +117,18 @@ def teacher_forced_input(plan: Retrieval) -> list[str]:
     return [path] if path == SUMMARY or Path(path).is_file() else []
 
 
+def reader_digest() -> str:
+    """16 hex digits of the answer reader's code (`score.read_answer` and its pattern): a param of
+    the report rule, so that a changed reader reruns the report, which rescores the stored answers."""
+    import hashlib
+    import inspect
+
+    from kvarn.retrieval import score
+
+    src = inspect.getsource(score.read_answer) + score._DIGITS.pattern
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
 def require(plan: Retrieval | None) -> Retrieval:
     """The plan, or a RetrievalError saying which config to run a retrieval target with."""
     if plan is None:

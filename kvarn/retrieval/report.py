@@ -32,10 +32,20 @@ ANSWER_COLUMNS = ("model", "context", "task", "id", "depth", "depth_index", "pro
 
 
 def load_answers(paths) -> pl.DataFrame:
-    """One row per (model, cell, prompt) from answer JSONL files (`kvarn.retrieval.run.run_cell`)."""
-    rows = [{k: r[k] for k in ANSWER_COLUMNS} for p in paths for r in read_tasks(p)]
+    """One row per (model, cell, prompt) from answer JSONL files (`kvarn.retrieval.run.run_cell`).
+    `given` and `correct` are read again from the stored generated `text` by the current answer
+    reader (`score.read_answer`): what the answer job stored is not trusted, so a changed reader
+    rescores every stored answer."""
+    paths = list(paths)
+    rows = []
+    for p in paths:
+        for r in read_tasks(p):
+            row = {k: r[k] for k in ANSWER_COLUMNS}
+            row["given"] = score.read_answer(r["text"])
+            row["correct"] = row["given"] == r["answer"]
+            rows.append(row)
     if not rows:
-        raise ValueError(f"no retrieval answers in {len(list(paths))} files")
+        raise ValueError(f"no retrieval answers in {len(paths)} files")
     return pl.DataFrame(rows)
 
 

@@ -75,6 +75,7 @@ rule retrieval_report:
         **kvret.report_files(),
     params:
         teacher_forced=lambda wildcards: kvret.require(RETRIEVAL).teacher_forced,
+        reader=kvret.reader_digest(),  # the answers are rescored at report time: a new reader reruns the report
         bins=lambda wildcards: list(kvret.require(RETRIEVAL).distance_bins),
     log:
         "logs/retrieval/report.log",
