@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: setup run study test test-cluster bench report report-snakemake browser clean-results llamacpp
+.PHONY: setup run study perlayer test test-cluster bench report report-snakemake browser clean-results llamacpp
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,11 @@ run: setup
 # with no row lacking a cell; about an hour on 2 cores (docs/notes/study-embedded.md)
 study: setup
 	$(BIN)/snakemake --configfile config/ledger.yaml --cores $(CORES) --resources gpu=1
+
+# Which layers deserve the bits (docs/notes/per-layer.md): per-layer sensitivities and the search on
+# Wikitext-2 valid, judged on test against the study matrix's uniform cells: results/perlayer/perlayer.md
+perlayer: setup
+	$(BIN)/snakemake perlayer --configfile config/ledger.yaml config/perlayer.yaml --cores $(CORES) --resources gpu=1
 
 # The pinned upstream llama.cpp for the llama.cpp engine's tests, built for this CPU once per machine
 # into ~/.cache/kvarn/llamacpp (KVARN_LLAMACPP_CACHE); later runs reuse it (python -m kvarn.program.build).
