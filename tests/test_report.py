@@ -694,3 +694,22 @@ def test_migrate_fills_what_an_old_summary_lacks():
                            pl.Series("memory_accounting", ["llama.cpp", "llama.cpp"]),
                            pl.Series("kv_staging_bytes", [3, 4]), pl.Series("exact_share", [0.5, 0.25]))
     assert migrate_summary(new).equals(new)
+
+
+def test_a_per_layer_cell_is_its_own_series_and_never_the_standard_frontier(results):
+    """A cell of an allocation (kvarn.perlayer) is drawn, labelled by its name, in a series of its own; the
+    standard frontier and the floor stay the uniform cells' even where it is lower than all of them."""
+    summary = results[1].filter(pl.col("model") == "smollm2-135m")
+    row = summary.filter(pl.col("cell") == "q4_0-q4_0-t128")
+    alloc = row.with_columns(pl.lit("q4_0-q4_0-t128-aedges.1234abcd").alias("cell"),
+                             (pl.col("kld_median") / 1000).alias("kld_median"))
+    prep = R.prepare(pl.concat([summary, alloc], how="diagonal_relaxed"), "smollm2-135m")
+    mine = prep.filter(pl.col("alloc") == "edges.1234abcd")
+    assert mine["series"].to_list() == [D.SERIES_PER_LAYER.format(family="standard")]
+    assert mine["kld_median"][0] < prep.filter(pl.col("alloc").is_null())["kld_median"].min()
+    assert D.pareto_frontier(prep)["frontier_kld"].min() > mine["kld_median"][0]
+    assert D.standard_floor(prep)["cell"] != mine["cell"][0]
+    spec = R.pareto(prep).to_dict()
+    line = [u for u in units(spec) if mark(u) == "line"][0]
+    assert min(r["frontier_kld"] for r in spec["datasets"][line["data"]["name"]]) > mine["kld_median"][0]
+    assert "edges" in dataset_values(spec, "point_label")

@@ -43,6 +43,7 @@ SERIES_KVARN = "KVarN, tail 128*"
 FORMAT_ONLY_OPTS = f"-td{facts.get('kvarn4').default_tail_dtype}-s{facts.KVARN_SINK}"  # the cell path's opts
 SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
 SERIES_ECOSYSTEM = "QuantizedCache backends"  # transformers' quanto, HQQ, KIVI layout (kvarn.formats.ecosystem)
+SERIES_PER_LAYER = "per-layer types, {family}"  # a cell of an allocation (kvarn.spec.allocation), never a frontier's
 
 
 
@@ -100,7 +101,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
     """One prepared row per cell: the summary keys plus names, bits, MiB and series.
 
     Columns added: pair, family (if missing), tail_requested (if missing), tail_label,
-    series, k_bits, v_bits, width (symmetric same-type pairs only), kv_mib, body_mib,
+    series, alloc (an allocation's token, else null), k_bits, v_bits, width (symmetric same-type pairs only), kv_mib, body_mib,
     staging_mib, overlay_mib, delta_mib, memory_accounting (if missing), is_floor, below_floor.
     """
     df = select_run(summary, model) if model is not None else summary
@@ -115,13 +116,17 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
 
     rows = df.to_dicts()
     for r in rows:
-        r["opts"] = CellSpec.from_name(r["cell"]).opts if r.get("cell") else ""
+        spec = CellSpec.from_name(r["cell"]) if r.get("cell") else None
+        r["opts"] = spec.opts if spec else ""
+        r["alloc"] = getattr(spec, "alloc", None)
         r["pair"] = f"{r['k_type']}-{r['v_type']}{r['opts']}"  # a non-default option stays visible
         if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.spec.facts.tail_label)
             r["tail_label"] = tail_label(r["family"], r["tail_requested"], r["tail_eff_full"])
         r["series"] = series_of(r["family"], r["tail_requested"], r["tail_eff_full"])
         if r["family"] == "standard" and r["opts"] == FORMAT_ONLY_OPTS:
             r["series"] = f"{SERIES_FORMAT_ONLY}, tail {r['tail_requested']}"
+        if r["alloc"]:
+            r["series"] = SERIES_PER_LAYER.format(family="KVarN" if r["family"] == "kvarn" else r["family"])
         r["k_bits"] = type_bits(r["k_type"])
         r["v_bits"] = type_bits(r["v_type"])
         symmetric = r["k_type"] == r["v_type"] and not r["opts"] and (
@@ -215,7 +220,7 @@ def pareto_frontier(prep: pl.DataFrame, family: str = "standard") -> pl.DataFram
 
     Rows: every cell of the family sorted by kv_mib, with `frontier_kld` the running min.
     """
-    fam = prep.filter(pl.col("family") == family).sort(["kv_mib", "kld_median"])
+    fam = prep.filter((pl.col("family") == family) & pl.col("alloc").is_null()).sort(["kv_mib", "kld_median"])
     return fam.select(["pair", "tail_label", "kv_mib", "kld_median"]).with_columns(
         pl.col("kld_median").cum_min().alias("frontier_kld")
     )

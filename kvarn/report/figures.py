@@ -158,7 +158,8 @@ def pareto_caption(prep: pl.DataFrame) -> str:
 def _pareto_frontier(rows: pl.DataFrame, x: str, y: str) -> pl.DataFrame:
     """kvarn.report.data.pareto_frontier on any x and KLD column: the standard cells sorted by x,
     `frontier_kld` the running minimum of y."""
-    std = rows.filter(pl.col("family") == "standard").drop_nulls([x, y]).sort([x, y])
+    own = pl.col("alloc").is_null() if "alloc" in rows.columns else pl.lit(True)  # no per-layer cell
+    std = rows.filter((pl.col("family") == "standard") & own).drop_nulls([x, y]).sort([x, y])
     return std.select("pair", "tail_label", *dict.fromkeys([x, "kv_mib"]), y,
                       pl.col(y).cum_min().alias("frontier_kld"))
 
@@ -171,9 +172,13 @@ def pareto(prep: pl.DataFrame) -> alt.HConcatChart:
     """Median KLD and p99 KLD (log) vs bits per value (MiB for older results), one series per
     family/tail, the standard frontier and the floor; pareto_caption says what is drawn."""
     model = prep["model"][0]
-    rows = D.figure_rows(prep).with_columns(
+    rows = D.figure_rows(prep)
+    if "alloc" not in rows.columns:  # a summary prepared before per-layer cells existed
+        rows = rows.with_columns(pl.lit(None, dtype=pl.String).alias("alloc"))
+    rows = rows.with_columns(
         pl.col("same_top").mul(100).alias("same_top_pct"),
-        pl.when(pl.col("family").is_in(["kvarn", "ecosystem"])).then(pl.col("pair")).otherwise(pl.lit(""))
+        pl.when(pl.col("alloc").is_not_null()).then(pl.col("alloc").str.split(".").list.first())
+        .when(pl.col("family").is_in(["kvarn", "ecosystem"])).then(pl.col("pair")).otherwise(pl.lit(""))
         .alias("point_label"),
     )
     x_field = pareto_x(prep)
