@@ -173,3 +173,27 @@ def test_the_report_reruns_when_the_reader_changes(monkeypatch):
     assert len(d) == 16 and d == plan.reader_digest()
     monkeypatch.setattr(score, "_DIGITS", __import__("re").compile(r"\d{5}"))
     assert plan.reader_digest() != d
+
+
+# ---------------------------------------------------------------- seeds from values
+
+
+def test_inserting_a_depth_or_reordering_the_tasks_changes_no_other_prompt(monkeypatch):
+    """The seed of a prompt is drawn from its (task, context, depth, prompt index) values: a depth
+    inserted between two others, or the task list reordered, leaves every other prompt (its tokens,
+    its key, its id) as it was."""
+    from kvarn.retrieval import tasks
+    from kvarn.retrieval.run import load_tokenizer
+    from kvarn.weights.sources import ModelSpec
+    from paths import CACHE_DIR
+
+    tok, bos = load_tokenizer(ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CACHE_DIR)
+    for task in tasks.TASKS:
+        two = tasks.make_tasks(tok, bos, task, 400, [0.25, 1.0], 2, seed=1)
+        three = tasks.make_tasks(tok, bos, task, 400, [0.25, 0.6, 1.0], 2, seed=1)
+        keep = lambda rs: {r["id"]: (r["input_ids"], r["answer"], r["key"]) for r in rs if r["depth"] != 0.6}  # noqa: E731
+        assert keep(two) == keep(three) and len(keep(two)) == 4
+        assert all(r["task_version"] == tasks.TASK_VERSION >= 2 for r in three)
+    before = tasks.make_tasks(tok, bos, "kv", 400, [0.5], 1, seed=1)
+    monkeypatch.setattr(tasks, "TASKS", ("kv", "multikey", "passkey"))
+    assert tasks.make_tasks(tok, bos, "kv", 400, [0.5], 1, seed=1) == before

@@ -25,9 +25,11 @@ the question. Each record stores the realized span (`needle_start`, `needle_end`
 into `input_ids`, end exclusive) and `distance` = prompt length − needle_end, the tokens between
 the needle and the end of the prompt.
 
-Seeds: every (task, context, depth index, prompt index) draws from its own generator,
-`numpy.random.default_rng([seed, task index, context, depth index, prompt index])`, so adding a
-depth or a prompt leaves the other prompts as they were. The tokenizer is any object with
+Seeds: every (task, context, depth, prompt index) draws from its own generator,
+`numpy.random.default_rng([seed, task code, context, depth code, prompt index])`, all from values,
+none from a list position (`prompt_seed`: the task code from the task's name, the depth code
+round(depth · 10⁶)), so adding or reordering depths, tasks or contexts leaves the other prompts as
+they were; ids name the values too (`{task}-c{context}-d{depth}-p{prompt index}`). The tokenizer is any object with
 `encode(text, add_special_tokens=False)` and `decode(ids)` (transformers' tokenizers).
 """
 
@@ -42,7 +44,7 @@ from kvarn.files.atomic import write_text
 
 TASKS = ("passkey", "multikey", "kv")
 # Bump when a template or the construction changes: the tasks (and every answer) are made again.
-TASK_VERSION = 1
+TASK_VERSION = 2  # 2: seeds and ids from the depth's and the task's values, not their list positions
 MULTIKEY_KEYS = 4
 KV_KEYS = 8
 
@@ -162,6 +164,15 @@ def make_prompt(encode, bos_id, task: str, n_prompt: int, depth: float, rng) -> 
             "needle_end": start + len(needles[0]), "n_keys": n_keys}
 
 
+def prompt_seed(seed: int, task: str, context: int, depth: float, prompt: int) -> list[int]:
+    """The entropy of one prompt's generator, from values only: the task's name (its first 4 bytes
+    of SHA-256), the context, the depth (round(depth · 10⁶)) and the prompt index."""
+    import hashlib
+
+    code = int.from_bytes(hashlib.sha256(task.encode()).digest()[:4], "big")
+    return [seed, code, context, round(float(depth) * 1_000_000), prompt]
+
+
 def make_tasks(tokenizer, bos_id, task: str, context: int, depths, prompts: int, seed: int = 0,
                gen_tokens: int = 8) -> list[dict]:
     """Every prompt of one (task, context): depths × prompts records, ordered by (depth, prompt).
@@ -178,10 +189,10 @@ def make_tasks(tokenizer, bos_id, task: str, context: int, depths, prompts: int,
     out = []
     for di, depth in enumerate(depths):
         for pi in range(prompts):
-            rng = np.random.default_rng([seed, TASKS.index(task), context, di, pi])
+            rng = np.random.default_rng(prompt_seed(seed, task, context, depth, pi))
             rec = make_prompt(encode, bos_id, task, n_prompt, float(depth), rng)
             out.append({
-                "id": f"{task}-c{context}-d{di}-p{pi}", "task": task, "context": context, "depth": float(depth),
+                "id": f"{task}-c{context}-d{float(depth):g}-p{pi}", "task": task, "context": context, "depth": float(depth),
                 "depth_index": di, "prompt_index": pi, "seed": seed, "gen_tokens": gen_tokens,
                 "n_prompt": n_prompt, "answer": rec["answer"], "key": rec["key"], "n_keys": rec["n_keys"],
                 "needle_start": rec["needle_start"], "needle_end": rec["needle_end"],
