@@ -159,6 +159,10 @@ def test_tasks_are_seeded_and_the_needle_sits_at_its_depth(smol_tokenizer, task)
         needle = enc(tasks.needle_text(task, r["key"], r["answer"]))
         assert ids[r["needle_start"] : r["needle_end"]] == needle  # the span holds the asked needle's tokens
         assert r["answer"] in tok.decode(needle) and r["distance"] == 592 - r["needle_end"]
+        # the candidates of the continuous measure: the asked value first, then every other value stated
+        assert r["candidates"][0] == r["answer"] and len(set(r["candidates"])) == len(r["candidates"]) == r["n_keys"]
+        assert all(v in r["prompt"] for v in r["candidates"])
+        assert r["candidate_ids"] == [enc(" " + v) for v in r["candidates"]]
         question = enc(tasks.question_text(task, r["key"]))
         assert ids[-len(question):] == question
         hay = 592 - prefix - len(question)

@@ -31,6 +31,7 @@ ANSWER_FILE = RUN_DIR + "/{task}/{k}-{v}-t{tail}{opts}.jsonl"
 REPORT_FILES = {
     "scores": "scores.parquet", "comparisons": "comparisons.parquet", "by_distance": "by_distance.parquet",
     "exact_tail": "exact_tail.parquet", "ordering": "ordering.parquet", "answers": "answers.parquet",
+    "paired": "paired.parquet",
     "md": "retrieval.md", "paragraph": "README-paragraph.md",
 }
 SUMMARY = "results/summary.parquet"  # the teacher-forced run's table (workflow/rules/aggregate.smk)

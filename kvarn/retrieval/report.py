@@ -31,6 +31,9 @@ ANSWER_COLUMNS = ("model", "context", "task", "id", "depth", "depth_index", "pro
                   "wall_s")
 
 
+MEASURE_COLUMNS = ("logprob", "margin", "rank", "n_candidates")
+
+
 def load_answers(paths) -> pl.DataFrame:
     """One row per (model, cell, prompt) from answer JSONL files (`kvarn.retrieval.run.run_cell`).
     `given` and `correct` are read again from the stored generated `text` by the current answer
@@ -43,10 +46,13 @@ def load_answers(paths) -> pl.DataFrame:
             row = {k: r[k] for k in ANSWER_COLUMNS}
             row["given"] = score.read_answer(r["text"])
             row["correct"] = row["given"] == r["answer"]
+            for k in MEASURE_COLUMNS:  # the continuous measure (None in answer files made before it)
+                row[k] = r.get(k)
             rows.append(row)
     if not rows:
         raise ValueError(f"no retrieval answers in {len(paths)} files")
-    return pl.DataFrame(rows)
+    return pl.DataFrame(rows, schema_overrides={"logprob": pl.Float64, "margin": pl.Float64, "rank": pl.Int64,
+                                                "n_candidates": pl.Int64})
 
 
 def _fmt(x, digits=2) -> str:
@@ -157,7 +163,7 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
-def markdown(answers, scores, by_task, comps, dist, tail, order, notes) -> str:
+def markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired) -> str:
     parts = ["# Retrieval through a quantized KV cache", "",
              f"{answers.height} answers: {', '.join(sorted(answers['task'].unique()))} tasks, contexts "
              f"{', '.join(map(str, sorted(answers['context'].unique())))}; accuracy with 95 % Wilson intervals; "
@@ -181,6 +187,19 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes) -> str:
                 ["A", "B", "prompts", "accuracy A", "accuracy B", "A only right", "B only right", "p (two-sided)"],
                 [[r["a_label"], r["b_label"], r["n"], _fmt(r["acc_a"]), _fmt(r["acc_b"]), r["a_only"], r["b_only"],
                   _p(r["p"])] for r in c.iter_rows(named=True)]), ""]
+        pc = _of(paired, model, context)
+        if pc.height:
+            sc = {r["cell"]: r for r in s.iter_rows(named=True)}
+            parts += ["Against the exact cache, paired on the same prompts: accuracy and flips, and the mean "
+                      "difference (cell − exact) of the correct value's teacher-forced log-probability "
+                      "(nats, summed over its tokens) and of its margin over the best distractor value in the "
+                      "prompt (prompts with distractors), with 95 % paired bootstrap intervals; top-1 = the "
+                      "correct value ranks first among the prompt's values (cell / exact):", "", _table(
+                ["cell", "correct", "lost", "gained", "Δ log p", "95 % CI", "Δ margin", "95 % CI", "top-1"],
+                [[r["label"], f"{sc[r['cell']]['correct']}/{sc[r['cell']]['n']}", sc[r["cell"]]["lost"],
+                  sc[r["cell"]]["gained"], _fmt(r["dlogprob"], 3), f"[{_fmt(r['dlogprob_lo'], 3)}, {_fmt(r['dlogprob_hi'], 3)}]",
+                  _fmt(r["dmargin"], 3), f"[{_fmt(r['dmargin_lo'], 3)}, {_fmt(r['dmargin_hi'], 3)}] (n {r['n_margin']})",
+                  f"{_fmt(r['top1'])} / {_fmt(r['base_top1'])}"] for r in pc.iter_rows(named=True)]), ""]
         d = _of(dist, model, context)
         bins = d.sort("bin_lo")["bin"].unique(maintain_order=True).to_list()
         parts += ["Accuracy by the needle's distance from the end of the prompt (tokens):", "", _table(
@@ -204,7 +223,7 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes) -> str:
     return "\n".join(parts)
 
 
-def paragraph(scores, comps, tail, order, notes) -> str:
+def paragraph(scores, comps, tail, order, notes, paired) -> str:
     """The findings in prose, every number read from the tables."""
     out = []
     for model, context in _runs(scores):
@@ -232,6 +251,12 @@ def paragraph(scores, comps, tail, order, notes) -> str:
                          f"{lost} {'is' if lost == 1 else 'are'} lost against the exact cache"
                          + (" — the needle itself is read exactly there, so such a loss comes from the quantized "
                             "rest of the context." if lost else ": such a needle was never lost."))
+        pc = _of(paired, model, context)
+        if pc.height:
+            text += " Paired against the exact cache on the same prompts, the correct value's log-probability " \
+                    "changes by " + "; ".join(
+                        f"{r['dlogprob']:+.3f} nats [{r['dlogprob_lo']:+.3f}, {r['dlogprob_hi']:+.3f}] ({r['label']})"
+                        for r in pc.iter_rows(named=True)) + " (mean, 95 % paired bootstrap)."
         note = notes[(model, context)]
         text += " " + note[0].upper() + note[1:] + "."
         out.append(text)
@@ -247,13 +272,14 @@ def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.pa
     dist = score.by_distance(answers, **({"edges": tuple(bins)} if bins else {}))
     tail = score.exact_tail(answers)
     order, notes = ordering(scores, teacher_forced)
+    paired = score.paired_continuous(answers.filter(pl.col("logprob").is_not_null()))
     for key, frame in (("scores", scores), ("comparisons", comps), ("by_distance", dist), ("exact_tail", tail),
-                       ("ordering", order), ("answers", answers)):
+                       ("ordering", order), ("answers", answers), ("paired", paired)):
         Path(outputs[key]).parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(outputs[key]) as tmp:
             frame.write_parquet(tmp)
-    write_text(outputs["md"], markdown(answers, scores, by_task, comps, dist, tail, order, notes))
-    write_text(outputs["paragraph"], paragraph(scores, comps, tail, order, notes))
+    write_text(outputs["md"], markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired))
+    write_text(outputs["paragraph"], paragraph(scores, comps, tail, order, notes, paired))
     stem = Path(outputs["figure_png"]).with_suffix("")
     stem.parent.mkdir(parents=True, exist_ok=True)
     written = save_chart(figure(scores, dist), stem)

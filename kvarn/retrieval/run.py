@@ -13,6 +13,7 @@ bf16 K and V at tail 0): its answers are the exact cache's own, against which fl
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -30,10 +31,53 @@ from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 
 @torch.inference_mode()
+def candidate_logprobs(model, cache, logits: torch.Tensor, candidates) -> list[list[float]]:
+    """Per prompt, the teacher-forced log-probability of each candidate continuation given the
+    prompt, through the cell's cache: sum over the candidate's tokens t_0 … t_{L−1} of
+    log p(t_i | prompt, t_0 … t_{i−1}). `logits` [P, V]: the prefill's last position (it scores
+    t_0); `candidates[p]`: prompt p's candidates as token-id lists. Each candidate slot is fed
+    (teacher-forced, one forward of its tokens but the last) into its own copy of the prefilled
+    cache, so the cache the greedy answer continues from is untouched and every candidate reads
+    the prompt exactly as the answer does (the cell's sink, tail and body)."""
+    device = logits.device
+    first = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
+    out: list[list[float]] = [[] for _ in candidates]
+    for c in range(max(len(cs) for cs in candidates)):
+        seqs = [cs[c] if c < len(cs) else cs[0] for cs in candidates]  # a prompt with fewer: ignored
+        if any(len(q) == 0 for q in seqs):
+            raise ValueError("retrieval candidates must be non-empty token lists")
+        n = max(map(len, seqs))
+        ids = torch.tensor([q + [q[-1]] * (n - len(q)) for q in seqs], dtype=torch.long, device=device)  # right-padded
+        total = first.gather(1, ids[:, :1])[:, 0].double()
+        if n > 1:
+            fork = copy.deepcopy(cache)
+            rest = model(input_ids=ids[:, :-1], cache=fork, kvarn_cache=fork, use_cache=True, logits_to_keep=0)
+            lp = torch.log_softmax(rest.logits.float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]  # [P, n-1]
+            del fork, rest
+            real = torch.arange(1, n, device=device)[None, :] < torch.tensor([len(q) for q in seqs], device=device)[:, None]
+            total = total + (lp.double() * real).sum(dim=1)  # causal: padding after a candidate changes nothing of it
+        for p, cs in enumerate(candidates):
+            if c < len(cs):
+                out[p].append(float(total[p]))
+    return out
+
+
+def candidate_scores(logprobs: list[float]) -> dict:
+    """The correct candidate's (the first's) log-probability, its rank among all candidates (1 =
+    the most likely; ties counted against it) and its margin over the best distractor (None
+    without distractors: a `passkey` prompt states no other value)."""
+    lp, rest = logprobs[0], logprobs[1:]
+    return {"logprob": lp, "rank": 1 + sum(x >= lp for x in rest), "n_candidates": len(logprobs),
+            "margin": lp - max(rest) if rest else None}
+
+
+@torch.inference_mode()
 def generate(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch: int = 512,
-             attention: str = "ref") -> torch.Tensor:
+             attention: str = "ref", candidates=None):
     """LongTensor [P, n_tokens]: the greedy continuation of each prompt (prompts [P, n], equal
-    lengths) through a fresh cache of `cell`. `model` uses attn_implementation "kvarn"."""
+    lengths) through a fresh cache of `cell`. `model` uses attn_implementation "kvarn". With
+    `candidates` (per prompt, a list of token-id lists): (tokens, `candidate_logprobs` of the same
+    prefilled cache)."""
     if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 1:
         raise ValueError(f"retrieval gen_tokens must be a positive integer, got {n_tokens!r}")
     device = next(model.parameters()).device
@@ -41,12 +85,14 @@ def generate(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch
     cache = new_cache(model, cell, attention=attention)
     cache.reserve(prompts.shape[1] + n_tokens)
     logits = feed(model, prompts, cache, ubatch)
+    scored = None if candidates is None else candidate_logprobs(model, cache, logits, candidates)
     out = []
     for s in range(n_tokens):
         out.append(choose(logits))
         if s + 1 < n_tokens:
             logits = feed(model, out[-1][:, None], cache, 1)
-    return torch.stack(out, dim=1).cpu()
+    tokens = torch.stack(out, dim=1).cpu()
+    return tokens if candidates is None else (tokens, scored)
 
 
 def model_window(model) -> int | None:
@@ -67,7 +113,10 @@ def load_model(spec, cache_dir=DEFAULT_CACHE_DIR, device="auto", dtype="auto"):
 def answer_records(loaded, records: list[dict], cell: CellSpec, ubatch: int = 512, batch: int = 8,
                    attention: str = "ref") -> list[dict]:
     """Each task record's answer under `cell`: the record less its prompt, plus the generated
-    tokens and text, the answer read from it (`score.read_answer`) and whether it is right."""
+    tokens and text, the answer read from it (`score.read_answer`) and whether it is right, and
+    the continuous measure from the same prefilled cache (`candidate_logprobs`): every candidate's
+    teacher-forced log-probability, the correct one's (`logprob`), its `rank` and `margin` over
+    the best distractor (`candidate_scores`)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"retrieval batch must be a positive integer, got {batch!r}")
     out = []
@@ -79,13 +128,14 @@ def answer_records(loaded, records: list[dict], cell: CellSpec, ubatch: int = 51
             raise ValueError(f"retrieval prompts of one batch must share a length and gen_tokens, got lengths "
                              f"{sorted(lengths)} and gen_tokens {sorted(gens)}")
         ids = torch.tensor([r["input_ids"] for r in group], dtype=torch.long)
-        gen = generate(loaded.model, ids, cell, gens.pop(), ubatch=ubatch, attention=attention)
-        for r, toks in zip(group, gen.tolist()):
+        gen, scored = generate(loaded.model, ids, cell, gens.pop(), ubatch=ubatch, attention=attention,
+                               candidates=[r["candidate_ids"] for r in group])
+        for r, toks, lps in zip(group, gen.tolist(), scored):
             text = loaded.tokenizer.decode(toks)
             given = score.read_answer(text)
             row = {k: v for k, v in r.items() if k not in ("input_ids", "prompt")}
             out.append({**row, "cell": cell.name, "tokens": toks, "text": text, "given": given,
-                        "correct": given == r["answer"]})
+                        "correct": given == r["answer"], "candidate_logprobs": lps, **candidate_scores(lps)})
     return out
 
 

@@ -10,6 +10,11 @@ Owns `read_answer` (the answer a generated text gives), `wilson`, `mcnemar`, and
 * accuracy: correct / n with a 95 % Wilson interval (`scipy.stats.binomtest(k, n).proportion_ci`);
 * agreement: the share of prompts whose answer equals the baseline's answer to the same prompt;
   `lost` = prompts the baseline gets right and the cell wrong, `gained` the reverse (the flips);
+* the continuous measure, paired (`paired_continuous`): per prompt the cell's teacher-forced
+  log-probability of the correct value (`logprob`) and its margin over the best distractor value
+  stated in the prompt (`margin`, none for a pass key) minus the exact cache's on the same prompt;
+  their mean with a paired percentile bootstrap interval (`bootstrap_mean`: prompts resampled
+  with replacement, the same resample for both caches since the differences are paired);
 * McNemar: on the prompts both cells answered, b = A right & B wrong, c = A wrong & B right;
   exact two-sided p = `binomtest(b, b + c, 0.5).pvalue` (1 when b + c = 0);
 * the pairs compared: each KVarN cell at 128* against the standard type of its width at tail 128
@@ -27,6 +32,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import polars as pl
 from scipy.stats import binomtest
 
@@ -75,8 +81,9 @@ def _ctx(answers: pl.DataFrame) -> pl.DataFrame:
 
 def _with_baseline(answers: pl.DataFrame) -> pl.DataFrame:
     answers = _ctx(answers)
+    extra = [pl.col(c).alias(f"base_{c}") for c in ("logprob", "margin") if c in answers.columns]
     base = answers.filter(pl.col("cell") == BASELINE_CELL).select(
-        *GROUP, "id", pl.col("given").alias("base_given"), pl.col("correct").alias("base_correct"))
+        *GROUP, "id", pl.col("given").alias("base_given"), pl.col("correct").alias("base_correct"), *extra)
     if base.height == 0:
         raise ValueError(f"retrieval answers hold no baseline rows (cell {BASELINE_CELL}); every score is "
                          "counted against the exact cache's own answers")
@@ -239,3 +246,50 @@ def exact_tail(answers: pl.DataFrame) -> pl.DataFrame:
         (pl.col("given") != pl.col("base_given")).sum().alias("differ"),
     ).sort(*GROUP, "cell", "position").with_columns(
         pl.col("cell").map_elements(cell_label, return_dtype=pl.String).alias("label"))
+
+
+BOOTSTRAP = 10_000  # resamples of the paired bootstrap
+BOOTSTRAP_SEED = 0
+
+
+def bootstrap_mean(d, resamples: int = BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
+                   confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(mean, lo, hi): the mean of paired differences `d` and its percentile bootstrap interval
+    (prompts drawn with replacement, `resamples` times, from numpy's default_rng(seed)); NaNs for
+    no differences."""
+    d = np.asarray(d, dtype=np.float64)
+    n = len(d)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    means = np.concatenate([d[rng.integers(0, n, size=(min(1000, resamples - a), n))].mean(axis=1)
+                            for a in range(0, resamples, 1000)])
+    lo, hi = np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(d.mean()), float(lo), float(hi)
+
+
+def paired_continuous(answers: pl.DataFrame, resamples: int = BOOTSTRAP, seed: int = BOOTSTRAP_SEED) -> pl.DataFrame:
+    """Per (model, context, cell other than the baseline), on the same prompts as the baseline:
+    n, the mean difference cell − exact cache of the correct value's teacher-forced log-probability
+    (`dlogprob`, with its paired bootstrap interval `dlogprob_lo`, `dlogprob_hi`), the same of the
+    margin over the best distractor on the prompts that state distractors (`n_margin`, `dmargin…`),
+    and the share of those prompts whose correct value ranks first among the candidates under the
+    cell and under the exact cache (`top1`, `base_top1`)."""
+    rows = []
+    df = _with_baseline(answers).filter(pl.col("cell") != BASELINE_CELL) if answers.height else answers
+    for (model, context, cell), g in ([] if not answers.height else df.sort(*GROUP, "cell").group_by([*GROUP, "cell"], maintain_order=True)):
+        d = (g["logprob"] - g["base_logprob"]).drop_nulls().to_numpy()
+        m = g.filter(pl.col("margin").is_not_null() & pl.col("base_margin").is_not_null())
+        dm = (m["margin"] - m["base_margin"]).to_numpy()
+        lp, lp_lo, lp_hi = bootstrap_mean(d, resamples, seed)
+        mg, mg_lo, mg_hi = bootstrap_mean(dm, resamples, seed)
+        rows.append({"model": model, "context": context, "cell": cell, "label": cell_label(cell), "n": len(d),
+                     "dlogprob": lp, "dlogprob_lo": lp_lo, "dlogprob_hi": lp_hi, "n_margin": len(dm),
+                     "dmargin": mg, "dmargin_lo": mg_lo, "dmargin_hi": mg_hi,
+                     "top1": float((m["margin"] > 0).mean()) if m.height else math.nan,
+                     "base_top1": float((m["base_margin"] > 0).mean()) if m.height else math.nan})
+    schema = {"model": pl.String, "context": pl.Int64, "cell": pl.String, "label": pl.String, "n": pl.Int64,
+              "dlogprob": pl.Float64, "dlogprob_lo": pl.Float64, "dlogprob_hi": pl.Float64, "n_margin": pl.Int64,
+              "dmargin": pl.Float64, "dmargin_lo": pl.Float64, "dmargin_hi": pl.Float64, "top1": pl.Float64,
+              "base_top1": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)

@@ -21,7 +21,9 @@ inserted at unit boundaries:
 
 Depth d ∈ [0, 1]: the asked needle starts at the unit boundary nearest to d · (H − L) tokens into
 the haystack (H the haystack's length, L the needle's): 0 right after the intro, 1 right before
-the question. Each record stores the realized span (`needle_start`, `needle_end`: token indices
+the question. Each record stores its candidates (the asked value first, then the other values the
+prompt states: none for `passkey`, 3 for `multikey`, 7 for `kv`) with their token ids
+(`answer_text`, tokenized alone), the realized span (`needle_start`, `needle_end`: token indices
 into `input_ids`, end exclusive) and `distance` = prompt length − needle_end, the tokens between
 the needle and the end of the prompt.
 
@@ -44,7 +46,9 @@ from kvarn.files.atomic import write_text
 
 TASKS = ("passkey", "multikey", "kv")
 # Bump when a template or the construction changes: the tasks (and every answer) are made again.
-TASK_VERSION = 2  # 2: seeds and ids from the depth's and the task's values, not their list positions
+# 2: seeds and ids from the depth's and the task's values, not their list positions
+# 3: every record lists its candidates (the asked value, then the other values in the prompt) and their token ids
+TASK_VERSION = 3
 MULTIKEY_KEYS = 4
 KV_KEYS = 8
 
@@ -84,6 +88,12 @@ def question_text(task: str, key: str) -> str:
     if task == "multikey":
         return f" What is the pass key of the {key} door? The pass key of the {key} door is"
     return f" What is the value of {key}? The value of {key} is"
+
+
+def answer_text(value: str) -> str:
+    """A value as the answer continues the question ("… The pass key is" + " 48213"): the candidate
+    whose teacher-forced log-probability the cell job measures (`kvarn.retrieval.run`)."""
+    return f" {value}"
 
 
 def _check(task, context, depths, prompts, seed, gen_tokens) -> None:
@@ -161,7 +171,7 @@ def make_prompt(encode, bos_id, task: str, n_prompt: int, depth: float, rng) -> 
     start = len(prefix) + start_of(ask)
     assert ids[start : start + len(needles[0])] == needles[0]
     return {"input_ids": ids, "answer": values[0], "key": keys[0], "needle_start": start,
-            "needle_end": start + len(needles[0]), "n_keys": n_keys}
+            "needle_end": start + len(needles[0]), "n_keys": n_keys, "values": values}
 
 
 def prompt_seed(seed: int, task: str, context: int, depth: float, prompt: int) -> list[int]:
@@ -197,6 +207,7 @@ def make_tasks(tokenizer, bos_id, task: str, context: int, depths, prompts: int,
                 "n_prompt": n_prompt, "answer": rec["answer"], "key": rec["key"], "n_keys": rec["n_keys"],
                 "needle_start": rec["needle_start"], "needle_end": rec["needle_end"],
                 "distance": n_prompt - rec["needle_end"], "task_version": TASK_VERSION,
+                "candidates": rec["values"], "candidate_ids": [encode(answer_text(v)) for v in rec["values"]],
                 "needle": tokenizer.decode(rec["input_ids"][rec["needle_start"] : rec["needle_end"]]),
                 "prompt": tokenizer.decode(rec["input_ids"]), "input_ids": rec["input_ids"],
             })
