@@ -172,9 +172,16 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired) 
     for model, context in _runs(scores):
         s = _of(scores, model, context)
         parts += [f"## {model}, context {context}", "", _table(
-            ["cell", "accuracy", "95 % CI", "correct", "agreement", "lost", "gained"],
+            ["cell", "accuracy", "95 % CI", "correct", "agreement", "lost", "gained", "flip rate [95 % exact CI]",
+             "p (flips)", "p (Holm)"],
             [[r["label"], _fmt(r["accuracy"]), f"[{_fmt(r['acc_lo'])}, {_fmt(r['acc_hi'])}]", f"{r['correct']}/{r['n']}",
-              _fmt(r["agreement"]), r["lost"], r["gained"]] for r in s.iter_rows(named=True)]), ""]
+              _fmt(r["agreement"]), r["lost"], r["gained"],
+              f"{_fmt(r['flip_rate'])} [{_fmt(r['flip_lo'])}, {_fmt(r['flip_hi'])}]" if r["cell"] != score.BASELINE_CELL
+              else "–", _p(r["p_flips"]) if r["cell"] != score.BASELINE_CELL else "–",
+              "–" if r.get("p_holm") is None else _p(r["p_holm"])] for r in s.iter_rows(named=True)]), "",
+                  "p (flips): exact two-sided binomial test of lost against gained (the exact McNemar test of the "
+                  "cell against the exact cache); p (Holm): adjusted across every test of this section (the "
+                  "flip tests and the paired comparisons below).", ""]
         t = _of(by_task, model, context)
         tasks = sorted(t["task"].unique())
         parts += ["Accuracy per task:", "", _table(["cell", *tasks], [
@@ -184,9 +191,10 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired) 
         c = _of(comps, model, context)
         if c.height:
             parts += ["Paired comparisons (exact McNemar on the same prompts):", "", _table(
-                ["A", "B", "prompts", "accuracy A", "accuracy B", "A only right", "B only right", "p (two-sided)"],
+                ["A", "B", "prompts", "accuracy A", "accuracy B", "A only right", "B only right", "p (two-sided)",
+                 "p (Holm)"],
                 [[r["a_label"], r["b_label"], r["n"], _fmt(r["acc_a"]), _fmt(r["acc_b"]), r["a_only"], r["b_only"],
-                  _p(r["p"])] for r in c.iter_rows(named=True)]), ""]
+                  _p(r["p"]), "–" if r.get("p_holm") is None else _p(r["p_holm"])] for r in c.iter_rows(named=True)]), ""]
         pc = _of(paired, model, context)
         if pc.height:
             sc = {r["cell"]: r for r in s.iter_rows(named=True)}
@@ -237,11 +245,17 @@ def paragraph(scores, comps, tail, order, notes, paired) -> str:
             text += " Paired on the same prompts (exact McNemar): " + "; ".join(
                 f"{r['a_label']} alone right on {r['a_only']}, {r['b_label']} alone on {r['b_only']} of {r['n']} "
                 f"(p = {_p(r['p'])})" for r in c.iter_rows(named=True)) + "."
-            if (c["p"] < 0.05).any():
-                sig = c.filter(pl.col("p") < 0.05)
-                text += " Significant at 5 %: " + ", ".join(f"{r['a_label']} vs {r['b_label']}" for r in sig.iter_rows(named=True)) + "."
-            else:
-                text += " None is significant at 5 % with this many prompts."
+
+        flips = s.filter((pl.col("cell") != score.BASELINE_CELL) & pl.col("p_holm").is_not_null())
+        n_tests = flips.height + c.filter(pl.col("p_holm").is_not_null()).height
+        if n_tests:
+            sig = [f"{r['label']} vs the exact cache (lost {r['lost']}, gained {r['gained']})"
+                   for r in flips.iter_rows(named=True) if r["p_holm"] < 0.05]
+            sig += [f"{r['a_label']} vs {r['b_label']}" for r in c.iter_rows(named=True)
+                    if r["p_holm"] is not None and r["p_holm"] < 0.05]
+            text += (f" After Holm's adjustment across the {n_tests} tests shown (each cell's flips against the exact "
+                     "cache, the paired comparisons), " + ("significant at 5 %: " + "; ".join(sig) if sig else
+                                                          "none is significant at 5 % with this many prompts") + ".")
         e = _of(tail, model, context)
         for where, what in (("tail", "exact tail"), ("sink", "exact sink (KVarN's first 128 tokens)")):
             w = e.filter(pl.col("position") == where)
@@ -268,7 +282,7 @@ def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.pa
     answers = score.with_position(load_answers(answer_paths))
     scores = score.cell_scores(answers)
     by_task = score.cell_scores(answers, by=("model", "task"))
-    comps = score.comparisons(answers)
+    scores, comps = score.with_holm(scores, score.comparisons(answers))
     dist = score.by_distance(answers, **({"edges": tuple(bins)} if bins else {}))
     tail = score.exact_tail(answers)
     order, notes = ordering(scores, teacher_forced)

@@ -94,6 +94,52 @@ def _with_baseline(answers: pl.DataFrame) -> pl.DataFrame:
     return answers.join(base, on=[*GROUP, "id"])
 
 
+def flip_test(lost: int, gained: int, n: int, confidence: float = CONFIDENCE) -> dict:
+    """The flips of a cell against the exact cache on n paired prompts: the flip rate
+    (lost + gained) / n with its exact (Clopper–Pearson) interval, and the exact two-sided binomial
+    test of lost against gained (`binomtest(lost, lost + gained, 0.5)`, p = 1 without flips): is
+    the cell more often wrong where the exact cache is right than the reverse?"""
+    f = lost + gained
+    if not 0 <= f <= n:
+        raise ValueError(f"flip_test: lost + gained must be in 0..{n}, got {lost} + {gained}")
+    if n == 0:
+        return {"rate": math.nan, "lo": math.nan, "hi": math.nan, "p": math.nan}
+    ci = binomtest(f, n).proportion_ci(confidence_level=confidence, method="exact")
+    p = 1.0 if f == 0 else float(binomtest(lost, f, 0.5, alternative="two-sided").pvalue)
+    return {"rate": f / n, "lo": float(ci.low), "hi": float(ci.high), "p": p}
+
+
+def holm(pvalues) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input order: the i-th smallest of m gets
+    max over j <= i of min(1, (m − j + 1) · p_(j)). NaNs are left out of the family and stay NaN."""
+    p = [float(x) for x in pvalues]
+    idx = sorted((i for i in range(len(p)) if not math.isnan(p[i])), key=lambda i: p[i])
+    m, out, run = len(idx), [math.nan] * len(p), 0.0
+    for j, i in enumerate(idx):
+        run = max(run, min(1.0, (m - j) * p[i]))
+        out[i] = run
+    return out
+
+
+def with_holm(scores: pl.DataFrame, comps: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """`p_holm` on the tests the report shows, Holm-adjusted within each (model, context): every
+    non-baseline cell's flip test against the exact cache (`p_flips`) and every paired McNemar test
+    between formats (`comparisons`' p). The baseline's row gets none."""
+    s = scores.with_row_index("_i")
+    c = comps.with_row_index("_i")
+    ps, pc = [math.nan] * s.height, [math.nan] * c.height
+    for model, context in s.select(*GROUP).unique(maintain_order=True).rows():
+        si = s.filter((pl.col("model") == model) & (pl.col("context") == context) & (pl.col("cell") != BASELINE_CELL))
+        ci = c.filter((pl.col("model") == model) & (pl.col("context") == context))
+        adj = holm(si["p_flips"].to_list() + ci["p"].to_list())
+        for i, a in zip(si["_i"].to_list(), adj[: si.height]):
+            ps[i] = a
+        for i, a in zip(ci["_i"].to_list(), adj[si.height :]):
+            pc[i] = a
+    return (scores.with_columns(pl.Series("p_holm", ps, dtype=pl.Float64).fill_nan(None)),
+            comps.with_columns(pl.Series("p_holm", pc, dtype=pl.Float64).fill_nan(None)))
+
+
 def cell_label(name: str) -> str:
     """A cell as tables print it: `q4_0 t128`, `kvarn4 128*`, `bf16 (exact)`."""
     if name == BASELINE_CELL:
@@ -120,10 +166,16 @@ def cell_scores(answers: pl.DataFrame, by=GROUP) -> pl.DataFrame:
         (pl.col("base_correct") & ~pl.col("correct")).sum().alias("lost"),
         (~pl.col("base_correct") & pl.col("correct")).sum().alias("gained"))
     ci = [wilson(k, n) for k, n in zip(g["correct"], g["n"])]
+    flips = [flip_test(lo, ga, n) for lo, ga, n in zip(g["lost"], g["gained"], g["n"])]
     return g.with_columns(
         (pl.col("correct") / pl.col("n")).alias("accuracy"),
         pl.Series("acc_lo", [c[0] for c in ci]), pl.Series("acc_hi", [c[1] for c in ci]),
         (pl.col("agree") / pl.col("n")).alias("agreement"),
+        (pl.col("lost") + pl.col("gained")).alias("flips"),
+        pl.Series("flip_rate", [f["rate"] for f in flips], dtype=pl.Float64),
+        pl.Series("flip_lo", [f["lo"] for f in flips], dtype=pl.Float64),
+        pl.Series("flip_hi", [f["hi"] for f in flips], dtype=pl.Float64),
+        pl.Series("p_flips", [f["p"] for f in flips], dtype=pl.Float64),
         pl.col("cell").map_elements(cell_label, return_dtype=pl.String).alias("label"),
     ).sort([*by, "cell"])
 
