@@ -152,6 +152,12 @@ def test_paired_continuous_by_hand():
     assert r["dlogprob_lo"] <= -2 / 3 <= r["dlogprob_hi"] and r["dlogprob_hi"] == pytest.approx(0.0)
     assert (r["top1"], r["base_top1"]) == (0.5, 0.5)  # margin > 0: a only, under both caches
     assert score.paired_continuous(df.head(0)).height == 0
+    kv = "kvarn4-kvarn4-t0"  # between formats: kvarn4 (A) against q4_0 t128 (B), A − B per prompt
+    both = pl.concat([df, pl.DataFrame([row(kv, "a", -1.0, 1.0), row(kv, "b", -1.0, None), row(kv, "c", -1.0, -1.0)])])
+    c = score.comparisons(both).row(0, named=True)
+    assert (c["a"], c["b"]) == (kv, q4)  # differences 0.5, 1.0, 1.0: mean 2.5 / 3
+    assert c["dlogprob"] == pytest.approx(2.5 / 3)
+    assert (c["dlogprob_lo"], c["dlogprob_hi"]) == pytest.approx(score.bootstrap_mean([0.5, 1.0, 1.0])[1:])
 
 
 def test_the_report_shows_the_paired_measure(tmp_path):

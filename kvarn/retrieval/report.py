@@ -192,9 +192,11 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired) 
         if c.height:
             parts += ["Paired comparisons (exact McNemar on the same prompts):", "", _table(
                 ["A", "B", "prompts", "accuracy A", "accuracy B", "A only right", "B only right", "p (two-sided)",
-                 "p (Holm)"],
+                 "p (Holm)", "Δ log p (A − B) [95 % CI]"],
                 [[r["a_label"], r["b_label"], r["n"], _fmt(r["acc_a"]), _fmt(r["acc_b"]), r["a_only"], r["b_only"],
-                  _p(r["p"]), "–" if r.get("p_holm") is None else _p(r["p_holm"])] for r in c.iter_rows(named=True)]), ""]
+                  _p(r["p"]), "–" if r.get("p_holm") is None else _p(r["p_holm"]),
+                  f"{_fmt(r['dlogprob'], 3)} [{_fmt(r['dlogprob_lo'], 3)}, {_fmt(r['dlogprob_hi'], 3)}]"]
+                 for r in c.iter_rows(named=True)]), ""]
         pc = _of(paired, model, context)
         if pc.height:
             sc = {r["cell"]: r for r in s.iter_rows(named=True)}

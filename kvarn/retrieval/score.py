@@ -199,22 +199,28 @@ def pairs_of(cells) -> list[tuple[str, str, str]]:
 
 
 def comparisons(answers: pl.DataFrame) -> pl.DataFrame:
-    """Per model, context and pair (`pairs_of`): accuracies of A and B on the same prompts and the
-    exact McNemar test (a_only: A right and B wrong; b_only: the reverse)."""
+    """Per model, context and pair (`pairs_of`): accuracies of A and B on the same prompts, the
+    exact McNemar test (a_only: A right and B wrong; b_only: the reverse) and, where the answers
+    carry the continuous measure, the paired mean difference A − B of the correct value's
+    log-probability with its bootstrap interval (`bootstrap_mean`; NaN without it)."""
     rows = []
     answers = _ctx(answers)
+    lp = pl.col("logprob") if "logprob" in answers.columns else pl.lit(None, dtype=pl.Float64)
     for (model, context), m in answers.sort(*GROUP).group_by(GROUP, maintain_order=True):
         for a, b, kind in pairs_of(m["cell"].unique()):
-            j = m.filter(pl.col("cell") == a).select("id", pl.col("correct").alias("ca")).join(
-                m.filter(pl.col("cell") == b).select("id", pl.col("correct").alias("cb")), on="id")
+            j = m.filter(pl.col("cell") == a).select("id", pl.col("correct").alias("ca"), lp.alias("la")).join(
+                m.filter(pl.col("cell") == b).select("id", pl.col("correct").alias("cb"), lp.alias("lb")), on="id")
             t = mcnemar(j["ca"], j["cb"])
+            d, d_lo, d_hi = bootstrap_mean((j["la"] - j["lb"]).drop_nulls().to_numpy())
             rows.append({"model": model, "context": context, "kind": kind, "a": a, "b": b, "a_label": cell_label(a),
                          "b_label": cell_label(b), "n": t["n"], "acc_a": float(j["ca"].mean()) if t["n"] else math.nan,
                          "acc_b": float(j["cb"].mean()) if t["n"] else math.nan, "a_only": t["a_only"],
-                         "b_only": t["b_only"], "p": t["p"]})
+                         "b_only": t["b_only"], "p": t["p"], "dlogprob": d, "dlogprob_lo": d_lo,
+                         "dlogprob_hi": d_hi})
     schema = {"model": pl.String, "context": pl.Int64, "kind": pl.String, "a": pl.String, "b": pl.String, "a_label": pl.String,
               "b_label": pl.String, "n": pl.Int64, "acc_a": pl.Float64, "acc_b": pl.Float64, "a_only": pl.Int64,
-              "b_only": pl.Int64, "p": pl.Float64}
+              "b_only": pl.Int64, "p": pl.Float64, "dlogprob": pl.Float64, "dlogprob_lo": pl.Float64,
+              "dlogprob_hi": pl.Float64}
     return pl.DataFrame(rows, schema=schema)
 
 
