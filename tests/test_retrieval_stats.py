@@ -97,3 +97,43 @@ def test_the_report_states_significance_after_holm(tmp_path):
     s = pl.read_parquet(outs["scores"]).filter(pl.col("cell") == "q2_0-q2_0-t128").row(0, named=True)
     assert s["p_holm"] == pytest.approx(4 / 128) and s["p_flips"] == pytest.approx(2 / 128)
     assert "| q2_0 t128 | 0.12 | " in Path(outs["md"]).read_text()
+
+
+def test_kendall_tau_and_its_bootstrap_interval():
+    import numpy as np
+    from scipy.stats import kendalltau
+
+    kld = [0.1, 0.2, 0.3, 0.4]
+    same = [[1, 1, 0, 0]] * 6  # every prompt the same: every resample has the same accuracies
+    t = score.tau_bootstrap(same, kld)
+    want = kendalltau([-1, -1, 0, 0], kld).statistic
+    assert (t["tau"], t["lo"], t["hi"], t["defined"]) == (pytest.approx(want), pytest.approx(want),
+                                                          pytest.approx(want), score.TAU_RESAMPLES)
+    # a mixed case against the bootstrap written out: the same draws, tau-b of each, percentiles
+    g = np.random.default_rng(5)
+    x = g.random((30, 4)) < np.array([0.9, 0.7, 0.6, 0.3])
+    t = score.tau_bootstrap(x, kld, resamples=1000, seed=3)
+    idx = np.random.default_rng(3).integers(0, 30, size=(1000, 30))
+    taus = [kendalltau(-x[i].mean(axis=0), kld).statistic for i in idx]
+    taus = np.array([v for v, i in zip(taus, idx) if np.ptp(x[i].mean(axis=0)) > 0])
+    assert t["tau"] == pytest.approx(kendalltau(-x.mean(axis=0), kld).statistic)
+    assert (t["lo"], t["hi"]) == pytest.approx(tuple(np.quantile(taus, [0.025, 0.975])))
+    assert t["defined"] == len(taus) and t["lo"] <= t["tau"] <= t["hi"]
+    assert math.isnan(score.tau_bootstrap([[1, 0]], [0.1, 0.2])["tau"])  # fewer than 3 cells
+
+
+def test_the_ordering_note_carries_the_tau_interval(tmp_path):
+    from kvarn.retrieval import report
+
+    cells = ["q4_0-q4_0-t128", "kvarn4-kvarn4-t0", "q2_0-q2_0-t128"]
+    pl.DataFrame({"model": ["m"] * 3, "cell": cells, "n_ctx": [2048] * 3, "chunks": [1] * 3,
+                  "kld_median": [0.002, 0.001, 0.05]}).write_parquet(tmp_path / "summary.parquet")
+    right = {score.BASELINE_CELL: 6, cells[0]: 5, cells[1]: 6, cells[2]: 2}
+    df = pl.DataFrame([{"model": "m", "context": 64, "id": str(i), "cell": c, "given": "1" if i < k else "0",
+                        "correct": i < k} for c, k in right.items() for i in range(6)])
+    s = score.cell_scores(df)
+    order, notes = report.ordering(s, str(tmp_path / "summary.parquet"), df)
+    # accuracies 5/6, 6/6, 2/6 against KLD 0.002, 0.001, 0.05: the same order, tau +1
+    assert "Kendall's tau (accuracy vs median KLD) +1.00 [" in notes[("m", 64)]
+    assert "95 % bootstrap over the 6 prompts" in notes[("m", 64)]
+    assert order["tau"].to_list() == [1.0] * 3 and order["tau_hi"][0] == pytest.approx(1.0)

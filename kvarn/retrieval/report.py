@@ -95,10 +95,12 @@ def _of(frame: pl.DataFrame, model: str, context: int) -> pl.DataFrame:
     return frame.filter((pl.col("model") == model) & (pl.col("context") == context))
 
 
-def ordering(scores: pl.DataFrame, teacher_forced) -> tuple[pl.DataFrame, dict[tuple[str, int], str]]:
+def ordering(scores: pl.DataFrame, teacher_forced, answers: pl.DataFrame | None = None
+             ) -> tuple[pl.DataFrame, dict[tuple[str, int], str]]:
     """Per model, context and non-baseline cell: retrieval rank and median-KLD rank (None without
-    a teacher-forced row); and per (model, context) a note (which run was read, Kendall's tau, the
-    pairs the two orderings disagree on)."""
+    a teacher-forced row); and per (model, context) a note (which run was read, Kendall's tau, with
+    `answers` its bootstrap interval over prompts (`score.tau_bootstrap`), the pairs the two
+    orderings disagree on)."""
     rows, notes = [], {}
     for model, context in _runs(scores):
         s = _of(scores, model, context).filter(pl.col("cell") != score.BASELINE_CELL)
@@ -120,7 +122,18 @@ def ordering(scores: pl.DataFrame, teacher_forced) -> tuple[pl.DataFrame, dict[t
                                  f"with the higher median KLD ({hi['kld_median']:.3g} vs {lo['kld_median']:.3g})")
         have = s.filter(pl.col("kld_median").is_not_null())
         tau = float(kendalltau(-have["accuracy"], have["kld_median"]).statistic) if have.height > 2 else math.nan
-        notes[(model, context)] = note + (f"; Kendall's tau (accuracy vs median KLD) {tau:+.2f}" if not math.isnan(tau) else "") + (
+        ci = ""
+        if answers is not None and have.height > 2 and not math.isnan(tau):
+            a = _of(answers, model, context)
+            cells = have["cell"].to_list()
+            wide = a.filter(pl.col("cell").is_in(cells)).pivot(on="cell", index="id", values="correct").drop_nulls()
+            t = score.tau_bootstrap(wide.select(cells).to_numpy().astype(bool), have["kld_median"].to_numpy())
+            s = s.with_columns(pl.lit(t["tau"]).alias("tau"), pl.lit(t["lo"]).alias("tau_lo"),
+                               pl.lit(t["hi"]).alias("tau_hi"))
+            ci = (f" [{t['lo']:+.2f}, {t['hi']:+.2f}] (95 % bootstrap over the {wide.height} prompts, "
+                  f"{t['defined']} of {t['resamples']} resamples with a tau)") if t["defined"] else \
+                " (no bootstrap interval: every resample ties all accuracies)"
+        notes[(model, context)] = note + (f"; Kendall's tau (accuracy vs median KLD) {tau:+.2f}{ci}" if not math.isnan(tau) else "") + (
             "; disagreements: " + "; ".join(pairs) if pairs else ("; no pair ordered differently" if kld is not None else ""))
         rows.append(s.with_columns(pl.lit(len(pairs)).alias("disagreements")))
     return pl.concat(rows, how="diagonal_relaxed").sort(*score.GROUP, "retrieval_rank"), notes
@@ -287,7 +300,7 @@ def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.pa
     scores, comps = score.with_holm(scores, score.comparisons(answers))
     dist = score.by_distance(answers, **({"edges": tuple(bins)} if bins else {}))
     tail = score.exact_tail(answers)
-    order, notes = ordering(scores, teacher_forced)
+    order, notes = ordering(scores, teacher_forced, answers)
     paired = score.paired_continuous(answers.filter(pl.col("logprob").is_not_null()))
     for key, frame in (("scores", scores), ("comparisons", comps), ("by_distance", dist), ("exact_tail", tail),
                        ("ordering", order), ("answers", answers), ("paired", paired)):

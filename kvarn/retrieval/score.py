@@ -34,7 +34,7 @@ import re
 
 import numpy as np
 import polars as pl
-from scipy.stats import binomtest
+from scipy.stats import binomtest, kendalltau
 
 from kvarn.spec import facts, policy
 from kvarn.spec.cell import CellSpec
@@ -351,3 +351,35 @@ def paired_continuous(answers: pl.DataFrame, resamples: int = BOOTSTRAP, seed: i
               "dmargin": pl.Float64, "dmargin_lo": pl.Float64, "dmargin_hi": pl.Float64, "top1": pl.Float64,
               "base_top1": pl.Float64}
     return pl.DataFrame(rows, schema=schema)
+
+
+TAU_RESAMPLES = 2000
+
+
+def tau_bootstrap(correct, kld, resamples: int = TAU_RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                  confidence: float = CONFIDENCE) -> dict:
+    """Kendall's tau-b between the cells' retrieval accuracy (higher first) and their median KLD
+    (lower first), so +1 when the two orderings agree, with a percentile bootstrap interval over
+    prompts. `correct` [prompts, cells] (bool; the same prompts for every cell, paired), `kld`
+    [cells]. Every resample draws prompts with replacement (the same draw for all cells, from
+    numpy's default_rng(seed)) and recomputes the accuracies; a resample whose accuracies are all
+    tied has no tau and is left out (`defined` counts the others). NaNs for fewer than 3 cells."""
+    x = np.asarray(correct, dtype=np.float64)
+    kld = np.asarray(kld, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != len(kld):
+        raise ValueError(f"tau_bootstrap: correct must be [prompts, {len(kld)} cells], got {x.shape}")
+    nan = {"tau": math.nan, "lo": math.nan, "hi": math.nan, "defined": 0, "resamples": resamples}
+    if len(kld) < 3 or x.shape[0] == 0:
+        return nan
+    tau = float(kendalltau(-x.mean(axis=0), kld).statistic)
+    rng = np.random.default_rng(seed)
+    taus = []
+    for a in range(0, resamples, 500):
+        acc = x[rng.integers(0, x.shape[0], size=(min(500, resamples - a), x.shape[0]))].mean(axis=1)
+        taus += [float(kendalltau(-row, kld).statistic) if np.ptp(row) > 0 else math.nan for row in acc]
+    taus = np.asarray(taus)
+    ok = taus[~np.isnan(taus)]
+    if not len(ok):
+        return {**nan, "tau": tau}
+    lo, hi = np.quantile(ok, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return {"tau": tau, "lo": float(lo), "hi": float(hi), "defined": int(len(ok)), "resamples": resamples}
