@@ -34,14 +34,19 @@ def test_the_default_plan():
     assert p.tail_of("q4_0") == 128 and p.tail_of("kvarn3") == 0  # KVarN at its 128*
     assert len(p.uniform_pairs()) == 9 + 16 and ("q8_0", "q2_0", 128) in p.uniform_pairs()
     assert plan.expand({}) is None
+    assert p.sensitivity_files("m")[:2] == ["results/perlayer/m/sensitivity/q8_0.parquet",
+                                            "results/perlayer/m/sensitivity/q4_0.parquet"]
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"budgets": ["q5_0"]}, "perlayer.budgets: q5_0 is not among perlayer.types.standard (q8_0, q4_0, q2_0)"),
+    ({"budgets": ["q5_0"]}, "perlayer.budgets: q5_0 is not among perlayer.types.standard (q8_0, q4_0, q2_0); a budget "
+                            "is the bytes of one of the searched types' uniform cells"),
     ({"types": {"standard": ["q8_0", "kvarn4"]}}, "perlayer.types.standard: ['q8_0', 'kvarn4']; give at least two "
                                                   "distinct standard types (kvarn4 is not)"),
     ({"types": {"kvarn": ["kvarn4"]}}, "perlayer.types.kvarn: ['kvarn4']; give at least two distinct kvarn types"),
-    ({"types": {"standard": ["q8_0", "q9_0"]}}, "perlayer.types.standard: unknown type 'q9_0'; accepted: q8_0"),
+    ({"types": {"standard": ["q8_0", "q9_0"]}}, "perlayer.types.standard: unknown type 'q9_0'; accepted: q8_0, q6_0,"),
+    ({"types": {"standard": ["q8_0", "kvarn4", "kvarn2"]}}, "(kvarn4, kvarn2 are not)"),
+    ({"types": ["q8_0"]}, "perlayer.types: expected a mapping of standard and kvarn to type lists, got ['q8_0']"),
     ({"types": {"standard": ["q8_0", "bf16"]}}, "perlayer.types.standard: bf16 is a float type"),
     ({"edge": {"standard": "q5_0"}}, "perlayer.edge.standard: q5_0 is not among perlayer.types.standard"),
     ({"n_ctx": 511}, "perlayer.n_ctx: 511 must be even"),
@@ -96,6 +101,16 @@ def test_the_knapsack_equals_enumeration():
         assert got[1] == pytest.approx(ref[1], abs=1e-12) and got[2] == ref[2], (groups, budget)
 
 
+def test_the_cost_unit_is_the_costs_common_divisor(monkeypatch):
+    # costs in thousands of bytes: 4 units of 1000 fit 50 states exactly; counted in bytes (4000 states) they
+    # would be rounded up to 80-byte units, 13 + 38 > 50 of them, and the pick would no longer fit
+    monkeypatch.setattr(search, "MAX_UNITS", 50)
+    groups = [[Choice("a", 1000, 1.0), Choice("b", 2000, 0.0)], [Choice("c", 3000, 0.0)]]
+    assert knapsack(groups, 4000) == ([0, 0], 1.0, 4000)
+    with pytest.raises(ValueError, match="no combination fits the budget"):
+        knapsack_ref(groups, 3999)
+
+
 def test_coarse_units_never_pass_the_budget(monkeypatch):
     monkeypatch.setattr(search, "MAX_UNITS", 7)  # force the rounded-up costs
     rng = random.Random(1)
@@ -136,6 +151,38 @@ def test_the_searched_allocation_spends_the_bits_where_the_probes_say(llama):
                                                  for r, t in (("k", k), ("v", v))))
 
 
+def test_a_role_of_one_type_is_one_type_and_the_other_its_ranges():
+    a = search.allocation("x", ["q4_0"] * 3, ["q8_0", "q4_0", "q4_0"])
+    assert a.definition() == {"k": "0-2:q4_0", "v": "0:q8_0,1-2:q4_0"} and not a.uniform
+    assert search.allocation("y", ["q4_0"] * 3, ["q8_0"] * 3).definition() == {"k": "q4_0", "v": "q8_0"}
+
+
+def test_a_hybrid_models_recurrent_layers_take_the_roles_most_chosen_type():
+    """Qwen 3.6's geometry (three Gated DeltaNet layers, then one full-attention layer): only the 16 attention
+    layers are searched; the 48 others store nothing and take each role's most chosen type."""
+    from transformers import AutoConfig
+
+    from paths import REPO
+
+    raw = json.loads((REPO / "config" / "models" / "qwen3.6-27b.json").read_text())
+    geom = geometry_from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    kv = list(geom.kv_layers)
+    assert len(kv) == 16 and geom.n_layers == 64
+    for types, tail in ((("q8_0", "q4_0", "q2_0"), 128), (("kvarn8", "kvarn4", "kvarn2"), 0)):
+        sens = {(i, r, t): dict(zip(types, (1e-6, 1e-5, 1e-4)))[t] * (1000 if i == kv[0] else 1)
+                for i in kv for r in "kv" for t in types}
+        for acc in ("packed", "beellama-qwen"):  # KVarN's staging and tail arena: the accountings part there
+            budget = search.budget_bytes(geom, 4096, types[1], tail, 512, acc)
+            got = search.searched(geom, 4096, sens, types, tail, budget, "h", accounting=acc)
+            ks, vs = got["allocation"].resolve(64)
+            assert (ks[kv[0]], vs[kv[0]]) == (types[0], types[0])
+            for role in (ks, vs):
+                mine = [role[i] for i in kv]
+                assert all(role[i] == max(set(mine), key=mine.count) for i in range(64) if i not in kv)
+            cell = search.cell_of(got["allocation"], tail)
+            assert got["bytes"] == memory.kv_bytes(geom, 4096, cell, accounting=acc, alloc=got["allocation"]).total <= budget
+
+
 def test_a_missing_sensitivity_is_named(llama):
     geom = geometry_from_config(llama.config)
     with pytest.raises(ValueError, match="no sensitivity for layer 0 K in q8_0, q4_0, q2_0"):
@@ -170,6 +217,12 @@ def test_first_last_candidates_fit_and_stop_at_the_budget(llama):
     assert all(c["bytes"] <= budget for c in got) and got[-1]["bytes"] == budget
     assert got[0]["allocation"].definition() == {"k": "q2_0", "k_first": "q8_0,1", "k_last": "q8_0,1",
                                                  "v": "q2_0", "v_first": "q8_0,1", "v_last": "q8_0,1"}
+    # at q8_0's bytes every N fits up to the first and last half (every layer q8_0: the budget itself); a base
+    # of the budget's own width is no base (with any edge it passes the budget)
+    top = search.budget_bytes(geom, 1024, "q8_0", 128, 512, "packed")
+    got = search.first_last_candidates(geom, 1024, ("q8_0", "q4_0"), "q8_0", "q8_0", 128, top)
+    assert [(c["base"], c["n"]) for c in got] == [("q4_0", n) for n in range(1, 7)] and got[-1]["bytes"] == top
+    assert search.first_last_candidates(geom, 1024, ("q8_0", "q4_1", "q4_0"), "q8_0", "q4_0", 128, budget) == []
 
 
 # --------------------------------------------------------------------------------------------- the probe
