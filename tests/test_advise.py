@@ -229,3 +229,18 @@ def test_token_dirs_read_each_model_s_run_only(tmp_path):
     both = pl.concat([large, small], how="diagonal_relaxed")  # the smaller run last: read last, it would win
     dirs = A.token_dirs(both, root)
     assert dirs and all(d.parent.parent.name == "ctx512-c2" for d in dirs.values())
+
+
+def test_the_run_line_the_presets_line_and_the_pick_without_tokens_read_in_full():
+    s, _ = run()
+    a = A.answer(s, "m", tol=A.Tolerance(max_kld=0.05))  # no tokens: no interval on the pick
+    md = A.answer_markdown(a)
+    assert ("n_ctx 2048, 3 chunks (600 scored tokens); MiB of one sequence's KV cache under the `packed` accounting; "
+            "bits per value: 16 × the cell's bytes / a BF16 cache's.") in md
+    assert "Presets (the study's three, by our rule: the cheapest cell at or below the median of q8_0 / q5_0 / q4_0 " \
+           "at tail 128): " in md
+    assert A.pick_sentence(a).endswith(f"the cheapest cell within {a.tolerance.describe()}.")
+    # every frontier row's bits per value is the summary's (here bits = MiB by construction), every frame row the run's
+    assert a.frontier["bits_per_value"].to_list() == a.frontier["kv_mib"].to_list()
+    frame = A.frontier_frame([a])
+    assert frame["n_tokens"].to_list() == [N] * frame.height and set(frame["accounting"]) == {"packed"}

@@ -81,3 +81,21 @@ def test_the_readme_findings_block_is_the_committed_answer_and_ledger():
     assert block == "\n" + F.findings_markdown(frame, ledger)
     assert set(frame["model"]) == {"smollm2-135m", "gemma3-270m"}
     assert len(readme.splitlines()) <= 300
+
+
+def test_a_gain_without_an_interval_counts_by_its_sign_and_zero_is_no_difference():
+    # no tokens, no interval: a positive gain is KVarN's, a gain of exactly 0 is neither side's
+    def r(cid, ours):
+        return {**dict.fromkeys(LEDGER_COLUMNS), "model": "m", "claim_id": cid, "claim": cid, "ours": ours,
+                "verdict": "holds", "missing": "", "note": ""}
+    led = pl.concat([ledger_rows(), pl.DataFrame([r("same_width_gain_6", 10.0), r("same_width_gain_5", 0.0)],
+                                                 schema=ledger_rows().schema)])
+    assert F.same_width_sentence(led) == (
+        "Against the standard type of the same width at tail 128, KVarN (at its 128\\* tail) has the lower median "
+        "KLD at 2, 6 bits (+40 %, +10 %); the higher at 8 bits; no separable difference at 4, 5 bits.")
+
+
+def test_a_frontier_without_kvarn_says_none_and_lists_nothing():
+    a = answer_rows().filter(~pl.col("name").str.starts_with("kvarn"))
+    lines = F.model_findings("m", a, ledger_rows())
+    assert "- KVarN cells on the frontier: 0 of 2." in lines

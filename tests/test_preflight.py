@@ -180,3 +180,37 @@ def test_the_embedded_model_at_65536_is_refused(fetched, capsys):
                   "-o", "unused", "--dry-run"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "n_ctx 65536" in err and "max_position_embeddings 8192" in err, err
+
+
+def test_the_attention_temporaries_by_hand():
+    """ref path, exact and bf16-attn: masks 4·u·n, io heads·u·d·8, one block's K and V (fp32; under bf16-attn their
+    rounded copies too), the block's scores and softmax in fp32 (bf16-attn: numerators too)."""
+    u, n, heads, kv, d = 8, 64, 4, 2, 16
+    qb = preflight.QUERY_BLOCK
+    masks, io = 4 * u * n, heads * u * d * 8
+    assert preflight.attention_temporaries("ref", None, u, n, heads, kv, d) == \
+        masks + 2 * kv * n * d * 4 + 2 * heads * qb * n * 4 + io
+    assert preflight.attention_temporaries("ref", "bfloat16", u, n, heads, kv, d) == \
+        masks + 2 * kv * n * d * 4 * 2 + 3 * heads * qb * n * 4 + io
+
+
+def test_a_config_object_s_trained_context_is_read():
+    from transformers import LlamaConfig
+
+    assert preflight.trained_context(LlamaConfig(max_position_embeddings=1234)) == 1234
+    assert preflight.trained_context({"max_position_embeddings": 77}) == 77
+
+
+def test_the_attention_path_is_picked_on_the_device_type_of_an_indexed_device(tmp_path, monkeypatch):
+    """"auto" on "cuda:1" is flex (the device type, not the string); llamacpp-cpu gathers as ref does."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 300, "hidden_size": 128, "intermediate_size": 64,
+                               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                               "head_dim": 64, "max_position_embeddings": 512}))
+    seen = []
+    real = preflight.estimate
+    monkeypatch.setattr(preflight, "estimate", lambda *a, **k: seen.append(k["attention"]) or real(*a, **k))
+    for compute in ("tf32-attn", "llamacpp-cpu"):
+        preflight.preflight(ModelSpec("t", f"random:{cfg}"), 256, 64, "cuda:1", "bfloat16", tmp_path, baseline=False,
+                            dry_run=True, compute=compute)
+    assert seen == ["flex", "ref"]
