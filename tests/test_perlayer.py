@@ -338,3 +338,12 @@ def test_the_search_never_reads_the_test_text(tmp_path, monkeypatch):
     assert ("knapsack", "standard") in methods and ("first/last", "standard") in methods
     for e in result["allocations"]:
         assert e["bytes"] <= result["budget_bytes"] and e["valid"]["tokens"] == 255
+
+
+def test_the_tables_words_for_gains_and_verdicts():
+    from kvarn.perlayer import table
+
+    assert table.gain_text(13.44) == "+13.4 %" and table.gain_text(-12.8) == "-12.8 %"
+    assert table.gain_text(-3289.1) == "33.9× the uniform median" and table.gain_text(None) == ""
+    assert table.verdict(-2.0, -1.0) == "lower" and table.verdict(1.0, 2.0) == "higher"
+    assert table.verdict(-1.0, 0.0) == table.verdict(0.0, 1.0) == "within noise"  # an interval touching 0

@@ -85,8 +85,11 @@ def build(summary: pl.DataFrame, searches: list[dict], cell_dirs: dict, plan: Pe
     return pl.DataFrame(rows, infer_schema_length=None).select(COLUMNS)
 
 
-def _num(x, fmt: str) -> str:
-    return "" if x is None else format(x, fmt)
+def gain_text(gain_pct: float | None) -> str:
+    """The gain as a table prints it: a percentage, or for a loss past 100 % the multiple of the uniform median."""
+    if gain_pct is None:
+        return ""
+    return f"{gain_pct:+.1f} %" if gain_pct > -100 else f"{1 - gain_pct / 100:.1f}× the uniform median"
 
 
 def markdown(table: pl.DataFrame, searches: list[dict]) -> str:
@@ -108,7 +111,7 @@ def markdown(table: pl.DataFrame, searches: list[dict]) -> str:
             delta = "" if r["verdict"] is None else f"{r['delta_median']:+.2e} [{r['delta_lo']:+.2e}, {r['delta_hi']:+.2e}]"
             out.append(f"| {r['budget']} | {METHOD_WORDS[r['method']]} | `{r['cell']}` | {r['bits_per_value']:.2f} "
                        f"| {r['budget_ratio']:.3f} | {r['kld_median']:.2e} | {r['kld_mean']:.2e} | {r['kld_p99']:.2e} "
-                       f"| {100 * r['same_top']:.2f} % | {valid} | {delta} | {_num(r['gain_pct'], '+.1f')} % "
+                       f"| {100 * r['same_top']:.2f} % | {valid} | {delta} | {gain_text(r['gain_pct'])} "
                        f"| {r['verdict'] or 'reference'} |")
         out.append("")
         for budget in t["budget"].unique(maintain_order=True):
@@ -127,7 +130,7 @@ def markdown(table: pl.DataFrame, searches: list[dict]) -> str:
             if fl.height:
                 f = fl.row(0, named=True)
                 share = "captures it" if f["kld_median"] <= best["kld_median"] else (
-                    f"does not capture it (median {f['kld_median']:.2e}, {f['gain_pct']:+.1f} % against the uniform pair)")
+                    f"does not capture it (median {f['kld_median']:.2e}, {gain_text(f['gain_pct'])} against the uniform pair)")
                 line += f" The first/last form `{f['cell']}` {share}."
             for n in notes.get((model, budget), []):
                 line += f" Note: {n}."
@@ -146,14 +149,19 @@ def heatmap(sens: pl.DataFrame, model: str) -> alt.Chart:
     d = sens.select("layer", "kind", "role", "type", "kld_mean").with_columns(
         role=pl.col("role").str.to_uppercase(), kld_mean=pl.max_horizontal(pl.col("kld_mean"), pl.lit(1e-9)))
     order = list(dict.fromkeys(d.sort("type")["type"].to_list()))
+    full = sorted(set(d.filter(pl.col("kind") == "full_attention")["layer"].to_list()))
+    kinds = (f"full attention at {', '.join(map(str, full))}, the rest sliding" if full and d["kind"].n_unique() > 1
+             else "all " + d["kind"][0].replace("_", " "))
     return alt.Chart(d).mark_rect().encode(
         x=alt.X("layer:O", title="decoder layer"),
         y=alt.Y("type:N", sort=order, title=None),
-        color=alt.Color("kld_mean:Q", scale=alt.Scale(type="log", scheme="viridis"), title="mean KLD added"),
+        color=alt.Color("kld_mean:Q", scale=alt.Scale(type="log", scheme="viridis"), title="mean KLD added",
+                        legend=alt.Legend(format=".0e")),
         tooltip=["layer", "kind", "role", "type", alt.Tooltip("kld_mean:Q", format=".2e")],
     ).properties(width=alt.Step(14), height=alt.Step(16)).facet(
         row=alt.Row("role:N", title=None)).properties(
-        title=f"{model}: KLD added by quantizing one layer's K or V alone (search text)")
+        title=[f"{model}: KLD added by quantizing one layer's K or V alone (search text)",
+               f"layers by kind: {kinds}; values at or below 1e-9 drawn at 1e-9"])
 
 
 def sensitivity_frame(paths) -> pl.DataFrame:
