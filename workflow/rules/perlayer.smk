@@ -41,6 +41,11 @@ def perlayer_cells(model):
     return list(dict.fromkeys(out))
 
 
+def perlayer_searches():
+    return [kvpl.SEARCH_FILE.format(model=m, budget=b) for m, mm in MATRIX.models.items() if mm.engine == "torch"
+            for b in perlayer_plan().budgets]
+
+
 def perlayer_targets():
     from kvarn.perlayer import plan as kvpl
     from kvarn.report.workflow import FIGURE_FORMATS
@@ -52,7 +57,9 @@ def perlayer_targets():
 
 rule perlayer:
     input:
-        lambda wildcards: perlayer_targets() if perlayer_plan() else [],
+        # the searches named here too: a new budget's search is a missing file, planned even where the table
+        # is up to date (snakemake does not look past an up-to-date output into an incomplete checkpoint)
+        lambda wildcards: [*perlayer_searches(), *perlayer_targets()],
 
 
 rule wikitext_valid:
@@ -129,8 +136,7 @@ checkpoint perlayer_search:
 rule perlayer_table:
     input:
         summary="results/summary.parquet",
-        searches=lambda wildcards: [kvpl.SEARCH_FILE.format(model=m, budget=b) for m in MATRIX.models
-                                    if MATRIX.models[m].engine == "torch" for b in perlayer_plan().budgets],
+        searches=lambda wildcards: perlayer_searches(),
         sensitivity=lambda wildcards: [p for m, mm in MATRIX.models.items() if mm.engine == "torch"
                                        for p in perlayer_plan().sensitivity_files(m)],
         tokens=lambda wildcards: [f"{c.dir}/tokens.parquet" for c in MATRIX.cells if c.engine == "torch"]
@@ -143,6 +149,9 @@ rule perlayer_table:
     params:
         boot=kvr.option(config, "boot"),
         seed=kvr.option(config, "seed"),
+        # a new budget changes it, so the table is planned again, and through its inputs the new search
+        # (a checkpoint: with the table's output up to date, snakemake would not look past it)
+        budgets=lambda wildcards: list(perlayer_plan().budgets),
     log:
         "logs/perlayer/table.log",
     conda:
