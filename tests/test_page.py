@@ -305,7 +305,8 @@ def test_the_ledger_follows_the_answer(page, run):
 
 
 def retrieval_results(root: Path, summary_path: Path) -> dict[str, Path]:
-    """kvarn.retrieval.report's outputs for made-up answers of two cells and the exact cache."""
+    """kvarn.retrieval.report's outputs for made-up answers of two cells and the exact cache (the report reads
+    each answer again from its generated text)."""
     from kvarn.retrieval import plan, report
     from kvarn.retrieval.tasks import write_tasks
 
@@ -315,7 +316,7 @@ def retrieval_results(root: Path, summary_path: Path) -> dict[str, Path]:
     for cell, right in cells.items():
         recs = [{"model": MODELS[0], "context": 256, "task": "passkey", "id": f"p{i}", "depth": 0.5, "depth_index": 0,
                  "prompt_index": i, "cell": cell, "answer": str(1000 + i), "given": str(1000 + i if ok else 7),
-                 "correct": bool(ok), "text": "x", "needle_start": 40 + 20 * i, "needle_end": 50 + 20 * i,
+                 "correct": bool(ok), "text": f" {1000 + i if ok else 7}.", "needle_start": 40 + 20 * i, "needle_end": 50 + 20 * i,
                  "n_prompt": 248, "gen_tokens": 8, "distance": 198 - 20 * i, "wall_s": 0.1}
                 for i, ok in enumerate(right)]
         path = root / plan.ANSWER_FILE.format(model=MODELS[0], n_ctx=256, task="passkey", k=cell.split("-")[0],

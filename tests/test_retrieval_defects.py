@@ -171,7 +171,7 @@ def test_the_report_reruns_when_the_reader_changes(monkeypatch):
 
     d = plan.reader_digest()
     assert len(d) == 16 and d == plan.reader_digest()
-    monkeypatch.setattr(score, "_DIGITS", __import__("re").compile(r"\d{5}"))
+    monkeypatch.setattr(score, "DIGITS", __import__("re").compile(r"\d{5}"))
     assert plan.reader_digest() != d
 
 

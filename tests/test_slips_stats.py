@@ -239,7 +239,7 @@ def test_cell_interval_by_hand():
 
 def test_ranks_give_ties_their_average():
     # an exact cell's run of zeros must not read as a ramp: ranks of (0, 0, 0, 5, 1) are (1, 1, 1, 4, 3) − 0
-    np.testing.assert_array_equal(P._ranks(np.array([0.0, 0.0, 0.0, 5.0, 1.0])), [1.0, 1.0, 1.0, 4.0, 3.0])
+    np.testing.assert_array_equal(P.ranks(np.array([0.0, 0.0, 0.0, 5.0, 1.0])), [1.0, 1.0, 1.0, 4.0, 3.0])
 
 
 def test_block_length_takes_the_most_dependent_series_capped_at_half_the_shortest_chunk():

@@ -126,7 +126,7 @@ def reader_digest() -> str:
 
     from kvarn.retrieval import score
 
-    src = inspect.getsource(score.read_answer) + score._DIGITS.pattern
+    src = inspect.getsource(score.read_answer) + score.DIGITS.pattern
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 

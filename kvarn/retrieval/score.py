@@ -42,12 +42,12 @@ from kvarn.spec.cell import CellSpec
 BASELINE_CELL = "bf16-bf16-t0"
 GROUP = ("model", "context")  # every score is per model and context length: lengths are never pooled
 CONFIDENCE = 0.95
-_DIGITS = re.compile(r"\d+")
+DIGITS = re.compile(r"\d+")
 
 
 def read_answer(text: str) -> str:
     """The answer a generated text gives: its first run of digits, else the text stripped."""
-    m = _DIGITS.search(text)
+    m = DIGITS.search(text)
     return m.group(0) if m else text.strip()
 
 

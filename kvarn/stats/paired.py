@@ -178,7 +178,7 @@ def politis_white(x: np.ndarray, bounds) -> float:
     return min(max(1.0, (2.0 * g_sum * g_sum / d_cb) ** (1.0 / 3.0) * n ** (1.0 / 3.0)), b_max)
 
 
-def _ranks(x: np.ndarray) -> np.ndarray:
+def ranks(x: np.ndarray) -> np.ndarray:
     """Ranks 0..n−1, ties given their average rank: ties broken by position would turn a run of
     equal values (an exact cell's zeros) into a ramp, which reads as strong autocorrelation."""
     from scipy.stats import rankdata
@@ -191,7 +191,7 @@ def block_length(series: list[np.ndarray], chunk: np.ndarray) -> int:
     rounded up, clamped to [1, shortest chunk // 2]."""
     bounds = chunk_bounds(chunk)
     shortest = min(e - s for s, e in bounds)
-    b = max(politis_white(_ranks(x), bounds) for x in series)
+    b = max(politis_white(ranks(x), bounds) for x in series)
     return int(min(max(1, math.ceil(b)), max(1, shortest // 2)))
 
 

@@ -9,50 +9,9 @@
 #   results/perlayer/{model}/search/{budget}.json         the allocations, their bytes, the first/last tries
 #   results/perlayer/perlayer.{md,parquet}, figures/{model}-sensitivity.{svg,png,vl.json}
 #
-# Uses from common.smk: PERLAYER, MATRIX, TORCH_MODELS, MODEL_THREADS, model_marker, model_param.
-import json
-
+# Uses from common.smk: PERLAYER, MATRIX, TORCH_MODELS, MODEL_THREADS, model_marker, model_param, and the
+# per-layer helpers perlayer_plan, perlayer_run, perlayer_cells, perlayer_searches, perlayer_targets.
 PERLAYER_LOG = "logs/perlayer/{model}"
-
-
-def perlayer_plan():
-    if PERLAYER is None:
-        raise WorkflowError("target perlayer needs a perlayer: key; add --configfile config/perlayer.yaml")
-    return PERLAYER
-
-
-def perlayer_run(model):
-    """The (n_ctx, chunks) of the model's run the allocations are judged on: its first n_ctx."""
-    m = MATRIX.models[model]
-    return m.n_ctx[0], m.chunks
-
-
-def perlayer_cells(model):
-    """The cell directories of the model's searched allocations, once their searches have run (each
-    allocation published where its cell job looks it up)."""
-    n_ctx, chunks = perlayer_run(model)
-    out, allocs = [], []
-    for budget in perlayer_plan().budgets:
-        path = checkpoints.perlayer_search.get(model=model, budget=budget).output[0]
-        for e in json.loads(open(path).read())["allocations"]:
-            allocs.append(kvm.allocation.Allocation.from_record(e["record"], path))
-            out.append(f"{kvm.RUN_DIR.format(model=model, n_ctx=n_ctx, chunks=chunks)}/cells/{e['cell']}")
-    kvm.publish_allocations([a for a in allocs if not a.uniform])
-    return list(dict.fromkeys(out))
-
-
-def perlayer_searches():
-    return [kvpl.SEARCH_FILE.format(model=m, budget=b) for m, mm in MATRIX.models.items() if mm.engine == "torch"
-            for b in perlayer_plan().budgets]
-
-
-def perlayer_targets():
-    from kvarn.perlayer import plan as kvpl
-    from kvarn.report.workflow import FIGURE_FORMATS
-
-    models = [n for n, m in MATRIX.models.items() if m.engine == "torch"]
-    return [*kvpl.TABLE_FILES.values(),
-            *[f"{kvpl.HEATMAP.format(model=m)}.{ext}" for m in models for ext in FIGURE_FORMATS]]
 
 
 rule perlayer:
