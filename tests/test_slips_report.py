@@ -20,6 +20,7 @@ from kvarn.report.data import prepare
 from kvarn.report.paired_table import run_table
 from kvarn.spec import facts
 from kvarn.stats.paired import CellTokens
+from test_advise import row as advise_row
 
 MIB = 1 << 20
 STUDY = C.load_study()
@@ -207,16 +208,8 @@ def test_decision_tables_cheapest_match_presets_and_below_floor():
 
 
 def arow(cell, mib, median, same_top=0.995):
-    k, v, t = cell.split("-")[0], cell.split("-")[1], int(cell.rsplit("-t", 1)[1])
-    fam = "kvarn" if k.startswith("kvarn") else "standard"
-    total = int(mib * MIB)
-    return {"model": "m", "n_ctx": 2048, "chunks": 2, "n_tokens": N, "k_type": k, "v_type": v, "tail": t,
-            "tail_requested": t, "tail_eff_full": 128 if fam == "kvarn" and t == 0 else t,
-            "tail_label": "128*" if fam == "kvarn" and t == 0 else str(t), "family": fam, "cell": cell,
-            "kv_total_bytes": total, "kv_body_bytes": total, "kv_staging_bytes": 0, "kv_overlay_bytes": 0,
-            "kv_total_bytes_tail0": total, "kv_bf16_bytes": 16 * MIB, "bits_per_value": 16 * total / (16 * MIB),
-            "memory_accounting": "packed", "kld_median": median, "kld_mean": 2 * median, "kld_p99": 20 * median,
-            "same_top": same_top, "ppl_ratio": 1 + median}
+    """test_advise's summary row, on this file's two chunks of N tokens."""
+    return advise_row(cell, mib, median, same_top, chunks=2, n_tokens=N)
 
 
 def test_the_default_tolerance_and_its_inclusive_bounds():
