@@ -239,9 +239,12 @@ def perlayer_searches():
             for b in perlayer_plan().budgets]
 
 
-def perlayer_targets():
+def perlayer_heatmaps():
     from kvarn.report.workflow import FIGURE_FORMATS
 
     models = [n for n, m in MATRIX.models.items() if m.engine == "torch"]
-    return [*kvpl.TABLE_FILES.values(),
-            *[f"{kvpl.HEATMAP.format(model=m)}.{ext}" for m in models for ext in FIGURE_FORMATS]]
+    return [f"{kvpl.HEATMAP.format(model=m)}.{ext}" for m in models for ext in FIGURE_FORMATS]
+
+
+def perlayer_targets():
+    return [*kvpl.TABLE_FILES.values(), *perlayer_heatmaps()]

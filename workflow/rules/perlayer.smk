@@ -10,7 +10,8 @@
 #   results/perlayer/perlayer.{md,parquet}, figures/{model}-sensitivity.{svg,png,vl.json}
 #
 # Uses from common.smk: PERLAYER, MATRIX, TORCH_MODELS, MODEL_THREADS, model_marker, model_param, and the
-# per-layer helpers perlayer_plan, perlayer_run, perlayer_cells, perlayer_searches, perlayer_targets.
+# per-layer helpers perlayer_plan, perlayer_run, perlayer_cells, perlayer_searches, perlayer_heatmaps,
+# perlayer_targets.
 PERLAYER_LOG = "logs/perlayer/{model}"
 
 
@@ -102,9 +103,8 @@ rule perlayer_table:
         + [f"{d}/tokens.parquet" for m, mm in MATRIX.models.items() if mm.engine == "torch"
            for d in perlayer_cells(m)],
     output:
-        **{k: v for k, v in kvpl.TABLE_FILES.items()},
-        figures=[f"{kvpl.HEATMAP.format(model=m)}.{ext}" for m, mm in MATRIX.models.items()
-                 if mm.engine == "torch" for ext in ("svg", "png", "vl.json")] if PERLAYER else [],
+        **kvpl.TABLE_FILES,
+        figures=perlayer_heatmaps() if PERLAYER else [],
     params:
         boot=kvr.option(config, "boot"),
         seed=kvr.option(config, "seed"),
