@@ -60,7 +60,7 @@ def _by_hand(logp_of, model, cell, prompt: list[int], cand: list[int]) -> float:
 
 
 def _records(prompts):
-    return [{"id": f"p{i}", "input_ids": prompts[i].tolist(), "gen_tokens": 3, "answer": "x", "candidate_ids": c}
+    return [{"id": f"p{i}", "task": "passkey", "input_ids": prompts[i].tolist(), "gen_tokens": 3, "answer": "x", "candidate_ids": c}
             for i, c in enumerate(CANDIDATES)]
 
 

@@ -120,8 +120,11 @@ def answer_records(loaded, records: list[dict], cell: CellSpec, ubatch: int = 51
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"retrieval batch must be a positive integer, got {batch!r}")
     out = []
-    for a in range(0, len(records), batch):
-        group = records[a : a + batch]
+    streams: dict[tuple[int, int], list[dict]] = {}  # prompts of one length and answer length batch together
+    for r in records:
+        streams.setdefault((len(r["input_ids"]), r["gen_tokens"]), []).append(r)
+    groups = [s[a : a + batch] for s in streams.values() for a in range(0, len(s), batch)]
+    for group in groups:
         lengths = {len(r["input_ids"]) for r in group}
         gens = {r["gen_tokens"] for r in group}
         if len(lengths) != 1 or len(gens) != 1:
@@ -132,10 +135,10 @@ def answer_records(loaded, records: list[dict], cell: CellSpec, ubatch: int = 51
                                candidates=[r["candidate_ids"] for r in group])
         for r, toks, lps in zip(group, gen.tolist(), scored):
             text = loaded.tokenizer.decode(toks)
-            given = score.read_answer(text)
+            given, correct = score.grade(r["task"], text, r["answer"])
             row = {k: v for k, v in r.items() if k not in ("input_ids", "prompt")}
             out.append({**row, "cell": cell.name, "tokens": toks, "text": text, "given": given,
-                        "correct": given == r["answer"], "candidate_logprobs": lps, **candidate_scores(lps)})
+                        "correct": correct, "candidate_logprobs": lps, **candidate_scores(lps)})
     return out
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import polars as pl
 from scipy.stats import binomtest, kendalltau
 
+from kvarn.retrieval.tasks import LEGACY_TASKS, ruler_kind
 from kvarn.spec import facts, policy
 from kvarn.spec.cell import CellSpec
 
@@ -49,6 +50,31 @@ def read_answer(text: str) -> str:
     """The answer a generated text gives: its first run of digits, else the text stripped."""
     m = DIGITS.search(text)
     return m.group(0) if m else text.strip()
+
+
+# what a RULER task's values look like in a generated text (`grade`'s `given`)
+VALUE_PATTERNS = {"number": DIGITS, "uuid": re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"),
+                  "variable": re.compile(r"\b[A-Z]{5}\b")}
+
+
+def grade(task: str, text: str, answer: str) -> tuple[str, bool]:
+    """(given, correct) of a generated text for a prompt of `task` whose `answer` is its values
+    joined by ", " (`kvarn.retrieval.tasks`).
+
+    The first tasks (passkey, multikey, kv): `given` is the first run of digits (`read_answer`),
+    right when it equals the answer. RULER's tasks: RULER's `string_match_all`, strict — right
+    when every value of the answer appears in the text (case-insensitive substring), so three of a
+    multi-value prompt's four values are wrong (RULER's own score would give 0.75); `given` is the
+    first as many value-like strings in the text (7-digit runs, UUIDs, five capitals) as the answer
+    has values, joined by ", " (else the text stripped), for agreement between caches."""
+    if task in LEGACY_TASKS:
+        given = read_answer(text)
+        return given, given == answer
+    answers = answer.split(", ")
+    low = text.lower()
+    found = VALUE_PATTERNS[ruler_kind(task)].findall(text)
+    given = ", ".join(found[: len(answers)]) or text.strip()
+    return given, all(a.lower() in low for a in answers)
 
 
 def wilson(k: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -360,8 +386,8 @@ def tau_bootstrap(correct, kld, resamples: int = TAU_RESAMPLES, seed: int = BOOT
                   confidence: float = CONFIDENCE) -> dict:
     """Kendall's tau-b between the cells' retrieval accuracy (higher first) and their median KLD
     (lower first), so +1 when the two orderings agree, with a percentile bootstrap interval over
-    prompts. `correct` [prompts, cells] (bool; the same prompts for every cell, paired), `kld`
-    [cells]. Every resample draws prompts with replacement (the same draw for all cells, from
+    prompts. `correct` [prompts, cells] (bool; the same prompts for every cell, paired; or any
+    per-prompt score, higher better, such as the paired Δ log p), `kld` [cells]. Every resample draws prompts with replacement (the same draw for all cells, from
     numpy's default_rng(seed)) and recomputes the accuracies; a resample whose accuracies are all
     tied has no tau and is left out (`defined` counts the others). NaNs for fewer than 3 cells."""
     x = np.asarray(correct, dtype=np.float64)

@@ -33,22 +33,61 @@ none from a list position (`prompt_seed`: the task code from the task's name, th
 round(depth · 10⁶)), so adding or reordering depths, tasks or contexts leaves the other prompts as
 they were; ids name the values too (`{task}-c{context}-d{depth}-p{prompt index}`). The tokenizer is any object with
 `encode(text, add_special_tokens=False)` and `decode(ids)` (transformers' tokenizers).
+
+RULER's task families (Hsieh et al. 2024, its `synthetic.yaml` templates; `RULER_TASKS`), built the
+same way (token space, exact spans, seeds from values), the asked needle (the first) at the depth:
+
+* `niah_single_1` — one needle `One of the special magic numbers for {key} is: {value}.` (key: two
+  words, value: 7 digits) in the noise haystack (the filler above), asked for;
+* `niah_single_2` — the same in Wikitext-2 (validation split; RULER's essays);
+* `niah_single_3` — the same in Wikitext-2 with a UUID value;
+* `niah_multikey_1` — four needles of four keys (7-digit values) in Wikitext-2, one asked for, the
+  three others distractors at seeded random boundaries;
+* `niah_multikey_uuid` — the same with UUID values (RULER's `niah_multikey_3` puts UUID keys and
+  values in a haystack of needles; here the haystack is Wikitext);
+* `niah_multivalue` — four needles of one key, four 7-digit values, in Wikitext-2; all four asked;
+* `niah_multiquery` — four needles of four keys in Wikitext-2; all four keys asked at once;
+* `vt` — variable tracking: a chain `VAR ABCDE = 12345.`, `VAR FGHIJ = VAR ABCDE.`, … (five
+  variables, names of five capital letters, a 5-digit value) in the noise haystack; the first
+  statement at the depth, the four hops at seeded random boundaries after it, in order; asked for
+  every variable holding the value.
+
+The Wikitext haystack: the split's paragraphs cut into sentences (units), taken in order from a
+seeded random sentence, cut at the front like the filler. A RULER task's record has `answer` = its
+values joined by ", " (the order of the candidate below), `n_answers`, and `spans` (every needle's
+[start, end)); its candidates are the full answer (" v1, v2, v3, v4": multi-value in the order the text states
+the values, multi-query in the order the question asks the keys, variable tracking in the chain's
+order) for the multi-value, multi-query and variable-tracking tasks (nothing else in the prompt is
+a distractor of the whole list), the asked value then the other keys' values for the multi-key tasks, the value alone for
+the single-needle tasks. Scoring (`kvarn.retrieval.score.grade`): RULER's `string_match_all`
+made strict: a prompt is right when every one of its values appears in the generated text
+(case-insensitive), so a multi-value answer with three of four values is wrong.
+A task's greedy answer is max(gen_tokens, `ANSWER_TOKENS[task]`) tokens (room for four 7-digit
+values or five variable names), and its prompts are `context` minus that.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import re
+import uuid
 from pathlib import Path
 
 import numpy as np
 
 from kvarn.files.atomic import write_text
 
-TASKS = ("passkey", "multikey", "kv")
+LEGACY_TASKS = ("passkey", "multikey", "kv")
+RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_uuid",
+               "niah_multivalue", "niah_multiquery", "vt")
+TASKS = LEGACY_TASKS + RULER_TASKS
 # Bump when a template or the construction changes: the tasks (and every answer) are made again.
 # 2: seeds and ids from the depth's and the task's values, not their list positions
 # 3: every record lists its candidates (the asked value, then the other values in the prompt) and their token ids
-TASK_VERSION = 3
+# 4: RULER's task families (and a task's own answer length)
+TASK_VERSION = 4
 MULTIKEY_KEYS = 4
 KV_KEYS = 8
 
@@ -174,10 +213,200 @@ def make_prompt(encode, bos_id, task: str, n_prompt: int, depth: float, rng) -> 
             "needle_end": start + len(needles[0]), "n_keys": n_keys, "values": values}
 
 
+# ---------------------------------------------------------------- RULER's task families
+
+RULER_KEYS = 4  # multi-key: 1 asked + 3 distractors; multi-value: 4 values; multi-query: 4 keys asked
+VT_VARIABLES = 5  # one chain, four hops (RULER's vt: num_chains 1, num_hops 4)
+# the shortest greedy answer of a task: room for its values as SmolLM2's and Gemma 3's tokenizers
+# spell them (a digit a token; a UUID up to 36 tokens) and a separator between them
+ANSWER_TOKENS = {"niah_single_1": 12, "niah_single_2": 12, "niah_single_3": 40, "niah_multikey_1": 12,
+                 "niah_multikey_uuid": 40, "niah_multivalue": 48, "niah_multiquery": 48, "vt": 32}
+# the haystack of each RULER task: "noise" (FILLER repeated) or "wiki" (Wikitext-2 validation sentences)
+HAYSTACK = {"niah_single_1": "noise", "vt": "noise"}
+VALUE_KIND = {"niah_single_3": "uuid", "niah_multikey_uuid": "uuid", "vt": "variable"}  # else "number"
+# Wikitext-2 validation (wiki.valid.raw), read torch-free here; the same bytes and sha256 as
+# kvarn.baseline.data's verified loader checks (a test holds the two equal)
+WIKI_PATH = "../shared/data/wikitext-2-raw-v1/wiki.valid.raw"
+WIKI_BYTES = 1_146_846
+WIKI_SHA256 = "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7"
+
+
+def ruler_kind(task: str) -> str:
+    """What a RULER task's values are: "number" (7 digits), "uuid" or "variable" (vt's names)."""
+    return VALUE_KIND.get(task, "number")
+
+
+def answer_tokens(task: str, gen_tokens: int) -> int:
+    """The greedy answer's length of `task`: max(gen_tokens, the task's own minimum)."""
+    return max(gen_tokens, ANSWER_TOKENS.get(task, 0))
+
+
+@functools.lru_cache(maxsize=2)
+def wiki_sentences(path: str = WIKI_PATH) -> tuple[str, ...]:
+    """The sentences of Wikitext-2 validation's paragraphs (headings and blank lines dropped), each
+    " sentence ." as the raw file spells it; the file is checked against its size and sha256."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"retrieval haystack {path!r} does not exist: the Wikitext-2 tasks read "
+                                f"wiki.valid.raw from ../shared/data/wikitext-2-raw-v1 (README)")
+    data = p.read_bytes()
+    if len(data) != WIKI_BYTES or hashlib.sha256(data).hexdigest() != WIKI_SHA256:
+        raise ValueError(f"{path} is not the original wikitext-2-raw-v1 wiki.valid.raw ({len(data):,} bytes; "
+                         f"expected {WIKI_BYTES:,} bytes, sha256 {WIKI_SHA256})")
+    out = []
+    for line in data.decode("utf-8").splitlines():
+        line = line.strip()
+        if not line or line.startswith("="):
+            continue
+        out += [" " + x.strip() for x in re.split(r"(?<= \.) ", line) if x.strip()]
+    return tuple(out)
+
+
+def _uuid(rng) -> str:
+    return str(uuid.UUID(bytes=bytes(int(b) for b in rng.integers(0, 256, size=16)), version=4))
+
+
+def _words(rng, n: int) -> list[str]:
+    pairs = rng.choice(len(ADJECTIVES) * len(NOUNS), size=n, replace=False)
+    return [f"{ADJECTIVES[q // len(NOUNS)]}-{NOUNS[q % len(NOUNS)]}" for q in pairs]
+
+
+def _values(rng, kind: str, n: int) -> list[str]:
+    if kind == "uuid":
+        return [_uuid(rng) for _ in range(n)]
+    return [str(v) for v in rng.choice(np.arange(1_000_000, 10_000_000), size=n, replace=False)]
+
+
+def ruler_texts(task: str, rng) -> dict:
+    """A RULER task's texts from its generator: intro, needles (the first at the depth), question
+    (ending with the answer prefix), the values that must all appear (`answers`, in the candidate's
+    order), the candidates (strings) and the asked key. RULER's `synthetic.yaml` wording."""
+    kind = ruler_kind(task)
+    if task == "vt":
+        names: list[str] = []
+        while len(names) < VT_VARIABLES:
+            name = "".join(chr(65 + int(c)) for c in rng.integers(0, 26, size=5))
+            if name not in names:
+                names.append(name)
+        value = str(int(rng.integers(10000, 100000)))
+        needles = [f" VAR {names[0]} = {value}."] + [f" VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+        return {"intro": "Memorize and track the chain(s) of variable assignment hidden in the following text.\n",
+                "needles": needles, "key": value, "answers": names,
+                "question": f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
+                            f"Answer: According to the chain(s) of variable assignment in the text above, "
+                            f"{VT_VARIABLES} variables are assigned the value {value}, they are:",
+                "candidates": [", ".join(names)], "placement": "chain"}
+    noun = "uuids" if kind == "uuid" else "numbers"
+    intro = (f"Some special magic {noun} are hidden within the following text. Make sure to memorize it. "
+             f"I will quiz you about the {noun} afterwards.\n")
+    n_keys = RULER_KEYS if task in ("niah_multikey_1", "niah_multikey_uuid", "niah_multiquery") else 1
+    n_values = RULER_KEYS if task == "niah_multivalue" else n_keys
+    keys = _words(rng, n_keys)
+    values = _values(rng, kind, n_values)
+    key_of = keys if n_keys > 1 else keys * n_values
+    needles = [f" One of the special magic {noun} for {k} is: {v}." for k, v in zip(key_of, values)]
+    if task == "niah_multiquery":
+        query, answers = ", ".join(keys[:-1]) + ", and " + keys[-1], values
+    else:
+        query, answers = keys[0], (values if task == "niah_multivalue" else values[:1])
+    question = (f"\nWhat are all the special magic {noun} for {query} mentioned in the provided text? "
+                f"The special magic {noun} for {query} mentioned in the provided text are")
+    if len(answers) > 1:
+        candidates = [", ".join(answers)]  # the whole list (multi-value: reordered as the text states them)
+    else:
+        candidates = values  # the asked value, then the other keys' (the distractors)
+    return {"intro": intro, "needles": needles, "key": query, "answers": answers, "question": question,
+            "candidates": candidates, "placement": "random"}
+
+
+def _haystack_units(enc, task: str, rng, need: int) -> list[list[int]]:
+    """Tokenized haystack units, at least `need` tokens: the filler from a seeded sentence, or
+    Wikitext-2 sentences in order from a seeded sentence (wrapping around)."""
+    units: list[list[int]] = []
+    total = 0
+    if HAYSTACK.get(task, "wiki") == "noise":
+        i = int(rng.integers(len(FILLER)))
+        source = lambda j: FILLER[j % len(FILLER)]  # noqa: E731
+    else:
+        sentences = wiki_sentences()
+        i = int(rng.integers(len(sentences)))
+        source = lambda j: sentences[j % len(sentences)]  # noqa: E731
+    while total < need:
+        units.append(enc(source(i)))
+        i += 1
+        total += len(units[-1])
+    return units
+
+
+def make_ruler_prompt(encode, bos_id, task: str, n_prompt: int, depth: float, rng) -> dict:
+    """One RULER prompt of exactly `n_prompt` tokens: `[BOS] + intro + haystack + question`, the
+    needles at haystack unit boundaries, the first (the asked one) nearest depth · (haystack −
+    its length); the others ("random") at distinct seeded boundaries, or ("chain", vt) at sorted
+    seeded boundaries after the first, in order (several at one boundary follow each other)."""
+    enc = lambda text: list(encode(text))  # noqa: E731
+    t = ruler_texts(task, rng)
+    needles = [enc(n) for n in t["needles"]]
+    prefix = ([bos_id] if bos_id is not None else []) + enc(t["intro"])
+    suffix = enc(t["question"])
+    hay = n_prompt - len(prefix) - len(suffix)
+    need = sum(map(len, needles))
+    if hay < need + 8:
+        raise ValueError(f"retrieval task {task}: a prompt of {n_prompt} tokens leaves {hay} for the haystack, "
+                         f"fewer than its needles' {need} + 8; use a larger context")
+    units = _haystack_units(enc, task, rng, hay - need + 64)
+    total = sum(map(len, units))
+    fill = hay - need
+    cut = total - fill
+    stream = [x for u in units for x in u][cut:]
+    bounds = _boundaries(units, cut)
+    if len(bounds) < len(needles):
+        raise ValueError(f"retrieval task {task}: a prompt of {n_prompt} tokens leaves {fill} haystack tokens, "
+                         f"{len(bounds)} sentence boundaries for its {len(needles)} needles; use a larger context")
+    taken: dict[int, list[int]] = {}  # boundary -> needle indices, in order
+    if t["placement"] == "chain":
+        ask = min(bounds, key=lambda b: (abs(b - depth * fill), b))
+        after = [b for b in bounds if b >= ask]
+        hops = sorted(int(b) for b in rng.choice(after, size=len(needles) - 1, replace=True))
+        taken[ask] = [0]
+        for j, b in enumerate(hops, 1):
+            taken.setdefault(b, []).append(j)
+    else:
+        for j in range(1, len(needles)):
+            free = [b for b in bounds if b not in taken]
+            taken[int(rng.choice(free))] = [j]
+
+        def start_of(b):  # final haystack offset of a needle inserted at boundary b (before any taken there)
+            return b + sum(len(needles[i]) for q, js in taken.items() if q < b for i in js)
+
+        target = depth * (hay - len(needles[0]))
+        ask = min((b for b in bounds if b not in taken), key=lambda b: (abs(start_of(b) - target), b))
+        taken[ask] = [0]
+    hay_ids: list[int] = []
+    spans: list[list[int]] = [[0, 0] for _ in needles]
+    prev = 0
+    for b in sorted(taken):
+        hay_ids += stream[prev:b]
+        for j in taken[b]:
+            at = len(prefix) + len(hay_ids)
+            spans[j] = [at, at + len(needles[j])]
+            hay_ids += needles[j]
+        prev = b
+    hay_ids += stream[prev:]
+    ids = prefix + hay_ids + suffix
+    assert len(ids) == n_prompt, (len(ids), n_prompt)
+    for (a, e), n in zip(spans, needles):
+        assert ids[a:e] == n
+    if task == "niah_multivalue":  # the values as the text states them, first to last
+        t["answers"] = [v for _, v in sorted(zip((a for a, _ in spans), t["answers"]))]
+        t["candidates"] = [", ".join(t["answers"])]
+    return {"input_ids": ids, "answer": ", ".join(t["answers"]), "answers": t["answers"], "key": t["key"],
+            "needle_start": spans[0][0], "needle_end": spans[0][1], "spans": spans, "n_keys": len(needles),
+            "values": t["candidates"]}
+
+
 def prompt_seed(seed: int, task: str, context: int, depth: float, prompt: int) -> list[int]:
     """The entropy of one prompt's generator, from values only: the task's name (its first 4 bytes
     of SHA-256), the context, the depth (round(depth · 10⁶)) and the prompt index."""
-    import hashlib
 
     code = int.from_bytes(hashlib.sha256(task.encode()).digest()[:4], "big")
     return [seed, code, context, round(float(depth) * 1_000_000), prompt]
@@ -187,11 +416,13 @@ def make_tasks(tokenizer, bos_id, task: str, context: int, depths, prompts: int,
                gen_tokens: int = 8) -> list[dict]:
     """Every prompt of one (task, context): depths × prompts records, ordered by (depth, prompt).
 
-    Each prompt is `context − gen_tokens` tokens long, so the greedy answer of `gen_tokens`
-    tokens ends exactly at `context`. `bos_id`: the BOS id the model's tokenizer prepends, or
+    Each prompt is `context − g` tokens long (g = `answer_tokens(task, gen_tokens)`, stored as the
+    record's `gen_tokens`), so the greedy answer of g tokens ends exactly at `context`. `bos_id`: the BOS id the model's tokenizer prepends, or
     None."""
     _check(task, context, depths, prompts, seed, gen_tokens)
+    gen_tokens = answer_tokens(task, gen_tokens)
     n_prompt = context - gen_tokens
+    build = make_ruler_prompt if task in RULER_TASKS else make_prompt
 
     def encode(text):
         return tokenizer.encode(text, add_special_tokens=False)
@@ -200,11 +431,12 @@ def make_tasks(tokenizer, bos_id, task: str, context: int, depths, prompts: int,
     for di, depth in enumerate(depths):
         for pi in range(prompts):
             rng = np.random.default_rng(prompt_seed(seed, task, context, depth, pi))
-            rec = make_prompt(encode, bos_id, task, n_prompt, float(depth), rng)
+            rec = build(encode, bos_id, task, n_prompt, float(depth), rng)
+            extra = {"answers": rec["answers"], "spans": rec["spans"]} if task in RULER_TASKS else {}
             out.append({
                 "id": f"{task}-c{context}-d{float(depth):g}-p{pi}", "task": task, "context": context, "depth": float(depth),
                 "depth_index": di, "prompt_index": pi, "seed": seed, "gen_tokens": gen_tokens,
-                "n_prompt": n_prompt, "answer": rec["answer"], "key": rec["key"], "n_keys": rec["n_keys"],
+                "n_prompt": n_prompt, "answer": rec["answer"], "key": rec["key"], "n_keys": rec["n_keys"], **extra,
                 "needle_start": rec["needle_start"], "needle_end": rec["needle_end"],
                 "distance": n_prompt - rec["needle_end"], "task_version": TASK_VERSION,
                 "candidates": rec["values"], "candidate_ids": [encode(answer_text(v)) for v in rec["values"]],
