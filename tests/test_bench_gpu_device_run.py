@@ -42,39 +42,64 @@ def test_smoke_runs_every_step_in_order_without_polars(tmp_path):
                         "--text", str(WIKI_TEXT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     recs = _records(results)
+    # the most important answers first: Qwen 64k, Gemma 16k, flex at head dim 512, the Triton tests
+    steps = [r["step"] for r in recs]
+    assert [s for i, s in enumerate(steps) if i == 0 or s != steps[i - 1]] == [
+        "run", "qwen3.6-27b", "gemma4-31b", "flex", "triton", "run"]
     # no step failed, was skipped or killed (each would have a line of its own)
     assert [(r["step"], r["item"]) for r in recs if r["step"] not in ("flex", *dr.MODELS)] == [
         ("run", "machine"), ("triton", "KVarN Triton GPU tests"), ("run", "projection"), ("run", "done")]
-    assert recs[0]["item"] == "machine" and recs[0]["smoke"] and recs[0]["polars"] is not None
-    # step 1: 2 head dims x 2 dtypes x 2 key counts, largest head dim first, each timed apart from its first call
-    flex = [r for r in recs if r["step"] == "flex"]
-    assert [(r["head_dim"], r["dtype"], r["keys"]) for r in flex] == [
-        (d, t, k) for d in (512, 256) for t in ("float32", "bfloat16") for k in dr.SMOKE["flex_keys"]]
-    assert all(r["status"] == "ok" and r["first_call_s"] > 0 and r["per_call_s"] > 0 and r["finite"] for r in flex)
-    # steps 2 and 3: Qwen first, then Gemma, each run with its warm-up kept apart
-    order = [r["step"] for r in recs if r["step"] in dr.MODELS]
-    assert order == ["qwen3.6-27b"] * 5 + ["gemma4-31b"] * 5
+    # the first line: the import check passed, with the versions imported and where they came from
+    first = recs[0]
+    assert first["item"] == "machine" and first["smoke"] and first["polars"] is not None
+    imports = first["imports"]
+    assert imports["ok"] is True and imports["problems"] == [] and not imports["carried_site"]
+    import torch
+    import transformers
+
+    assert first["torch"] == torch.__version__ and first["transformers"] == transformers.__version__
+    for module in ("torch", "transformers", "tokenizers", "huggingface_hub", "safetensors", "regex"):
+        assert imports["packages"][module]["from"] == "image" and imports["packages"][module]["version"], module
+    assert set(imports["modules"].values()) == {"ok"}
+    # the model steps: Qwen, then Gemma; per run a warm-up line, then its chunk's line
     for model in dr.MODELS:
         runs = [r for r in recs if r["step"] == model and "kind" in r]
-        assert [r["item"] for r in runs] == [label for label, _, _ in dr.RUNS]
-        for r, (_, cell, _) in zip(runs, dr.RUNS):
-            assert r["status"] == "ok" and r["s_per_chunk"] > 0 and r["warmup_s"] > 0, r
+        assert [(r["item"], r["phase"]) for r in runs] == [
+            (label, phase) for label, _, _ in dr.RUNS for phase in ("warm-up", "chunk")]
+        chunks = runs[1::2]
+        for w, r, (_, cell, _) in zip(runs[::2], chunks, dr.RUNS):
+            assert w["status"] == "ok" and w["warmup_s"] == r["warmup_s"] > 0 and "s_per_chunk" not in w, w
+            assert r["status"] == "ok" and r["s_per_chunk"] > 0, r
             k, v, tail = cell or ("bf16", "bf16", 0)
-            assert r["cell"].startswith(f"{k}-{v}-t{tail}") and r["compute"] == recs[0]["compute"], r
+            assert r["cell"].startswith(f"{k}-{v}-t{tail}") and r["compute"] == first["compute"], r
             assert r["n_ctx"] == dr.SMOKE["n_ctx"] and r["graphs_compiled_in_chunk"] is not None
-        base = runs[0]
+        # each run after the first was estimated from the last timed chunk, not from its warm-up
+        assert "est_s" not in chunks[0]
+        for prev, r in zip(chunks, chunks[1:]):
+            assert r["est_s"] == round(dr.WARMUP_EST_S + dr.CHUNK_FACTOR * prev["wall_s"], 1), (prev, r)
+        base = chunks[0]
         # the smoke's chunk has fewer rows than --encode-rows: every row encoded, nothing extrapolated
         assert base["encode_rows"] == dr.SMOKE["n_ctx"] - 1 - dr.SMOKE["n_ctx"] // 2
         assert base["encode_s_chunk"] == pytest.approx(base["encode_s"]) and base["kept_bytes"] > 0
     load = next(r for r in recs if r["step"] == "qwen3.6-27b" and r["item"] == "load")
     assert load["linear_attention"].endswith("chunk_gated_delta_rule")
+    # flex: head dim 512 only, the TF32 case first, each timed apart from its first call; the TF32
+    # case compares its output with both P rules (eager on CPU: fp32 dots, so P is not truncated)
+    flex = [r for r in recs if r["step"] == "flex"]
+    assert [(r["head_dim"], r["dtype"], r["keys"]) for r in flex] == [
+        (512, t, k) for t in ("float32", "bfloat16") for k in dr.SMOKE["flex_keys"]]
+    assert all(r["status"] == "ok" and r["first_call_s"] > 0 and r["per_call_s"] > 0 and r["finite"] for r in flex)
+    tf32 = [r for r in flex if r.get("tf32")]
+    assert len(tf32) == len(dr.SMOKE["flex_keys"]) and all(r["p_rule"]["closer"] == "nearest" for r in tf32)
+    assert all(abs(r["p_rule"]["truncate"]["mean"]) > 10 * abs(r["p_rule"]["nearest"]["mean"]) for r in tf32)
     triton = next(r for r in recs if r["step"] == "triton")
     assert triton["status"] == "ok" and triton["failed"] == 0 and triton["passed"] + triton["skipped"] == 26
     proj = next(r for r in recs if r["item"] == "projection")
     assert set(proj["measured"]) == set(dr.MODELS)
     assert all(set(v) == {"baseline", "kvarn", "standard tail", "standard t0"} for v in proj["measured"].values())
     md = (results / "device_run.md").read_text()
-    assert "**Smoke run**" in md and "Run finished in" in md
+    assert "**Smoke run**" in md and "Run finished in" in md and "Import check (" in md and ": ok. Found:" in md
+    assert md.index("## 1. qwen3.6-27b") < md.index("## 2. gemma4-31b") < md.index("## 3. flex") < md.index("## 4.")
     if importlib.util.find_spec("bench.gpu.projection") is not None:  # item 2's module, filled from the numbers
         assert "error" not in proj and proj["projection"]["total_hours"] > 0
         assert sum(row["source"] == "measured" for row in proj["projection"]["rows"]) == 8
@@ -94,7 +119,7 @@ def test_a_zero_budget_skips_every_step_and_says_so(tmp_path):
     assert dr.main(["--smoke", "--budget-s", "0", "--results", str(results), "--text", str(__file__)]) == 0
     recs = _records(results)
     skipped = [r["step"] for r in recs if r.get("status") == "skipped"]
-    assert skipped == [name for name, _ in dr.STEPS]
+    assert skipped == [name for name, _ in dr.STEPS] == ["qwen3.6-27b", "gemma4-31b", "flex", "triton"]
     assert next(r for r in recs if r["item"] == "projection")["error"] == "nothing measured yet"
     md = (results / "device_run.md").read_text()
     assert md.count("skipped: would start") == 4 and "Not available: nothing measured yet" in md
@@ -102,6 +127,7 @@ def test_a_zero_budget_skips_every_step_and_says_so(tmp_path):
 
 def test_a_step_past_its_deadline_is_killed_and_keeps_what_it_finished(tmp_path, monkeypatch):
     monkeypatch.setattr(dr, "MIN_START_S", 0.0)
+    monkeypatch.setitem(dr.STEP_MIN_S, "flex", 0.0)
     rec = dr.Recorder(tmp_path)
     child = textwrap.dedent(f"""
         import os, subprocess, sys, time
@@ -118,7 +144,7 @@ def test_a_step_past_its_deadline_is_killed_and_keeps_what_it_finished(tmp_path,
     recs = rec.records()
     assert [(r["item"], r["status"]) for r in recs] == [("first case", "ok"), ("step", "killed")]
     md = rec.md.read_text()
-    assert "Step flex: killed: still running at its deadline" in md
+    assert "Step flex: killed: still running at the run's deadline" in md
     # the whole process group went, the step's own children too
     for pid in map(int, (tmp_path / "pids").read_text().split()):
         for _ in range(50):
@@ -146,12 +172,14 @@ def test_a_failing_flex_case_is_a_result_and_is_retried_with_small_blocks(tmp_pa
                         real(kernel, case, device, dtype, 1))
     dr.step_flex(args, rec)
     recs = rec.records()
-    assert len(recs) == 8 + 2
+    n = len(dr.SMOKE["flex_keys"])
+    assert len(recs) == 2 * n + n
     failed = [r for r in recs if r["status"] == "error"]
-    assert [(r["head_dim"], r["dtype"]) for r in failed] == [(512, "float32")] * 2
+    assert [(r["head_dim"], r["dtype"]) for r in failed] == [(512, "float32")] * n
     assert all("out of resource: shared memory" in r["error"] for r in failed)
-    retries = [r for r in recs if r.get("kernel_options")]
-    assert [r["item"] for r in retries] == [f"D512 float32 {k} keys small blocks" for k in dr.SMOKE["flex_keys"]]
+    retries = [r for r in recs if r.get("small_blocks")]
+    assert [r["item"] for r in retries] == [f"D512 float32 (TF32 dots) {k} keys small blocks"
+                                            for k in dr.SMOKE["flex_keys"]]
     assert all(r["status"] == "ok" for r in retries)
     assert "out of resource: shared memory" in rec.md.read_text()
 
@@ -224,14 +252,14 @@ def test_without_the_projection_module_the_rest_still_renders(monkeypatch):
 
 def test_the_carry_fits_the_call(tmp_path):
     """What a device call copies (the checkout as git sees it, ignored files aside) plus .gpu
-    (bench/gpu/prepare.sh's; where it was not prepared here, the 15.7 MiB it measured) stays
+    (bench/gpu/prepare.sh's; where it was not prepared here, the 32.0 MiB it measured) stays
     under the call's 64 MiB, and prepare.sh fetches no polars."""
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, check=True).stdout.split(b"\0")
     tree = sum((ROOT / f.decode()).stat().st_size for f in files if f and (ROOT / f.decode()).is_file())
     gpu_dir = ROOT / ".gpu"
     gpu = (sum(p.stat().st_size for p in gpu_dir.rglob("*") if p.is_file()) if gpu_dir.is_dir()
-           else int(15.7 * 2**20))
+           else int(32.0 * 2**20))
     assert tree + gpu < 64 * 2**20, (tree / 2**20, gpu / 2**20)
     assert "polars" not in (ROOT / "bench" / "gpu" / "prepare.sh").read_text().split("pip download")[1].split("\n")[2]
     if gpu_dir.is_dir():
