@@ -34,6 +34,7 @@ fi
 # The Python part's deadline: what the 7 minutes leave after the install, less 15 s for the kill
 # and the last lines; `timeout` 10 s later in case the run's own deadline does not hold.
 budget=${BUDGET_S:-$(( total - ($(date +%s) - start) - 15 ))}
+[ "$budget" -ge 1 ] || budget=1  # past it already: every step is recorded as skipped
 timeout $((budget + 10)) python3 -m bench.gpu.device_run --results "$out" --budget-s "$budget" \
   ${STEPS:+--steps "$STEPS"} 2>&1 | tee "$out/device_run.log"
 rc=${PIPESTATUS[0]}
