@@ -245,11 +245,12 @@ def test_plan_of_the_default_config_and_its_checks():
     cfg = _config()
     r = plan.expand(cfg, ["smollm2-135m", "gemma3-270m"])
     m = r.models["smollm2-135m"]
-    assert m.cells[0] == score.BASELINE_CELL and len(m.cells) == 6 and m.contexts == (1024,)
-    assert len(r.task_files()) == 2 * 1 * 3 and len(r.answer_files()) == 2 * 1 * 6 * 3
-    assert r.answer_files("gemma3-270m", 1024, "kvarn4-kvarn4-t0") == [
-        f"results/retrieval/gemma3-270m/ctx1024/{t}/kvarn4-kvarn4-t0.jsonl" for t in ("passkey", "multikey", "kv")]
-    assert r.n_jobs() == 6 + 12 + 2
+    assert m.cells[0] == score.BASELINE_CELL and len(m.cells) == 6 and m.contexts == (256, 512)
+    assert len(r.task_files()) == 2 * 2 * 2 and len(r.answer_files()) == 2 * 2 * 6 * 2
+    assert r.answer_files("gemma3-270m", 512, "kvarn4-kvarn4-t0") == [
+        f"results/retrieval/gemma3-270m/ctx512/{t}/kvarn4-kvarn4-t0.jsonl" for t in ("niah_single_2", "niah_single_3")]
+    assert r.n_jobs() == 8 + 24 + 2
+    assert r.threads == 1 and r.hold_gpu is False  # a CPU run: one-thread cell jobs side by side
     assert plan.expand({}, []) is None
     assert plan.targets(r) == list(plan.report_files().values())
     with pytest.raises(plan.RetrievalError, match="this config has no `retrieval:` key; run it with --configfile"):
@@ -279,7 +280,10 @@ def _counts(text: str) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_dry_run_plans_the_default_retrieval_run():
-    """snakemake -n retrieval (everything forced): 6 task files, 12 cell jobs (2 models x
-    (baseline + 5 cells)), the report and the target."""
+    """snakemake -n retrieval (everything forced): 8 task files (2 models x 2 contexts x 2 tasks),
+    24 cell jobs (2 models x 2 contexts x (baseline + 5 cells)), the report and the target; the
+    cell jobs hold no `gpu` (retrieval.hold_gpu false), so --cores 2 runs two at once."""
     out = _dry("config/retrieval.yaml", "retrieval")
-    assert _counts(out) == {"retrieval_tasks": 6, "retrieval_cell": 12, "retrieval_report": 1, "retrieval": 1}
+    assert _counts(out) == {"retrieval_tasks": 8, "retrieval_cell": 24, "retrieval_report": 1, "retrieval": 1}
+    cell_jobs = re.findall(r"^rule retrieval_cell:.*?^\s+resources: (.*?)$", out, flags=re.M | re.S)
+    assert len(cell_jobs) == 24 and all(r.endswith("gpu=0") for r in cell_jobs), cell_jobs

@@ -31,14 +31,15 @@ ANSWER_FILE = RUN_DIR + "/{task}/{k}-{v}-t{tail}{opts}.jsonl"
 REPORT_FILES = {
     "scores": "scores.parquet", "comparisons": "comparisons.parquet", "by_distance": "by_distance.parquet",
     "exact_tail": "exact_tail.parquet", "ordering": "ordering.parquet", "answers": "answers.parquet",
-    "paired": "paired.parquet",
+    "paired": "paired.parquet", "grid": "grid.parquet",
     "md": "retrieval.md", "paragraph": "README-paragraph.md",
 }
 SUMMARY = "results/summary.parquet"  # the teacher-forced run's table (workflow/rules/aggregate.smk)
 FIGURE_STEM = RETRIEVAL_DIR + "/figures/retrieval"
+HEATMAP_STEM = RETRIEVAL_DIR + "/figures/heatmap"  # length x depth, per (model, cell)
 DEFAULTS = {"seed": 0, "gen_tokens": 8, "batch": 8, "threads": None, "tasks": list(TASKS), "depths": [0.25, 0.5, 1.0],
             "prompts": 2, "distance_bins": [0, 128, 512, 2048, 8192, 32768],
-            "teacher_forced": SUMMARY}
+            "teacher_forced": SUMMARY, "hold_gpu": True}
 _TOP = set(DEFAULTS) | {"models", "cells"}
 _MODEL = {"name", "contexts", "depths", "prompts", "cells"}
 
@@ -66,6 +67,7 @@ class Retrieval:
     distance_bins: tuple[int, ...]
     teacher_forced: str
     models: dict[str, RetrievalModel]
+    hold_gpu: bool = True  # a cell job holds the run's one `gpu` resource (false: CPU jobs side by side)
 
     def task_spec(self, model: str) -> dict:
         """What a model's task files are made from: a change reruns its task and answer jobs."""
@@ -107,6 +109,7 @@ def report_files() -> dict[str, str]:
 
     out = {k: f"{RETRIEVAL_DIR}/{v}" for k, v in REPORT_FILES.items()}
     out.update({f"figure_{ext.replace('.', '_')}": f"{FIGURE_STEM}.{ext}" for ext in FIGURE_FORMATS})
+    out.update({f"heatmap_{ext.replace('.', '_')}": f"{HEATMAP_STEM}.{ext}" for ext in FIGURE_FORMATS})
     return out
 
 
@@ -126,7 +129,8 @@ def reader_digest() -> str:
 
     from kvarn.retrieval import score
 
-    src = inspect.getsource(score.read_answer) + score.DIGITS.pattern
+    src = inspect.getsource(score.read_answer) + score.DIGITS.pattern + inspect.getsource(score.grade) + "".join(
+        p.pattern for p in score.VALUE_PATTERNS.values())
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
@@ -207,6 +211,10 @@ def expand(config: dict, model_names) -> Retrieval | None:
     if not isinstance(bins, list) or not bins or any(isinstance(b, bool) or not isinstance(b, int) for b in bins) \
             or bins != sorted(set(bins)) or bins[0] != 0:
         raise RetrievalError(f"retrieval.distance_bins: must be increasing integers starting at 0, got {bins!r}")
+    if not isinstance(r["hold_gpu"], bool):
+        raise RetrievalError(f"retrieval.hold_gpu: must be true (a cell job holds the run's one `gpu` resource: one "
+                             f"at a time, as on a GPU node) or false (CPU: --cores N runs cell jobs side by side), "
+                             f"got {r['hold_gpu']!r}")
     if not isinstance(r["teacher_forced"], str):
         raise RetrievalError(f"retrieval.teacher_forced: must be a path, got {r['teacher_forced']!r}")
     if "cells" not in raw:
@@ -244,4 +252,4 @@ def expand(config: dict, model_names) -> Retrieval | None:
             cells=_cells(_where("models", i, "cells"), m["cells"]) if "cells" in m else cells)
     return Retrieval(tasks=tuple(tasks), seed=_int("retrieval.seed", r["seed"], 0), gen_tokens=gen_tokens,
                      batch=_int("retrieval.batch", r["batch"], 1), threads=threads, distance_bins=tuple(bins),
-                     teacher_forced=r["teacher_forced"], models=models)
+                     teacher_forced=r["teacher_forced"], models=models, hold_gpu=r["hold_gpu"])

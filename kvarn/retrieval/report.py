@@ -44,8 +44,7 @@ def load_answers(paths) -> pl.DataFrame:
     for p in paths:
         for r in read_tasks(p):
             row = {k: r[k] for k in ANSWER_COLUMNS}
-            row["given"] = score.read_answer(r["text"])
-            row["correct"] = row["given"] == r["answer"]
+            row["given"], row["correct"] = score.grade(r["task"], r["text"], r["answer"])
             for k in MEASURE_COLUMNS:  # the continuous measure (None in answer files made before it)
                 row[k] = r.get(k)
             rows.append(row)
@@ -95,45 +94,79 @@ def _of(frame: pl.DataFrame, model: str, context: int) -> pl.DataFrame:
     return frame.filter((pl.col("model") == model) & (pl.col("context") == context))
 
 
-def ordering(scores: pl.DataFrame, teacher_forced, answers: pl.DataFrame | None = None
-             ) -> tuple[pl.DataFrame, dict[tuple[str, int], str]]:
+def _measure_matrix(answers: pl.DataFrame, cells: list[str]):
+    """[prompts, cells] of (cell − exact cache) of the correct value's log p on the prompts every
+    cell and the baseline scored (None without the measure)."""
+    if "logprob" not in answers.columns or answers["logprob"].is_null().all():
+        return None
+    wide = answers.filter(pl.col("cell").is_in([*cells, score.BASELINE_CELL])).pivot(
+        on="cell", index="id", values="logprob").drop_nulls()
+    if score.BASELINE_CELL not in wide.columns or not set(cells) <= set(wide.columns) or not wide.height:
+        return None
+    return wide.select(cells).to_numpy() - wide[score.BASELINE_CELL].to_numpy()[:, None]
+
+
+def ordering(scores: pl.DataFrame, teacher_forced, answers: pl.DataFrame | None = None,
+             paired: pl.DataFrame | None = None) -> tuple[pl.DataFrame, dict[tuple[str, int], str]]:
     """Per model, context and non-baseline cell: retrieval rank and median-KLD rank (None without
     a teacher-forced row); and per (model, context) a note (which run was read, Kendall's tau, with
     `answers` its bootstrap interval over prompts (`score.tau_bootstrap`), the pairs the two
-    orderings disagree on)."""
+    orderings disagree on).
+
+    The retrieval rank (issue 53) is by the paired continuous difference when `paired` has it:
+    the mean (cell − exact cache) of the correct value's teacher-forced log p, higher (less lost)
+    first, then accuracy; accuracy beside it. Without the measure: accuracy, then agreement, then
+    fewer lost. Kendall's tau and the disagreements compare the same measure with median KLD."""
     rows, notes = [], {}
     for model, context in _runs(scores):
         s = _of(scores, model, context).filter(pl.col("cell") != score.BASELINE_CELL)
         kld, note = teacher_forced_kld(teacher_forced, model, s["cell"].to_list())
         s = s.join(kld, on="cell", how="left") if kld is not None else s.with_columns(
             pl.lit(None, dtype=pl.Float64).alias("kld_median"))
-        key = list(zip(-s["accuracy"], -s["agreement"], s["lost"]))
+        pc = None if paired is None else _of(paired, model, context).filter(pl.col("dlogprob").is_not_nan())
+        by_lp = pc is not None and pc.height == s.height
+        if by_lp:
+            s = s.join(pc.select("cell", "dlogprob"), on="cell", how="left")
+            key = list(zip(-s["dlogprob"], -s["accuracy"]))
+            measure, what = "dlogprob", "Δ log p"
+        else:
+            s = s.with_columns(pl.lit(None, dtype=pl.Float64).alias("dlogprob"))
+            key = list(zip(-s["accuracy"], -s["agreement"], s["lost"]))
+            measure, what = "accuracy", "accuracy"
         s = s.with_columns(pl.Series("retrieval_rank", [1 + sum(k2 < k for k2 in key) for k in key]),
-                           pl.col("kld_median").rank("min").alias("kld_rank"))
+                           pl.col("kld_median").rank("min").alias("kld_rank"),
+                           pl.lit(measure).alias("ranked_by"))
         pairs = []
         recs = s.to_dicts()
         for i, a in enumerate(recs):
             for b in recs[i + 1 :]:
                 if a["kld_median"] is None or b["kld_median"] is None:
                     continue
-                if (a["accuracy"] - b["accuracy"]) * (b["kld_median"] - a["kld_median"]) < 0:
-                    hi, lo = (a, b) if a["accuracy"] > b["accuracy"] else (b, a)
-                    pairs.append(f"{hi['label']} retrieves more ({hi['correct']}/{hi['n']} vs {lo['correct']}/{lo['n']}) "
+                if (a[measure] - b[measure]) * (b["kld_median"] - a["kld_median"]) < 0:
+                    hi, lo = (a, b) if a[measure] > b[measure] else (b, a)
+                    shown = (f"Δ log p {hi['dlogprob']:+.3f} vs {lo['dlogprob']:+.3f}" if by_lp
+                             else f"{hi['correct']}/{hi['n']} vs {lo['correct']}/{lo['n']}")
+                    pairs.append(f"{hi['label']} retrieves better ({shown}) "
                                  f"with the higher median KLD ({hi['kld_median']:.3g} vs {lo['kld_median']:.3g})")
         have = s.filter(pl.col("kld_median").is_not_null())
-        tau = float(kendalltau(-have["accuracy"], have["kld_median"]).statistic) if have.height > 2 else math.nan
+        tau = float(kendalltau(-have[measure], have["kld_median"]).statistic) if have.height > 2 else math.nan
         ci = ""
         if answers is not None and have.height > 2 and not math.isnan(tau):
             a = _of(answers, model, context)
             cells = have["cell"].to_list()
-            wide = a.filter(pl.col("cell").is_in(cells)).pivot(on="cell", index="id", values="correct").drop_nulls()
-            t = score.tau_bootstrap(wide.select(cells).to_numpy().astype(bool), have["kld_median"].to_numpy())
-            s = s.with_columns(pl.lit(t["tau"]).alias("tau"), pl.lit(t["lo"]).alias("tau_lo"),
-                               pl.lit(t["hi"]).alias("tau_hi"))
-            ci = (f" [{t['lo']:+.2f}, {t['hi']:+.2f}] (95 % bootstrap over the {wide.height} prompts, "
-                  f"{t['defined']} of {t['resamples']} resamples with a tau)") if t["defined"] else \
-                " (no bootstrap interval: every resample ties all accuracies)"
-        notes[(model, context)] = note + (f"; Kendall's tau (accuracy vs median KLD) {tau:+.2f}{ci}" if not math.isnan(tau) else "") + (
+            if by_lp:
+                x = _measure_matrix(a, cells)
+            else:
+                x = a.filter(pl.col("cell").is_in(cells)).pivot(on="cell", index="id", values="correct").drop_nulls(
+                ).select(cells).to_numpy().astype(bool)
+            if x is not None:
+                t = score.tau_bootstrap(x, have["kld_median"].to_numpy())
+                s = s.with_columns(pl.lit(t["tau"]).alias("tau"), pl.lit(t["lo"]).alias("tau_lo"),
+                                   pl.lit(t["hi"]).alias("tau_hi"))
+                ci = (f" [{t['lo']:+.2f}, {t['hi']:+.2f}] (95 % bootstrap over the {x.shape[0]} prompts, "
+                      f"{t['defined']} of {t['resamples']} resamples with a tau)") if t["defined"] else \
+                    " (no bootstrap interval: every resample ties all cells)"
+        notes[(model, context)] = note + (f"; Kendall's tau ({what} vs median KLD) {tau:+.2f}{ci}" if not math.isnan(tau) else "") + (
             "; disagreements: " + "; ".join(pairs) if pairs else ("; no pair ordered differently" if kld is not None else ""))
         rows.append(s.with_columns(pl.lit(len(pairs)).alias("disagreements")))
     return pl.concat(rows, how="diagonal_relaxed").sort(*score.GROUP, "retrieval_rank"), notes
@@ -168,6 +201,53 @@ def figure(scores: pl.DataFrame, dist: pl.DataFrame) -> alt.TopLevelMixin:
         "Long-context retrieval through a quantized KV cache",
         subtitle="greedy answers to seeded pass-key, multi-key and key-value prompts; "
                  "bf16 (exact) = the exact cache's own answers", anchor="start"))
+
+
+def grid(answers: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, cell, context, depth): n, correct, accuracy, the mean (cell − exact cache) of the
+    correct value's log p on those prompts (`dlogprob`; None for the baseline or without the
+    measure), and how many of the needles lie in the cell's sink / exact tail / body
+    (`score.needle_position`): the length x depth grid of RULER's and NIAH's heatmaps."""
+    df = answers
+    if "position" not in df.columns:
+        df = score.with_position(df)
+    has_lp = "logprob" in df.columns and not df["logprob"].is_null().all()
+    if has_lp:
+        base = df.filter(pl.col("cell") == score.BASELINE_CELL).select(*score.GROUP, "id",
+                                                                      pl.col("logprob").alias("base_lp"))
+        df = df.join(base, on=[*score.GROUP, "id"], how="left").with_columns(
+            pl.when(pl.col("cell") != score.BASELINE_CELL).then(pl.col("logprob") - pl.col("base_lp")).alias("d_lp"))
+    else:
+        df = df.with_columns(pl.lit(None, dtype=pl.Float64).alias("d_lp"))
+    return df.group_by("model", "cell", "context", "depth").agg(
+        pl.len().alias("n"), pl.col("correct").sum().alias("correct"), pl.col("d_lp").mean().alias("dlogprob"),
+        *[(pl.col("position") == w).sum().alias(f"in_{w}") for w in score.POSITIONS],
+    ).with_columns((pl.col("correct") / pl.col("n")).alias("accuracy"),
+                   pl.col("cell").map_elements(score.cell_label, return_dtype=pl.String).alias("label"),
+                   ).sort("model", "cell", "context", "depth")
+
+
+def heatmap(g: pl.DataFrame) -> alt.TopLevelMixin:
+    """RULER / NIAH style: per model, one panel per cell, context length (rows) x the needle's depth
+    (columns), coloured by accuracy, each square labelled correct/n."""
+    rows = []
+    for model in sorted(g["model"].unique()):
+        d = g.filter(pl.col("model") == model).with_columns(
+            pl.format("{}/{}", "correct", "n").alias("frac"), pl.col("depth").cast(pl.String).alias("d"))
+        order = d.sort("cell")["label"].unique(maintain_order=True).to_list()
+        base = alt.Chart(d).encode(
+            x=alt.X("d:O", title="needle depth (0: start, 1: before the question)"),
+            y=alt.Y("context:O", title="context (tokens)", sort="descending"))
+        rect = base.mark_rect().encode(
+            color=alt.Color("accuracy:Q", scale=alt.Scale(domain=[0, 1], scheme="redyellowgreen"), title="accuracy"),
+            tooltip=["label:N", "context:Q", "depth:Q", "frac:N", alt.Tooltip("dlogprob:Q", format="+.3f"),
+                     "in_sink:Q", "in_tail:Q", "in_body:Q"])
+        text = base.mark_text(fontSize=9).encode(text="frac:N")
+        rows.append((rect + text).properties(width=WIDTH * 0.16, height=HEIGHT * 0.3).facet(
+            column=alt.Column("label:N", title=None, sort=order), title=model))
+    return alt.vconcat(*rows).properties(title=alt.TitleParams(
+        "Retrieval accuracy by context length and needle depth, per cache",
+        subtitle="greedy answers; bf16 (exact) = the exact cache; squares labelled correct / prompts", anchor="start"))
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -237,9 +317,10 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired) 
                 [[r["label"], r["position"], r["n"], r["base_correct"], r["correct"], r["lost"], r["differ"]]
                  for r in e.iter_rows(named=True)]), ""]
         o = _of(order, model, context)
-        parts += ["Ordering: retrieval beside the teacher-forced median KLD of the same cells:", "", _table(
-            ["cell", "retrieval rank", "accuracy", "median KLD", "KLD rank"],
-            [[r["label"], r["retrieval_rank"], _fmt(r["accuracy"]),
+        parts += ["Ordering: retrieval (ranked by the paired Δ log p against the exact cache, higher first; accuracy "
+                  "beside it) next to the teacher-forced median KLD of the same cells:", "", _table(
+            ["cell", "retrieval rank", "Δ log p", "accuracy", "median KLD", "KLD rank"],
+            [[r["label"], r["retrieval_rank"], _fmt(r.get("dlogprob"), 3), _fmt(r["accuracy"]),
               "–" if r["kld_median"] is None else f"{r['kld_median']:.4g}",
               "–" if r["kld_rank"] is None else int(r["kld_rank"])] for r in o.iter_rows(named=True)]), "",
                   notes[(model, context)] + ".", ""]
@@ -300,10 +381,11 @@ def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.pa
     scores, comps = score.with_holm(scores, score.comparisons(answers))
     dist = score.by_distance(answers, **({"edges": tuple(bins)} if bins else {}))
     tail = score.exact_tail(answers)
-    order, notes = ordering(scores, teacher_forced, answers)
     paired = score.paired_continuous(answers.filter(pl.col("logprob").is_not_null()))
+    order, notes = ordering(scores, teacher_forced, answers, paired)
+    cells_grid = grid(answers)
     for key, frame in (("scores", scores), ("comparisons", comps), ("by_distance", dist), ("exact_tail", tail),
-                       ("ordering", order), ("answers", answers), ("paired", paired)):
+                       ("ordering", order), ("answers", answers), ("paired", paired), ("grid", cells_grid)):
         Path(outputs[key]).parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(outputs[key]) as tmp:
             frame.write_parquet(tmp)
@@ -312,4 +394,5 @@ def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.pa
     stem = Path(outputs["figure_png"]).with_suffix("")
     stem.parent.mkdir(parents=True, exist_ok=True)
     written = save_chart(figure(scores, dist), stem)
-    return [Path(p) for k, p in outputs.items() if not k.startswith("figure_")] + written
+    written += save_chart(heatmap(cells_grid), Path(outputs["heatmap_png"]).with_suffix(""))
+    return [Path(p) for k, p in outputs.items() if not k.startswith(("figure_", "heatmap_"))] + written

@@ -54,7 +54,8 @@ rule retrieval_cell:
         versions=format_versions,
     threads: lambda wildcards: (RETRIEVAL.threads if RETRIEVAL and RETRIEVAL.threads else MODEL_THREADS)
     resources:
-        gpu=1,
+        # retrieval.hold_gpu false (a CPU run): no `gpu`, so --cores 2 runs two one-thread cell jobs at once
+        gpu=1 if RETRIEVAL is None or RETRIEVAL.hold_gpu else 0,
     log:
         f"{RETRIEVAL_LOG}/{{k}}-{{v}}-t{{tail}}{{opts}}.log",
     benchmark:
