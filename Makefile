@@ -28,9 +28,9 @@ perlayer: setup
 	$(BIN)/snakemake perlayer --configfile config/ledger.yaml config/perlayer.yaml --cores $(CORES) --resources gpu=1
 
 # The pinned upstream llama.cpp for the llama.cpp engine's tests, built for this CPU once per machine
-# into ~/.cache/kvarn/llamacpp (KVARN_LLAMACPP_CACHE); later runs reuse it (python -m kvarn.program.build).
+# into ~/.cache/kvarn/llamacpp (KVARN_LLAMACPP_CACHE); later runs reuse it (python -m kvarn.llamacpp_engine.build).
 llamacpp: setup
-	$(BIN)/python -m kvarn.program.build > /dev/null
+	$(BIN)/python -m kvarn.llamacpp_engine.build > /dev/null
 
 # The suite on TEST_WORKERS pytest-xdist workers (tests/conftest.py says how the work is split);
 # TEST_WORKERS=0 runs it in one process.

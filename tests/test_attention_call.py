@@ -18,11 +18,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvarn.kvcache.attention as kattn
 import kvarn.kvcache.flex as kflex
-import kvarn.llamacpp.compute as kcompute
+import kvarn.llamacpp_cpu.compute as kcompute
 from kvarn.kvcache.attention import kvarn_attention_forward, resolve_attention, split_mask
 from kvarn.formats.hadamard import rotate_blocks
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer, exact_selection
-from kvarn.llamacpp.channel_order import gguf_order
+from kvarn.llamacpp_cpu.channel_order import gguf_order
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.policy import LayerPolicy
 
@@ -81,7 +81,7 @@ def test_a_rounded_path_takes_the_default_scaling(llama, compute):
 
 
 def test_the_llamacpp_path_gets_the_models_scaling(llama):
-    # compute llamacpp-cpu: the call goes to kvarn.llamacpp.compute with the model's scaling, 1/sqrt(D)
+    # compute llamacpp-cpu: the call goes to kvarn.llamacpp_cpu.compute with the model's scaling, 1/sqrt(D)
     # when none is passed
     cache, q, k, v = filled(llama, CellSpec("q8_0", "q8_0", 0, compute="llamacpp-cpu"), 12)
     layer, module, mask = cache.layers[0], module_of(llama), causal(12, 12)

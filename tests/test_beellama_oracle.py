@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn.llamacpp import q8
+from kvarn.llamacpp_cpu import q8
 from kvarn.formats import get_format
 from kvarn.formats import kvarn as K
 from kvarn.formats.hadamard import hadamard
@@ -91,7 +91,7 @@ def test_blocks_match_beellama(name):
 
 def test_q8_0_beellama_cpu_rounds_ties_to_even():
     """BeeLlama's CPU q8_0 cache row is the x86 SIMD quantize_row_q8_0 (ties to even), as
-    kvarn.llamacpp.compute's llamacpp-cpu emulation has it; kvarn's q8_0 format is ggml's reference
+    kvarn.llamacpp_cpu.compute's llamacpp-cpu emulation has it; kvarn's q8_0 format is ggml's reference
     (roundf: ties away from zero). They differ exactly on the tie blocks of the fixture."""
     x = QO.fixture_block_input()
     bq, bd, _ = QO.beellama_block_fields("q8_0", DATA["block_q8_0"])

@@ -4,7 +4,7 @@ order for a llama-arch model (whose GGUF permutes K), and a re-drawn row is seed
 import torch
 
 from bench.oracles.llamacpp import sink
-from kvarn.llamacpp import channel_order
+from kvarn.llamacpp_cpu import channel_order
 
 
 
@@ -12,7 +12,7 @@ def test_llama_rows_back_in_transformers_order():
     g = torch.Generator().manual_seed(0)
     full_k, full_v = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)  # [H_kv, positions, D]
     k, v = full_k[:, 2:5], full_v[:, 2:5]  # ours: the swapped positions 2..4
-    theirs_k = full_k[..., channel_order.gguf_order(64)]  # how llama.cpp holds a llama-arch K (kvarn.llamacpp.compute.k_operand)
+    theirs_k = full_k[..., channel_order.gguf_order(64)]  # how llama.cpp holds a llama-arch K (kvarn.llamacpp_cpu.compute.k_operand)
     assert not torch.equal(theirs_k, full_k)  # the permutation is not the identity, or this tests nothing
 
     def dumped(x):  # llama.cpp's dump: one row per position from 0, heads side by side

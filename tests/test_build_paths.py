@@ -1,5 +1,5 @@
 """A build path that is not a build is refused naming the path and what is accepted, by the library
-and by `python -m kvarn.program.build` (an exit status 2 and one line, no traceback)."""
+and by `python -m kvarn.llamacpp_engine.build` (an exit status 2 and one line, no traceback)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvarn.program import build as pbuild
+from kvarn.llamacpp_engine import build as pbuild
 
 
 @pytest.mark.parametrize("kind, text", [
@@ -26,6 +26,6 @@ def test_a_path_that_is_not_a_build_is_refused_by_name(tmp_path, kind, text):
     with pytest.raises(pbuild.BuildError) as e:
         pbuild.read_build(p)
     assert str(e.value) == text.format(p=p.resolve())
-    done = subprocess.run([sys.executable, "-m", "kvarn.program.build", str(p)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "kvarn.llamacpp_engine.build", str(p)], capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == f"python -m kvarn.program.build: error: {text.format(p=p.resolve())}"
+    assert done.stderr.strip() == f"python -m kvarn.llamacpp_engine.build: error: {text.format(p=p.resolve())}"

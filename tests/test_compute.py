@@ -1,4 +1,4 @@
-"""kvarn.llamacpp.compute (llamacpp-cpu) against a slow reference written straight from ggml-cpu's semantics.
+"""kvarn.llamacpp_cpu.compute (llamacpp-cpu) against a slow reference written straight from ggml-cpu's semantics.
 
 The reference quantizes the cache with the `gguf` package (independent of
 kvarn.formats.blocks), converts Q block by block, takes integer block dots and runs
@@ -17,7 +17,7 @@ from gguf.quants import dequantize, quantize
 from kvarn.spec.cell import CellSpec
 from kvarn.spec import scoring
 
-from kvarn.llamacpp import activations, channel_order, compute, q8
+from kvarn.llamacpp_cpu import activations, channel_order, compute, q8
 
 from kvarn.spec import options
 from kvarn.kvcache.cache import KVarnLayer, make_format

@@ -1,4 +1,4 @@
-"""kvarn.llamacpp.llamakld: llama-perplexity's --kl-divergence-base file, written from our dump and read back."""
+"""kvarn.llamacpp_cpu.llamakld: llama-perplexity's --kl-divergence-base file, written from our dump and read back."""
 
 import struct
 
@@ -9,7 +9,7 @@ import torch
 from kvarn.baseline import dump
 from kvarn.baseline.protocol import Baseline
 
-from kvarn.llamacpp import llamakld
+from kvarn.llamacpp_cpu import llamakld
 
 N_CTX, V, CHUNKS = 16, 11, 2
 N_SCORED = N_CTX - 1 - N_CTX // 2

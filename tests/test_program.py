@@ -1,7 +1,7 @@
-"""Engine llama.cpp (kvarn.program): a real upstream llama.cpp build runs a small matrix through the DAG.
+"""Engine llama.cpp (kvarn.llamacpp_engine): a real upstream llama.cpp build runs a small matrix through the DAG.
 
 The build is the pinned upstream source (llama-cpp-python's vendored llama.cpp from PyPI), built
-for this CPU once per machine (`python -m kvarn.program.build`, which `make test` runs first; a
+for this CPU once per machine (`python -m kvarn.llamacpp_engine.build`, which `make test` runs first; a
 missing compiler or source fails here, it is never skipped). SmolLM2 at n_ctx 1024, 2 chunks:
 q8_0 and q4_0 at tail 0, q4_0 with the rotation off. Checked against the program itself:
 
@@ -23,9 +23,9 @@ import polars as pl
 import pytest
 
 from kvarn.plan import matrix as kvm
-from kvarn.program import build as pbuild
-from kvarn.program import runner
-from kvarn.program.settings import Settings
+from kvarn.llamacpp_engine import build as pbuild
+from kvarn.llamacpp_engine import runner
+from kvarn.llamacpp_engine.settings import Settings
 from kvarn.spec.cell import CellSpec
 from paths import CACHE_DIR, WIKI_TEXT
 from test_workflow import ROOT, plan, smk, workflow_copy

@@ -1,4 +1,4 @@
-"""The llama.cpp engine's self-check (kvarn.program.runner.self_check) against a fake program.
+"""The llama.cpp engine's self-check (kvarn.llamacpp_engine.runner.self_check) against a fake program.
 
 The fake harness writes one chunk's per-token records; like BeeLlama v0.4.3, it races at more than
 one thread only where the cell's exact tail ring (effective tail + 1 slots) is shorter than a ubatch
@@ -15,9 +15,9 @@ import re
 import numpy as np
 import pytest
 
-from kvarn.program import build as pbuild
-from kvarn.program import runner
-from kvarn.program.settings import Settings
+from kvarn.llamacpp_engine import build as pbuild
+from kvarn.llamacpp_engine import runner
+from kvarn.llamacpp_engine.settings import Settings
 from kvarn.spec import facts
 from kvarn.spec.cell import CellSpec
 

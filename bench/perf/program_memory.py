@@ -1,7 +1,7 @@
 """Host memory of a llama.cpp-engine baseline (kvarn's harness) beside llama-perplexity's own, side by side.
 
 llama-perplexity keeps a chunk's logits on the host (n_ctx x vocab floats) when the chunk spans
-several batches; the harness (kvarn/program/kvarn_kld.cpp) scores each batch as it is decoded.
+several batches; the harness (kvarn/llamacpp_engine/kvarn_kld.cpp) scores each batch as it is decoded.
 Both write the same KLD base file (checked here too); the peak resident set of each process is
 read from the kernel (`resource.getrusage(RUSAGE_CHILDREN)` of a fresh child per run).
 
@@ -36,9 +36,9 @@ def peak_rss(cmd: list[str], log: Path) -> tuple[int, float]:
 
 
 def main(argv=None) -> int:
-    from kvarn.program import build as pbuild
-    from kvarn.program import runner
-    from kvarn.program.settings import Settings
+    from kvarn.llamacpp_engine import build as pbuild
+    from kvarn.llamacpp_engine import runner
+    from kvarn.llamacpp_engine.settings import Settings
     from kvarn.report.provenance import machine
     from kvarn.weights.sources import gguf_path, parse_model
 

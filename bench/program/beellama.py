@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 from bench import REPO, TEXT
-from kvarn.program import runner
+from kvarn.llamacpp_engine import runner
 
 CONFIG = REPO / "bench" / "program" / "beellama.yaml"  # the matrix: its cells
 MODEL = "gemma3-270m"  # the torch engine's name of the run's embedded model
 
-# the figures of llama-perplexity --kl-divergence's printout the table compares (kvarn.program.runner.PRINTED)
+# the figures of llama-perplexity --kl-divergence's printout the table compares (kvarn.llamacpp_engine.runner.PRINTED)
 PRINTED_KEYS = ("ppl_q", "kld_mean", "kld_p99", "kld_median", "kld_max", "same_top")
 
 
@@ -119,7 +119,7 @@ def step_table(run: Path, work: Path, out: Path | None) -> str:
     rows, checks = [], []
     for c in cells(run):
         s = json.loads((c / "summary.json").read_text())
-        # the KV buffers as the engine reads them from the program's log (kvarn.program.runner)
+        # the KV buffers as the engine reads them from the program's log (kvarn.llamacpp_engine.runner)
         s["kv_program_mib"] = runner.program_figures((c / "program.log").read_text())["kv_program_mib"]
         p_file = work / "printed" / f"{c.name}.txt"
         agree = "–"

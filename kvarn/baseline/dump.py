@@ -20,7 +20,7 @@ layouts, told apart by the file version (header `layout`):
   measured rows: bench/perf/results/baseline_size.md).
 
 `Dump` is one `kvarn.baseline.protocol.Baseline`; llama-perplexity's KLD base file
-(`kvarn.llamacpp.llamakld.LlamaKld`) is the other.
+(`kvarn.llamacpp_cpu.llamakld.LlamaKld`) is the other.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class Dump:
     flat uint8 sparse) and `offsets` (sparse: row offsets into it; dense: None) are the
     file's own arrays, read-only."""
 
-    kind = "kvarn"  # vs "llama" (kvarn.llamacpp.llamakld.LlamaKld): both are a kvarn.baseline.protocol.Baseline
+    kind = "kvarn"  # vs "llama" (kvarn.llamacpp_cpu.llamakld.LlamaKld): both are a kvarn.baseline.protocol.Baseline
 
     def __init__(self, path: Path, header: dict, payload: np.memmap, verify: bool,
                  offsets: np.ndarray | None = None):

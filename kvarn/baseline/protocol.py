@@ -1,7 +1,7 @@
 """What the engine reads a baseline through: `Baseline`, a typing Protocol.
 
 Two files satisfy it: our dump (`kvarn.baseline.dump.Dump`) and llama-perplexity's KLD base
-file (`kvarn.llamacpp.llamakld.LlamaKld`); a cell scores against either the same way.
+file (`kvarn.llamacpp_cpu.llamakld.LlamaKld`); a cell scores against either the same way.
 """
 
 from __future__ import annotations

@@ -320,7 +320,7 @@ def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, base
     device, torch_dtype = pick_device_dtype(device, dtype)
     est = estimate(config_object(raw), n_ctx, ubatch, str(torch_dtype).removeprefix("torch."),
                    device, baseline, compute=compute,
-                   # llamacpp-cpu's attention (kvarn.llamacpp.compute) gathers as ref does
+                   # llamacpp-cpu's attention (kvarn.llamacpp_cpu.compute) gathers as ref does
                    attention=attention_for(attention, str(device).split(":")[0]) if compute in ATTENTION_ROUNDING else "ref")
     if not dry_run:
         check(est, *capacity(device))

@@ -38,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvarn.kvcache import flex
 
-from kvarn.llamacpp import compute
+from kvarn.llamacpp_cpu import compute
 from kvarn.kvcache.cache import KVarnCache, check_body_rows, exact_selection
 from kvarn.kvcache.rounding import round_operand, round_p
 from kvarn.spec.options import attention_for

@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-import kvarn.llamacpp.compute as kcompute
-from kvarn.llamacpp.channel_order import gguf_order, gguf_qk_permuted
+import kvarn.llamacpp_cpu.compute as kcompute
+from kvarn.llamacpp_cpu.channel_order import gguf_order, gguf_qk_permuted
 from kvarn.spec.allocation import layer_types
 from kvarn.spec.cell import CellSpec
 from kvarn.formats import get_format
@@ -119,7 +119,7 @@ class KVarnLayer(CacheLayerMixin):
         super().__init__()
         self.layer_idx = layer_idx
         self.k_fmt, self.v_fmt, self.policy, self.tail_dtype = k_fmt, v_fmt, policy, tail_dtype
-        # "llamacpp-cpu": the layer keeps what ggml's kernel reads instead (kvarn.llamacpp.compute),
+        # "llamacpp-cpu": the layer keeps what ggml's kernel reads instead (kvarn.llamacpp_cpu.compute),
         # with Q and K in the GGUF's channel order when `qk_gguf_order` (llama arch)
         self.compute = compute
         self.qk_gguf_order = qk_gguf_order
@@ -235,7 +235,7 @@ class KVarnLayer(CacheLayerMixin):
         if self.compute != "exact":
             kcompute.append_kv(self, k, v)
             self.n_body = self.n_tokens
-            return self.keys, self.values  # unused: kvarn.llamacpp.compute.attention reads k_op / v_op
+            return self.keys, self.values  # unused: kvarn.llamacpp_cpu.compute.attention reads k_op / v_op
         # Forget what no query of this ubatch or later reads (kept from n_body on: KVarN's
         # staging rows and the body rows its next group is written to).
         self.kv_offset = lo = self.first_readable(off)
@@ -302,8 +302,8 @@ class KVarnCache(Cache):
     flex_attention call per layer call): the same numbers at fp32 noise.
 
     `compute="llamacpp-cpu"` emulates llama.cpp's CPU flash-attention arithmetic instead of
-    exact fp32 attention (kvarn.llamacpp.compute; upstream llama.cpp types, tail 0), in llama.cpp's
-    channel order of Q and K (`kvarn.llamacpp.channel_order.gguf_qk_permuted` of the model_type). With
+    exact fp32 attention (kvarn.llamacpp_cpu.compute; upstream llama.cpp types, tail 0), in llama.cpp's
+    channel order of Q and K (`kvarn.llamacpp_cpu.channel_order.gguf_qk_permuted` of the model_type). With
     a KVarN pair or a tail it takes BeeLlama's scalar CPU route (`scalar_route`): exact layers,
     a standard K's body rounded in that channel order.
 

@@ -22,7 +22,7 @@ import torch
 
 from kvarn.formats.blocks import QK
 from kvarn.formats.floats import FLOAT_DTYPES
-from kvarn.llamacpp.q8 import quantize_q8
+from kvarn.llamacpp_cpu.q8 import quantize_q8
 from kvarn.weights.gguf_file import architecture, reader
 
 WEIGHT_ACT_TYPE = {

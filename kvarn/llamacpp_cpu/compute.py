@@ -1,8 +1,8 @@
 """The compute path (DESIGN §6b): `exact` attention, or llama.cpp's CPU flash-attention arithmetic.
 
 This module emulates the attention; llama.cpp's channel order of Q and K is
-`kvarn.llamacpp.channel_order`, its Q8 blocks of activations `kvarn.llamacpp.q8`, and the
-rounding of the weight matmuls' activations `kvarn.llamacpp.activations`.
+`kvarn.llamacpp_cpu.channel_order`, its Q8 blocks of activations `kvarn.llamacpp_cpu.q8`, and the
+rounding of the weight matmuls' activations `kvarn.llamacpp_cpu.activations`.
 
 `exact` (the default, `kvarn.kvcache.attention`) isolates the format: fp32 attention over the
 rounded K and V, nothing else rounded. `llamacpp-cpu` reproduces what ggml-cpu's
@@ -73,8 +73,8 @@ import torch
 from kvarn.formats.blocks import IQ4NL_VALUES, QK, dequantize_blocks, quantize_blocks
 from kvarn.formats.floats import FLOAT_DTYPES
 from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
-from kvarn.llamacpp.channel_order import gguf_order
-from kvarn.llamacpp.q8 import quantize_q8
+from kvarn.llamacpp_cpu.channel_order import gguf_order
+from kvarn.llamacpp_cpu.q8 import quantize_q8
 from kvarn.spec.options import VEC_DOT_TYPE
 
 FA_TILE_Q = 64  # ggml-cpu common.h GGML_FA_TILE_Q: the tiled path needs at least this many query rows

@@ -1,6 +1,6 @@
 """Q8 blocks as ggml-cpu's x86 `quantize_row_q8_0/q8_1` make them: the form llama.cpp gives a query row
-before a quantized K's dot (`kvarn.llamacpp.compute`) and an activation before a quantized weight's
-(`kvarn.llamacpp.activations`)."""
+before a quantized K's dot (`kvarn.llamacpp_cpu.compute`) and an activation before a quantized weight's
+(`kvarn.llamacpp_cpu.activations`)."""
 
 from __future__ import annotations
 

@@ -270,7 +270,7 @@ def plan_identity(configured: str | None) -> dict:
     try:
         path = build_path(configured)
         if path == UPSTREAM and not (cache_dir() / f"upstream-{UPSTREAM_VERSION}" / "build" / PROVENANCE).is_file():
-            raise BuildError(f"the pinned upstream build is not built yet: python -m kvarn.program.build "
+            raise BuildError(f"the pinned upstream build is not built yet: python -m kvarn.llamacpp_engine.build "
                              f"(into {cache_dir()})")
         return read_build(path).identity()
     except (BuildError, OSError, subprocess.SubprocessError) as e:
@@ -290,7 +290,7 @@ def require(planned: dict, b: Build) -> None:
 def main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m kvarn.program.build",
+    ap = argparse.ArgumentParser(prog="python -m kvarn.llamacpp_engine.build",
                                  description="Build the pinned upstream llama.cpp for this CPU (once per machine, "
                                              f"into ${CACHE_ENV} or ~/.cache/kvarn/llamacpp), or read a build's "
                                              "identity, and compile kvarn's harness against it.")

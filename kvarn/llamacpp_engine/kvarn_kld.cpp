@@ -1,8 +1,8 @@
 // kvarn-kld: llama-perplexity's KL-divergence protocol, run by a llama.cpp build, with per-token
-// records and streamed logits (kvarn.program.runner drives it; docs/notes/program-engine.md).
+// records and streamed logits (kvarn.llamacpp_engine.runner drives it; docs/notes/program-engine.md).
 //
 // It is compiled against the build it measures (its headers, libcommon and libllama:
-// kvarn.program.build.harness), so the model, the context, the cache types, the tail, the
+// kvarn.llamacpp_engine.build.harness), so the model, the context, the cache types, the tail, the
 // threads and every other option are the build's own: the arguments after ours are parsed by
 // the build's own llama-perplexity argument parser (common_params_parse, LLAMA_EXAMPLE_PERPLEXITY)
 // and the model and context are made by its common_init_from_params, as in llama-perplexity.
@@ -10,7 +10,7 @@
 //   * each batch's output logits are scored as soon as the batch is decoded (host memory
 //     O(n_batch x vocab), the context's own output buffer, instead of O(n_ctx x vocab));
 //   * every scored token's numbers are written to --kvarn-records (TSV);
-//   * one sequence per batch (n_batch <= n_ctx: kvarn.program.runner sets -b), as the study ran.
+//   * one sequence per batch (n_batch <= n_ctx: kvarn.llamacpp_engine.runner sets -b), as the study ran.
 // The arithmetic of a row is llama-perplexity's: the base row's uint16 encoding (its
 // log_softmax writer) and the KLD/NLL/dp/same-top of its kl_divergence reader, in the same
 // float/double types, so a record summed as llama.cpp sums it prints what llama-perplexity prints.

@@ -1,6 +1,6 @@
 """The baseline and one cell through a llama.cpp build (`engine: llama.cpp`): the program's own logits.
 
-Both go through the harness (kvarn_kld.cpp, compiled against the build: `kvarn.program.build`),
+Both go through the harness (kvarn_kld.cpp, compiled against the build: `kvarn.llamacpp_engine.build`),
 which runs llama-perplexity's KLD protocol with the build's own argument parser, model loader,
 context and decode, and writes one record per scored token:
 
@@ -34,11 +34,11 @@ import numpy as np
 
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.files.identity import uncached_sha256
-from kvarn.program import build as pbuild
+from kvarn.llamacpp_engine import build as pbuild
 from kvarn.spec import facts, scoring
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.options import DEFAULT_COMPUTE
-from kvarn.program.settings import ENGINE, Settings
+from kvarn.llamacpp_engine.settings import ENGINE, Settings
 
 RECORD_COLUMNS = ("chunk", "pos", "kld", "nll", "nll_base", "dp", "same_top")
 

@@ -2,7 +2,7 @@
 
 `engine: torch` (the default) runs the cell through transformers with the cache model emulated
 in PyTorch (kvarn.run.engine); `engine: llama.cpp` runs it through a llama.cpp build, the
-program's own logits (kvarn.program.runner). The llama.cpp engine takes a block of settings:
+program's own logits (kvarn.llamacpp_engine.runner). The llama.cpp engine takes a block of settings:
 
     engine: {name: llama.cpp, build: upstream, threads: 2, batch: 2048, flash_attn: "on",
              gpu_layers: 0, args: [--no-mmap], env: {GGML_KVARN_WINDOW_CHUNK: "4"}}

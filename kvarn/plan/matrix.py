@@ -54,7 +54,7 @@ from kvarn.spec.allocation import Allocation, AllocationError
 from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
 from kvarn.spec.cell import cell_spec
 from kvarn.spec.options import ATTENTIONS, DTYPES, SAMPLING_PATTERN, check_sampling, sampling_name  # noqa: F401 (the rules read SAMPLING_PATTERN here)
-from kvarn.program.settings import ENGINE as LLAMACPP, Settings, engine_of
+from kvarn.llamacpp_engine.settings import ENGINE as LLAMACPP, Settings, engine_of
 from kvarn.weights.sources import unpinned
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
@@ -130,8 +130,8 @@ class Model:
     dtype: str
     memory_accounting: str = "packed"
     decode: Decode | None = None
-    engine: str = "torch"  # kvarn.program.settings.ENGINES
-    engine_settings: dict | None = None  # the llama.cpp engine's block (kvarn.program.settings.Settings)
+    engine: str = "torch"  # kvarn.llamacpp_engine.settings.ENGINES
+    engine_settings: dict | None = None  # the llama.cpp engine's block (kvarn.llamacpp_engine.settings.Settings)
 
 
 @dataclass(frozen=True)
@@ -436,7 +436,7 @@ def expand(config: dict) -> Matrix:
 
 
 def _check_program_cell(where: str, model: str, spec: CellSpec) -> None:
-    """The options the llama.cpp engine cannot take whatever the build (kvarn.program.runner.cell_args
+    """The options the llama.cpp engine cannot take whatever the build (kvarn.llamacpp_engine.runner.cell_args
     checks the types and the tail against the build itself when the job starts)."""
     if spec.alloc is not None:
         raise MatrixError(f"{where}.alloc: allocation {spec.alloc} for model {model!r}, which runs engine llama.cpp: "

@@ -158,7 +158,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
 
 
 def compute_split(summary: pl.DataFrame, model: str) -> pl.DataFrame:
-    """Cells run in both compute paths (kvarn.llamacpp.compute), side by side: format damage
+    """Cells run in both compute paths (kvarn.llamacpp_cpu.compute), side by side: format damage
     (`exact`), total as llama.cpp's CPU kernel computes it (`llamacpp-cpu`), and the share
     of the total that is the kernel's arithmetic, `1 − exact/total`, for median and mean.
 

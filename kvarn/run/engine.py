@@ -25,12 +25,12 @@ from kvarn.baseline import data, dump
 from kvarn.baseline.protocol import Baseline
 from kvarn.budget import memory
 from kvarn.files import identity
-from kvarn.llamacpp import llamakld
+from kvarn.llamacpp_cpu import llamakld
 from kvarn.stats import metrics
 from kvarn.weights import models, sources
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.kvcache.cache import KVarnCache
-from kvarn.llamacpp.activations import set_activation_rounding
+from kvarn.llamacpp_cpu.activations import set_activation_rounding
 from kvarn.spec.cell import CellSpec
 from kvarn.files.identity import job_key
 from kvarn.run.ahead import ahead
@@ -52,7 +52,7 @@ def set_compute(model, spec, cache_dir, compute: str) -> None:
     """Switch the model's weight-matmul activation rounding for this run's compute path.
 
     With llamacpp-cpu and GGUF weights every Linear's input is rounded as llama.cpp rounds
-    activations for that weight's type (`kvarn.llamacpp.activations.set_activation_rounding`); exact
+    activations for that weight's type (`kvarn.llamacpp_cpu.activations.set_activation_rounding`); exact
     and bf16-attn (whose rounding is the attention's only) switch it off. Set at the start of every run, because a `Context` model serves many.
     """
     cpu = compute == LLAMACPP_CPU
@@ -177,7 +177,7 @@ def baseline_cell(compute: str = "exact") -> CellSpec:
 
 def attention_path(attention: str, device: str, compute: str) -> str | None:
     """The attention path a run takes (`kvarn.kvcache.attention.resolve_attention`), None under
-    compute llamacpp-cpu (kvarn.llamacpp.compute has its own). What summaries and dumps record."""
+    compute llamacpp-cpu (kvarn.llamacpp_cpu.compute has its own). What summaries and dumps record."""
     path = kattn.resolve_attention(attention, device)  # validates the option in every case
     return path if compute in ATTENTION_ROUNDING else None
 
@@ -211,12 +211,12 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
                  attention="auto") -> dict:
     """BF16-cache run (bf16 K and V, tail 0, same cache model); writes the log-prob dump to `out`.
 
-    `compute`: the attention arithmetic (kvarn.llamacpp.compute), recorded in the header.
+    `compute`: the attention arithmetic (kvarn.llamacpp_cpu.compute), recorded in the header.
     `attention`: ref | flex | auto (`kvarn.kvcache.attention.resolve_attention`): how the exact
     compute path is computed, the same numbers at fp32 noise; the path taken is recorded in
     the header, not in the dump's identity.
     `llama_kld_out`: also write the log-probs as llama-perplexity's --kl-divergence-base
-    file (kvarn.llamacpp.llamakld), so llama-perplexity can score against our baseline.
+    file (kvarn.llamacpp_cpu.llamakld), so llama-perplexity can score against our baseline.
     Returns the dump header (identity fields, vocab size, timing).
     """
     cell = baseline_cell(compute)  # validates the compute path
@@ -296,9 +296,9 @@ def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512,
     compute path's attention is computed: the same numbers at fp32 noise, so not part of
     the cell's path; the summary records the path taken (`attention`) and the baseline's.
 
-    `cell.compute` (kvarn.llamacpp.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
+    `cell.compute` (kvarn.llamacpp_cpu.compute): `exact` or `llamacpp-cpu`; the baseline must have been made
     with the same. `baseline` may also be llama-perplexity's --kl-divergence-base file
-    (kvarn.llamacpp.llamakld), checked against our tokens.
+    (kvarn.llamacpp_cpu.llamakld), checked against our tokens.
 
     Returns the summary dict (the metric keys of kvarn.stats.metrics.summarize + the cell fields;
     the KV bytes under the memory `accounting` of kvarn.budget.memory, with the geometry they

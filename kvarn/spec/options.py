@@ -1,7 +1,7 @@
 """The run options of a cell besides its types and tail, torch-free: one list per option.
 
 Owns the compute paths (`COMPUTES`, `check_compute`, `COMPUTE_VERSION`; the arithmetic
-itself is `kvarn.llamacpp.compute`), the attention options (`ATTENTIONS`, the paths they resolve to
+itself is `kvarn.llamacpp_cpu.compute`), the attention options (`ATTENTIONS`, the paths they resolve to
 `ATTENTION_PATHS`; the arithmetic is `kvarn.kvcache.attention` / `kvarn.kvcache.flex`), the model dtypes
 (`DTYPES`) and the llama.cpp
 CPU kernels' Q types (`VEC_DOT_TYPE`, whose keys are the K/V types llamacpp-cpu accepts).
@@ -33,7 +33,7 @@ COMPUTE_VERSION = {EXACT: 1, LLAMACPP_CPU: 2, BF16_ATTN: 1, TF32_ATTN: 2}  # tf3
 # FlashAttention kernels do on bf16 tensor cores, flex_attention on bf16 operands included);
 # "tfloat32": the same with TF32's 11 significant bits (round to nearest, ties away), fp32 storage
 # ("tf32-attn": fp32 tensors on TF32 tensor cores, flex_attention's FLOAT32_PRECISION 'tf32'). Not
-# in it: llamacpp-cpu, whose attention is kvarn.llamacpp.compute's.
+# in it: llamacpp-cpu, whose attention is kvarn.llamacpp_cpu.compute's.
 ATTENTION_ROUNDING = {EXACT: None, BF16_ATTN: "bfloat16", TF32_ATTN: "tfloat32"}
 
 # The arithmetic of a free-running decode result (kvarn.run.decode), recorded in its summary and
@@ -136,7 +136,7 @@ BEELLAMA_KVARN_HEAD_DIMS = (128, 256, 512)
 
 def scalar_route(compute: str, k: str, v: str, tail: int) -> bool:
     """Whether a llamacpp-cpu cell's attention takes BeeLlama's scalar CPU route rather than
-    ggml's flash-attention kernel (kvarn.llamacpp.compute): a KVarN pair
+    ggml's flash-attention kernel (kvarn.llamacpp_cpu.compute): a KVarN pair
     (`ggml_compute_forward_flash_attn_ext_kvarn`) or a standard pair with a tail
     (`ggml_compute_forward_flash_attn_ext_tail_ref`). Both read Q in fp32 and K/V dequantized to
     fp32, sum each dot product in double and run one fp32 online softmax over body and exact

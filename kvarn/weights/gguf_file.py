@@ -4,7 +4,7 @@ Owns `reader` (one parsed `gguf.GGUFReader` per file and process), `field` (a me
 value), `architecture`, `tensor` (a tensor dequantized to torch), `gemma4_config` and
 `config_dict` (the transformers ``config.json`` a GGUF's metadata describes). Nothing here
 imports torch, transformers or gguf at module import: `kvarn.weights.sources` (the config of a
-model before any weights load), `kvarn.llamacpp.compute` (llamacpp-cpu's weight types) and
+model before any weights load), `kvarn.llamacpp_cpu.compute` (llamacpp-cpu's weight types) and
 `kvarn.weights.gguf_weights` (the model itself) all read GGUFs through this module.
 """
 

@@ -25,7 +25,7 @@ rule baseline:
         "../scripts/baseline.py"
 
 
-# A model of the llama.cpp engine (kvarn.program.runner): the build's own bf16-cache run writes
+# A model of the llama.cpp engine (kvarn.llamacpp_engine.runner): the build's own bf16-cache run writes
 # llama-perplexity's KLD base file, and its identity beside it.
 rule baseline_program:
     wildcard_constraints:

@@ -39,7 +39,7 @@ rule cell:
         "../scripts/cell.py"
 
 
-# A cell of a llama.cpp-engine model (kvarn.program.runner): the same files, from the program's logits.
+# A cell of a llama.cpp-engine model (kvarn.llamacpp_engine.runner): the same files, from the program's logits.
 rule cell_program:
     wildcard_constraints:
         model=PROGRAM_MODELS,

@@ -119,7 +119,7 @@ def cell_baseline(wildcards):
                              MATRIX.models[wildcards.model].engine)
 
 
-# The models of each engine (kvarn.program.settings): the torch engine's rules and the llama.cpp
+# The models of each engine (kvarn.llamacpp_engine.settings): the torch engine's rules and the llama.cpp
 # engine's produce the same cell files, each for its own models (a pattern that matches none: "(?!)").
 def _models_pattern(engine):
     import re
@@ -135,8 +135,8 @@ _PLANNED_BUILDS = {}
 
 def engine_param(wildcards) -> dict:
     """A llama.cpp-engine model's settings and its build's identity as read when planning
-    (kvarn.program.build.plan_identity): a changed build or setting reruns its baseline and cells."""
-    from kvarn.program.build import plan_identity
+    (kvarn.llamacpp_engine.build.plan_identity): a changed build or setting reruns its baseline and cells."""
+    from kvarn.llamacpp_engine.build import plan_identity
 
     settings = MODELS[wildcards.model]["engine_settings"]
     key = settings.get("build")

@@ -1,4 +1,4 @@
-"""Rules baseline_program and cell_program: a model of the llama.cpp engine (kvarn.program.runner).
+"""Rules baseline_program and cell_program: a model of the llama.cpp engine (kvarn.llamacpp_engine.runner).
 
 The build runs the model; this process reads its records and sums them (kvarn.stats.metrics)."""
 
@@ -9,7 +9,7 @@ from _wf import model_spec, scratch, start
 
 start(snakemake)  # noqa: F821
 from kvarn.plan.matrix import chunks_arg  # noqa: E402
-from kvarn.program import runner  # noqa: E402
+from kvarn.llamacpp_engine import runner  # noqa: E402
 from kvarn.spec.cell import CellSpec  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821

@@ -123,7 +123,7 @@ def q8_flips(x, rounded, kind: str) -> list[tuple[int, float]]:
     q8_1, q8_K) holds another code than x (the other program's value before rounding) rounded the
     same way: [(index, x / d)], d the block's step; a difference of less than d/2 (the two programs'
     d differing by fp32 noise) is not a flip."""
-    from kvarn.llamacpp.activations import round_activations
+    from kvarn.llamacpp_cpu.activations import round_activations
 
     if kind not in ("q8_0", "q8_1", "q8_K"):
         raise ValueError(f"activation type {kind!r}: accepted q8_0, q8_1, q8_K")
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
                   for c in ("llamacpp-cpu", "exact"))
     text = table(bee, cpp, exact, "q4_0" if args.type in ("f16", "bf16") else args.type)
     engine.set_compute(loaded.model, spec, cache_dir, "llamacpp-cpu")
-    types = loaded.model._kvarn_activation_types  # kvarn.llamacpp.activations: module name -> its input's rounding
+    types = loaded.model._kvarn_activation_types  # kvarn.llamacpp_cpu.activations: module name -> its input's rounding
     kinds = {int(n.split("layers.")[1].split(".")[0]): k for n, k in types.items() if n.endswith("mlp.down_proj")}
     text += "\nBOS's MLP, llamacpp-cpu against BeeLlama:\n\n" + mlp_table(bee, cpp, kinds)
     if args.out:

@@ -8,7 +8,7 @@ files under $LLAMACPP_DIR/runs/{model}/ctx{n_ctx}-c{chunks}/). This script, per 
 3. `--cross` (the default; `--no-cross` skips it): the two programs' bf16-cache runs scored
    against each other's baseline, in both directions, per kvarn compute mode: kvarn's bf16
    cell against llama's own base file, and llama-perplexity's bf16 cache against our
-   baseline dump written in llama's format (`kvarn.llamacpp.llamakld.write_from_dump`, then
+   baseline dump written in llama's format (`kvarn.llamacpp_cpu.llamakld.write_from_dump`, then
    `llama-perplexity --kl-divergence-base ours.kld --kl-divergence`). Both directions
    measure the same two programs' arithmetic difference (KL(P‖Q) and KL(Q‖P) agree to
    second order), so they should be close; a gap would point at the file format;
@@ -46,7 +46,7 @@ def our_llama_kld(model: str, n_ctx: int, chunks: int, dump: Path, out: Path) ->
     """Our baseline dump `dump` as llama-perplexity's KLD base file `out` (written once), on
     the tokens kvarn computed it on (`kvarn.run.engine.Context`: the same tokenization and BOS)."""
     if not out.is_file():
-        from kvarn.llamacpp import llamakld
+        from kvarn.llamacpp_cpu import llamakld
         from kvarn.run import engine
         from kvarn.weights import sources
 
@@ -80,7 +80,7 @@ def files_both_ways(d: Path, dump_path: Path) -> dict:
 
     from kvarn.baseline import dump
 
-    from kvarn.llamacpp import llamakld
+    from kvarn.llamacpp_cpu import llamakld
 
     ll, ours = llamakld.read_llama_kld(d / "base.kld"), dump.open_dump(dump_path)
     a_tok, b_tok = [], []

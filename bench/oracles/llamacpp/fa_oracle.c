@@ -1,5 +1,5 @@
 // ggml-cpu's own flash_attn_ext on given Q/K/V (fp32 files), K and V quantized by ggml itself: the oracle
-// bench/oracles/llamacpp/fa_oracle.py compares kvarn.llamacpp.compute.attention with (issue 13). Uses only the ggml API
+// bench/oracles/llamacpp/fa_oracle.py compares kvarn.llamacpp_cpu.compute.attention with (issue 13). Uses only the ggml API
 // of the llama.cpp build bench/oracles/llamacpp/perplexity.sh makes; built by that script on first use.
 // usage: fa D n_q n_kv H H_kv ktype vtype scale q.bin k.bin v.bin mask.bin out.bin
 //   q [H][n_q][D], k/v [H_kv][n_kv][D] fp32; mask [n_q][n_kv] fp32 (0 or -inf); out [n_q][H][D] fp32

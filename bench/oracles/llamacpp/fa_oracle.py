@@ -44,7 +44,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from kvarn.llamacpp import channel_order, compute
+    from kvarn.llamacpp_cpu import channel_order, compute
 
     from kvarn.run import engine
 

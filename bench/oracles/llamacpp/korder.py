@@ -10,7 +10,7 @@ K's roundtrip done in the GGUF order (then permuted back), against an exact base
 
 A monkeypatch of kvarn.kvcache.cache.make_format, on purpose: an experiment, not a compute path
 (`exact` keeps transformers' order; `llamacpp-cpu` uses the GGUF order by itself, through
-the same `kvarn.llamacpp.channel_order.gguf_order`).
+the same `kvarn.llamacpp_cpu.channel_order.gguf_order`).
 """
 
 import json
@@ -21,7 +21,7 @@ import torch
 from bench import TEXT
 from kvarn.kvcache import cache
 
-from kvarn.llamacpp import channel_order
+from kvarn.llamacpp_cpu import channel_order
 
 from kvarn.run import engine
 from kvarn.weights import sources

@@ -97,7 +97,7 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     of those positions (a slice of the chunk) in transformers' channel order, given ours
     (fp32) and whether llama.cpp holds this architecture's K in the GGUF's order.
     """
-    from kvarn.llamacpp import compute
+    from kvarn.llamacpp_cpu import compute
 
     from kvarn.run import engine
 
@@ -151,7 +151,7 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
 
 def from_llama(rows: list[tuple]):
     """The replacement by llama.cpp's rows (`llama_rows`)."""
-    from kvarn.llamacpp import channel_order
+    from kvarn.llamacpp_cpu import channel_order
 
     def replace(i, positions, ours_k, ours_v, gguf_order):  # ours [H_kv, n, D]; rows [n_dumped, H_kv·D]
         lk, lv = (r[positions].reshape(x.shape[1], x.shape[0], x.shape[2]).transpose(0, 1)
