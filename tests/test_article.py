@@ -13,7 +13,7 @@ import yaml
 from kvarn.plan import matrix as kvm
 from kvarn.spec.geometry import geometry_from_config
 from kvarn.budget.memory import MIB, kv_bytes
-from kvarn.report.claims import load_study
+from kvarn.report.claims.study import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = yaml.safe_load((ROOT / "config" / "article.yaml").read_text())

@@ -17,11 +17,20 @@ from kvarn.spec.geometry import geometry_from_config  # noqa: E402
 from kvarn.budget.memory import MIB, kv_bytes  # noqa: E402
 from kvarn.report.data import FORMAT_ONLY_OPTS  # noqa: E402
 from kvarn.stats.paired import compare, load_cell  # noqa: E402
-from kvarn.report import claims as C  # noqa: E402
-from kvarn.report.data import prepare  # noqa: E402
+from kvarn.report.claims.decisions import (  # noqa: E402
+    below_floor_table, cheapest_match_table, equal_memory_table, presets_table)
+from kvarn.report.claims.definitions import same_width_gain  # noqa: E402
+from kvarn.report.claims.ledger import ledger, run_claims  # noqa: E402
+from kvarn.report.claims.render import (  # noqa: E402
+    GLOSSARY, claims_html, claims_markdown, conclusion_markdown, decisions_markdown, findings_markdown, ledger_markdown,
+    table_markdown)
+from kvarn.report.claims.study import load_study, study_model_of  # noqa: E402
+from kvarn.report.claims.verdicts import (  # noqa: E402
+    LEDGER_COLUMNS, VERDICTS, directional, is_study_claim, lacks_a_cell, verdict_counts)
+from kvarn.report.data import format_only_floor, prepare, standard_floor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-STUDY = C.load_study()
+STUDY = load_study()
 
 
 def summary(cells, model="m", accounting="packed"):
@@ -44,7 +53,7 @@ def summary(cells, model="m", accounting="packed"):
 
 def ledger_of(cells, model="m", study_model="qwen3.6-27b", **kw):
     prep = prepare(summary(cells, model, **kw), model)
-    return prep, C.ledger(prep, model, STUDY, study_model=study_model)
+    return prep, ledger(prep, model, STUDY, study_model=study_model)
 
 
 def row(ledger, claim_id):
@@ -87,11 +96,11 @@ def test_study_numbers_give_the_studys_figures_qwen():
     r = row(led, "below_floor_kvarn6-kvarn5")
     assert f"{r['ours']:.2f}" == "616.00" and r["verdict"] == "holds"
     assert row(led, "standard_floor")["verdict"] == "holds"
-    match = C.cheapest_match_table(prep).filter(pl.col("pair") == "kvarn4-kvarn4").row(0, named=True)
+    match = cheapest_match_table(prep).filter(pl.col("pair") == "kvarn4-kvarn4").row(0, named=True)
     assert match["match"] == "q5_0-q4_0 t128" and f"{match['mib_saved']:.2f}" == "104.00"
     assert "104.00" in row(led, "cheapest_match")["ours_text"]
     # kvarn6-kvarn5's match: nothing standard is at or below 0.000899 (it is below the floor)
-    assert C.cheapest_match_table(prep).filter(pl.col("pair") == "kvarn6-kvarn5")["match"][0] is None
+    assert cheapest_match_table(prep).filter(pl.col("pair") == "kvarn6-kvarn5")["match"][0] is None
 
 
 def test_study_numbers_give_the_studys_figures_gemma():
@@ -157,10 +166,10 @@ def test_floor_is_standard_pairs_at_tail_128_not_format_only():
     cells = [("q8_0-q8_0", 128, 0.2, 20), ("q4_0-q4_0", 128, 0.5, 10), ("q8_0-q8_0", 0, 0.15, 19),
              ("q4_0-q4_0+tdf16-s128", 128, 0.1, 11), ("kvarn6-kvarn6", 0, 0.18, 15), ("kvarn8-kvarn8", 0, 0.25, 19)]
     prep, led = ledger_of(cells)
-    floor = C.standard_floor(prep)
+    floor = standard_floor(prep)
     assert floor["pair"] == "q8_0-q8_0" and floor["tail_requested"] == 128
-    assert C.format_only_floor(prep)["pair"] == f"q4_0-q4_0{FORMAT_ONLY_OPTS}"
-    below = C.below_floor_table(prep)
+    assert format_only_floor(prep)["pair"] == f"q4_0-q4_0{FORMAT_ONLY_OPTS}"
+    below = below_floor_table(prep)
     assert below["pair"].to_list() == ["kvarn6-kvarn6"] and below["mib_saved"][0] == pytest.approx(5.0)
     assert row(led, "format_only_floor")["origin"] == "ours"
     assert row(led, "format_only_floor")["ours"] == pytest.approx(0.1)  # the format-only row's median
@@ -172,7 +181,7 @@ def test_cheapest_match_picks_the_cheapest_not_the_best():
     # kvarn4 (0.30 at 12 MiB): q8_0 (0.1, 20 MiB) and q5_0 (0.28, 14 MiB) both match; q5_0 is cheaper
     prep, _ = ledger_of([("q8_0-q8_0", 128, 0.1, 20), ("q5_0-q5_0", 128, 0.28, 14), ("q4_0-q4_0", 128, 0.5, 10),
                          ("kvarn4-kvarn4", 0, 0.30, 12), ("kvarn2-kvarn2", 0, 0.9, 7)])
-    t = C.cheapest_match_table(prep)
+    t = cheapest_match_table(prep)
     kv4 = t.filter(pl.col("pair") == "kvarn4-kvarn4").row(0, named=True)
     assert kv4["match"] == "q5_0-q5_0 t128" and kv4["mib_saved"] == pytest.approx(2.0)
     kv2 = t.filter(pl.col("pair") == "kvarn2-kvarn2").row(0, named=True)
@@ -187,12 +196,12 @@ def test_equal_memory_and_presets():
     cells = [("q8_0-q8_0", 128, 0.1, 20), ("q5_0-q5_0", 128, 0.3, 14), ("q4_0-q4_0", 128, 0.5, 10),
              ("kvarn3-kvarn3", 0, 0.4, 9), ("kvarn4-kvarn2", 0, 0.8, 9), ("kvarn6-kvarn5", 0, 0.09, 15)]
     prep, led = ledger_of(cells)
-    eq = C.equal_memory_table(prep)
+    eq = equal_memory_table(prep)
     assert eq["pair"].to_list() == ["kvarn3-kvarn3", "kvarn4-kvarn2"] and eq["symmetric"].to_list() == [True, False]
     assert eq["kv_mib"].to_list() == [pytest.approx(9.0), pytest.approx(9.0)]
     r = row(led, "equal_memory")
     assert r["ours"] == pytest.approx(2.0) and r["verdict"] == "holds"
-    p = {r["preset"]: r for r in C.presets_table(prep).iter_rows(named=True)}
+    p = {r["preset"]: r for r in presets_table(prep).iter_rows(named=True)}
     # quality: at or below q8_0's 0.1 -> kvarn6-kvarn5 (15 MiB, saves 5); balanced: at or below
     # q5_0's 0.3 -> q5_0 itself (14 MiB; the cheaper rows are above 0.3); compact: <= 0.5 -> kvarn3
     assert (p["quality"]["pair"], p["quality"]["mib_saved"]) == ("kvarn6-kvarn5", pytest.approx(5.0))
@@ -219,7 +228,7 @@ def test_ladder_sweep_trend_same_top_and_no_prefill_row():
     # the cells' tokens/s are separate jobs' timings: no row is made of them
     assert not [c for c in led["claim_id"].to_list() if c.startswith("prefill")]
     assert row(led, "q8_0_same_top")["ours"] == pytest.approx(97.5)
-    assert set(led["verdict"]) <= set(C.VERDICTS)
+    assert set(led["verdict"]) <= set(VERDICTS)
 
 
 def test_the_texts_of_same_top_and_our_claims_by_hand():
@@ -229,7 +238,7 @@ def test_the_texts_of_same_top_and_our_claims_by_hand():
     _, led = ledger_of(cells)
     assert row(led, "q8_0_same_top")["ours_text"] == "97.500 ± 1.000 %"
     # a claim of ours is listed under "Our statistics", the claim's own "ours: " prefix dropped
-    md = C.ledger_markdown(led)
+    md = ledger_markdown(led)
     ours = md[md.index("## Our statistics"):]
     assert "| the format-only floor (standard types with KVarN's sink and F16 tail) against " not in md[:md.index(
         "## Our statistics")]
@@ -253,8 +262,8 @@ def test_a_study_file_with_quoted_widths_reads_the_same():
     assert quoted != STUDY
     prep = prepare(summary(cells), "m")
     for sm in ("qwen3.6-27b", "gemma4-31b"):
-        assert C.ledger(prep, "m", quoted, study_model=sm).equals(C.ledger(prep, "m", STUDY, study_model=sm))
-    r = row(C.ledger(prep, "m", quoted, study_model="qwen3.6-27b"), "tail_sweep_trend_2")
+        assert ledger(prep, "m", quoted, study_model=sm).equals(ledger(prep, "m", STUDY, study_model=sm))
+    r = row(ledger(prep, "m", quoted, study_model="qwen3.6-27b"), "tail_sweep_trend_2")
     assert (r["study_text"], r["verdict"]) == ("widens", "holds")
 
 
@@ -265,7 +274,7 @@ def test_the_ledger_markdown_keeps_its_table_whole():
              ("q8_0-q8_0", 128, 0.1, 18), ("kvarn4-kvarn4", 0, 0.2, 11), ("q4_0-q4_0", 0, 0.5, 9),
              ("q4_0-q4_0", 128, 0.3, 10)]
     _, led = ledger_of(cells)
-    md = C.ledger_markdown(led)
+    md = ledger_markdown(led)
     assert "| the tail helps 2 bits more than 8 bits (\\|change\\| of the median) | 61.2 % vs 0.9 % | " in md
     assert "kvarn4 at 128\\* beats q4_0" in md
     study = md[md.index("## The study's claims"):md.index("## Our statistics")]
@@ -284,7 +293,7 @@ def test_every_ledger_row_is_complete(tmp_path):
     not measurable; a difference between two cells names them in delta_of."""
     summary_df = synthetic.make_results(tmp_path, chunks=1)
     for model, sm in (("smollm2-135m", "qwen3.6-27b"), ("gemma3-270m", "gemma4-31b")):
-        led = C.ledger(prepare(summary_df, model), model, STUDY)
+        led = ledger(prepare(summary_df, model), model, STUDY)
         assert led.height > 20
         for r in led.iter_rows(named=True):
             assert (r["model"], r["study_model"]) == (model, sm)
@@ -313,12 +322,12 @@ def _figure_key(claim_id: str) -> str:
 
 def test_a_row_with_a_field_outside_the_ledger_is_refused(monkeypatch):
     def typo(prep, model, sm, study, delta):
-        return [dict.fromkeys(C.LEDGER_COLUMNS) | {"claim_id": "x", "verdict": "holds", "notes": "typo"}]
+        return [dict.fromkeys(LEDGER_COLUMNS) | {"claim_id": "x", "verdict": "holds", "notes": "typo"}]
 
-    monkeypatch.setattr(C, "CLAIMS", (typo,))
+    monkeypatch.setattr("kvarn.report.claims.ledger.CLAIMS", (typo,))
     prep = prepare(summary([("q4_0-q4_0", 128, 0.5, 10)]), "m")
     with pytest.raises(AssertionError, match=r"ledger row 'x' has fields \['notes'\]"):
-        C.ledger(prep, "m", STUDY, study_model="qwen3.6-27b")
+        ledger(prep, "m", STUDY, study_model="qwen3.6-27b")
 
 
 def test_the_rows_read_their_own_inputs():
@@ -334,12 +343,12 @@ def test_the_rows_read_their_own_inputs():
              ("q8_0-q8_0", 512, 0.1, 21), ("kvarn8-kvarn8", 512, 0.09, 22), ("q8_0-q8_0", 1024, 0.09, 23),
              ("kvarn8-kvarn8", 1024, 0.08, 24)]
     prep = prepare(summary(cells), "m")
-    led = C.ledger(prep, "m", study, study_model="qwen3.6-27b")
+    led = ledger(prep, "m", study, study_model="qwen3.6-27b")
     assert row(led, "same_width_gain_4")["study"] == 50.0 and row(led, "same_width_gain_4")["study_text"] == "+50.0 %"
     assert row(led, "cheapest_match")["study_text"] == "6 rows"
-    assert row(C.ledger(prep, "m", STUDY, study_model="qwen3.6-27b"), "cheapest_match")["study_text"] == \
+    assert row(ledger(prep, "m", STUDY, study_model="qwen3.6-27b"), "cheapest_match")["study_text"] == \
         "6 rows, 104.00 MiB"
-    assert C.below_floor_table(prep)["pair"].to_list() == ["kvarn5-kvarn5", "kvarn6-kvarn6"]  # 6 MiB, then 5
+    assert below_floor_table(prep)["pair"].to_list() == ["kvarn5-kvarn5", "kvarn6-kvarn6"]  # 6 MiB, then 5
     r8 = row(led, "tail_sweep_trend_8")
     assert r8["verdict"] == "not measurable" and r8["missing"] == "q8_0-q8_0 and kvarn8-kvarn8 at tail 128"
     p = {r["claim_id"]: r for r in led.iter_rows(named=True) if r["claim_id"].startswith("preset_")}
@@ -378,18 +387,19 @@ def test_every_row_of_a_ledger_short_of_cells_is_complete():
     # KVarN rows without any standard row at or below them: not measurable, and why
     _, n = ledger_of([("q4_0-q4_0", 128, 0.5, 10), ("kvarn4-kvarn4", 0, 0.3, 12)])
     assert row(n, "cheapest_match")["missing"] == "a standard row at or below a KVarN median"
-    assert C.decisions_markdown(prepare(summary([("q4_0-q4_0", 128, 0.5, 10)]), "m"), "m").count(
+    assert decisions_markdown(prepare(summary([("q4_0-q4_0", 128, 0.5, 10)]), "m"), "m").count(
         "**Cheapest standard match per KVarN row (MiB saved; negative: costs more)**: no KVarN rows") == 1
 
 
 def test_rows_with_a_paired_interval_carry_it_in_their_direction(monkeypatch):
     """A fixed interval for every pair (B − A = +0.1 [+0.05, +0.15]): the claims that B is above A
     hold and carry it; equal memory's note names the two MiB when they differ."""
-    monkeypatch.setattr(C, "paired_delta", lambda cells, n_boot, seed: lambda a, b: (0.1, 0.05, 0.15))
+    monkeypatch.setattr("kvarn.report.claims.ledger.paired_delta",
+                        lambda cells, n_boot, seed: lambda a, b: (0.1, 0.05, 0.15))
     cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.2, 6), ("q8_0-q8_0", 128, 0.1, 18),
              ("kvarn8-kvarn8", 0, 0.1, 19), ("kvarn4-kvarn2", 0, 0.6, 9), ("kvarn3-kvarn3", 0, 0.3, 10)]
     prep = prepare(summary(cells), "m")
-    led = C.ledger(prep, "m", STUDY, cells={"any": None}, study_model="gemma4-31b")
+    led = ledger(prep, "m", STUDY, cells={"any": None}, study_model="gemma4-31b")
     r = row(led, "same_width_gain_2")  # Gemma 4's: kvarn2 loses to q2_0, B = kvarn2 above A = q2_0
     assert (r["verdict"], r["delta"], r["delta_lo"], r["delta_hi"]) == ("holds", 0.1, 0.05, 0.15)
     assert r["note"] == ""
@@ -423,7 +433,7 @@ def test_below_floor_rows_each_on_their_own():
     study["figures"]["below_floor"]["qwen3.6-27b"] = {"kvarn5-kvarn5": 10.0, "kvarn6-kvarn6": 20.0}
     # kvarn5 not run; kvarn6 below the floor (0.18 < 0.2) but dearer (22 MiB against 20)
     prep = prepare(summary([("q8_0-q8_0", 128, 0.2, 20), ("kvarn6-kvarn6", 0, 0.18, 22)]), "m")
-    led = C.ledger(prep, "m", study, study_model="qwen3.6-27b")
+    led = ledger(prep, "m", study, study_model="qwen3.6-27b")
     assert row(led, "below_floor_kvarn5-kvarn5")["missing"] == "kvarn5-kvarn5 t128*"
     r = row(led, "below_floor_kvarn6-kvarn6")
     assert (r["verdict"], r["note"]) == ("does not hold", "below the floor but not cheaper than it")
@@ -432,24 +442,24 @@ def test_below_floor_rows_each_on_their_own():
 
 def test_the_ledger_markdown_opens_with_how_to_read_it():
     _, led = ledger_of([("q4_0-q4_0", 128, 0.5, 10)])
-    md = C.ledger_markdown(led)
+    md = ledger_markdown(led)
     assert md.startswith(
         "# The study's claims, computed\n\nThe study's claims, each computed by the study's own definition "
         "(kvarn/report/claims.py) on this run's cells and graded against the study's printed figure "
         "(config/study.yaml); then, separately, our own statistics. Terms and signs: the glossary at the end.\n\n")
     assert md.index("## The study's claims") < md.index("## Our statistics") < md.index("## Glossary")
-    assert md.rstrip().endswith(C.GLOSSARY.rstrip())
+    assert md.rstrip().endswith(GLOSSARY.rstrip())
 
 
 def test_directional_verdict_reads_the_interval():
-    assert C.directional(True, None, None, -1) == ("holds", "")
-    assert C.directional(False, None, None, -1) == ("does not hold", "")
-    assert C.directional(True, -0.3, -0.1, -1) == ("holds", "")
+    assert directional(True, None, None, -1) == ("holds", "")
+    assert directional(False, None, None, -1) == ("does not hold", "")
+    assert directional(True, -0.3, -0.1, -1) == ("holds", "")
     # an interval holding 0 cannot tell the cells apart, whichever way the point estimate points
-    assert C.directional(True, -0.3, 0.1, -1) == ("not separable", "the paired interval of the difference holds 0")
-    assert C.directional(False, -0.3, 0.1, +1)[0] == "not separable"
-    assert C.directional(True, 0.1, 0.3, +1) == ("holds", "")
-    assert C.directional(False, 0.1, 0.3, -1)[0] == "does not hold"
+    assert directional(True, -0.3, 0.1, -1) == ("not separable", "the paired interval of the difference holds 0")
+    assert directional(False, -0.3, 0.1, +1)[0] == "not separable"
+    assert directional(True, 0.1, 0.3, +1) == ("holds", "")
+    assert directional(False, 0.1, 0.3, -1)[0] == "does not hold"
 
 
 def test_same_width_verdict_reads_the_paired_interval_in_its_direction():
@@ -463,7 +473,7 @@ def test_same_width_verdict_reads_the_paired_interval_in_its_direction():
                             ("q8_0-q8_0", 128, 1.0, 20), ("kvarn8-kvarn8", 0, 0.9, 21)]), "m")
 
     def verdicts(lo, hi):
-        rows = C.same_width_gain(prep, "m", "qwen3.6-27b", study, delta=lambda a, b: ((lo + hi) / 2, lo, hi))
+        rows = same_width_gain(prep, "m", "qwen3.6-27b", study, delta=lambda a, b: ((lo + hi) / 2, lo, hi))
         return {r["claim_id"]: r["verdict"] for r in rows if r["verdict"] != "not measurable"}
 
     assert verdicts(-0.0025, -0.0017) == {"same_width_gain_4": "holds", "same_width_gain_8": "holds",
@@ -475,12 +485,12 @@ def test_same_width_verdict_reads_the_paired_interval_in_its_direction():
 
 
 def test_study_model_choice():
-    assert C.study_model_of("gemma3-270m", STUDY) == "gemma4-31b"
-    assert C.study_model_of("gemma4-31b", STUDY) == "gemma4-31b"
-    assert C.study_model_of("other", STUDY) == "qwen3.6-27b"
-    assert C.study_model_of("gemma3-270m", STUDY, {"gemma3-270m": "qwen3.6-27b"}) == "qwen3.6-27b"
+    assert study_model_of("gemma3-270m", STUDY) == "gemma4-31b"
+    assert study_model_of("gemma4-31b", STUDY) == "gemma4-31b"
+    assert study_model_of("other", STUDY) == "qwen3.6-27b"
+    assert study_model_of("gemma3-270m", STUDY, {"gemma3-270m": "qwen3.6-27b"}) == "qwen3.6-27b"
     with pytest.raises(ValueError, match="'llama' .* not one of the study's models"):
-        C.study_model_of("x", STUDY, {"x": "llama"})
+        study_model_of("x", STUDY, {"x": "llama"})
 
 
 # ---------------------------------------------------------------- paired intervals
@@ -492,28 +502,28 @@ def test_ledger_intervals_are_kvarn_paired(tmp_path):
     cells = {Path(p).parent.name: load_cell(Path(p).parent, summary=r)
              for p in synthetic.token_paths(tmp_path, "smollm2-135m")
              for r in prep.filter(pl.col("cell") == Path(p).parent.name).iter_rows(named=True)}
-    led = C.ledger(prep, "smollm2-135m", STUDY, cells=cells, n_boot=200)
+    led = ledger(prep, "smollm2-135m", STUDY, cells=cells, n_boot=200)
     r = row(led, "same_width_gain_4")
     ref = compare(cells["q4_0-q4_0-t128"], cells["kvarn4-kvarn4-t0"], n_boot=200)["stats"]["kld_median"]
     assert (r["delta"], r["delta_lo"], r["delta_hi"]) == (ref["delta"], ref["lo"], ref["hi"])
-    md = C.ledger_markdown(led)
+    md = ledger_markdown(led)
     assert "### smollm2-135m (read against the study's qwen3.6-27b)" in md
     # two headers, then a line per row the run answers; one line names the rest
-    shown = led.filter(~C.lacks_a_cell() & ((pl.col("ours_text").fill_null("") != "") | C.is_study_claim()))
+    shown = led.filter(~lacks_a_cell() & ((pl.col("ours_text").fill_null("") != "") | is_study_claim()))
     assert md.count("\n| ") == 2 + shown.height
-    assert md.count("This run lacks a cell for ") == (led.filter(C.lacks_a_cell() & C.is_study_claim()).height > 0) + (
-        led.filter(C.lacks_a_cell() & ~C.is_study_claim()).height > 0)
-    assert C.conclusion_markdown(led) in md  # what to conclude, above the rows
+    assert md.count("This run lacks a cell for ") == (led.filter(lacks_a_cell() & is_study_claim()).height > 0) + (
+        led.filter(lacks_a_cell() & ~is_study_claim()).height > 0)
+    assert conclusion_markdown(led) in md  # what to conclude, above the rows
 
 
 def test_table_markdown_formats_each_value():
     """Floats to 6 significant digits, MiB columns to 2 decimals, None as –, a star escaped."""
     df = pl.DataFrame({"pair": ["kvarn4-kvarn4", "q8_0-q8_0"], "tail_label": ["128*", "128"],
                        "kld_median": [0.00123456789, None], "kv_mib": [12.3456, 20.0], "n": [3, 4]})
-    assert C.table_markdown(df, "Title", "none") == (
+    assert table_markdown(df, "Title", "none") == (
         "**Title**\n\n| pair | tail_label | kld_median | kv_mib | n |\n|---|---|---|---|---|\n"
         "| kvarn4-kvarn4 | 128\\* | 0.00123457 | 12.35 | 3 |\n| q8_0-q8_0 | 128 | – | 20.00 | 4 |\n")
-    assert C.table_markdown(df.clear(), "Title", "none") == "**Title**: none\n"
+    assert table_markdown(df.clear(), "Title", "none") == "**Title**: none\n"
 
 
 FLOOR_CELLS = [("q8_0-q8_0", 128, 0.2, 20), ("q4_0-q4_0", 128, 0.5, 10), ("q8_0-q8_0", 0, 0.15, 19),
@@ -549,13 +559,13 @@ def test_decision_tables_name_both_floors_and_each_table():
         "| kv_mib | mib_saved |\n|---|---|---|---|---|---|---|---|---|---|\n"
         "| quality | q8_0-q8_0 t128 | 0.2 | 20.00 | kvarn6-kvarn6 | 128\\* | kvarn | 0.18 | 15.00 | 5.00 |\n"
         "| compact | q4_0-q4_0 t128 | 0.5 | 10.00 | q4_0-q4_0 | 128 | standard | 0.5 | 10.00 | 0.00 |\n"]
-    assert C.decisions_markdown(prep, "m") == head + "\n".join(tables)
+    assert decisions_markdown(prep, "m") == head + "\n".join(tables)
     # a paired interval, where the two cells' tokens give one, fills the below-floor row's last columns
-    md = C.decisions_markdown(prep, "m", lambda a, b: (-0.02, -0.03, -0.01))
+    md = decisions_markdown(prep, "m", lambda a, b: (-0.02, -0.03, -0.01))
     assert "| kvarn6-kvarn6 | 128\\* | 0.18 | 15.00 | q8_0-q8_0 | 0.2 | 20.00 | 5.00 | -0.02 | -0.03 | -0.01 |" in md
     # a run without standard rows: both floors not measured, the presets have no reference
     bare, _ = ledger_of([("kvarn4-kvarn4", 0, 0.3, 12)], accounting="padded")
-    md = C.decisions_markdown(bare, "m")
+    md = decisions_markdown(bare, "m")
     assert ("Standard floor (the study's: lowest median of the standard pairs at tail 128): not measured.\n"
             "Format-only floor (ours: standard types with KVarN's sink and F16 tail): not measured.\n"
             "MiB under the `padded` accounting;") in md
@@ -579,9 +589,9 @@ def test_claims_page_in_markdown_and_html():
         delta_lo=pl.lit(-0.0025), delta_hi=pl.lit(-0.000171), delta_of=pl.lit("b − a"),
         note=pl.when(pl.col("claim_id") == "standard_floor").then(pl.lit("a note")).otherwise(pl.col("note")))
     decisions = {"m": "<DEC m>", "g<2>": "DEC g"}
-    assert C.claims_markdown(led, decisions) == C.ledger_markdown(led) + "\n## Decision tables\n\n<DEC m>\nDEC g"
-    assert "| -0.0012 [-0.0025, -0.00017] (b − a) |" in C.ledger_markdown(led)
-    page = C.claims_html(led, decisions)
+    assert claims_markdown(led, decisions) == ledger_markdown(led) + "\n## Decision tables\n\n<DEC m>\nDEC g"
+    assert "| -0.0012 [-0.0025, -0.00017] (b − a) |" in ledger_markdown(led)
+    page = claims_html(led, decisions)
     assert page.startswith(
         '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>kvarn: the study\'s claims</title><style>'
         "table.kvarn{border-collapse:collapse;font:13px system-ui,sans-serif}"
@@ -610,7 +620,7 @@ def test_run_claims_reads_each_models_tokens_in_process(tmp_path):
     intervals from the cells' own tokens, and each model's decision tables with them."""
     summary_df = synthetic.make_results(tmp_path, chunks=1)
     paths = [*synthetic.token_paths(tmp_path, "smollm2-135m"), *synthetic.token_paths(tmp_path, "gemma3-270m")]
-    led, decisions = C.run_claims(summary_df, paths, STUDY, n_boot=200, seed=1)
+    led, decisions = run_claims(summary_df, paths, STUDY, n_boot=200, seed=1)
     assert dict(led.select("model", "study_model").unique().iter_rows()) == {
         "smollm2-135m": "qwen3.6-27b", "gemma3-270m": "gemma4-31b"}
     assert led["model"].unique(maintain_order=True).to_list() == summary_df["model"].unique(maintain_order=True).to_list()
@@ -633,11 +643,11 @@ def test_run_claims_reads_each_models_tokens_in_process(tmp_path):
     assert line.endswith(f"| {ref['delta']:.6g} | {ref['lo']:.6g} | {ref['hi']:.6g} |")
     assert decisions["gemma3-270m"].startswith("### gemma3-270m: decision tables")
     # without tokens: no interval anywhere, the same verdicts from the medians alone
-    bare, dec = C.run_claims(summary_df, (), STUDY, n_boot=200, seed=1)
+    bare, dec = run_claims(summary_df, (), STUDY, n_boot=200, seed=1)
     assert bare["delta"].null_count() == bare.height and bare["claim_id"].equals(led["claim_id"])
     assert bare.schema == led.schema and bare.schema["delta"] == pl.Float64 and bare.schema["note"] == pl.String
     # a model read against the study model named for it
-    other = C.run_claims(summary_df, (), STUDY, study_models={"smollm2-135m": "gemma4-31b"}, n_boot=200)[0]
+    other = run_claims(summary_df, (), STUDY, study_models={"smollm2-135m": "gemma4-31b"}, n_boot=200)[0]
     assert dict(other.select("model", "study_model").unique().iter_rows())["smollm2-135m"] == "gemma4-31b"
     assert "| – | – | – |" in dec["smollm2-135m"]
 
@@ -674,7 +684,7 @@ def test_claims_rule_writes_the_ledger_and_decision_tables(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     led = pl.read_parquet(tmp_path / "results" / "claims.parquet")
-    ref, decisions = C.run_claims(summary_df, [*synthetic.token_paths(tmp_path, "smollm2-135m"),
+    ref, decisions = run_claims(summary_df, [*synthetic.token_paths(tmp_path, "smollm2-135m"),
                                                *synthetic.token_paths(tmp_path, "gemma3-270m")], STUDY, n_boot=200)
     assert led.equals(ref)
     assert led.filter(pl.col("delta").is_not_null()).height >= 5  # paired intervals from the tokens
@@ -705,14 +715,14 @@ def test_findings_put_each_models_row_in_its_own_column():
     led = pl.concat([ledger_of(cells, "small")[1],
                      ledger_of([("q4_0-q4_0", 128, 0.01, 10.0), ("kvarn4-kvarn4", 0, 0.02, 11.0)], "other",
                                study_model="gemma4-31b")[1]])
-    md = C.findings_markdown(led)
+    md = findings_markdown(led)
     lines = md.splitlines()
-    assert lines[0] == C.conclusion_markdown(led).strip() and lines[1] == ""  # a paragraph, then the table
+    assert lines[0] == conclusion_markdown(led).strip() and lines[1] == ""  # a paragraph, then the table
     assert lines[2] == "| claim | small (study: qwen3.6-27b) | other (study: gemma4-31b) |"
     # conclusion, blank, header, rule, one line per study claim sentence either model answers, blank,
     # the line naming the claims neither has a cell for
-    study = led.filter(C.is_study_claim())
-    answered = study.filter(~C.lacks_a_cell()).select(["claim_id", "claim"]).unique().height
+    study = led.filter(is_study_claim())
+    answered = study.filter(~lacks_a_cell()).select(["claim_id", "claim"]).unique().height
     assert len(lines) == 4 + answered + 2 and lines[-1].startswith("This run lacks a cell for ")
     # a | in a claim ("(|change| of the median)") is escaped: every line has the header's three cells
     assert all(ln.replace("\\|", "").count("|") == 4 for ln in lines[2:-2])
@@ -730,7 +740,7 @@ def test_findings_give_a_claim_whose_direction_differs_a_line_per_model():
     sentence gets its own line with its own model's verdict, never one line over both."""
     cells = [("q2_0-q2_0", 128, 0.1, 10.0), ("kvarn2-kvarn2", 0, 0.05, 11.0)]
     led = pl.concat([ledger_of(cells, "a")[1], ledger_of(cells, "b", study_model="gemma4-31b")[1]])
-    lines = C.findings_markdown(led).splitlines()
+    lines = findings_markdown(led).splitlines()
     beats = [ln for ln in lines if ln.startswith("| 2 bits: kvarn2 at 128\\* beats")]  # the * escaped
     loses = [ln for ln in lines if ln.startswith("| 2 bits: kvarn2 at 128\\* loses")]
     assert len(beats) == len(loses) == 1
@@ -748,13 +758,13 @@ def test_the_conclusion_counts_the_claims_the_study_printed():
              ("q2_0-q2_0", 0, 0.2, 5.0), ("q2_0-q2_0", 128, 0.19, 5.5),
              ("q8_0-q8_0", 0, 0.01, 20.0), ("q8_0-q8_0", 128, 0.001, 21.0)]
     led = ledger_of(cells, "m")[1]
-    c = C.verdict_counts(led, "m")
+    c = verdict_counts(led, "m")
     study_rows = led.filter((pl.col("origin") == "study") & (pl.col("study_text").fill_null("") != ""))
     assert sum(c.values()) == study_rows.height
     assert row(led, "same_width_gain_4")["verdict"] == "holds"
     assert row(led, "tail_effect_order")["verdict"] == "does not hold"  # |-5 %| < |-90 %|
     assert c["holds"] == study_rows.filter(pl.col("verdict") == "holds").height >= 4
-    text = C.conclusion_markdown(led)
+    text = conclusion_markdown(led)
     assert text.startswith(f"On **m** (read against the study's qwen3.6-27b), {c['holds']} of the {sum(c.values())} "
                            f"claims the study printed a figure for **hold**, {c['does not hold']} "
                            f"{'does' if c['does not hold'] == 1 else 'do'} not, "
@@ -769,9 +779,9 @@ def test_rows_the_study_printed_no_figure_for_are_never_counted_as_its_claims():
     for cid in ("ladder_4_5", "q8_0_same_top"):
         r = row(led, cid)
         assert r["study_text"] is None and r["missing"] and not r["missing"].startswith("study figure")
-    counted = led.filter(C.is_study_claim())
+    counted = led.filter(is_study_claim())
     assert not counted.filter(pl.col("claim_id").str.starts_with("ladder") | (pl.col("claim_id") == "q8_0_same_top")).height
-    assert sum(C.verdict_counts(led, "m").values()) == counted.height
+    assert sum(verdict_counts(led, "m").values()) == counted.height
     assert counted.height == led.filter(pl.col("study_text").fill_null("") != "").height
 
 
@@ -795,7 +805,7 @@ def test_the_readme_claims_block_is_the_committed_ledger():
     block = readme.split(R.CLAIMS_BEGIN)[1].split(R.CLAIMS_END)[0]
     ledger = pl.read_parquet(ROOT / "docs" / "figures" / "claims.parquet")
     assert set(ledger["model"]) == {"smollm2-135m", "gemma3-270m"}
-    assert block == "\n" + C.findings_markdown(ledger)
+    assert block == "\n" + findings_markdown(ledger)
 
 
 def test_the_committed_figures_were_made_by_the_code_s_numerics():
@@ -831,21 +841,22 @@ def test_rows_carry_their_study_figure_delta_and_missing_text(monkeypatch):
     """The fields a reader checks a row by: the study's figure and whose it is, the floor claims'
     paired Δ, the text naming a study figure the config lacks, and a verdict cell with nothing
     missing left bare."""
-    monkeypatch.setattr(C, "paired_delta", lambda cells, n_boot, seed: lambda a, b: (0.1, 0.05, 0.15))
+    monkeypatch.setattr("kvarn.report.claims.ledger.paired_delta",
+                        lambda cells, n_boot, seed: lambda a, b: (0.1, 0.05, 0.15))
     cells = [("q2_0-q2_0", 128, 1.0, 5), ("kvarn2-kvarn2", 0, 1.2, 6), ("q4_0-q4_0", 128, 0.5, 9),
              ("q8_0-q8_0", 128, 0.2, 20), ("q4_0-q4_0+tdf16-s128", 128, 0.1, 11)]
     prep = prepare(summary(cells), "m")
-    led = C.ledger(prep, "m", STUDY, cells={"any": None}, study_model="gemma4-31b")
+    led = ledger(prep, "m", STUDY, cells={"any": None}, study_model="gemma4-31b")
     r = row(led, "same_width_gain_2")
     assert (round(r["study"], 1), r["study_text"], r["figure_of"]) == (-57.3, "-57.3 %", "gemma4-31b")
     assert row(led, "tail_effect_2")["figure_of"] == "qwen3.6-27b"  # printed for Qwen only
     fo = row(led, "format_only_floor")
     assert (fo["ours"], fo["delta"], fo["delta_lo"], fo["delta_hi"]) == (pytest.approx(0.1), 0.1, 0.05, 0.15)
     no_figure = {**STUDY, "figures": {k: v for k, v in STUDY["figures"].items() if k != "q8_0_same_top"}}
-    led2 = C.ledger(prep, "m", no_figure, study_model="gemma4-31b")
+    led2 = ledger(prep, "m", no_figure, study_model="gemma4-31b")
     missing = led2.filter(pl.col("claim_id") == "q8_0_same_top")
     assert missing.height == 1 and set(missing["missing"]) == {"study figure (not in config/study.yaml)"}
-    md = C.ledger_markdown(led)
+    md = ledger_markdown(led)
     line = next(x for x in md.splitlines() if "2 bits: kvarn2" in x)
     assert line.endswith(f"| **{r['verdict']}** |")
 

@@ -9,7 +9,7 @@ import polars as pl
 
 from kvarn.report import findings as F
 from kvarn.report.advise import ANSWER_SCHEMA, FRONTIER_COLUMNS
-from kvarn.report.claims import LEDGER_COLUMNS
+from kvarn.report.claims.verdicts import LEDGER_COLUMNS
 from paths import REPO as ROOT
 
 

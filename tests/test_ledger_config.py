@@ -15,12 +15,15 @@ import synthetic  # noqa: E402
 
 from kvarn.budget.memory import summary_fields  # noqa: E402
 from kvarn.plan.matrix import expand  # noqa: E402
-from kvarn.report import claims as C  # noqa: E402
+from kvarn.report.claims.decisions import cheapest_match_table  # noqa: E402
+from kvarn.report.claims.ledger import ledger  # noqa: E402
+from kvarn.report.claims.study import load_study  # noqa: E402
+from kvarn.report.claims.verdicts import lacks_a_cell  # noqa: E402
 from kvarn.report.data import prepare  # noqa: E402
 from kvarn.spec import facts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-STUDY = C.load_study()
+STUDY = load_study()
 
 
 def planned_summary(config: dict) -> pl.DataFrame:
@@ -39,7 +42,7 @@ def planned_summary(config: dict) -> pl.DataFrame:
 
 
 def ledger_of(summary: pl.DataFrame) -> pl.DataFrame:
-    return pl.concat([C.ledger(prepare(summary, m), m, STUDY) for m in summary["model"].unique(maintain_order=True)])
+    return pl.concat([ledger(prepare(summary, m), m, STUDY) for m in summary["model"].unique(maintain_order=True)])
 
 
 def ledger_rows(config_name: str) -> pl.DataFrame:
@@ -47,7 +50,7 @@ def ledger_rows(config_name: str) -> pl.DataFrame:
 
 
 def for_want_of_a_cell(ledger: pl.DataFrame) -> pl.DataFrame:
-    return ledger.filter(C.lacks_a_cell())
+    return ledger.filter(lacks_a_cell())
 
 
 def test_the_ledger_config_leaves_no_row_without_its_cells():
@@ -85,7 +88,7 @@ def test_the_mixed_standard_pairs_change_the_cheapest_match():
     config = yaml.safe_load((ROOT / "config" / "ledger.yaml").read_text())
     for summary, mixed in ((planned_summary(config), True), (without_group(3), False)):
         for m in ("smollm2-135m", "gemma3-270m"):
-            t = C.cheapest_match_table(prepare(summary, m)).drop_nulls("match")
+            t = cheapest_match_table(prepare(summary, m)).drop_nulls("match")
             k, v = t["match"].str.extract(r"^(\w+)-(\w+) ", 1), t["match"].str.extract(r"^(\w+)-(\w+) ", 2)
             assert (k != v).any() == mixed, (m, t.rows())
             if mixed:

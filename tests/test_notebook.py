@@ -17,7 +17,8 @@ import synthetic  # noqa: E402
 
 from kvarn import report as R  # noqa: E402
 from kvarn.report import advise as A  # noqa: E402
-from kvarn.report import claims as C  # noqa: E402
+from kvarn.report.claims.ledger import run_claims  # noqa: E402
+from kvarn.report.claims.render import claims_markdown  # noqa: E402
 from kvarn.report.figures import ranked  # noqa: E402
 from kvarn.report.paired_table import run_table  # noqa: E402
 
@@ -74,8 +75,8 @@ def run(tmp_path_factory):
     paired = {m: run_table(prep[m], [dirs[(m, c)] / "tokens.parquet" for c in prep[m]["cell"].to_list()],
                            n_boot=BOOT) for m in models}
     return {"outputs": execute(results), "summary": summary, "models": models, "prep": prep, "paired": paired,
-            "answers": A.advise(summary, dirs, n_boot=BOOT), "claims": C.claims_markdown(
-                *C.run_claims(summary, [d / "tokens.parquet" for d in dirs.values()], n_boot=BOOT))}
+            "answers": A.advise(summary, dirs, n_boot=BOOT), "claims": claims_markdown(
+                *run_claims(summary, [d / "tokens.parquet" for d in dirs.values()], n_boot=BOOT))}
 
 
 def test_every_cell_runs_on_the_run(run):

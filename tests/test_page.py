@@ -136,7 +136,8 @@ def run(tmp_path_factory):
     call: results/answer.md and .parquet, claims.parquet (and .md, .html), the decision tables, each
     model's paired table and its nine figures as .svg and .vl.json."""
     from kvarn.report import advise as A
-    from kvarn.report import claims as C
+    from kvarn.report.claims.ledger import run_claims
+    from kvarn.report.claims.render import claims_html, claims_markdown
     from kvarn.report import figures as F
     from kvarn.report import load_tokens, prepare, select_token_paths
     from kvarn.report.data import compute_split
@@ -149,10 +150,10 @@ def run(tmp_path_factory):
     (res / "answer.md").write_text(A.answers_markdown(answers), encoding="utf-8")
     A.frontier_frame(answers).write_parquet(res / "answer.parquet")
     tokens = {m: synthetic.token_paths(root, m) for m in MODELS}
-    ledger, decisions = C.run_claims(summary, [p for m in MODELS for p in tokens[m]], n_boot=BOOT)
+    ledger, decisions = run_claims(summary, [p for m in MODELS for p in tokens[m]], n_boot=BOOT)
     ledger.write_parquet(res / "claims.parquet")
-    (res / "claims.md").write_text(C.claims_markdown(ledger, decisions), encoding="utf-8")
-    (res / "claims.html").write_text(C.claims_html(ledger, decisions), encoding="utf-8")
+    (res / "claims.md").write_text(claims_markdown(ledger, decisions), encoding="utf-8")
+    (res / "claims.html").write_text(claims_html(ledger, decisions), encoding="utf-8")
     for m, md in decisions.items():
         (res / "tables" / "decisions").mkdir(parents=True, exist_ok=True)
         (res / "tables" / "decisions" / f"{m}.md").write_text(md, encoding="utf-8")

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from kvarn.formats import get_format
 from kvarn.formats.registry import names
-from kvarn.report import claims as C
+from kvarn.report.claims.definitions import same_width_gain
+from kvarn.report.claims.study import load_study
+from kvarn.report.claims.verdicts import directional
 from kvarn.report.data import prepare
 from kvarn.spec import facts
 from kvarn.stats.paired import CellTokens, compare
@@ -77,8 +79,8 @@ def test_the_paired_interval_of_a_known_shift_holds_it(seed, chunks, per, delta)
 @given(lo=st.floats(-10, 10), width=st.floats(1e-6, 10), want=st.sampled_from([-1, 1]), sign_ok=st.booleans())
 def test_directional_verdict_is_symmetric_under_a_sign_flip(lo, width, want, sign_ok):
     hi = lo + width
-    v = C.directional(sign_ok, lo, hi, want)[0]
-    assert C.directional(sign_ok, -hi, -lo, -want)[0] == v  # the same claim stated the other way round
+    v = directional(sign_ok, lo, hi, want)[0]
+    assert directional(sign_ok, -hi, -lo, -want)[0] == v  # the same claim stated the other way round
     if lo <= 0 <= hi:
         assert v == "not separable"
     else:
@@ -100,7 +102,7 @@ def test_same_width_verdict_flips_with_the_sign_of_the_gain(q, ratio):
         prep = prepare(pl.DataFrame(rows), "m")
         d = kv - std
         delta = (lambda a, b: (d, d - abs(d) / 2, d + abs(d) / 2)) if interval else (lambda a, b: (None, None, None))
-        (row,) = [r for r in C.same_width_gain(prep, "m", "qwen3.6-27b", C.load_study(), delta=delta)
+        (row,) = [r for r in same_width_gain(prep, "m", "qwen3.6-27b", load_study(), delta=delta)
                   if r["claim_id"] == "same_width_gain_4"]
         return row["verdict"]
 

@@ -14,7 +14,11 @@ import polars as pl
 import pytest
 
 from kvarn.report import advise as A
-from kvarn.report import claims as C
+from kvarn.report.claims.decisions import below_floor_table, cheapest_match_table, presets_table
+from kvarn.report.claims.definitions import (equal_memory, exactness_vs_format, ladder, same_width_gain,
+                                             same_width_gain_pct, tail_effect, tail_effect_pct)
+from kvarn.report.claims.study import load_study
+from kvarn.report.claims.verdicts import directional, paired_delta
 from kvarn.report import tables as T
 from kvarn.report.data import prepare
 from kvarn.report.paired_table import run_table
@@ -23,7 +27,7 @@ from kvarn.stats.paired import CellTokens
 from test_advise import row as advise_row
 
 MIB = 1 << 20
-STUDY = C.load_study()
+STUDY = load_study()
 SM = "qwen3.6-27b"
 
 
@@ -131,12 +135,12 @@ def test_gain_and_tail_effect_point_the_studys_way():
     # q8_0 from tail 0 (0.02) to 128 (0.015): (0.015/0.02 − 1)·100 = −25 (the tail lowers it)
     p = prep_of([("q4_0-q4_0", 128, 0.10, 4.5), ("kvarn4-kvarn4", 0, 0.09, 4.6),
                  ("q8_0-q8_0", 0, 0.02, 8.5), ("q8_0-q8_0", 128, 0.015, 8.75)])
-    g = {r["claim_id"]: r for r in C.same_width_gain(p, "m", SM, STUDY)}["same_width_gain_4"]
+    g = {r["claim_id"]: r for r in same_width_gain(p, "m", SM, STUDY)}["same_width_gain_4"]
     assert g["ours"] == pytest.approx(10.0, abs=1e-9) and g["verdict"] == "holds"  # the study's +7.9
-    e = {r["claim_id"]: r for r in C.tail_effect(p, "m", SM, STUDY)}["tail_effect_8"]
+    e = {r["claim_id"]: r for r in tail_effect(p, "m", SM, STUDY)}["tail_effect_8"]
     assert e["ours"] == pytest.approx(-25.0, abs=1e-9) and e["verdict"] == "holds"
-    assert C.same_width_gain_pct(0.09, 0.10) == pytest.approx(10.0)
-    assert C.tail_effect_pct(0.015, 0.02) == pytest.approx(-25.0)
+    assert same_width_gain_pct(0.09, 0.10) == pytest.approx(10.0)
+    assert tail_effect_pct(0.015, 0.02) == pytest.approx(-25.0)
 
 
 def test_ladder_step_and_exactness_ratio_by_hand():
@@ -144,16 +148,16 @@ def test_ladder_step_and_exactness_ratio_by_hand():
     # exactness vs format: (q4_0 t0 − q4_0 t128) / (q4_0 t128 − kvarn4 128*) = (0.30 − 0.10)/(0.10 − 0.04) = 3.33
     p = prep_of([("q4_0-q4_0", 0, 0.30, 4.5), ("q4_0-q4_0", 128, 0.10, 4.75), ("q5_0-q5_0", 128, 0.04, 5.5),
                  ("kvarn4-kvarn4", 0, 0.04, 4.6)])
-    lad = {r["claim_id"]: r for r in C.ladder(p, "m", SM, STUDY)}["ladder_4_5"]
+    lad = {r["claim_id"]: r for r in ladder(p, "m", SM, STUDY)}["ladder_4_5"]
     assert lad["ours"] == pytest.approx(-0.06, abs=1e-12) and lad["delta_of"] == "q5_0 − q4_0"
-    ex = {r["claim_id"]: r for r in C.exactness_vs_format(p, "m", SM, STUDY)}["exactness_vs_format"]
+    ex = {r["claim_id"]: r for r in exactness_vs_format(p, "m", SM, STUDY)}["exactness_vs_format"]
     assert ex["ours"] == pytest.approx(0.2 / 0.06, rel=1e-9) and ex["verdict"] == "holds"
 
 
 def test_equal_memory_ratio_is_asymmetric_over_symmetric():
     # kvarn4-kvarn2 0.06 and kvarn3-kvarn3 0.03 at 3.0 MiB each: ratio 2.0, the asymmetric one higher
     p = prep_of([("kvarn4-kvarn2", 0, 0.06, 3.0), ("kvarn3-kvarn3", 0, 0.03, 3.0)])
-    r = C.equal_memory(p, "m", SM, STUDY)[0]
+    r = equal_memory(p, "m", SM, STUDY)[0]
     assert r["ours"] == pytest.approx(2.0) and r["verdict"] == "holds"
 
 
@@ -163,7 +167,7 @@ def test_paired_delta_is_the_second_cell_minus_the_first():
     chunk, pos = np.repeat([0, 1], N // 2), np.tile(np.arange(N // 2), 2)
     cells = {c: CellTokens(c, {}, chunk, pos, k, np.ones(N), np.zeros(N))
              for c, k in (("a", kld), ("b", kld + 0.01))}
-    d, lo, hi = C.paired_delta(cells, 200, 0)({"cell": "a"}, {"cell": "b"})
+    d, lo, hi = paired_delta(cells, 200, 0)({"cell": "a"}, {"cell": "b"})
     assert (d, lo, hi) == tuple(pytest.approx(0.01, abs=1e-12) for _ in "abc")
 
 
@@ -176,7 +180,7 @@ def test_paired_delta_is_the_second_cell_minus_the_first():
     (True, 0.1, 0.3, +1, "holds"),
 ])
 def test_directional_verdicts(sign_ok, lo, hi, want, verdict):
-    assert C.directional(sign_ok, lo, hi, want)[0] == verdict
+    assert directional(sign_ok, lo, hi, want)[0] == verdict
 
 
 def test_decision_tables_cheapest_match_presets_and_below_floor():
@@ -187,19 +191,19 @@ def test_decision_tables_cheapest_match_presets_and_below_floor():
                  ("kvarn3-kvarn3", 0, 0.10, 3.6), ("kvarn4-kvarn4", 0, 0.04, 4.6), ("kvarn5-kvarn5", 0, 0.02, 5.6),
                  ("kvarn6-kvarn6", 0, 0.019, 6.6)])
     # cheapest standard row with a median at most KVarN's (equal counts): kvarn4 → q5_0, saving 0.9 MiB
-    cm = {r["pair"]: r for r in C.cheapest_match_table(p).iter_rows(named=True)}
+    cm = {r["pair"]: r for r in cheapest_match_table(p).iter_rows(named=True)}
     assert cm["kvarn4-kvarn4"]["match"] == "q5_0-q5_0 t128"
     assert cm["kvarn4-kvarn4"]["mib_saved"] == pytest.approx(5.5 - 4.6, abs=1e-6)
     assert cm["kvarn3-kvarn3"]["match"] == "q4_0-q4_0 t128"
     assert cm["kvarn5-kvarn5"]["match"] == "q8_0-q8_0 t128"
     assert cm["kvarn6-kvarn6"]["match"] is None  # below every standard row
     # presets: the cheapest matched row at or below the reference's median
-    pr = {r["preset"]: (r["pair"], r["mib_saved"]) for r in C.presets_table(p).iter_rows(named=True)}
+    pr = {r["preset"]: (r["pair"], r["mib_saved"]) for r in presets_table(p).iter_rows(named=True)}
     assert pr == {"quality": ("kvarn5-kvarn5", pytest.approx(8.5 - 5.6, abs=1e-6)),
                   "balanced": ("kvarn4-kvarn4", pytest.approx(5.5 - 4.6, abs=1e-6)),
                   "compact": ("kvarn3-kvarn3", pytest.approx(4.5 - 3.6, abs=1e-6))}
     # strictly below the floor (0.02): kvarn6 only (kvarn5 equals it), saving 8.5 − 6.6 MiB
-    bf = C.below_floor_table(p)
+    bf = below_floor_table(p)
     assert bf["pair"].to_list() == ["kvarn6-kvarn6"]
     assert bf["mib_saved"][0] == pytest.approx(1.9, abs=1e-6) and bf["floor_pair"][0] == "q8_0-q8_0"
 

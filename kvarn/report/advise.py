@@ -4,7 +4,7 @@ Per model (and engine) of a run: the frontier — each cell whose median KLD is 
 cheaper cell's — with its paired interval against the next-cheaper frontier row; **bands** of
 frontier rows the paired test cannot tell from the band's cheapest row (never called better
 than one another: take the cheapest); the cheapest cell within a tolerance; the study's three
-presets by our rule (`kvarn.report.claims.presets_table`); and one line of what the run cannot
+presets by our rule (`kvarn.report.claims.decisions.presets_table`); and one line of what the run cannot
 answer. `kvarn advise` prints it, rule `answer` writes results/answer.md. Why bands and these
 defaults: docs/notes/advise.md.
 """
@@ -19,7 +19,8 @@ from typing import Mapping
 import polars as pl
 
 from kvarn.report import data as D
-from kvarn.report.claims import PRESET_LEVELS, paired_delta, presets_table
+from kvarn.report.claims.decisions import PRESET_LEVELS, presets_table
+from kvarn.report.claims.verdicts import paired_delta
 
 #: The tolerance when the user gives none: median KLD at most this (nats) ...
 DEFAULT_MAX_KLD = 0.001

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from kvarn.report.claims import is_study_claim
+from kvarn.report.claims.verdicts import is_study_claim
 
 CAVEAT = ("These are small models at a short context: read the orderings, not the digits; as the study says, "
           "the recommendation cannot be copied between models — run `kvarn advise` on your own.")

@@ -3,7 +3,7 @@
 In order: a title; **the answer** (results/answer.md and .parquet, rule `answer`,
 `kvarn.report.advise`): per model the pick within the default tolerance, the pick's PPL ratio,
 the presets and the frontier as a table (`<table class="answer" id="answer-MODEL">`, a
-`data-cell` per row); **the claims ledger** (`kvarn.report.claims.ledger_markdown` of
+`data-cell` per row); **the claims ledger** (`kvarn.report.claims.render.ledger_markdown` of
 results/claims.parquet) and each model's decision tables; **the figures** of every model with
 their captions, leaving out a figure that is only a placeholder (`placeholder_reason`: the text
 chart kvarn.report.figures draws where the run lacks the cells a figure compares) and naming
@@ -230,8 +230,8 @@ def answer_html(answer_md: str, answer: pl.DataFrame) -> str:
 
 
 def ledger_html(ledger: pl.DataFrame, decisions: Mapping[str, str]) -> str:
-    """The ledger (kvarn.report.claims.ledger_markdown) and each model's decision tables."""
-    from kvarn.report.claims import ledger_markdown
+    """The ledger (kvarn.report.claims.render.ledger_markdown) and each model's decision tables."""
+    from kvarn.report.claims.render import ledger_markdown
 
     parts = [markdown_html(ledger_markdown(ledger), shift=1, table_class="ledger")]
     if decisions:

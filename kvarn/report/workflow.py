@@ -54,7 +54,7 @@ PAGE_LAYERS_DIR = "results/layers"
 
 
 def decision_tables(models) -> list[str]:
-    """Each model's decision tables (kvarn.report.claims.decisions_markdown), written by rule claims."""
+    """Each model's decision tables (kvarn.report.claims.render.decisions_markdown), written by rule claims."""
     return [f"results/tables/decisions/{m}.md" for m in models]
 
 

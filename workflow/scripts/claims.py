@@ -7,7 +7,9 @@ import polars as pl
 from _wf import atomic, start
 
 start(snakemake)  # noqa: F821
-from kvarn.report.claims import claims_html, claims_markdown, load_study, run_claims  # noqa: E402
+from kvarn.report.claims.ledger import run_claims  # noqa: E402
+from kvarn.report.claims.render import claims_html, claims_markdown  # noqa: E402
+from kvarn.report.claims.study import load_study  # noqa: E402
 
 sm = snakemake  # noqa: F821
 ledger, decisions = run_claims(pl.read_parquet(sm.input.summary), list(sm.input.tokens), load_study(sm.input.study),

@@ -10,7 +10,7 @@ docs/figures/provenance.json: the commit, numerics versions, machine and command
 them (kvarn.report.provenance; tests/test_claims.py fails when its numerics versions are not the
 code's). With --readme, the
 README's block between CLAIMS_BEGIN and CLAIMS_END is rewritten from that ledger
-(kvarn.report.claims.findings_markdown) and the block between FINDINGS_BEGIN and FINDINGS_END
+(kvarn.report.claims.render.findings_markdown) and the block between FINDINGS_BEGIN and FINDINGS_END
 from the answer and the ledger (kvarn.report.findings), so the README's findings are the run's,
 not typed.
 Run it after `snakemake` (or `make run`) has built the report targets. Not a rule: the
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         import polars as pl
 
         from kvarn.report import findings
-        from kvarn.report.claims import findings_markdown
+        from kvarn.report.claims.render import findings_markdown
 
         readme = Path(args.readme)
         ledger = pl.read_parquet(dest / "claims.parquet")
