@@ -7,7 +7,7 @@ cell's median KLD.
 A and B are two runs' results folders (each holding claims.parquet and summary.parquet from
 `make study`, and optionally a provenance.json from kvarn.report.provenance.record). With
 `--common-cells CONFIG`, the runs need not be finished: the ledger of each is computed here
-(`kvarn.report.claims.run_claims`, the claims rule's own function) from the cells of CONFIG that
+(`kvarn.report.claims.ledger.run_claims`, the claims rule's own function) from the cells of CONFIG that
 both have finished (their summary.json and tokens.parquet), and the verdicts are compared on the
 rows both can measure; the rows that lack a cell are counted, not compared. Writes a
 Markdown table: per (model, claim) the two verdicts and whether they are equal, then per model the
@@ -67,7 +67,7 @@ def finished_cells(results: Path, config: dict) -> dict[tuple[str, str], tuple[d
 
 def common_ledgers(a_dir: Path, b_dir: Path, config: dict, n_boot: int = 2000) -> tuple[pl.DataFrame, ...]:
     """Both runs' ledgers and summaries over the cells both finished: (claims_a, claims_b, summary_a, summary_b)."""
-    from kvarn.report.claims import run_claims
+    from kvarn.report.claims.ledger import run_claims
 
     fa, fb = finished_cells(a_dir, config), finished_cells(b_dir, config)
     common = [k for k in fa if k in fb]
@@ -97,7 +97,7 @@ def report(a_dir: Path, b_dir: Path, label_a: str, label_b: str, common_config: 
         import yaml
 
         ca, cb, sa, sb = common_ledgers(a_dir, b_dir, yaml.safe_load(common_config.read_text()))
-        from kvarn.report.claims import lacks_a_cell
+        from kvarn.report.claims.verdicts import lacks_a_cell
 
         lacking = lacks_a_cell()
         skipped = ca.filter(lacking).select(["model", "claim_id", "claim"]).vstack(

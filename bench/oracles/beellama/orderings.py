@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.oracles.beellama.table import md_lines
 from bench.oracles.llamacpp.runs import parse_llama
-from kvarn.report.claims import same_width_gain_pct, tail_effect_pct
+from kvarn.report.claims.definitions import same_width_gain_pct, tail_effect_pct
 
 PROGRAMS = ("BeeLlama", "exact", "llamacpp-cpu")  # the last two: kvarn's compute paths
 JUDGE = ("BeeLlama", "llamacpp-cpu")  # the two whose verdicts must agree (the target column)
