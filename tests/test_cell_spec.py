@@ -106,13 +106,13 @@ def test_entry_points_name_their_own_field():
         kvm.expand(cfg)
     from argparse import Namespace
 
-    from kvarn import cli
+    from kvarn.cli.parser import UsageError, cell_spec
 
     args = Namespace(k="kvarn4", v="kvarn4", tail=0, rot=True, tail_dtype=None, iters=None, sink=3, compute="exact")
-    with pytest.raises(cli.UsageError, match=r"^--sink 3: sink 3 for kvarn4/kvarn4: KVarN's sink is fixed at 128"):
-        cli.cell_spec(args)
+    with pytest.raises(UsageError, match=r"^--sink 3: sink 3 for kvarn4/kvarn4: KVarN's sink is fixed at 128"):
+        cell_spec(args)
     args.sink = None
-    assert cli.cell_spec(args) == CellSpec("kvarn4", "kvarn4", 0)  # iters None: CellSpec's default
+    assert cell_spec(args) == CellSpec("kvarn4", "kvarn4", 0)  # iters None: CellSpec's default
 
 
 def test_from_wildcards_is_from_name():

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from kvarn import cli
+from kvarn.cli.parser import build_parser
 from kvarn.files import outlock
 
 HOLD = """
@@ -142,7 +143,7 @@ def test_help_examples_continue_their_lines_and_fetch_has_help(capsys):
     for a, b in zip(lines, lines[1:]):
         if b.startswith("      --"):
             assert a.endswith(" \\"), (a, b)
-    fetch = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "fetch")[1]
+    fetch = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "fetch")[1]
     assert fetch.description
     for action in fetch._actions:
         assert action.help, action.option_strings

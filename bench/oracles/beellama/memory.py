@@ -142,7 +142,7 @@ def gguf_geometry(gguf: Path, cache: Path | None = None):
 
     if cache is not None and cache.is_file():
         return Geometry.from_list(json.loads(cache.read_text()))
-    from kvarn.cli import memory_config
+    from kvarn.budget.model_config import memory_config
 
     config, _ = memory_config(str(gguf), str(ROOT / "resources" / "models"))
     geom = geometry_from_config(config)

@@ -1,30 +1,19 @@
-"""The `kvarn` command: fetch a model, write a BF16 baseline, run one cache cell, compute a
-cache's memory, compare two cells, advise a configuration from a run's results, list formats.
-
-Mirrors llama-perplexity's vocabulary: --ctx (-c), --chunks, --ubatch (-ub), -ctk/-ctv
-for the cache types. Bad values exit with code 2 and a message naming the value and what
-is accepted.
-"""
+"""The `kvarn` command's arguments: the parser of every subcommand, the argparse types whose errors
+name the option and the value, and the one CellSpec of a command's cell flags (`cell_spec`).
+Mirrors llama-perplexity's vocabulary: --ctx (-c), --chunks, --ubatch (-ub), -ctk/-ctv."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import re
-import sys
-from pathlib import Path
 
-from kvarn.stats import paired
-from kvarn.files.atomic import atomic_path
+from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING
+from kvarn.budget.model_config import STUDY_CONFIGS
+from kvarn.budget.preflight import LONG_CONTEXT_ENV, LONG_CONTEXT_FLAG
 from kvarn.spec.cell import CellError, CellSpec
-from kvarn.spec.facts import TAIL_DTYPES, job_tail, pair_effective_tail, tail_label
-from kvarn.spec.geometry import geometry_from_config
-from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, at_tail0, kv_bytes
+from kvarn.spec.facts import TAIL_DTYPES
 from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_sampling  # one list each for the CLI and the matrix
-from kvarn.budget.preflight import LONG_CONTEXT_ENV, LONG_CONTEXT_FLAG, PreflightError, capacity, preflight
-from kvarn.files.outlock import OutputBusy, hold_output
-from kvarn.weights.sources import DEFAULT_CACHE_DIR, EMBEDDED, config_json, fetch, kind_of, parse_model
+from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 EPILOG = """\
 examples (llama.cpp equivalents in brackets):
@@ -46,8 +35,6 @@ examples (llama.cpp equivalents in brackets):
       (per model: the frontier with bands, the cheapest cell within --max-kld / --min-same-top, the presets)
   kvarn formats
 """
-
-STUDY_CONFIGS = Path(__file__).resolve().parents[1] / "config" / "models"  # the study's models, no weights
 
 
 class UsageError(Exception):
@@ -100,8 +87,6 @@ def _device(s):
     if s in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", s):
         return s
     raise argparse.ArgumentTypeError(f"--device must be auto, cpu, cuda or cuda:N, got {s!r}")
-
-
 
 
 def _attention_arg(p):
@@ -296,25 +281,6 @@ def _positive_float(name):
     return parse
 
 
-def _advise(args) -> str:
-    """`kvarn advise`: results/answer.md's text for a results folder and the user's tolerance."""
-    import polars as pl
-
-    from kvarn.report import advise as adv
-
-    summary_path = Path(args.results) / "summary.parquet"
-    if not summary_path.is_file():
-        raise UsageError(f"--results {args.results}: no {summary_path}; run some cells first (`make run`)")
-    if args.min_same_top is not None and args.min_same_top > 100:
-        raise UsageError(f"--min-same-top {args.min_same_top:g}: a percentage in (0, 100]")
-    given = {"max_kld": args.max_kld, "budget_mib": args.budget_mib, "budget_bits": args.budget_bits,
-             "min_same_top": None if args.min_same_top is None else args.min_same_top / 100}
-    tol = adv.Tolerance(**{k: v for k, v in given.items() if v is not None})
-    summary = pl.read_parquet(summary_path)
-    answers = adv.advise(summary, adv.token_dirs(summary, args.results), args.model, tol, args.boot, args.seed)
-    return adv.answers_markdown(answers)
-
-
 def _cell_probe_args(p):
     """The model, context and cache options `decode` and `layers` share."""
     p.add_argument("-m", "--model", required=True, metavar="NAME|hf:org/repo[@rev]|PATH")
@@ -338,6 +304,13 @@ def _cell_probe_args(p):
     _attention_arg(p)
 
 
+def _accounting_arg(p):
+
+    p.add_argument("--accounting", choices=list(ACCOUNTINGS), default=DEFAULT_ACCOUNTING,
+                   help="memory accounting of the KV cache MiB (kvarn.budget.memory): "
+                        + "; ".join(f"{k}: {v}" for k, v in ACCOUNTINGS.items()))
+
+
 # The command-line flag of each CellSpec field (and of the K/V pair), for CellError messages.
 CELL_FLAGS = {"k": "--k", "v": "--v", "pair": "--k/--v", "tail": "--tail", "rot": "--no-rot",
               "tail_dtype": "--tail-dtype", "iters": "--iters", "sink": "--sink", "compute": "--compute"}
@@ -352,229 +325,3 @@ def cell_spec(args) -> CellSpec:
         return CellSpec(args.k, args.v, args.tail, **opts)
     except CellError as e:
         raise UsageError(f"{CELL_FLAGS[e.field]} {e.value}: {e}") from None
-
-
-def _accounting_arg(p):
-
-    p.add_argument("--accounting", choices=list(ACCOUNTINGS), default=DEFAULT_ACCOUNTING,
-                   help="memory accounting of the KV cache MiB (kvarn.budget.memory): "
-                        + "; ".join(f"{k}: {v}" for k, v in ACCOUNTINGS.items()))
-
-
-def memory_config(arg: str, cache_dir: str) -> tuple[dict, str]:
-    """--model of `kvarn memory` -> (config.json dict, where it was read)."""
-    import json
-
-
-    if kind_of(arg).config_alone(arg):  # the config alone, no weights where possible
-        return config_json(parse_model(arg), cache_dir), arg
-    p = Path(arg)
-    if p.is_dir():
-        p = p / "config.json"
-    elif not p.exists() and (STUDY_CONFIGS / f"{arg}.json").is_file():
-        p = STUDY_CONFIGS / f"{arg}.json"
-    elif not p.exists() and arg in EMBEDDED:
-        p = Path(cache_dir) / arg / "hf" / "config.json"
-        if not p.is_file():
-            raise UsageError(f"--model {arg!r}: embedded model not converted yet (no {p}); run `kvarn fetch -m {arg}`")
-    if not p.is_file():
-        raise UsageError(
-            f"--model {arg!r} is neither a config.json, a directory holding one, a study model of {STUDY_CONFIGS}, "
-            f"an embedded model ({', '.join(EMBEDDED)}), hf:org/repo[@rev] nor a .gguf file"
-        )
-    try:
-        with open(p) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--model {str(p)!r} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"--model {str(p)!r}: expected a JSON object (a transformers config.json)")
-    return config, str(p)
-
-
-def _memory(args) -> str:
-    import json
-
-
-    config, where = memory_config(args.model, args.cache_dir)
-    try:
-        geom = geometry_from_config(config)
-    except (ValueError, TypeError, KeyError) as e:
-        raise UsageError(f"--model {where!r}: {e}") from None
-    cell = cell_spec(args)
-    b = kv_bytes(geom, args.ctx, cell, ubatch=args.ubatch, accounting=args.accounting)
-    b0 = kv_bytes(geom, args.ctx, at_tail0(cell), ubatch=args.ubatch, accounting=args.accounting)
-
-    out = {
-        "config": where, "geometry": geom.describe(), "n_ctx": args.ctx, "ubatch": args.ubatch,
-        "k_type": args.k, "v_type": args.v, "tail": args.tail, "tail_label": tail_label(args.k, args.v, args.tail),
-        "accounting": args.accounting, **b.mib(), "delta_tail0_mib": (b.total - b0.total) / MIB,
-        "body_bytes": b.body, "staging_bytes": b.staging, "overlay_bytes": b.overlay, "total_bytes": b.total,
-    }
-    if args.json:
-        return json.dumps(out, indent=1) + "\n"
-    return (
-        f"{where}: {out['geometry']}\n"
-        f"{args.k}/{args.v} tail {out['tail_label']}, n_ctx {args.ctx}, ubatch {args.ubatch}, "
-        f"accounting {args.accounting}\n"
-        f"  body     {out['body_mib']:12.2f} MiB\n"
-        f"  staging  {out['staging_mib']:12.2f} MiB\n"
-        f"  overlay  {out['overlay_mib']:12.2f} MiB\n"
-        f"  total    {out['total_mib']:12.2f} MiB  ({out['delta_tail0_mib']:+.2f} vs tail 0)\n"
-    )
-
-
-def _formats() -> str:
-    from kvarn.formats import get_format, names
-
-    rows = [f"{'type':<8} {'family':<7} {'bpv@64':>7} {'bpv@128':>8} {'bpv@256':>8}"]
-    for n in names():
-        fmt = get_format(n)
-        bpv = []
-        for d in (64, 128, 256):
-            try:
-                fmt.check_head_dim(d)
-                bpv.append(f"{fmt.bits_per_value(d):.4g}")
-            except ValueError:
-                bpv.append("-")
-        rows.append(f"{n:<8} {fmt.family:<7} {bpv[0]:>7} {bpv[1]:>8} {bpv[2]:>8}")
-    return "\n".join(rows) + "\n"
-
-
-def _decode(spec, args) -> int:
-    cell = cell_spec(args)
-    if args.tokens > args.ctx - 2:
-        raise UsageError(f"--tokens {args.tokens} leaves no prompt in --ctx {args.ctx}; at most {args.ctx - 2}")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    from kvarn.run.decode import run_decode
-
-    s = run_decode(spec, args.ctx, args.prompts, args.tokens, cell, Path(args.out), ubatch=args.ubatch,
-                   text=args.text, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
-                   attention=args.attention, block=args.block, temperature=args.temperature, seed=args.seed)
-    fd = s["first_divergence"]
-    print(f"{args.k}-{args.v} tail {args.tail}{s['sampling']}: {s['n_prompts']} prompts x {s['n_tokens']} tokens; first divergence "
-          f"median {s['first_divergence_median']:g} ({s['n_diverged']} of {len(fd)} diverged: {fd}); "
-          f"KLD along own text mean {s['decode_kld_mean']:.6f}, median {s['decode_kld_median']:.6f}; "
-          f"same top {100 * s['decode_same_top']:.2f}% -> {args.out}")
-    return 0
-
-
-def _layers(spec, args) -> int:
-    cell = cell_spec(args)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    from kvarn.run.engine import setup
-    from kvarn.run.layer_error import layer_errors
-    from kvarn.report.figures import layer_error, save_chart
-
-    loaded, chunk_ids, _ = setup(spec, args.ctx, args.chunks, args.text, args.device, args.dtype, args.cache_dir)
-    table = layer_errors(loaded.model, chunk_ids, cell, ubatch=args.ubatch)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out.with_name(out.name + ".parquet")) as tmp:
-        table.write_parquet(tmp)
-    save_chart(layer_error(table, f"{spec.name} {args.k}-{args.v} tail {args.tail}"), out)
-    print(table)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    try:
-        if args.cmd == "formats":
-            sys.stdout.write(_formats())
-            return 0
-        if args.cmd == "memory":
-            sys.stdout.write(_memory(args))
-            return 0
-        if args.cmd == "advise":
-            sys.stdout.write(_advise(args))
-            return 0
-        if args.cmd == "compare":
-            import json
-
-
-            res = paired.compare(paired.load_cell(args.a), paired.load_cell(args.b), n_boot=args.boot,
-                                 seed=args.seed, block=args.block)
-            sys.stdout.write(json.dumps(res, indent=1) + "\n" if args.json else paired.format_compare(res))
-            return 0
-        spec = parse_model(args.model)
-        if args.cmd == "decode":
-            return _decode(spec, args)
-        if args.cmd == "layers":
-            return _layers(spec, args)
-        if args.cmd == "fetch":
-
-            print(fetch(spec, cache_dir=args.cache_dir))
-            return 0
-        if args.chunks == 0 or args.chunks < -1:
-            raise UsageError(f"--chunks must be a positive integer or -1 (all), got {args.chunks}")
-        chunks = None if args.chunks == -1 else args.chunks
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        from kvarn.run import engine
-
-        if args.allow_long_context:
-            os.environ[LONG_CONTEXT_ENV] = "1"  # the engine's own preflight reads it
-        cell = None
-        if args.cmd == "run":
-            cell = cell_spec(args)  # every cell option checked before any work
-            if args.tail >= args.ctx:
-                raise UsageError(f"--tail {args.tail} must be smaller than --ctx {args.ctx}")
-            # a tail the format rounds is the tail it runs at (KVarN: --tail 500 runs at 512)
-            cell = dataclasses.replace(cell, tail=job_tail(cell.k, cell.v, cell.tail))
-        if args.dry_run:
-
-            est = preflight(spec, args.ctx, args.ubatch, args.device, args.dtype, args.cache_dir,
-                            baseline=args.cmd == "baseline", dry_run=True,
-                            allow_long_context=args.allow_long_context, attention=args.attention,
-                            compute=cell.compute if cell is not None else args.compute)
-            if cell is not None:
-                print(f"run {cell.name}: tail {args.tail} requested, runs at tail "
-                      f"{pair_effective_tail(cell.k, cell.v, cell.tail)} on full-attention layers "
-                      f"(printed {tail_label(cell.k, cell.v, cell.tail)})")
-            print(f"{args.cmd} {spec.name} ctx {args.ctx} ubatch {args.ubatch}: estimated peak memory")
-            print(est.describe())
-            try:
-                dev, host = capacity(est.device)
-                print("free here: " + (f"device {dev / 2**30:.2f} GiB, " if dev is not None else "")
-                      + f"host {host / 2**30:.2f} GiB")
-            except (AssertionError, RuntimeError) as e:  # estimating a CUDA job on a machine without one
-                print(f"free here: unknown ({est.device} not available: {e})")
-            return 0
-        if args.cmd == "baseline":
-            h = engine.run_baseline(spec, args.ctx, chunks, Path(args.out), ubatch=args.ubatch, text=args.text,
-                                    device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
-                                    compute=args.compute, llama_kld_out=args.llama_kld_out, attention=args.attention)
-            print(f"baseline: {h['n_chunks']} chunks x {args.ctx} tokens, {h['tokens_per_s']:.1f} tokens/s -> {args.out}")
-            return 0
-        if args.cmd == "run":
-            from kvarn.stats.metrics import format_llama
-
-            if not Path(args.baseline).is_file():
-                raise UsageError(f"--baseline {args.baseline}: no such file; make it with `kvarn baseline`")
-            with hold_output(args.out, ["kvarn", *(sys.argv[1:] if argv is None else argv)]):
-                s = engine.run_cell(spec, args.ctx, chunks, cell, Path(args.baseline), Path(args.out),
-                                    ubatch=args.ubatch, text=args.text, device=args.device, dtype=args.dtype,
-                                    cache_dir=args.cache_dir, accounting=args.accounting, attention=args.attention)
-            sys.stdout.write(format_llama(s))
-            print(f"\nKV cache ({s['memory_accounting']} accounting): {s['kv_total_bytes'] / 2**20:.2f} MiB "
-                  f"(body {s['kv_body_bytes'] / 2**20:.2f}, staging {s['kv_staging_bytes'] / 2**20:.2f}, "
-                  f"overlay {s['kv_overlay_bytes'] / 2**20:.2f}); {s['tokens_per_s']:.1f} tokens/s; -> {args.out}")
-            return 0
-    except (UsageError, ValueError, FileNotFoundError, PreflightError, OutputBusy) as e:
-        ap.exit(2, f"kvarn {args.cmd}: error: {e}\n")
-    return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
