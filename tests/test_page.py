@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import synthetic  # noqa: E402
 
 from kvarn.report import page as P  # noqa: E402
+from kvarn.report.page_answer import answer_html  # noqa: E402
 from kvarn.report import workflow as W  # noqa: E402
 
 # One xdist worker: the module fixtures build the synthetic run and its figures once.
@@ -277,18 +278,18 @@ def test_answer_md_and_parquet_are_checked_against_each_other(run):
 
     res = run["root"] / "results"
     md, answer = (res / "answer.md").read_text(encoding="utf-8"), pl.read_parquet(res / "answer.parquet")
-    assert 'id="answer-gemma3-270m"' in P.answer_html(md, answer)
+    assert 'id="answer-gemma3-270m"' in answer_html(md, answer)
     last_row = [line for line in md.splitlines() if line.startswith("| ")][-1]
     with pytest.raises(ValueError, match="answer.md's frontier of gemma3-270m has .* rows, answer.parquet"):
-        P.answer_html(md.replace(last_row + "\n", ""), answer)
+        answer_html(md.replace(last_row + "\n", ""), answer)
     picked = next(a for a in run["answers"] if a.pick is not None)
     renamed = answer.with_columns(pl.when(pl.col("role") == "pick").then(pl.lit("q2_0-q2_0 t0"))
                                   .otherwise(pl.col("name")).alias("name"))
     with pytest.raises(ValueError, match=re.escape(f"answer.md picks {name_of(picked.pick)} for {picked.model}, "
                                                    "answer.parquet ['q2_0-q2_0 t0']")):
-        P.answer_html(md, renamed)
+        answer_html(md, renamed)
     with pytest.raises(ValueError, match="no frontier table for"):
-        P.answer_html(md.split("## gemma3-270m")[0], answer.filter(pl.col("model") != "x"))
+        answer_html(md.split("## gemma3-270m")[0], answer.filter(pl.col("model") != "x"))
 
 
 def test_the_ledger_follows_the_answer(page, run):
@@ -481,5 +482,5 @@ def test_a_kvarn_pick_named_with_its_128_star_reads_back(run):
     answers = A.advise(summary, A.token_dirs(summary, res), models=["gemma3-270m"], n_boot=BOOT,
                        tol=A.Tolerance(max_kld=1.0, min_same_top=0.0))
     assert answers[0].pick is not None and A.name_of(answers[0].pick).endswith("t128*")
-    html = P.answer_html(A.answers_markdown(answers), A.frontier_frame(answers))
+    html = answer_html(A.answers_markdown(answers), A.frontier_frame(answers))
     assert 'id="answer-gemma3-270m"' in html

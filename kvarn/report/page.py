@@ -1,25 +1,7 @@
-"""results/report.html: one self-contained page, the answer a user came for first.
-
-In order: a title; **the answer** (results/answer.md and .parquet, rule `answer`,
-`kvarn.report.advise`): per model the pick within the default tolerance, the pick's PPL ratio,
-the presets and the frontier as a table (`<table class="answer" id="answer-MODEL">`, a
-`data-cell` per row); **the claims ledger** (`kvarn.report.claims.render.ledger_markdown` of
-results/claims.parquet) and each model's decision tables; **the figures** of every model with
-their captions, leaving out a figure that is only a placeholder (`placeholder_reason`: the text
-chart kvarn.report.figures draws where the run lacks the cells a figure compares) and naming
-it with its reason instead; then **long-context retrieval** and **per-layer attention error**
-where their results exist (`kvarn.report.workflow.PAGE_RETRIEVAL`, `PAGE_LAYERS_DIR`).
-
-Self-contained: inline CSS, every figure an SVG data URI, no script. The page's
-Content-Security-Policy (`CSP`) lets it load nothing but its own data URIs, so a browser
-refuses — and reports on its console — anything else; tests/test_page.py loads it in headless
-Chromium and asserts an empty console.
-
-Markdown (the answer's sentences and frontier, the ledger, the decision tables, the
-retrieval paragraph, and the captions of workflow/report/*.rst, whose inline markup —
-``code``, **bold**, *emphasis* — CommonMark reads alike) is rendered by markdown-it-py with raw
-HTML off: every name and number from the results is escaped.
-"""
+"""results/report.html: one self-contained page, the answer a user came for first
+(`kvarn.report.page_answer`), then the claims ledger, the figures, and retrieval and per-layer
+results where they exist. Its order, its Content-Security-Policy (`CSP`: nothing loaded but its own
+data URIs) and its test in headless Chromium: docs/notes/report.md ("The landing page")."""
 
 from __future__ import annotations
 
@@ -33,6 +15,8 @@ from typing import Iterable, Mapping
 import polars as pl
 
 from kvarn.files.atomic import write_bytes
+from kvarn.report.page_answer import answer_html
+from kvarn.report.page_markdown import inline_html, markdown_html, slug
 from kvarn.report.workflow import FIGURE_TITLES, MODEL_FIGURES, PAGE_LAYERS_DIR, PAGE_RETRIEVAL
 
 #: What the page may load: its own data-URI images and inline styles, nothing else.
@@ -40,7 +24,6 @@ CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 #: The figures' captions as `snakemake --report` shows them (workflow/report/{figure}.rst).
 CAPTIONS_DIR = Path(__file__).resolve().parents[2] / "workflow" / "report"
 TITLE = "kvarn: which KV-cache configuration, and what the study's claims come to on this run"
-PPL_MEANING = "the perplexity under the cell's cache over the perplexity under the BF16 cache; 1 = unchanged"
 
 STYLE = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#1d1d1f;margin:0 auto;max-width:1180px;
@@ -58,177 +41,6 @@ code{background:#f3f3f3;padding:0 3px;border-radius:3px}footer{margin-top:48px;c
 """
 
 
-# ---------------------------------------------------------------- Markdown
-
-
-def _md():
-    from markdown_it import MarkdownIt
-
-    return MarkdownIt("commonmark", {"html": False}).enable("table")
-
-
-def _shift(tokens, shift: int) -> None:
-    """Headings `shift` levels down (the page's own title is the one h1)."""
-    for t in tokens:
-        if t.type in ("heading_open", "heading_close"):
-            t.tag = f"h{min(6, int(t.tag[1]) + shift)}"
-
-
-def _classify_tables(tokens, cls: str) -> None:
-    for t in tokens:
-        if t.type == "table_open" and not t.attrGet("class"):
-            t.attrSet("class", cls)
-
-
-def markdown_html(text: str, shift: int = 0, table_class: str | None = None) -> str:
-    """`text` (CommonMark with tables, raw HTML escaped) as HTML, headings `shift` levels down."""
-    md = _md()
-    tokens = md.parse(text)
-    _shift(tokens, shift)
-    if table_class:
-        _classify_tables(tokens, table_class)
-    return md.renderer.render(tokens, md.options, {})
-
-
-def inline_html(text: str) -> str:
-    """One paragraph of inline Markdown as HTML without the <p>."""
-    md = _md()
-    return md.renderInline(text)
-
-
-def slug(text: str) -> str:
-    """An HTML id from a model or figure name (letters, digits, `.`, `_`, `-`)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
-
-
-# ---------------------------------------------------------------- the answer
-
-
-def answer_heading(model: str, engine: str) -> str:
-    """A run's heading in results/answer.md (kvarn.report.advise.answer_markdown)."""
-    return model + (f" ({engine} engine)" if engine != "torch" else "")
-
-
-def answer_table_id(model: str, engine: str) -> str:
-    return "answer-" + slug(model + ("" if engine == "torch" else f"-{engine}"))
-
-
-def _unescape(md_text: str) -> str:
-    return re.sub(r"\\(.)", r"\1", md_text)
-
-
-def _html_token(content: str):
-    from markdown_it.token import Token
-
-    t = Token("html_block", "", 0)
-    t.content = content
-    return t
-
-
-def roles(answer: pl.DataFrame, role: str) -> pl.DataFrame:
-    """answer.parquet's rows of one role (`frontier`, `pick`, `preset:NAME`; a role prefix ending in
-    ":" takes every such role). A parquet without roles holds the frontier only."""
-    if "role" not in answer.columns:
-        return answer if role == "frontier" else answer.clear()
-    col = pl.col("role")
-    return answer.filter(col.str.starts_with(role) if role.endswith(":") else col == role)
-
-
-def _ppl(x) -> str:
-    return "–" if x is None else f"{x:.4f}"
-
-
-def scoreboard(answer: pl.DataFrame, model: str, engine: str) -> str:
-    """One run's pick and presets with their PPL ratios and medians (HTML, one paragraph)."""
-    run = answer.filter((pl.col("model") == model) & (pl.col("engine") == engine))
-    parts = [f"Pick <strong>{html.escape(r['name'])}</strong>: PPL ratio {_ppl(r['ppl_ratio'])}, median KLD "
-             f"{r['kld_median']:.3g}, {r['kv_mib']:.2f} MiB." for r in roles(run, "pick").iter_rows(named=True)]
-    presets = [f"{html.escape(r['role'].split(':', 1)[1])} {html.escape(r['name'])} {_ppl(r['ppl_ratio'])}"
-               for r in roles(run, "preset:").iter_rows(named=True)]
-    if presets:
-        parts.append("PPL ratio of the presets: " + "; ".join(presets) + ".")
-    if not parts:
-        return ""
-    return (f'<p class="scoreboard">{" ".join(parts)} (PPL ratio: {PPL_MEANING}; the frontier below gives it '
-            "for every row.)</p>\n")
-
-
-def answer_html(answer_md: str, answer: pl.DataFrame) -> str:
-    """results/answer.md as HTML, each run's frontier table marked as the answer's: class `answer`,
-    id `answer-MODEL` (`answer_table_id`), each row's `data-cell` and `data-band` from
-    results/answer.parquet, checked against the Markdown row's cell name; after each run's pick
-    sentence its `scoreboard` (the pick's and the presets' PPL ratios). A run of the parquet with
-    no section in the Markdown, or rows that differ, is an error: both come from one `answer` job."""
-    frontier = roles(answer, "frontier")
-    runs = list(frontier.select("model", "engine").unique(maintain_order=True).iter_rows())
-    by_heading = {answer_heading(m, e): (m, e) for m, e in runs}
-    md = _md()
-    tokens = md.parse(answer_md)
-    out, run, seen, rows, row_i, in_body, in_answer = [], None, set(), [], 0, False, False
-    i = 0
-    while i < len(tokens):
-        t = tokens[i]
-        out.append(t)
-        if t.type == "heading_open":
-            text = tokens[i + 1].content
-            run = by_heading.get(text) if t.tag == "h2" else run
-            if t.tag == "h2" and run is None:
-                raise ValueError(f"answer.md has a section {text!r} that answer.parquet lacks: run rule answer again")
-        elif t.type == "table_open":
-            in_answer = run is not None
-            if in_answer:
-                if run in seen:
-                    raise ValueError(f"answer.md has two tables for {answer_heading(*run)}")
-                seen.add(run)
-                t.attrSet("class", "answer")
-                t.attrSet("id", answer_table_id(*run))
-                rows = frontier.filter((pl.col("model") == run[0]) & (pl.col("engine") == run[1])).to_dicts()
-                row_i = 0
-        elif t.type == "tbody_open":
-            in_body = in_answer
-        elif t.type == "tbody_close" and in_body:
-            in_body = False
-            if row_i != len(rows):
-                raise ValueError(f"answer.md's frontier of {answer_heading(*run)} has {row_i} rows, answer.parquet "
-                                 f"{len(rows)}: run rule answer again")
-        elif t.type == "th_open" and in_answer and tokens[i + 1].content.startswith("PPL ratio"):
-            t.attrSet("title", f"PPL ratio: {PPL_MEANING}")
-        elif t.type == "tr_open" and in_body:
-            if row_i >= len(rows):
-                raise ValueError(f"answer.md's frontier of {answer_heading(*run)} has more rows than answer.parquet")
-            r = rows[row_i]
-            end = next(j for j in range(i, len(tokens)) if tokens[j].type == "tr_close")
-            cells = [x.content for x in tokens[i:end] if x.type == "inline"]
-            if len(cells) < 2 or _unescape(cells[1]) != r["name"]:
-                raise ValueError(f"answer.md's frontier of {answer_heading(*run)} row {row_i + 1} is "
-                                 f"{_unescape(cells[1]) if len(cells) > 1 else '?'!r}, answer.parquet's "
-                                 f"{r['name']!r}: run rule answer again")
-            t.attrSet("data-cell", r["cell"])
-            t.attrSet("data-band", str(r["band"]))
-            if row_i and rows[row_i - 1]["band"] != r["band"]:
-                t.attrSet("data-band-start", "")
-            row_i += 1
-        elif t.type == "paragraph_close" and run is not None and tokens[i - 1].content.startswith("**"):
-            said = tokens[i - 1].content
-            pick = roles(answer.filter((pl.col("model") == run[0]) & (pl.col("engine") == run[1])), "pick")
-            m = re.match(r"\*\*Pick: ((?:\\\*|[^*])+)\*\*", said)  # the name may end in an escaped \* (128*)
-            name = _unescape(m[1]) if m else None
-            if said.startswith(("**Pick: ", "**No cell")) and pick["name"].to_list() != ([name] if name else []):
-                raise ValueError(f"answer.md picks {name or 'nothing'} for {answer_heading(*run)}, answer.parquet "
-                                 f"{pick['name'].to_list() or 'nothing'}: run rule answer again")
-            if said.startswith(("**Pick: ", "**No cell")):
-                out.append(_html_token(scoreboard(answer, *run)))
-        i += 1
-    missing = [answer_heading(*r) for r in runs if r not in seen]
-    if missing:
-        raise ValueError(f"answer.md has no frontier table for {', '.join(missing)}: run rule answer again")
-    _shift(out, 1)
-    return md.renderer.render(out, md.options, {})
-
-
-# ---------------------------------------------------------------- the ledger
-
-
 def ledger_html(ledger: pl.DataFrame, decisions: Mapping[str, str]) -> str:
     """The ledger (kvarn.report.claims.render.ledger_markdown) and each model's decision tables."""
     from kvarn.report.claims.render import ledger_markdown
@@ -238,9 +50,6 @@ def ledger_html(ledger: pl.DataFrame, decisions: Mapping[str, str]) -> str:
         parts.append("<h3>Decision tables</h3>\n")
         parts += [markdown_html(md, shift=1, table_class="decisions") for md in decisions.values()]
     return "".join(parts)
-
-
-# ---------------------------------------------------------------- figures
 
 
 def placeholder_reason(spec: dict) -> str | None:
@@ -335,9 +144,6 @@ def figures_html(paths: Iterable[str | Path], summary: pl.DataFrame | None = Non
     return "".join(parts), skipped
 
 
-# ---------------------------------------------------------------- retrieval and per-layer error
-
-
 def _f(x, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
@@ -415,9 +221,6 @@ def found_extras(found: Iterable[str]) -> tuple[dict[str, str], list[str]]:
     retrieval = {k: p for k, p in PAGE_RETRIEVAL.items() if str(Path(p)) in found}
     layers = sorted(p for p in found if Path(p).parent == Path(PAGE_LAYERS_DIR) and p.endswith(".parquet"))
     return retrieval, layers
-
-
-# ---------------------------------------------------------------- the page
 
 
 def page_html(*, answer_md: str, answer: pl.DataFrame, ledger: pl.DataFrame, decisions: Mapping[str, str],
