@@ -16,7 +16,7 @@ import torch
 
 from kvarn.llamacpp_cpu import q8
 from kvarn.formats import get_format
-from kvarn.formats import kvarn as K
+from kvarn.formats import kvarn_tiles, kvarn_type
 from kvarn.formats.hadamard import hadamard
 
 from bench.oracles.beellama import memory as bee_memory
@@ -39,7 +39,7 @@ def _one_thread():
 
 def test_provenance_names_the_commit():
     prov = json.loads((FIX / "provenance.json").read_text())
-    assert len(prov["commit"]) == 40 and prov["iters"] == K.ITERS
+    assert len(prov["commit"]) == 40 and prov["iters"] == kvarn_tiles.ITERS
 
 
 @pytest.mark.parametrize("case", QO.FIXTURE_KVARN, ids=[c[0] for c in QO.FIXTURE_KVARN])
@@ -47,7 +47,7 @@ def test_kvarn_records_match_beellama_byte_for_byte(case):
     name, bits, role, t, h, d, seed = case
     x = QO.fixture_input(t, h, d, seed)
     bee = DATA[name]
-    assert bee.shape == (t // 128, h * d // 128, K.payload_nbytes(128, 128, bits) + 768)
+    assert bee.shape == (t // 128, h * d // 128, kvarn_type.payload_nbytes(128, 128, bits) + 768)
     ours = QO.kvarn_records(x, bits, role)
     for part, b, o in zip(("payload", "scale", "zero", "other"), QO.record_fields(bee, bits), QO.record_fields(ours, bits)):
         assert np.array_equal(b, o), f"{name}: {part} differs in {int((b != o).sum())} entries"
@@ -56,7 +56,7 @@ def test_kvarn_records_match_beellama_byte_for_byte(case):
 def test_record_fields_split_the_layout():
     """payload | scale[128] | zero[128] | other[128], fp16 little-endian: hand-made record."""
     bits = 3
-    pb = K.payload_nbytes(128, 128, bits)
+    pb = kvarn_type.payload_nbytes(128, 128, bits)
     rec = np.zeros((1, 1, pb + 768), np.uint8)
     rec[0, 0, 5] = 7
     rec[0, 0, pb:pb + 2] = (0x00, 0x3C)  # scale[0] = 1.0
@@ -172,7 +172,7 @@ def _butterfly_c(v):
 @pytest.mark.parametrize("d", [128, 256, 512])
 def test_rotate_is_beellamas_butterfly(d):
     x = QO.fixture_input(2, 1, d, 9).reshape(2, d)
-    got = K.rotate(torch.from_numpy(x)).numpy()
+    got = kvarn_tiles.rotate(torch.from_numpy(x)).numpy()
     s = d // 128
     for t in range(2):
         sl = np.stack([_butterfly_c(x[t, i * 128:(i + 1) * 128]) * np.float32(0.08838834764831845) for i in range(s)])
@@ -187,7 +187,7 @@ def test_rotate_is_beellamas_butterfly(d):
 
 def test_sample_std_is_the_one_pass_float64_loop():
     y = torch.from_numpy(QO.fixture_input(4, 1, 128, 11).reshape(4, 128))
-    got = K.sample_std(y, -1)
+    got = kvarn_tiles.sample_std(y, -1)
     for r in range(4):
         s = ss = 0.0
         for v in y[r].tolist():
@@ -196,7 +196,7 @@ def test_sample_std_is_the_one_pass_float64_loop():
         mean = s / 128
         want = np.float32(math.sqrt(max(0.0, (ss - 128 * mean * mean) / 127)))
         assert got[r].item() == want
-    assert K.sample_std(torch.full((1, 128), 0.3), -1).item() == 0.0  # clamped at 0, not NaN
+    assert kvarn_tiles.sample_std(torch.full((1, 128), 0.3), -1).item() == 0.0  # clamped at 0, not NaN
 
 
 def test_exp32_log32_are_float64_rounded():
@@ -207,8 +207,8 @@ def test_exp32_log32_are_float64_rounded():
     want_exp = np.array([np.float32(math.exp(v)) for v in x.tolist()])
     pos = x.abs() + 1e-3
     want_log = np.array([np.float32(math.log(v)) for v in pos.tolist()])
-    assert np.array_equal(K.exp32(x).numpy(), want_exp)
-    assert np.array_equal(K.log32(pos).numpy(), want_log)
+    assert np.array_equal(kvarn_tiles.exp32(x).numpy(), want_exp)
+    assert np.array_equal(kvarn_tiles.log32(pos).numpy(), want_log)
 
 
 def test_q6_0_refit_sums_in_beellamas_order():

@@ -1,4 +1,4 @@
-"""KVarN reference (kvarn/formats/kvarn.py) against DESIGN §4.
+"""KVarN reference (kvarn/formats/kvarn_type.py, kvarn_tiles.py) against DESIGN §4.
 
 Tolerances are derived from fp32/fp16 rounding of the values at hand, not picked.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvarn.formats import get_format
-from kvarn.formats import kvarn as K
+from kvarn.formats import kvarn_tiles, kvarn_type
 from kvarn.formats.hadamard import hadamard
 
 F32_EPS = 2.0**-24  # unit roundoff of fp32
@@ -44,10 +44,10 @@ def test_hadamard_symmetric_orthonormal(d):
 # --- normalization --------------------------------------------------------------
 def test_normalization_lowers_imbalance_on_outliers():
     t = _outlier_tile()
-    raw = K.imbalance(K.sample_std(t, -2), K.sample_std(t, -1))
-    a, b = K.normalize_ref(t, 16)
-    y = K.scaled(t, a, b)
-    norm = K.imbalance(K.sample_std(y, -2), K.sample_std(y, -1))
+    raw = kvarn_tiles.imbalance(kvarn_tiles.sample_std(t, -2), kvarn_tiles.sample_std(t, -1))
+    a, b = kvarn_tiles.normalize_ref(t, 16)
+    y = kvarn_tiles.scaled(t, a, b)
+    norm = kvarn_tiles.imbalance(kvarn_tiles.sample_std(y, -2), kvarn_tiles.sample_std(y, -1))
     assert raw > 100  # the data really is imbalanced
     assert norm < 0.15 * raw  # rows/cols below e^-0.3 of the rest cannot be scaled up (clamp)
 
@@ -94,7 +94,7 @@ def test_normalization_matches_float64_oracle(iters):
     t = torch.randn(5, 7, generator=_gen(3)) * torch.tensor([1, 8, 0.5, 3, 1, 20, 2.0])
     t[2] *= 6
     (a64, b64), best_pass = _normalize_f64(t.double().tolist(), iters)
-    a, b = K.normalize_ref(t, iters)
+    a, b = kvarn_tiles.normalize_ref(t, iters)
     # fp32 vs fp64: a few ulps of ln(std) per pass, accumulated over the passes
     tol = 64 * F32_EPS * (iters + 1) * 10
     assert torch.allclose(a.double(), torch.tensor(a64, dtype=torch.float64), atol=tol, rtol=0)
@@ -107,13 +107,13 @@ def test_ties_go_to_the_later_pass():
     """A constant tile has imbalance 0 in every pass (all stds 0): the last pass wins,
     whose log-scales sit at the -0.3 clamp; with 'strictly lower wins' they would be 0."""
     t = torch.full((64, 128), 2.5)
-    a, b = K.normalize_ref(t, 4)
+    a, b = kvarn_tiles.normalize_ref(t, 4)
     assert torch.equal(a, torch.full((128,), -0.3)) and torch.equal(b, torch.full((64,), -0.3))
 
 
 def test_normalization_zero_iters_is_identity():
     t = _outlier_tile(64, 128)
-    a, b = K.normalize_ref(t, 0)
+    a, b = kvarn_tiles.normalize_ref(t, 0)
     assert torch.equal(a, torch.zeros(128)) and torch.equal(b, torch.zeros(64))
 
 
@@ -121,9 +121,9 @@ def test_normalization_zero_iters_is_identity():
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 def test_rtn_error_within_half_step(bits):
     t = _outlier_tile(seed=bits)
-    a, b = K.normalize_ref(t)
-    y = K.scaled(t, a, b)
-    q, lo, step = K.quantize_rows(y, bits)
+    a, b = kvarn_tiles.normalize_ref(t)
+    y = kvarn_tiles.scaled(t, a, b)
+    q, lo, step = kvarn_tiles.quantize_rows(y, bits)
     yhat = q.double() * step.double()[:, None] + lo.double()[:, None]
     err = (y.double() - yhat).abs()
     # v = fl(fl(y - lo) / step) carries <= 2 roundings relative to v <= 2^b - 1,
@@ -138,12 +138,12 @@ def test_decode_error_with_fp16_metadata_slack(bits):
     """Rotated-frame decode error <= step/2 (scaled back) + the fp16 metadata rounding,
     the latter computed from the stored metadata against the fp32 values it rounds."""
     t = _outlier_tile(seed=10 + bits)
-    a, b = K.normalize_ref(t)
-    y = K.scaled(t, a, b)
-    q, lo, step = K.quantize_rows(y, bits)
-    q2, scale, zero, other = K.quantize_tiles_ref(t, bits)
+    a, b = kvarn_tiles.normalize_ref(t)
+    y = kvarn_tiles.scaled(t, a, b)
+    q, lo, step = kvarn_tiles.quantize_rows(y, bits)
+    q2, scale, zero, other = kvarn_tiles.quantize_tiles_ref(t, bits)
     assert torch.equal(q, q2)
-    xhat = K.dequantize_tiles_ref(q2, scale, zero, other).double()
+    xhat = kvarn_tiles.dequantize_tiles_ref(q2, scale, zero, other).double()
     s_r, s_c = torch.exp(b).double()[:, None], torch.exp(a).double()[None, :]
     exact_meta = (q.double() * step.double()[:, None] + lo.double()[:, None]) * s_r * s_c
     fp16_slack = (xhat - exact_meta).abs()  # what storing fp16 metadata cost, per element
@@ -166,10 +166,10 @@ def test_rotation_back_preserves_per_token_error():
     for role in "kv":
         fmt = get_format("kvarn3", role=role)
         err = fmt.roundtrip(x) - x
-        xr = K.rotate(x)
-        tiles = K.to_tiles(K.stage(xr), role)  # quantized from the F16 stage, error against xr
-        q, scale, zero, other = K.quantize_tiles_ref(tiles, 3)
-        err_rot = K.from_tiles(K.dequantize_tiles_ref(q, scale, zero, other), role) - xr
+        xr = kvarn_tiles.rotate(x)
+        tiles = kvarn_tiles.to_tiles(kvarn_tiles.stage(xr), role)  # quantized from the F16 stage, error against xr
+        q, scale, zero, other = kvarn_tiles.quantize_tiles_ref(tiles, 3)
+        err_rot = kvarn_tiles.from_tiles(kvarn_tiles.dequantize_tiles_ref(q, scale, zero, other), role) - xr
         assert torch.allclose(err.norm(dim=-1), err_rot.norm(dim=-1), rtol=1e-4, atol=1e-5)
 
 
@@ -184,14 +184,14 @@ def test_butterfly_bitwise_equals_the_stacked_loop(n):
     x[0, 1] = 0.0
     x[1, 2, n // 2] = 3e7
     before = x.clone()
-    assert torch.equal(K.butterfly(x), K.butterfly_ref(x))
+    assert torch.equal(kvarn_tiles.butterfly(x), kvarn_tiles.butterfly_ref(x))
     assert torch.equal(x, before)
     xt = x.transpose(0, 1)  # [5, 3, n], not contiguous
-    assert torch.equal(K.butterfly(xt), K.butterfly_ref(xt))
+    assert torch.equal(kvarn_tiles.butterfly(xt), kvarn_tiles.butterfly_ref(xt))
     # and it is the unnormalized Walsh-Hadamard transform (Sylvester order) up to fp32 rounding
     h = hadamard(n, dtype=torch.float64) * math.sqrt(n)
     ref = x.double() @ h
-    assert torch.allclose(K.butterfly(x).double(), ref, rtol=0, atol=n * F32_EPS * float(x.abs().max()) * 4)
+    assert torch.allclose(kvarn_tiles.butterfly(x).double(), ref, rtol=0, atol=n * F32_EPS * float(x.abs().max()) * 4)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
@@ -209,24 +209,25 @@ def test_compiled_rotation_bitwise_equals_torch(d, monkeypatch):
     calls = []
     compiled = kvarn_cpu.rotate
     monkeypatch.setattr(kvarn_cpu, "rotate", lambda *a: calls.append(1) or compiled(*a))
-    got = K.rotate(x)
+    got = kvarn_tiles.rotate(x)
     assert calls and got.shape == x.shape
-    assert torch.equal(got, K.rotate_torch(x))
-    assert torch.equal(K.rotate(got), K.rotate_torch(K.rotate_torch(x)))  # back
-    assert torch.equal(K.rotate(x.double()), K.rotate_torch(x.double())) and len(calls) == 2  # float64: torch's
+    assert torch.equal(got, kvarn_tiles.rotate_torch(x))
+    assert torch.equal(kvarn_tiles.rotate(got), kvarn_tiles.rotate_torch(kvarn_tiles.rotate_torch(x)))  # back
+    assert torch.equal(kvarn_tiles.rotate(x.double()), kvarn_tiles.rotate_torch(x.double()))  # float64: torch's
+    assert len(calls) == 2
 
 
 def test_log_update_clamps():
     big, tiny = torch.tensor([8.0]), torch.tensor([1e-5])
-    assert torch.allclose(K._log_update(big, tiny), 8.0 + torch.log(torch.tensor([1e-3])))
-    assert torch.equal(K._log_update(torch.zeros(1), torch.tensor([1e6])), torch.log(torch.tensor([1e3])))
-    assert torch.equal(K._log_update(torch.tensor([9.5]), torch.tensor([1e2])), torch.tensor([10.0]))
-    assert torch.equal(K._log_update(torch.zeros(1), tiny), torch.tensor([-0.3]))
+    assert torch.allclose(kvarn_tiles._log_update(big, tiny), 8.0 + torch.log(torch.tensor([1e-3])))
+    assert torch.equal(kvarn_tiles._log_update(torch.zeros(1), torch.tensor([1e6])), torch.log(torch.tensor([1e3])))
+    assert torch.equal(kvarn_tiles._log_update(torch.tensor([9.5]), torch.tensor([1e2])), torch.tensor([10.0]))
+    assert torch.equal(kvarn_tiles._log_update(torch.zeros(1), tiny), torch.tensor([-0.3]))
 
 
 def test_round_half_away():
     v = torch.tensor([0.0, 0.49999997, 0.5, 1.5, 2.5, 2.4999998, 3.0])
-    assert K.round_half_away(v).tolist() == [0, 0, 1, 2, 3, 2, 3]
+    assert kvarn_tiles.round_half_away(v).tolist() == [0, 0, 1, 2, 3, 2, 3]
 
 
 # --- packing --------------------------------------------------------------------
@@ -234,17 +235,17 @@ def test_round_half_away():
 def test_pack_roundtrip_every_width(bits):
     for n in (1, 7, 64 * 128, 128 * 128 + 3):
         codes = torch.randint(0, 2**bits, (2, n), generator=_gen(n + bits), dtype=torch.int32).to(torch.uint8)
-        data = K.pack_codes(codes, bits)
+        data = kvarn_type.pack_codes(codes, bits)
         assert data.dtype == torch.uint8 and data.shape == (2, math.ceil(n * bits / 8))
-        assert torch.equal(K.unpack_codes(data, bits, n), codes)
+        assert torch.equal(kvarn_type.unpack_codes(data, bits, n), codes)
 
 
 def test_pack_layout_lsb_first_by_hand():
     # 3-bit codes 1, 2, 7 -> bits (LSB first) 100 010 111 -> byte0 = 1+16+64+128, byte1 = 1
-    data = K.pack_codes(torch.tensor([1, 2, 7], dtype=torch.uint8), 3)
+    data = kvarn_type.pack_codes(torch.tensor([1, 2, 7], dtype=torch.uint8), 3)
     assert data.tolist() == [209, 1]
     # 5-bit: 31, 0, 1 -> bits 0-4 set, bit 10 set
-    assert K.pack_codes(torch.tensor([31, 0, 1], dtype=torch.uint8), 5).tolist() == [31, 4]
+    assert kvarn_type.pack_codes(torch.tensor([31, 0, 1], dtype=torch.uint8), 5).tolist() == [31, 4]
 
 
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
@@ -309,15 +310,15 @@ def test_k_per_channel_v_per_token():
     x = torch.randn(128, 128, generator=_gen(5))
     x[:, 9] *= 30
     bits, qmax = 3, 7
-    xr = K.stage(K.rotate(x))  # the tiles are cut from the F16 stage
-    tk, tv = K.to_tiles(xr, "k"), K.to_tiles(xr, "v")
+    xr = kvarn_tiles.stage(kvarn_tiles.rotate(x))  # the tiles are cut from the F16 stage
+    tk, tv = kvarn_tiles.to_tiles(xr, "k"), kvarn_tiles.to_tiles(xr, "v")
     assert torch.equal(tk[0, 0], xr.T) and torch.equal(tv[0, 0], xr)
     for role, tile in (("k", tk), ("v", tv)):
         fmt = get_format(f"kvarn{bits}", role=role)
         data = fmt.encode(x).data
         assert data.shape == (2048 * bits + 768,)
-        codes = K.unpack_codes(data[: 2048 * bits], bits, 128 * 128).reshape(128, 128)
-        assert torch.equal(codes, K.quantize_tiles_ref(tile.reshape(1, 128, 128), bits)[0][0])
+        codes = kvarn_type.unpack_codes(data[: 2048 * bits], bits, 128 * 128).reshape(128, 128)
+        assert torch.equal(codes, kvarn_tiles.quantize_tiles_ref(tile.reshape(1, 128, 128), bits)[0][0])
         # tile rows: every row spans the full code range (asymmetric min/max per row)
         assert torch.all(codes.amin(1) == 0) and torch.all(codes.amax(1) == qmax)
         # the other axis is not quantized as a unit: some columns miss 0 or qmax
@@ -336,10 +337,10 @@ def test_scale_equivariance():
     ln c) and the clamps a, b >= -0.3 and std in [1e-3, 1e3] depend on absolute scale.
     """
     t = _outlier_tile(seed=21)
-    a, b = K.normalize_ref(t)
+    a, b = kvarn_tiles.normalize_ref(t)
     for c in (2.0, 0.25, 1024.0):
-        q1, lo1, st1 = K.quantize_rows(K.scaled(t, a, b), 4)
-        q2, lo2, st2 = K.quantize_rows(K.scaled(t * c, a, b), 4)
+        q1, lo1, st1 = kvarn_tiles.quantize_rows(kvarn_tiles.scaled(t, a, b), 4)
+        q2, lo2, st2 = kvarn_tiles.quantize_rows(kvarn_tiles.scaled(t * c, a, b), 4)
         assert torch.equal(q1, q2) and torch.equal(lo1 * c, lo2) and torch.equal(st1 * c, st2)
         s_row = torch.exp(b)
         assert torch.equal((s_row * st1).half() * c, (s_row * st2).half())
@@ -418,9 +419,9 @@ def test_import_kvarn_does_not_import_triton():
 
 
 # --- the fast CPU normalization (normalize_choice_fast) against the reference, bit for bit ---
-def _same_choice(tiles, iters=K.ITERS):
-    ra, rb, rp = K.normalize_choice(tiles, iters)
-    fa, fb, fp = K.normalize_choice_fast(tiles, iters)
+def _same_choice(tiles, iters=kvarn_tiles.ITERS):
+    ra, rb, rp = kvarn_tiles.normalize_choice(tiles, iters)
+    fa, fb, fp = kvarn_tiles.normalize_choice_fast(tiles, iters)
     assert torch.equal(fp, rp), (fp, rp)
     assert torch.equal(fa, ra) and torch.equal(fb, rb)
     return rp
@@ -453,9 +454,9 @@ def test_fast_normalization_bitwise_on_degenerate_tiles():
     t[8] = torch.randn(rows, 1, generator=_gen(7)) * torch.ones(1, cols)  # constant along every row
     p = _same_choice(t)
     # zero and constant tiles: imbalance 0 in every pass, ties -> the last pass is kept
-    assert p[0] == K.ITERS and p[1] == K.ITERS
+    assert p[0] == kvarn_tiles.ITERS and p[1] == kvarn_tiles.ITERS
     for i in range(len(t)):  # each tile alone: no dependence on its batch neighbours
-        assert torch.equal(K.normalize_choice_fast(t[i : i + 1])[2], p[i : i + 1])
+        assert torch.equal(kvarn_tiles.normalize_choice_fast(t[i : i + 1])[2], p[i : i + 1])
 
 
 def test_fast_normalization_ties_in_the_kept_pass():
@@ -464,39 +465,39 @@ def test_fast_normalization_ties_in_the_kept_pass():
     t = torch.outer(torch.linspace(0.5, 2.0, 64), torch.linspace(1.0, 3.0, 128))[None]
 
     def imb(iters):
-        a, b = K.normalize_ref(t, iters)
-        y = K.scaled(t, a, b)
-        return K.imbalance(K.sample_std(y, -2), K.sample_std(y, -1))
+        a, b = kvarn_tiles.normalize_ref(t, iters)
+        y = kvarn_tiles.scaled(t, a, b)
+        return kvarn_tiles.imbalance(kvarn_tiles.sample_std(y, -2), kvarn_tiles.sample_std(y, -1))
 
-    assert torch.equal(imb(2), imb(K.ITERS)) and imb(2) > 1 and imb(1) > imb(2)  # a real tie
-    assert _same_choice(t).item() == K.ITERS
-    assert K.normalize_choice_fast(t, 5)[2].item() == 5
+    assert torch.equal(imb(2), imb(kvarn_tiles.ITERS)) and imb(2) > 1 and imb(1) > imb(2)  # a real tie
+    assert _same_choice(t).item() == kvarn_tiles.ITERS
+    assert kvarn_tiles.normalize_choice_fast(t, 5)[2].item() == 5
 
 
 def test_fast_normalization_is_what_the_encoder_runs(monkeypatch):
     """quantize_tiles_ref on CPU normalizes and rounds with the compiled path; swapping in the
     torch reference changes no bit of the codes or metadata."""
     x = torch.randn(2, 384, 64, generator=_gen(31)) * torch.exp(torch.randn(1, 1, 64, generator=_gen(32)))
-    tiles = K.to_tiles(K.stage(K.rotate(x)), "k").reshape(-1, 64, 128)
+    tiles = kvarn_tiles.to_tiles(kvarn_tiles.stage(kvarn_tiles.rotate(x)), "k").reshape(-1, 64, 128)
     calls = []
-    fast = K.quantize_normalized_fast
-    monkeypatch.setattr(K, "quantize_normalized_fast", lambda *a: calls.append(1) or fast(*a))
-    got = K.quantize_tiles_ref(tiles, 4)
+    fast = kvarn_tiles.quantize_normalized_fast
+    monkeypatch.setattr(kvarn_tiles, "quantize_normalized_fast", lambda *a: calls.append(1) or fast(*a))
+    got = kvarn_tiles.quantize_tiles_ref(tiles, 4)
     assert calls
-    monkeypatch.setattr(K, "quantize_normalized_fast", K.quantize_normalized)
-    want = K.quantize_tiles_ref(tiles, 4)
+    monkeypatch.setattr(kvarn_tiles, "quantize_normalized_fast", kvarn_tiles.quantize_normalized)
+    want = kvarn_tiles.quantize_tiles_ref(tiles, 4)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-def _same_quantization(tiles, bits, iters=K.ITERS):
-    want = K.quantize_normalized(tiles, bits, iters)
-    got = K.quantize_normalized_fast(tiles, bits, iters)
+def _same_quantization(tiles, bits, iters=kvarn_tiles.ITERS):
+    want = kvarn_tiles.quantize_normalized(tiles, bits, iters)
+    got = kvarn_tiles.quantize_normalized_fast(tiles, bits, iters)
     for name, g, w in zip(("a", "b", "codes", "lo", "step"), got, want):
         assert g.dtype == w.dtype and torch.equal(g, w), f"{name}: {int((g != w).sum())} values differ"
     return got[2]
 
 
-@pytest.mark.parametrize("bits", K.WIDTHS)
+@pytest.mark.parametrize("bits", kvarn_type.WIDTHS)
 def test_fast_quantization_bitwise_on_random_and_degenerate_tiles(bits):
     g = _gen(100 + bits)
     t = torch.randn(12, 64, 128, generator=g) * torch.exp(3 * torch.randn(12, 1, 128, generator=g))
@@ -522,7 +523,8 @@ def test_fast_quantization_rounds_halves_up():
     assert _same_quantization(t, 2, iters=0)[0, 0, :4].tolist() == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("fast", [K.normalize_choice_fast, lambda t: K.quantize_normalized_fast(t, 4)])
+@pytest.mark.parametrize("fast", [kvarn_tiles.normalize_choice_fast,
+                                  lambda t: kvarn_tiles.quantize_normalized_fast(t, 4)])
 def test_fast_normalization_bad_input(fast):
     with pytest.raises(ValueError, match=r"float32 CPU \[N, R, C\], got torch.float64"):
         fast(torch.zeros(1, 64, 128, dtype=torch.float64))
@@ -551,7 +553,7 @@ def _real_kv(name: str, n_tokens: int = 256):
 def test_fast_normalization_bitwise_on_real_tiles(name):
     k, v = _real_kv(name)
     for role, x in (("k", k), ("v", v)):
-        tiles = K.to_tiles(K.stage(K.rotate(x)), role)
+        tiles = kvarn_tiles.to_tiles(kvarn_tiles.stage(kvarn_tiles.rotate(x)), role)
         p = _same_choice(tiles.reshape(-1, *tiles.shape[-2:]))
         assert len(set(p.tolist())) > 1
         _same_quantization(tiles.reshape(-1, *tiles.shape[-2:]), 4)
@@ -560,11 +562,11 @@ def test_fast_normalization_bitwise_on_real_tiles(name):
 def test_codes_unpack_to_uint8_on_the_device_they_were_packed_on():
     # the dequantizer indexes with uint8 codes; a tensor made on the CPU by mistake shows on "meta"
     codes = torch.tensor([[1, 2, 7]], dtype=torch.uint8)
-    assert K.unpack_codes(K.pack_codes(codes, 3), 3, 3).dtype == torch.uint8
+    assert kvarn_type.unpack_codes(kvarn_type.pack_codes(codes, 3), 3, 3).dtype == torch.uint8
     for bits in (2, 5, 8):
-        packed = K.pack_codes(torch.zeros(2, 128, dtype=torch.uint8, device="meta"), bits)
+        packed = kvarn_type.pack_codes(torch.zeros(2, 128, dtype=torch.uint8, device="meta"), bits)
         assert packed.device.type == "meta" and packed.dtype == torch.uint8 and packed.shape == (2, 16 * bits)
-        back = K.unpack_codes(packed, bits, 128)
+        back = kvarn_type.unpack_codes(packed, bits, 128)
         assert back.device.type == "meta" and back.dtype == torch.uint8 and back.shape == (2, 128)
 
 

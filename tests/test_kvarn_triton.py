@@ -1,4 +1,4 @@
-"""Triton KVarN kernels against the torch reference (kvarn/formats/kvarn.py).
+"""Triton KVarN kernels against the torch reference (kvarn/formats/kvarn_type.py, kvarn_tiles.py).
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), at tiny shapes.
 
@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from kvarn.formats import get_format
-from kvarn.formats import kvarn as K
+from kvarn.formats import kvarn_tiles, kvarn_type
 
 # triton is pinned for Linux only (pyproject: `platform_system == 'Linux'`): elsewhere these
 # tests cannot run. On Linux it is a pinned dependency, and the module under test is ours:
@@ -72,27 +72,27 @@ TIE_REL = 2.0**-14  # passes whose imbalance is within this (relative) of the be
 
 
 def _passes(tiles, iters):
-    """K.normalize_ref's loop, keeping every pass: a [P, N, C], b [P, N, R], imbalance
+    """kvarn_tiles.normalize_ref's loop, keeping every pass: a [P, N, C], b [P, N, R], imbalance
     [P, N], P = iters + 1 (pass 0 = the unscaled tile)."""
     a = tiles.new_zeros(tiles.shape[:-2] + tiles.shape[-1:])
     b = tiles.new_zeros(tiles.shape[:-1])
-    std_col, std_row = K.sample_std(tiles, -2), K.sample_std(tiles, -1)
-    out = [(a, b, K.imbalance(std_col, std_row))]
+    std_col, std_row = kvarn_tiles.sample_std(tiles, -2), kvarn_tiles.sample_std(tiles, -1)
+    out = [(a, b, kvarn_tiles.imbalance(std_col, std_row))]
     for _ in range(iters):
-        a = K._log_update(a, std_col)
-        std_row = K.sample_std(K.scaled(tiles, a, b), -1)
-        b = K._log_update(b, std_row)
-        y = K.scaled(tiles, a, b)
-        std_col, std_row = K.sample_std(y, -2), K.sample_std(y, -1)
-        out.append((a, b, K.imbalance(std_col, std_row)))
+        a = kvarn_tiles._log_update(a, std_col)
+        std_row = kvarn_tiles.sample_std(kvarn_tiles.scaled(tiles, a, b), -1)
+        b = kvarn_tiles._log_update(b, std_row)
+        y = kvarn_tiles.scaled(tiles, a, b)
+        std_col, std_row = kvarn_tiles.sample_std(y, -2), kvarn_tiles.sample_std(y, -1)
+        out.append((a, b, kvarn_tiles.imbalance(std_col, std_row)))
     return tuple(torch.stack(t) for t in zip(*out))
 
 
 def _quantized(tiles, bits, a, b):
-    """The reference's RTN and fp16 metadata for given log-scales (as K._quantize_tiles):
+    """The reference's RTN and fp16 metadata for given log-scales (as kvarn_tiles._quantize_tiles):
     codes, scale, zero, other, and the normalized tile y, lo, step."""
-    y = K.scaled(tiles, a, b)
-    q, lo, step = K.quantize_rows(y, bits)
+    y = kvarn_tiles.scaled(tiles, a, b)
+    q, lo, step = kvarn_tiles.quantize_rows(y, bits)
     s_row = torch.exp(b)
     return q, (s_row * step).half(), (s_row * lo).half(), torch.exp(a).half(), y, lo, step
 
@@ -106,7 +106,7 @@ def _tied_passes(tiles, bits, meta, iters):
     """For tiles whose metadata is off the reference pass: the log-scales (a, b) of a pass
     that ties with the best one and whose metadata does match, and [(tile, pass, gap)]."""
     scale, zero, other = meta
-    a, b = (t.clone() for t in K.normalize_ref(tiles, iters))
+    a, b = (t.clone() for t in kvarn_tiles.normalize_ref(tiles, iters))
     A, B, imb = _passes(tiles, iters)
     pick = iters - imb.flip(0).argmin(0)  # the reference keeps the last least imbalanced pass
     n = len(tiles)
@@ -133,14 +133,14 @@ def _tied_passes(tiles, bits, meta, iters):
     return a, b, ties
 
 
-def _assert_agree(tiles, bits, fast, iters=K.ITERS):
+def _assert_agree(tiles, bits, fast, iters=kvarn_tiles.ITERS):
     """fast: (payload, scale, zero, other) from the kernel, any device. Returns the
     kernel's and the reference's codes and [(tile, pass, relative imbalance gap)] of the
     tiles that kept a tied pass other than the reference's."""
     tiles = tiles.cpu()
     payload, scale, zero, other = (t.cpu() for t in fast)
     n, rows, cols = tiles.shape
-    r_payload, r_scale, r_zero, r_other = K.quantize_pack_ref(tiles, bits, iters)
+    r_payload, r_scale, r_zero, r_other = kvarn_type.quantize_pack_ref(tiles, bits, iters)
     assert payload.dtype == torch.uint8 and payload.shape == r_payload.shape
     for got, ref in ((scale, r_scale), (zero, r_zero), (other, r_other)):
         assert got.dtype == torch.float16 and got.shape == ref.shape
@@ -149,17 +149,17 @@ def _assert_agree(tiles, bits, fast, iters=K.ITERS):
     if not (_close(scale, r_scale) & _close(zero, r_zero) & _close(other, r_other)).all():
         a, b, ties = _tied_passes(tiles, bits, (scale, zero, other), iters)
     else:
-        a, b = K.normalize_ref(tiles, iters)
+        a, b = kvarn_tiles.normalize_ref(tiles, iters)
     q_ref, r_scale, r_zero, r_other, y, lo, step = _quantized(tiles, bits, a, b)
     if not ties:
-        assert torch.equal(K.pack_codes(q_ref.flatten(-2), bits), r_payload)  # _quantized is the reference
+        assert torch.equal(kvarn_type.pack_codes(q_ref.flatten(-2), bits), r_payload)  # _quantized is the reference
 
     for got, ref in ((scale, r_scale), (zero, r_zero), (other, r_other)):
         assert torch.all((got.float() - ref.float()).abs() <= _fp16_ulp(ref))
         assert (got != ref).float().mean() <= 0.01
 
-    q = K.unpack_codes(payload, bits, rows * cols).reshape(n, rows, cols)
-    assert torch.equal(K.pack_codes(q.flatten(-2), bits), payload)  # packing layout, exactly
+    q = kvarn_type.unpack_codes(payload, bits, rows * cols).reshape(n, rows, cols)
+    assert torch.equal(kvarn_type.pack_codes(q.flatten(-2), bits), payload)  # packing layout, exactly
     diff = q.int() - q_ref.int()
     if diff.any():
         v = (y - lo[..., None]) / step[..., None]
@@ -172,13 +172,13 @@ def _assert_agree(tiles, bits, fast, iters=K.ITERS):
     return q, q_ref, ties
 
 
-def _ref_with_pass(tiles, bits, i, k, iters=K.ITERS):
+def _ref_with_pass(tiles, bits, i, k, iters=kvarn_tiles.ITERS):
     """The reference's output with tile i quantized with pass k instead of its own."""
-    a, b = (t.clone() for t in K.normalize_ref(tiles, iters))
+    a, b = (t.clone() for t in kvarn_tiles.normalize_ref(tiles, iters))
     A, B, imb = _passes(tiles, iters)
     a[i], b[i] = A[k, i], B[k, i]
     q, scale, zero, other, *_ = _quantized(tiles, bits, a, b)
-    return (K.pack_codes(q.flatten(-2), bits), scale, zero, other), imb[:, i]
+    return (kvarn_type.pack_codes(q.flatten(-2), bits), scale, zero, other), imb[:, i]
 
 
 # --- interpreter (CPU) or GPU, tiny shapes ------------------------------------------
@@ -203,9 +203,9 @@ def test_half_steps_round_away_in_kernel():
     x[..., 0], x[..., 1] = 0.0, 3.0  # every row spans [0, 3]: lo = 0, step = 1
     x[..., 2:10] = torch.tensor([0.5, 1.5, 2.5, 0.5, 1.5, 2.5, 2.5, 1.5])
     payload, scale, zero, other = T.quantize_pack(x, bits, 0)
-    q = K.unpack_codes(payload, bits, rows * cols).reshape(1, rows, cols)
+    q = kvarn_type.unpack_codes(payload, bits, rows * cols).reshape(1, rows, cols)
     assert torch.equal(q[..., 2:10].float(), torch.tensor([1.0, 2, 3, 1, 2, 3, 3, 2]).expand(1, rows, 8))
-    assert torch.equal(payload, K.quantize_pack_ref(x, bits, 0)[0])
+    assert torch.equal(payload, kvarn_type.quantize_pack_ref(x, bits, 0)[0])
 
 
 def test_constant_tile_ties_in_kernel():
@@ -219,17 +219,17 @@ def test_constant_tile_ties_in_kernel():
 def test_agreement_check_rejects_a_wrong_code():
     """The tolerance above must not be vacuous: a code moved away from a half step fails."""
     tiles = _tiles(1, 64, 128, seed=3)
-    payload, scale, zero, other = K.quantize_pack_ref(tiles, 4)
+    payload, scale, zero, other = kvarn_type.quantize_pack_ref(tiles, 4)
     _assert_agree(tiles, 4, (payload, scale, zero, other))
-    q = K.unpack_codes(payload, 4, 64 * 128)
-    a, b = K.normalize_ref(tiles)
-    y = K.scaled(tiles, a, b)
-    _, lo, step = K.quantize_rows(y, 4)
+    q = kvarn_type.unpack_codes(payload, 4, 64 * 128)
+    a, b = kvarn_tiles.normalize_ref(tiles)
+    y = kvarn_tiles.scaled(tiles, a, b)
+    _, lo, step = kvarn_tiles.quantize_rows(y, 4)
     v = ((y - lo[..., None]) / step[..., None]).flatten()
     i = int(((v - v.floor() - 0.5).abs() > 0.3).nonzero()[0])
     q[..., i] = q[..., i] + 1 if q[..., i] < 15 else q[..., i] - 1
     with pytest.raises(AssertionError):
-        _assert_agree(tiles, 4, (K.pack_codes(q, 4), scale, zero, other))
+        _assert_agree(tiles, 4, (kvarn_type.pack_codes(q, 4), scale, zero, other))
 
 
 def test_agreement_accepts_a_tied_pass():
@@ -239,7 +239,7 @@ def test_agreement_accepts_a_tied_pass():
     tiles = _tiles(64, 128, 64, seed=8)[4:5]
     fast, imb = _ref_with_pass(tiles, 8, 0, 5)
     assert (imb[5] - imb.min()) / imb.min() <= TIE_REL and imb[5] != imb.min()
-    ref = K.quantize_pack_ref(tiles, 8)
+    ref = kvarn_type.quantize_pack_ref(tiles, 8)
     assert not _close(fast[3], ref[3]).all()  # really off the reference's pass
     _, _, ties = _assert_agree(tiles, 8, fast)
     assert [(i, k) for i, k, _ in ties] == [(0, 5)]
@@ -256,7 +256,7 @@ def test_agreement_rejects_a_worse_pass():
     fast, _ = _ref_with_pass(tiles, 4, 1, k)
     with pytest.raises(AssertionError, match="matches no pass"):
         _assert_agree(tiles, 4, fast)
-    payload, scale, zero, other = K.quantize_pack_ref(tiles, 4)
+    payload, scale, zero, other = kvarn_type.quantize_pack_ref(tiles, 4)
     other = other.clone()
     other[1, 7] = (other[1, 7].float() * (1 + 2.0**-9)).half()  # 2-4 fp16 ulps
     with pytest.raises(AssertionError, match="matches no pass"):
@@ -268,7 +268,7 @@ def test_unpack_every_width(bits):
     """Random codes packed by the reference, unpacked by the kernel with unit metadata."""
     n, rows, cols = 1, 64, 128
     codes = torch.randint(0, 2**bits, (n, rows * cols), generator=torch.Generator().manual_seed(bits))
-    payload = K.pack_codes(codes.to(torch.uint8), bits)
+    payload = kvarn_type.pack_codes(codes.to(torch.uint8), bits)
     ones_r = torch.ones(n, rows, dtype=torch.float16)
     out = T.unpack_dequantize(payload, ones_r, torch.zeros_like(ones_r), torch.ones(n, cols, dtype=torch.float16), bits)
     assert torch.equal(out, codes.reshape(n, rows, cols).float())
@@ -277,8 +277,8 @@ def test_unpack_every_width(bits):
 @pytest.mark.parametrize("bits", [3, 8])
 def test_unpack_dequantize_matches_reference(bits):
     tiles = _tiles(2, 128, 64, seed=40 + bits)
-    payload, scale, zero, other = K.quantize_pack_ref(tiles, bits)
-    ref = K.unpack_dequantize_ref(payload, scale, zero, other, bits)
+    payload, scale, zero, other = kvarn_type.quantize_pack_ref(tiles, bits)
+    ref = kvarn_type.unpack_dequantize_ref(payload, scale, zero, other, bits)
     got = T.unpack_dequantize(payload, scale, zero, other, bits)
     # same fp32 operations in the same order: bit for bit (no FMA contraction in numpy)
     assert torch.equal(got, ref)
@@ -360,11 +360,11 @@ def test_gpu_quantize_pack_full(shape, bits):
 @pytest.mark.parametrize("bits", [2, 4, 6, 8])
 def test_gpu_unpack_dequantize_full(bits):
     tiles = _tiles(64, 128, 128, seed=bits)
-    payload, scale, zero, other = K.quantize_pack_ref(tiles, bits)
-    ref = K.unpack_dequantize_ref(payload, scale, zero, other, bits)
+    payload, scale, zero, other = kvarn_type.quantize_pack_ref(tiles, bits)
+    ref = kvarn_type.unpack_dequantize_ref(payload, scale, zero, other, bits)
     got = T.unpack_dequantize(*(t.cuda() for t in (payload, scale, zero, other)), bits).cpu()
     # the GPU may fuse q*scale + zero into one FMA: one rounding fewer, <= 1 ulp of each product
-    q = K.unpack_codes(payload, bits, 128 * 128).reshape(ref.shape).float()
+    q = kvarn_type.unpack_codes(payload, bits, 128 * 128).reshape(ref.shape).float()
     bound = 2.0**-23 * ((q * scale.float()[..., None]).abs() + zero.float().abs()[..., None]) * other.float()[:, None, :]
     assert torch.all((got - ref).abs() <= 2 * bound)
 

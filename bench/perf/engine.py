@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import kvarn.formats.kvarn as kvarn_format
+from kvarn.formats import kvarn_tiles
 
 from bench import REPO, TEXT
 
@@ -67,16 +67,16 @@ def label(cell: CellSpec) -> str:
 def forward_s(lm, ids, cell: CellSpec, ubatch=512, ref_norm=False) -> float:
     lm.model.set_attn_implementation("kvarn")
     cache = engine.new_cache(lm.model, cell)
-    fast = kvarn_format.quantize_normalized_fast
+    fast = kvarn_tiles.quantize_normalized_fast
     if ref_norm:
-        kvarn_format.quantize_normalized_fast = kvarn_format.quantize_normalized
+        kvarn_tiles.quantize_normalized_fast = kvarn_tiles.quantize_normalized
     try:
         t = time.perf_counter()
         for _ in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ids.shape[0])):
             pass
         return time.perf_counter() - t
     finally:
-        kvarn_format.quantize_normalized_fast = fast
+        kvarn_tiles.quantize_normalized_fast = fast
 
 
 def main() -> int:

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 from kvarn.files.atomic import write_text  # noqa: E402
 from kvarn.formats import get_format  # noqa: E402
-from kvarn.formats import kvarn as K  # noqa: E402
+from kvarn.formats import kvarn_tiles, kvarn_type  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "kvarn.md"
 
@@ -71,7 +71,7 @@ def bench_triton_interpreted(widths):
             t_q = _time(lambda: T.quantize_pack(tiles, bits, 16), min_s=0.2, max_reps=3)
             out = T.quantize_pack(tiles, bits, 16)
             t_d = _time(lambda: T.unpack_dequantize(*out, bits), min_s=0.2, max_reps=3)
-            t_ref = _time(lambda: K.quantize_pack_ref(tiles, bits, 16), min_s=0.2)
+            t_ref = _time(lambda: kvarn_type.quantize_pack_ref(tiles, bits, 16), min_s=0.2)
             rows.append((rc, bits, mb / t_q, mb / t_d, mb / t_ref))
     return rows
 
@@ -122,7 +122,8 @@ def main():
         f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs (torch default {cpu_threads} threads), "
         f"CUDA: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}.",
-        f"MB/s = fp32 input bytes (4 per K or V value) per second. G = {K.GROUP} tokens, iters = {K.ITERS}.",
+        f"MB/s = fp32 input bytes (4 per K or V value) per second. G = {kvarn_tiles.GROUP} tokens, "
+        f"iters = {kvarn_tiles.ITERS}.",
         "",
         "## Torch reference (CPU)",
         "",

@@ -6,7 +6,7 @@
     fmt.nbytes(n_tokens, head_dim)
 """
 
-from . import blocks, floats, kvarn  # noqa: F401  (each registers its formats)
+from . import blocks, floats, kvarn_type  # noqa: F401  (each registers its formats)
 from . import ecosystem  # noqa: F401, I001  (last: the registry keeps kvarn.spec.facts' order)
 from .base import KVFormat, Packed
 from .registry import get_format, names

@@ -1,6 +1,6 @@
 """KVarN's CPU encoder, compiled (numba): the variance normalization with its kept pass
 (`normalize_choice`), the per-row rounding (`quantize_rows` of the scaled tile) and the
-Hadamard rotation (`rotate_torch`) of kvarn.formats.kvarn, the same arithmetic value for value.
+Hadamard rotation (`rotate_torch`) of kvarn.formats.kvarn_tiles, the same arithmetic value for value.
 
 Why compiled: the torch reference issues ~60 tensor operations per pass on small tiles
 (64 x 128), so at the engine's batch most of a call was dispatch, and a kvarn4 cell cost
@@ -173,7 +173,7 @@ def _butterfly_rows(xt, first, n, unit):
 
 @_jit
 def _rotate_t(xt, ch):
-    """kvarn.formats.kvarn.rotate_torch on the channels-first xt [D, M] (fp32), in place: each
+    """kvarn.formats.kvarn_tiles.rotate_torch on the channels-first xt [D, M] (fp32), in place: each
     ch-channel slice by the butterfly times fp32 1/sqrt(ch), then across the D/ch slices times
     fp32 1/sqrt(D/ch)."""
     slices = xt.shape[0] // ch

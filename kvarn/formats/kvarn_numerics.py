@@ -1,4 +1,4 @@
-"""KVarN's numerics constants, shared by the pure-torch reference (`kvarn.formats.kvarn`)
+"""KVarN's numerics constants, shared by the pure-torch reference (`kvarn.formats.kvarn_tiles`)
 and the Triton kernels (`kvarn.formats.kvarn_triton`), so that neither imports the other's
 module for them."""
 

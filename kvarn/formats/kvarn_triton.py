@@ -1,7 +1,7 @@
-"""Triton kernels for KVarN tiles, beside their references in kvarn/formats/kvarn.py.
+"""Triton kernels for KVarN tiles, beside their references in kvarn/formats/kvarn_type.py.
 
-    quantize_pack(tiles, bits, iters)          == kvarn.quantize_pack_ref   (same signature)
-    unpack_dequantize(payload, scale, zero, other, bits) == kvarn.unpack_dequantize_ref
+    quantize_pack(tiles, bits, iters)          == kvarn_type.quantize_pack_ref   (same signature)
+    unpack_dequantize(payload, scale, zero, other, bits) == kvarn_type.unpack_dequantize_ref
 
 One program per tile; the whole tile [R, C] (R, C in {64, 128}) sits in registers, fp32
 throughout; the Hadamard rotation stays in torch (one matmul). Imported lazily (a CUDA
@@ -100,7 +100,7 @@ def _log(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def _std(y, axis: tl.constexpr, n: tl.constexpr):
-    """Sample std (n - 1) along `axis` of a 2-D block, as the reference (`kvarn.sample_std`,
+    """Sample std (n - 1) along `axis` of a 2-D block, as the reference (`kvarn_tiles.sample_std`,
     BeeLlama's loop): one pass in float64, var = max(0, (ss - n*mean^2)/(n - 1)), sqrt in
     float64, rounded to fp32 (NVPTX's float64 div and sqrt are the correctly rounded .rn
     instructions; the approximate ones exist for fp32 only)."""
@@ -243,7 +243,7 @@ def quantize_warps(rows: int, cols: int) -> int:
 def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = KVARN_ITERS, *, num_warps: int | None = None,
                   precise: bool = True):
     """Tiles fp32 [N, R, C] -> (payload uint8 [N, R*C*bits/8], scale f16 [N, R],
-    zero f16 [N, R], other f16 [N, C]); same contract as kvarn.quantize_pack_ref.
+    zero f16 [N, R], other f16 [N, C]); same contract as kvarn_type.quantize_pack_ref.
 
     num_warps: None -> quantize_warps(R, C). precise=False uses Triton's approximate
     division, sqrt, exp and log instead of the IEEE/libdevice ones: 1.6-1.8x faster on an
@@ -265,7 +265,7 @@ def quantize_pack(tiles: torch.Tensor, bits: int, iters: int = KVARN_ITERS, *, n
 
 
 def unpack_dequantize(payload, scale, zero, other, bits: int) -> torch.Tensor:
-    """(payload, scale, zero, other) -> fp32 tiles [N, R, C]; as kvarn.unpack_dequantize_ref."""
+    """(payload, scale, zero, other) -> fp32 tiles [N, R, C]; as kvarn_type.unpack_dequantize_ref."""
     n, r = scale.shape
     c = other.shape[-1]
     words = payload.contiguous().view(torch.int32)

@@ -32,7 +32,7 @@ import torch
 
 from bench import TEXT, env_path
 from kvarn.formats import get_format
-from kvarn.formats import kvarn as kv
+from kvarn.formats import kvarn_tiles, kvarn_type
 from kvarn.formats.blocks import QK, SPECS, quantize_blocks
 from kvarn.formats.hadamard import k_rotation_block, rotate_blocks
 
@@ -108,7 +108,7 @@ def kvarn_block_fields(name: str, x: np.ndarray):
 # --- KVarN records -------------------------------------------------------------------------------
 def record_fields(records: np.ndarray, bits: int):
     """Records uint8 [..., payload + 768] -> (payload, scale u16 [..., 128], zero, other)."""
-    pb = kv.payload_nbytes(128, 128, bits)
+    pb = kvarn_type.payload_nbytes(128, 128, bits)
     r = np.ascontiguousarray(records)
     if r.shape[-1] != pb + 768:
         raise ValueError(f"a {bits}-bit KVarN record is {pb + 768} bytes, got {r.shape[-1]}")
@@ -116,7 +116,7 @@ def record_fields(records: np.ndarray, bits: int):
     return r[..., :pb], u16(pb), u16(pb + 256), u16(pb + 512)
 
 
-def kvarn_records(x: np.ndarray, bits: int, role: str, iters: int = kv.ITERS) -> np.ndarray:
+def kvarn_records(x: np.ndarray, bits: int, role: str, iters: int = kvarn_tiles.ITERS) -> np.ndarray:
     """kvarn's encode of x [T, H, D] -> uint8 [T/128, H * D/128, tile bytes] (BeeLlama's order)."""
     t, h, d = x.shape
     fmt = get_format(f"kvarn{bits}", role=role, iters=iters, impl="ref")
@@ -144,11 +144,11 @@ class libm_math:
     (what BeeLlama's CPU code calls) instead of float64-and-round: slow, for checks only."""
 
     def __enter__(self):
-        self.saved = kv.exp32, kv.log32
-        kv.exp32, kv.log32 = _libm_fn("expf"), _libm_fn("logf")
+        self.saved = kvarn_tiles.exp32, kvarn_tiles.log32
+        kvarn_tiles.exp32, kvarn_tiles.log32 = _libm_fn("expf"), _libm_fn("logf")
 
     def __exit__(self, *exc):
-        kv.exp32, kv.log32 = self.saved
+        kvarn_tiles.exp32, kvarn_tiles.log32 = self.saved
 
 
 def _v1_sample_std(y: torch.Tensor, dim: int) -> torch.Tensor:
@@ -163,11 +163,11 @@ class v1_math:
     fp32 stds, torch's fp32 exp/log): for the before/after counts only."""
 
     def __enter__(self):
-        self.saved = kv.sample_std, kv.exp32, kv.log32
-        kv.sample_std, kv.exp32, kv.log32 = _v1_sample_std, torch.exp, torch.log
+        self.saved = kvarn_tiles.sample_std, kvarn_tiles.exp32, kvarn_tiles.log32
+        kvarn_tiles.sample_std, kvarn_tiles.exp32, kvarn_tiles.log32 = _v1_sample_std, torch.exp, torch.log
 
     def __exit__(self, *exc):
-        kv.sample_std, kv.exp32, kv.log32 = self.saved
+        kvarn_tiles.sample_std, kvarn_tiles.exp32, kvarn_tiles.log32 = self.saved
 
 
 def pass_choice(x: np.ndarray, role: str, bits: int = 4) -> dict:
@@ -175,13 +175,13 @@ def pass_choice(x: np.ndarray, role: str, bits: int = 4) -> dict:
     keep another normalization pass than BeeLlama's arithmetic (libm_math, byte-exact) under
     kvarn's version-1 and version-2 arithmetic, and how many dequantized values differ."""
     xt = torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)))
-    tiles = kv.to_tiles(kv.stage(kv.rotate(xt)), role)
+    tiles = kvarn_tiles.to_tiles(kvarn_tiles.stage(kvarn_tiles.rotate(xt)), role)
     tiles = tiles.reshape(-1, *tiles.shape[-2:])
     out = {}
     for name, ctx in (("bee", libm_math), ("v1", v1_math), ("v2", None)):
         with ctx() if ctx else _null():
-            p = kv.normalize_choice(tiles)[2]
-            deq = kv.dequantize_tiles_ref(*kv.quantize_tiles_ref(tiles, bits))
+            p = kvarn_tiles.normalize_choice(tiles)[2]
+            deq = kvarn_tiles.dequantize_tiles_ref(*kvarn_tiles.quantize_tiles_ref(tiles, bits))
         out[name] = (p, deq)
     pb, db = out["bee"]
     res = {"tiles": len(tiles)}
@@ -233,7 +233,7 @@ def beellama_blocks(name: str, x: np.ndarray) -> np.ndarray:
     return _run(["blocks", BLOCK_TYPES[name], x.shape[-1]], x.reshape(-1, x.shape[-1]), f"blocks-{name}")
 
 
-def beellama_records(x: np.ndarray, bits: int, role: str, iters: int = kv.ITERS) -> np.ndarray:
+def beellama_records(x: np.ndarray, bits: int, role: str, iters: int = kvarn_tiles.ITERS) -> np.ndarray:
     """BeeLlama's KVarN store of x [T, H, D] -> uint8 [T/128, H * D/128, tile bytes]."""
     t, h, d = x.shape
     raw = _run(["kvarn", bits, role, d, h, iters], x, f"kvarn{bits}-{role}-{d}")
@@ -319,7 +319,7 @@ def write_fixture(out: Path, src_commit: str) -> None:
         "harness": "bench/oracles/beellama/quant_oracle.c: ggml_kvarn_store on the CPU backend (SWA ring, eager records, "
                    "head-wide Hadamard slices) and type_traits_cpu from_float",
         "inputs": "bench/oracles/beellama/quant_oracle.py fixture_input / fixture_block_input (FIXTURE_KVARN, FIXTURE_BLOCKS)",
-        "iters": kv.ITERS,
+        "iters": kvarn_tiles.ITERS,
     }, indent=1) + "\n")
 
 

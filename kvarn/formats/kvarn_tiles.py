@@ -1,44 +1,7 @@
-"""KVarN (DESIGN §4): variance-normalized KV-cache quantization, the pure-torch reference.
-
-Arithmetic: BeeLlama's CPU KV-cache store (`ggml_compute_forward_kvarn_store`, the same
-code at v0.4.0 and v0.4.3), reproduced bit for bit (bench/oracles/beellama/quant_oracle.py,
-tests/test_beellama_oracle.py). For every (head, group of G = 128 tokens):
-
-1. rotate each token by the normalized Sylvester Hadamard H_D over the whole head, computed
-   as BeeLlama does: an in-place butterfly over each 128-channel slice, times fp32
-   1/sqrt(128), then (D = 256, 512) a butterfly across the slices, times fp32 1/sqrt(D/128)
-   (`rotate`); the rotated token is stored as fp16 (BeeLlama's F16 stage) and the tile is
-   quantized from those fp16 values (`stage`);
-2. cut the rotated group into tiles: K tile [channels x tokens] (rows = channels, so K is
-   quantized per channel over the group's tokens), V tile [tokens x channels] (rows =
-   tokens, V quantized per token). D <= 128: one tile of D channels; D > 128: 128-channel
-   slices, each its own tile (the Hadamard still spans the whole head);
-3. variance-normalize the tile with per-column log-scales `a` and per-row log-scales `b`
-   (`iters` alternating passes, keep the least imbalanced pass). Sample stds as BeeLlama:
-   one pass in float64 (sum, sum of squares), variance max(0, (ss - n*mean^2)/(n-1)),
-   sqrt in float64, then rounded to fp32; exp and log are evaluated in float64 and rounded
-   to fp32 (BeeLlama calls glibc's expf/logf: see `exp32`);
-4. round each row of the normalized tile to `bits` bits, asymmetric min/max;
-5. store the codes as one dense LSB-first bitstream + fp16 scale[row], zero[row],
-   other[col]; decode (q * scale + zero) * other in the rotated frame, rotate back.
-
-Tile bytes: ceil(R*C*bits/8) + 2*(2R + C). Per head and group (G = 128):
-
-    D = 64        K: R=64,  C=128 -> 1024*b + 512  (b + 0.5   bits/value)
-                  V: R=128, C=64  -> 1024*b + 640  (b + 0.625 bits/value)
-    D = 128       K and V: 2048*b + 768            (b + 0.375 bits/value)
-    D = 256, 512  D/128 tiles of 2048*b + 768      (b + 0.375 bits/value)
-
-Rounding: half away from zero (BeeLlama's `roundf`), not vLLM's half-to-even. The
-argument (y - lo)/step is never negative, so this is floor(v) + (v - floor(v) >= 0.5);
-the fraction v - floor(v) is exact in fp32, so the rule has no double-rounding corner.
-
-The Triton kernels (kvarn/formats/kvarn_triton.py, imported only when a CUDA tensor is
-encoded, or by name) implement `quantize_pack_ref` and `unpack_dequantize_ref` with the
-same signatures. On CPU the normalization, rounding and rotation run compiled
-(kvarn/formats/kvarn_cpu.py, imported when a CPU tile is first encoded), bit for bit the
-torch functions here, which stay the reference.
-"""
+"""KVarN's tile arithmetic, the pure-torch reference (DESIGN §4): tokens cut into tiles, the
+Hadamard rotation in BeeLlama's arithmetic, the variance normalization, the per-row rounding
+(half away from zero). Each compiled fast path (kvarn/formats/kvarn_cpu.py, bit for bit the same)
+sits beside its reference. The arithmetic step by step, and why: docs/notes/kvarn.md."""
 
 from __future__ import annotations
 
@@ -46,21 +9,14 @@ import math
 
 import torch
 
-# The type facts (group, slice, sink, widths, iters, tile bytes) are kvarn.spec.facts', read here;
+# The type facts (group, slice, iters, head dims) are kvarn.spec.facts', read here;
 # the numerics constants are shared with the Triton kernels (kvarn_numerics).
-from kvarn.spec.facts import KVARN_DEFAULT_TAIL_DTYPE, KVARN_VERSION, kvarn_head_dim_ok
+from kvarn.spec.facts import kvarn_head_dim_ok
 from kvarn.spec.facts import KVARN_GROUP as GROUP  # tokens per tile (G)
 from kvarn.spec.facts import KVARN_ITERS as ITERS  # normalization passes
-from kvarn.spec.facts import KVARN_SINK as SINK  # exact leading tokens on full-attention layers (DESIGN §2)
 from kvarn.spec.facts import KVARN_SLICE as SLICE  # most channels in one tile
-from kvarn.spec.facts import KVARN_WIDTHS as WIDTHS
-from kvarn.spec.facts import kvarn_payload_nbytes as payload_nbytes
-from kvarn.spec.facts import kvarn_tile_nbytes as tile_nbytes
-from kvarn.spec.facts import kvarn_tile_shape as tile_shape
 
-from .base import KVFormat, Packed, ValueRangeError, first_bad
 from .kvarn_numerics import LOG_MAX, LOG_MIN, RATIO_FLOOR, STD_MAX, STD_MIN, STEP_MIN
-from .registry import register
 
 
 # --- geometry -------------------------------------------------------------------
@@ -301,160 +257,3 @@ def dequantize_tiles_ref(codes, scale, zero, other) -> torch.Tensor:
     """x = (q * scale[row] + zero[row]) * other[col], fp32, in the rotated frame."""
     x = codes.float() * scale.float()[..., :, None] + zero.float()[..., :, None]
     return x * other.float()[..., None, :]
-
-
-# --- dense LSB-first bit packing (DESIGN §4.6) ---------------------------------------
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [..., n] -> uint8 [..., ceil(n*bits/8)]: code i at bit offset i*bits."""
-    n = codes.shape[-1]
-    nbytes = math.ceil(n * bits / 8)
-    shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
-    stream = ((codes[..., None] >> shifts) & 1).reshape(*codes.shape[:-1], n * bits)
-    stream = torch.nn.functional.pad(stream, (0, nbytes * 8 - n * bits))
-    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32)).to(torch.uint8)
-    return (stream.reshape(*codes.shape[:-1], nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
-
-
-def unpack_codes(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of pack_codes: uint8 [..., ceil(n*bits/8)] -> uint8 codes [..., n]."""
-    shifts = torch.arange(8, device=data.device, dtype=torch.uint8)
-    stream = ((data[..., None] >> shifts) & 1).reshape(*data.shape[:-1], -1)[..., : n * bits]
-    weights = (1 << torch.arange(bits, device=data.device, dtype=torch.int32)).to(torch.uint8)
-    return (stream.reshape(*data.shape[:-1], n, bits) * weights).sum(-1, dtype=torch.uint8)
-
-
-def quantize_pack_ref(tiles: torch.Tensor, bits: int, iters: int = ITERS):
-    """Tiles fp32 [N, R, C] -> (payload uint8 [N, ceil(R*C*bits/8)], scale f16 [N, R],
-    zero f16 [N, R], other f16 [N, C]). The Triton kernel `quantize_pack` matches it."""
-    q, scale, zero, other = quantize_tiles_ref(tiles, bits, iters)
-    return pack_codes(q.flatten(-2), bits), scale, zero, other
-
-
-def unpack_dequantize_ref(payload, scale, zero, other, bits: int) -> torch.Tensor:
-    """Inverse of quantize_pack_ref up to quantization: fp32 tiles [N, R, C]."""
-    rows, cols = scale.shape[-1], other.shape[-1]
-    q = unpack_codes(payload, bits, rows * cols).reshape(*payload.shape[:-1], rows, cols)
-    return dequantize_tiles_ref(q, scale, zero, other)
-
-
-# --- the format -----------------------------------------------------------------
-class KVarNFormat(KVFormat):
-    """kvarnN: N-bit KVarN for K (role 'k', per-channel) or V (role 'v', per-token).
-
-    impl: "ref" (pure torch), "triton" (kernels; CUDA, or CPU under TRITON_INTERPRET=1),
-    "auto" (Triton for CUDA tensors, else the reference).
-    """
-
-    family = "kvarn"
-    group = GROUP
-    sink = SINK
-    tail_quantum = GROUP
-    min_tail = GROUP
-    default_tail_dtype = KVARN_DEFAULT_TAIL_DTYPE
-    version = KVARN_VERSION
-
-    def __init__(self, bits: int, role: str = "k", iters: int = ITERS, impl: str = "auto"):
-        super().__init__(role)
-        if bits not in WIDTHS:
-            raise ValueError(f"KVarN width must be one of {WIDTHS}, got {bits!r}")
-        if not isinstance(iters, int) or iters < 0:
-            raise ValueError(f"kvarn{bits}: iters must be an integer >= 0, got {iters!r}")
-        if impl not in ("auto", "ref", "triton"):
-            raise ValueError(f"kvarn{bits}: impl must be 'auto', 'ref' or 'triton', got {impl!r}")
-        self.name = f"kvarn{bits}"
-        self.bits = bits
-        self.iters = iters
-        self.impl = impl
-
-    def supported_head_dims(self) -> str:
-        return "powers of two 64..512"
-
-    def check_head_dim(self, head_dim: int) -> None:
-        check_head_dim(head_dim, self.name)
-
-    def check_input(self, x: torch.Tensor) -> None:
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] % GROUP:
-            raise ValueError(
-                f"{self.name}: got {x.shape[-2]} tokens; KVarN writes whole groups of {GROUP} "
-                f"tokens, so n_tokens must be a multiple of {GROUP} (an incomplete group stays "
-                "exact in the F16 tail until its last token arrives)"
-            )
-        super().check_input(x)
-
-    def _kernels(self, x: torch.Tensor):
-        if self.impl == "triton" or (self.impl == "auto" and x.is_cuda):
-            from . import kvarn_triton
-
-            return kvarn_triton.quantize_pack, kvarn_triton.unpack_dequantize
-        return quantize_pack_ref, unpack_dequantize_ref
-
-    def _check_meta(self, x, scale, zero, other, lead):
-        """A tile whose fp16 scale/zero/other overflowed is a named error (head, token range).
-
-        scale, zero, other: [n_tiles, ·]; lead: the tiles' leading shape [..., groups, slices]."""
-        bad = torch.stack([~torch.isfinite(m.float()).all(-1) for m in (scale, zero, other)]).any(0)
-        if bool(bad.any()):
-            i = first_bad(bad.reshape(lead))
-            g = i[-2]
-            raise ValueRangeError(
-                f"{self.name} ({self.role.upper()})", i[:-2], (g * GROUP, g * GROUP + GROUP - 1),
-                f"a tile's fp16 metadata overflowed (channel slice {i[-1]}; max |x| of the call "
-                f"{x.abs().max().item():.4g}); KVarN stages the rotated values and stores scale/zero/other "
-                "as fp16 (|value| <= 65504)")
-
-    def packed_meta(self) -> dict:
-        return {"format": self.name, "role": self.role, "bits": self.bits}
-
-    def nbytes(self, n_tokens: int, head_dim: int) -> int:
-        self.check_head_dim(head_dim)
-        if n_tokens % GROUP:
-            raise ValueError(f"{self.name}: n_tokens {n_tokens} is not a multiple of the group size {GROUP}")
-        rows, cols, slices = tile_shape(self.role, head_dim)
-        return n_tokens // GROUP * slices * tile_nbytes(rows, cols, self.bits)
-
-    def encode(self, x: torch.Tensor) -> Packed:
-        self.check_input(x)
-        quantize_pack, _ = self._kernels(x)
-        tiles = to_tiles(stage(rotate(x)), self.role)  # [..., g, s, R, C]
-        lead = tiles.shape[:-2]
-        payload, scale, zero, other = quantize_pack(tiles.reshape(-1, *tiles.shape[-2:]), self.bits, self.iters)
-        self._check_meta(x, scale, zero, other, lead)
-        parts = [payload] + [m.contiguous().view(torch.uint8) for m in (scale, zero, other)]
-        data = torch.cat(parts, -1).reshape(*lead[:-2], -1)
-        return Packed(data, x.shape[-2], x.shape[-1], self.packed_meta())
-
-    def decode(self, packed: Packed) -> torch.Tensor:
-        self.check_packed(packed)
-        _, unpack_dequantize = self._kernels(packed.data)
-        d, t = packed.head_dim, packed.n_tokens
-        self.check_head_dim(d)
-        rows, cols, slices = tile_shape(self.role, d)
-        pb = payload_nbytes(rows, cols, self.bits)
-        lead = packed.data.shape[:-1]
-        tb = packed.data.reshape(-1, tile_nbytes(rows, cols, self.bits))
-        cut = [pb, pb + 2 * rows, pb + 4 * rows]
-        payload, scale, zero, other = (
-            tb[:, lo:hi].contiguous() for lo, hi in zip([0] + cut, cut + [tb.shape[1]])
-        )
-        half = [m.view(torch.float16) for m in (scale, zero, other)]
-        tiles = unpack_dequantize(payload, *half, self.bits)
-        tiles = tiles.reshape(*lead, t // GROUP, slices, rows, cols)
-        return rotate(from_tiles(tiles, self.role))
-
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """decode(encode(x)) bit for bit; the reference path skips the bit packing."""
-        if self._kernels(x)[0] is not quantize_pack_ref:
-            return self.decode(self.encode(x))
-        self.check_input(x)
-        tiles = to_tiles(stage(rotate(x)), self.role)  # [..., g, s, R, C], flattened as encode does
-        q, scale, zero, other = quantize_tiles_ref(tiles.reshape(-1, *tiles.shape[-2:]), self.bits, self.iters)
-        self._check_meta(x, scale, zero, other, tiles.shape[:-2])
-        y = dequantize_tiles_ref(q, scale, zero, other).reshape(tiles.shape)
-        return rotate(from_tiles(y, self.role))
-
-
-for _bits in WIDTHS:
-    register(
-        f"kvarn{_bits}",
-        lambda role="k", rot=True, _b=_bits, **params: KVarNFormat(_b, role=role, **params),
-    )
