@@ -19,6 +19,7 @@ import pytest
 from blocked_imports import blocked_env
 from paths import WIKI_TEXT
 
+from bench.gpu import device_flex, device_models, device_plan, device_record
 from bench.gpu import device_run as dr
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def test_smoke_runs_every_step_in_order_without_polars(tmp_path):
     assert [s for i, s in enumerate(steps) if i == 0 or s != steps[i - 1]] == [
         "run", "qwen3.6-27b", "gemma4-31b", "flex", "triton", "run"]
     # no step failed, was skipped or killed (each would have a line of its own)
-    assert [(r["step"], r["item"]) for r in recs if r["step"] not in ("flex", *dr.MODELS)] == [
+    assert [(r["step"], r["item"]) for r in recs if r["step"] not in ("flex", *device_plan.MODELS)] == [
         ("run", "machine"), ("triton", "KVarN Triton GPU tests"), ("run", "projection"), ("run", "done")]
     # the first line: the import check passed, with the versions imported and where they came from
     first = recs[0]
@@ -62,24 +63,25 @@ def test_smoke_runs_every_step_in_order_without_polars(tmp_path):
         assert imports["packages"][module]["from"] == "image" and imports["packages"][module]["version"], module
     assert set(imports["modules"].values()) == {"ok"}
     # the model steps: Qwen, then Gemma; per run a warm-up line, then its chunk's line
-    for model in dr.MODELS:
+    for model in device_plan.MODELS:
         runs = [r for r in recs if r["step"] == model and "kind" in r]
         assert [(r["item"], r["phase"]) for r in runs] == [
-            (label, phase) for label, _, _ in dr.RUNS for phase in ("warm-up", "chunk")]
+            (label, phase) for label, _, _ in device_plan.RUNS for phase in ("warm-up", "chunk")]
         chunks = runs[1::2]
-        for w, r, (_, cell, _) in zip(runs[::2], chunks, dr.RUNS):
+        for w, r, (_, cell, _) in zip(runs[::2], chunks, device_plan.RUNS):
             assert w["status"] == "ok" and w["warmup_s"] == r["warmup_s"] > 0 and "s_per_chunk" not in w, w
             assert r["status"] == "ok" and r["s_per_chunk"] > 0, r
             k, v, tail = cell or ("bf16", "bf16", 0)
             assert r["cell"].startswith(f"{k}-{v}-t{tail}") and r["compute"] == first["compute"], r
-            assert r["n_ctx"] == dr.SMOKE["n_ctx"] and r["graphs_compiled_in_chunk"] is not None
+            assert r["n_ctx"] == device_plan.SMOKE["n_ctx"] and r["graphs_compiled_in_chunk"] is not None
         # each run after the first was estimated from the last timed chunk, not from its warm-up
         assert "est_s" not in chunks[0]
         for prev, r in zip(chunks, chunks[1:]):
-            assert r["est_s"] == round(dr.WARMUP_EST_S + dr.CHUNK_FACTOR * prev["wall_s"], 1), (prev, r)
+            want = round(device_plan.WARMUP_EST_S + device_plan.CHUNK_FACTOR * prev["wall_s"], 1)
+            assert r["est_s"] == want, (prev, r)
         base = chunks[0]
         # the smoke's chunk has fewer rows than --encode-rows: every row encoded, nothing extrapolated
-        assert base["encode_rows"] == dr.SMOKE["n_ctx"] - 1 - dr.SMOKE["n_ctx"] // 2
+        assert base["encode_rows"] == device_plan.SMOKE["n_ctx"] - 1 - device_plan.SMOKE["n_ctx"] // 2
         assert base["encode_s_chunk"] == pytest.approx(base["encode_s"]) and base["kept_bytes"] > 0
     load = next(r for r in recs if r["step"] == "qwen3.6-27b" and r["item"] == "load")
     assert load["linear_attention"].endswith("chunk_gated_delta_rule")
@@ -87,15 +89,15 @@ def test_smoke_runs_every_step_in_order_without_polars(tmp_path):
     # case compares its output with both P rules (eager on CPU: fp32 dots, so P is not truncated)
     flex = [r for r in recs if r["step"] == "flex"]
     assert [(r["head_dim"], r["dtype"], r["keys"]) for r in flex] == [
-        (512, t, k) for t in ("float32", "bfloat16") for k in dr.SMOKE["flex_keys"]]
+        (512, t, k) for t in ("float32", "bfloat16") for k in device_plan.SMOKE["flex_keys"]]
     assert all(r["status"] == "ok" and r["first_call_s"] > 0 and r["per_call_s"] > 0 and r["finite"] for r in flex)
     tf32 = [r for r in flex if r.get("tf32")]
-    assert len(tf32) == len(dr.SMOKE["flex_keys"]) and all(r["p_rule"]["closer"] == "nearest" for r in tf32)
+    assert len(tf32) == len(device_plan.SMOKE["flex_keys"]) and all(r["p_rule"]["closer"] == "nearest" for r in tf32)
     assert all(abs(r["p_rule"]["truncate"]["mean"]) > 10 * abs(r["p_rule"]["nearest"]["mean"]) for r in tf32)
     triton = next(r for r in recs if r["step"] == "triton")
     assert triton["status"] == "ok" and triton["failed"] == 0 and triton["passed"] + triton["skipped"] == 26
     proj = next(r for r in recs if r["item"] == "projection")
-    assert set(proj["measured"]) == set(dr.MODELS)
+    assert set(proj["measured"]) == set(device_plan.MODELS)
     assert all(set(v) == {"baseline", "kvarn", "standard tail", "standard t0"} for v in proj["measured"].values())
     md = (results / "device_run.md").read_text()
     assert "**Smoke run**" in md and "Run finished in" in md and "Import check (" in md and ": ok. Found:" in md
@@ -119,7 +121,7 @@ def test_a_zero_budget_skips_every_step_and_says_so(tmp_path):
     assert dr.main(["--smoke", "--budget-s", "0", "--results", str(results), "--text", str(__file__)]) == 0
     recs = _records(results)
     skipped = [r["step"] for r in recs if r.get("status") == "skipped"]
-    assert skipped == [name for name, _ in dr.STEPS] == ["qwen3.6-27b", "gemma4-31b", "flex", "triton"]
+    assert skipped == [name for name, _ in device_plan.STEPS] == ["qwen3.6-27b", "gemma4-31b", "flex", "triton"]
     assert next(r for r in recs if r["item"] == "projection")["error"] == "nothing measured yet"
     md = (results / "device_run.md").read_text()
     assert md.count("skipped: would start") == 4 and "Not available: nothing measured yet" in md
@@ -127,12 +129,12 @@ def test_a_zero_budget_skips_every_step_and_says_so(tmp_path):
 
 def test_a_step_past_its_deadline_is_killed_and_keeps_what_it_finished(tmp_path, monkeypatch):
     monkeypatch.setattr(dr, "MIN_START_S", 0.0)
-    monkeypatch.setitem(dr.STEP_MIN_S, "flex", 0.0)
-    rec = dr.Recorder(tmp_path)
+    monkeypatch.setitem(device_plan.STEP_MIN_S, "flex", 0.0)
+    rec = device_record.Recorder(tmp_path)
     child = textwrap.dedent(f"""
         import os, subprocess, sys, time
         from pathlib import Path
-        from bench.gpu.device_run import Recorder
+        from bench.gpu.device_record import Recorder
         grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         Path({str(tmp_path / 'pids')!r}).write_text(f"{{os.getpid()}} {{grandchild.pid}}")
         Recorder(Path({str(tmp_path)!r})).add({{"step": "flex", "item": "first case", "status": "ok"}})
@@ -165,21 +167,21 @@ def test_a_failing_flex_case_is_a_result_and_is_retried_with_small_blocks(tmp_pa
             raise RuntimeError("out of resource: shared memory, Required: 264192, Hardware limit: 232448")
         return q
 
-    rec = dr.Recorder(tmp_path)
+    rec = device_record.Recorder(tmp_path)
     args = argparse.Namespace(smoke=True, deadline=time.time() + 120)
-    real = dr.flex_case
-    monkeypatch.setattr(dr, "flex_case", lambda _k, case, device, dtype, repeats=1:
+    real = device_flex.flex_case
+    monkeypatch.setattr(device_flex, "flex_case", lambda _k, case, device, dtype, repeats=1:
                         real(kernel, case, device, dtype, 1))
-    dr.step_flex(args, rec)
+    device_flex.step_flex(args, rec)
     recs = rec.records()
-    n = len(dr.SMOKE["flex_keys"])
+    n = len(device_plan.SMOKE["flex_keys"])
     assert len(recs) == 2 * n + n
     failed = [r for r in recs if r["status"] == "error"]
     assert [(r["head_dim"], r["dtype"]) for r in failed] == [(512, "float32")] * n
     assert all("out of resource: shared memory" in r["error"] for r in failed)
     retries = [r for r in recs if r.get("small_blocks")]
     assert [r["item"] for r in retries] == [f"D512 float32 (TF32 dots) {k} keys small blocks"
-                                            for k in dr.SMOKE["flex_keys"]]
+                                            for k in device_plan.SMOKE["flex_keys"]]
     assert all(r["status"] == "ok" for r in retries)
     assert "out of resource: shared memory" in rec.md.read_text()
 
@@ -196,7 +198,7 @@ def test_the_kept_baseline_gives_the_engines_own_numbers(tmp_path, one_thread):
     from kvarn.spec.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
-    cfg = dr.tiny_config(ROOT / "config" / "models" / "gemma4-31b.json", tmp_path / "tiny.json")
+    cfg = device_models.tiny_config(ROOT / "config" / "models" / "gemma4-31b.json", tmp_path / "tiny.json")
     spec, n_ctx, ubatch = ModelSpec("tiny", f"random:{cfg}"), 256, 64
     common = dict(text=str(WIKI_TEXT), device="cpu", dtype="float32", cache_dir=tmp_path / "models")
     ctx = engine.Context(spec, n_ctx, 1, **common, ubatch=ubatch, baseline=True)
@@ -207,18 +209,18 @@ def test_the_kept_baseline_gives_the_engines_own_numbers(tmp_path, one_thread):
     want = pl.read_parquet(tmp_path / "cell" / "tokens.parquet")
 
     ids, model = ctx.chunk_ids[0], ctx.loaded.model
-    kept, timing = dr.time_baseline(model, ids, engine.baseline_cell(), "ref", ubatch, 1024, lambda: None)
+    kept, timing = device_models.time_baseline(model, ids, engine.baseline_cell(), "ref", ubatch, 1024, lambda: None)
     on_disk = dump.open_dump(tmp_path / "base.kvd")
     assert kept.n == on_disk.n_scored and timing["encode_rows"] == kept.n
     stored = np.asarray(on_disk.payload[:on_disk.header["payload_bytes"]])
     assert np.array_equal(np.asarray(kept.dump.payload), stored)
-    got_timing, cols = dr.time_cell(model, ids, cell, "ref", ubatch, kept, lambda: None)
+    got_timing, cols = device_models.time_cell(model, ids, cell, "ref", ubatch, kept, lambda: None)
     for key in ("kld", "nll", "nll_base", "dp", "same_top"):
         assert np.array_equal(cols[key], want[key].to_numpy()), key
     assert got_timing["s_per_chunk"] >= got_timing["forward_s"] > 0
 
     # fewer rows kept than the chunk has: row r reads kept row r mod n, whole slices
-    few, t = dr.time_baseline(model, ids, engine.baseline_cell(), "ref", ubatch, 64, lambda: None)
+    few, t = device_models.time_baseline(model, ids, engine.baseline_cell(), "ref", ubatch, 64, lambda: None)
     assert few.n == 64 and t["encode_s_chunk"] == pytest.approx(t["encode_s"] * kept.n / 64)
     assert few.decode(0, 64, 128).equal(on_disk.decode(0, 0, 64))
     assert few.decode(0, 192, 255).equal(on_disk.decode(0, 0, 63))
@@ -243,10 +245,10 @@ def test_without_the_projection_module_the_rest_still_renders(monkeypatch):
     monkeypatch.delattr(bench.gpu, "projection", raising=False)
     recs = [{"step": "run", "item": "machine", "gpu": "NVIDIA H100 80GB HBM3, 81559 MiB, 580"},
             {"step": "qwen3.6-27b", "item": "baseline", "kind": "baseline", "status": "ok", "s_per_chunk": 42.0}]
-    proj = dr.projection(recs)
+    proj = device_record.projection(recs)
     assert proj["device"] == "h100" and proj["measured"] == {"qwen3.6-27b": {"baseline": 42.0}}
     assert proj["error"].startswith("bench/gpu/projection.py not importable")
-    md = dr.render(recs)
+    md = device_record.render(recs)
     assert "Not available: bench/gpu/projection.py not importable" in md and "| baseline |" in md
 
 
@@ -269,9 +271,9 @@ def test_the_carry_fits_the_call(tmp_path):
 
 
 def test_tiny_config_keeps_the_layer_pattern(tmp_path):
-    for name in dr.MODELS:
+    for name in device_plan.MODELS:
         study = json.loads((ROOT / "config" / "models" / f"{name}.json").read_text())
-        tiny = json.loads(dr.tiny_config(ROOT / "config" / "models" / f"{name}.json", tmp_path / "t.json")
+        tiny = json.loads(device_models.tiny_config(ROOT / "config" / "models" / f"{name}.json", tmp_path / "t.json")
                           .read_text())
         assert tiny["model_type"] == study["model_type"] and tiny["num_hidden_layers"] == 8
         assert set(tiny["layer_types"]) == set(study["layer_types"]) and len(tiny["layer_types"]) == 8
@@ -282,7 +284,7 @@ def test_the_linear_attention_kernel_is_read_from_transformers():
     reference; the report names what was actually bound, not what is installed."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    name = dr.linear_attention_kernel()
+    name = device_models.linear_attention_kernel()
     if importlib.util.find_spec("fla") is None:
         assert name == "transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule"
     else:
@@ -301,7 +303,7 @@ def test_the_kernel_named_is_the_one_transformers_bound(tmp_path):
     (tmp_path / "fla" / "ops" / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("def chunk_gated_delta_rule(q, k, v, g=None, beta=None, **kw):\n"
                                      "    raise NotImplementedError\n")
-    code = "from bench.gpu import device_run\nprint(device_run.linear_attention_kernel())\n"
+    code = "from bench.gpu import device_models\nprint(device_models.linear_attention_kernel())\n"
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "fla.ops.gated_delta_rule.chunk_gated_delta_rule", out.stderr
