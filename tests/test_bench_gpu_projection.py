@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from bench.gpu import projection as pj
+from bench.gpu import traffic
 
 ROOT = pj.REPO
 
@@ -27,7 +28,7 @@ TINY = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_h
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
     (tmp_path / "tiny.json").write_text(json.dumps(TINY))
-    monkeypatch.setattr(pj, "MODELS", tmp_path)
+    monkeypatch.setattr(traffic, "MODELS", tmp_path)
     return "tiny"
 
 
@@ -37,31 +38,31 @@ def test_tiny_geometry_flops_by_hand(tiny):
     # Attention at n_ctx 8: a query reads (8 + 1)/2 = 4.5 keys on average, plus one diagonal edge of
     # half a 128-key tile (64) in flex's tiles = 68.5 keys; QK and PV: 4 * d 4 * 2 heads * 68.5 = 2192.
     # lm head: 2 * 8 * 10 = 160 per scored token; 3 of the 8 tokens are scored (positions 4..6): 60.
-    parts = pj.per_token(tiny, 8, "baseline", ubatch=4)
-    assert pj.gemm_params(TINY, pj.geometry(TINY)) == 576
+    parts = traffic.per_token(tiny, 8, "baseline", ubatch=4)
+    assert traffic.gemm_params(TINY, traffic.geometry(TINY)) == 576
     assert parts["weights' GEMMs"]["flops"] == 1152
     assert parts["full attention"]["flops"] == pytest.approx(2192)
     assert parts["lm head"]["flops"] == pytest.approx(60)
     # the baseline writes the dump and reads none; a cell reads it and computes the KLD
     assert "dump: encode on the host" in parts and "KLD against the baseline" not in parts
-    cell = pj.per_token(tiny, 8, "standard tail", ("q4_0", "q4_0", 2), ubatch=4)
+    cell = traffic.per_token(tiny, 8, "standard tail", ("q4_0", "q4_0", 2), ubatch=4)
     assert "KLD against the baseline" in cell and "dump: encode on the host" not in cell
     # tail 2 on a full layer: the exact copy's band edge in both halves, two more edges of 64 keys
     assert cell["full attention"]["flops"] == pytest.approx(4 * 4 * 2 * (4.5 + 3 * 64))
 
 
 def test_roofline_takes_the_slower_side():
-    dev = pj.DEVICES["h200"]
+    dev = traffic.DEVICES["h200"]
     f = dev["fraction"]
     # memory-bound: 1 FLOP against 1 GB
     mem = {"flops": 1.0, "bytes": 1e9, "unit": "gemm", "rate_s": 0.0}
-    assert pj.part_seconds(mem, "h200") == pytest.approx(1e9 / (dev["hbm_Bps"] * f["hbm"]))
+    assert traffic.part_seconds(mem, "h200") == pytest.approx(1e9 / (dev["hbm_Bps"] * f["hbm"]))
     # compute-bound: 1 PFLOP against 1 byte
     comp = {"flops": 1e15, "bytes": 1.0, "unit": "attention", "rate_s": 0.0}
-    assert pj.part_seconds(comp, "h200") == pytest.approx(1e15 / (dev["peak_flops"] * f["attention"]))
+    assert traffic.part_seconds(comp, "h200") == pytest.approx(1e15 / (dev["peak_flops"] * f["attention"]))
     # a part at a stated rate is its seconds, whatever the device
     rated = {"flops": 0.0, "bytes": 0.0, "unit": "rate", "rate_s": 2.5}
-    assert pj.part_seconds(rated, "h100") == 2.5
+    assert traffic.part_seconds(rated, "h100") == 2.5
 
 
 def _count_from_yaml(article):
@@ -93,7 +94,7 @@ def test_plan_counts_match_the_article_config():
     assert set(got) == {m["name"] for m in article["models"]}
     for m in article["models"]:
         chunks = pj.STUDY_CHUNKS[m["name"]]
-        for kind in pj.KINDS:
+        for kind in traffic.KINDS:
             row = got[m["name"]][kind]
             assert row["cells"] == want[kind], (m["name"], kind)
             assert row["n_ctx"] == m["n_ctx"][0] and row["chunks"] == chunks
@@ -108,7 +109,7 @@ def test_measured_rows_replace_modelled_ones_and_the_total_sums_the_rows():
     proj = pj.project("h200", measured={"gemma4-31b": {"kvarn": 100.0}})
     row = next(r for r in proj["rows"] if (r["model"], r["kind"]) == ("gemma4-31b", "kvarn"))
     assert row["source"] == "measured" and row["s_per_chunk"] == 100.0
-    assert row["gpu_hours"] == pytest.approx(row["cells"] * (row["chunks"] * 100.0 + pj.CELL_FIXED_S) / 3600)
+    assert row["gpu_hours"] == pytest.approx(row["cells"] * (row["chunks"] * 100.0 + traffic.CELL_FIXED_S) / 3600)
     others = [(r["model"], r["kind"], r["gpu_hours"]) for r in proj["rows"] if r is not row]
     assert others == [(r["model"], r["kind"], r["gpu_hours"]) for r in base["rows"]
                       if (r["model"], r["kind"]) != ("gemma4-31b", "kvarn")]
@@ -135,11 +136,11 @@ def test_geometry_and_weights_agree_with_transformers():
     from kvarn.spec.geometry import config_object, geometry_from_config
 
     for model in ("qwen3.6-27b", "gemma4-31b"):
-        cfg = pj.config(model)
-        assert pj.geometry(cfg) == geometry_from_config(cfg)
+        cfg = traffic.config(model)
+        assert traffic.geometry(cfg) == geometry_from_config(cfg)
         emb = cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg.get("tie_word_embeddings") else 2)
         total = param_count(config_object(cfg))
-        assert abs(pj.gemm_params(cfg, pj.geometry(cfg)) + emb - total) < 1e-3 * total, model
+        assert abs(traffic.gemm_params(cfg, traffic.geometry(cfg)) + emb - total) < 1e-3 * total, model
 
 
 def test_torch_free_and_the_command_writes_markdown(tmp_path):
@@ -170,25 +171,21 @@ def test_the_block_mask_is_built_once_per_layer_kind_and_ubatch(monkeypatch):
     # 65,536 in ubatches of 512 (16 full-attention layers, one kind, no exact copy) pays the dense
     # mask_mod once per call of one layer: 512 x 512 x (1 + 2 + ... + 128) pairs / 65,536 tokens
     # = 33,024 pairs per token, x 48 B, whatever the 16 layers.
-    from bench.gpu import projection as P
-
     def staging():
-        return P.per_token("qwen3.6-27b", 65536, "baseline")["flex mask and K/V staging"]["bytes"]
+        return traffic.per_token("qwen3.6-27b", 65536, "baseline")["flex mask and K/V staging"]["bytes"]
 
     with_build = staging()
-    monkeypatch.setattr(P, "MASK_BUILD_BYTES", 0)
+    monkeypatch.setattr(traffic, "MASK_BUILD_BYTES", 0)
     assert with_build - staging() == pytest.approx(512 * 512 * (128 * 129 // 2) / 65536 * 48)
 
 
 def test_tf32_attention_runs_at_half_the_tensor_core_rate_on_4_byte_tiles():
-    from bench.gpu import projection as P
-
-    bf16 = P.per_token("qwen3.6-27b", 65536, "standard t0")
-    tf32 = P.per_token("qwen3.6-27b", 65536, "standard t0", compute="tf32-attn")
+    bf16 = traffic.per_token("qwen3.6-27b", 65536, "standard t0")
+    tf32 = traffic.per_token("qwen3.6-27b", 65536, "standard t0", compute="tf32-attn")
     a, b = bf16["full attention"], tf32["full attention"]
     assert (a["unit"], b["unit"]) == ("attention", "attention_tf32")
     assert b["flops"] == a["flops"] and b["bytes"] == 2 * a["bytes"]
-    for d in P.DEVICES.values():  # TF32's dense peak is half bf16's, at the same kernel efficiency
+    for d in traffic.DEVICES.values():  # TF32's dense peak is half bf16's, at the same kernel efficiency
         assert d["fraction"]["attention_tf32"] == d["fraction"]["attention"] / 2
         assert d["fraction"]["attention_d512_tf32"] == d["fraction"]["attention_d512"] / 2
     # the rest is the same work but the fp32 operands' staging and TF32 rounding (test_tf32_operand_rounding_by_hand)
@@ -196,9 +193,9 @@ def test_tf32_attention_runs_at_half_the_tensor_core_rate_on_4_byte_tiles():
     assert {k: v for k, v in tf32.items() if not any(t in k for t in tf32_only)} == \
         {k: v for k, v in bf16.items() if not any(t in k for t in tf32_only)}
     assert "TF32 operand rounding" not in bf16
-    assert P.project(compute="tf32-attn")["total_hours"] > P.project(compute="bf16-attn")["total_hours"]
+    assert pj.project(compute="tf32-attn")["total_hours"] > pj.project(compute="bf16-attn")["total_hours"]
     with pytest.raises(ValueError, match="compute 'exact'"):
-        P.per_token("qwen3.6-27b", 65536, compute="exact")
+        traffic.per_token("qwen3.6-27b", 65536, compute="exact")
 
 
 def test_tf32_operand_rounding_by_hand(tiny):
@@ -206,11 +203,11 @@ def test_tf32_operand_rounding_by_hand(tiny):
     # and (16 + 32) / 8 = 6 (query, key) pairs per token; 1 KV head of 4, 2 query heads of 4.
     # q4_0 at tail 2 keeps an exact copy: [body ; exact] = 3 rows per token, K and V each.
     cell = ("q4_0", "q4_0", 2)
-    tf32 = pj.per_token(tiny, 8, "standard tail", cell, ubatch=4, compute="tf32-attn")
-    bf16 = pj.per_token(tiny, 8, "standard tail", cell, ubatch=4, compute="bf16-attn")
+    tf32 = traffic.per_token(tiny, 8, "standard tail", cell, ubatch=4, compute="tf32-attn")
+    bf16 = traffic.per_token(tiny, 8, "standard tail", cell, ubatch=4, compute="bf16-attn")
     # kvarn.kvcache.rounding.round_operand per fp32 element: |word| 4 + 4, its finite test 4 + 1, word + half
     # 4 + 4, masked 4 + 4, the result where finite 1 + 4 + 4 + 4: 42 B
-    assert pj.TF32_ROUND_BYTES == 8 + 5 + 8 + 8 + 13 == 42
+    assert traffic.TF32_ROUND_BYTES == 8 + 5 + 8 + 8 + 13 == 42
     # K and V over 3 rows x 1 head x 4 channels, 42 B each: 1008; Q, 2 heads x 4, widened from bf16
     # (2 + 4) and rounded (42): 384
     assert tf32["TF32 operand rounding"]["bytes"] == pytest.approx(3 * 4 * 2 * 42 + 2 * 4 * (6 + 42)) == 1392
@@ -220,7 +217,7 @@ def test_tf32_operand_rounding_by_hand(tiny):
     assert bf16["flex mask and K/V staging"]["bytes"] == pytest.approx(876 + 12 * 14)
     assert tf32["flex mask and K/V staging"]["bytes"] == pytest.approx(876 + 12 * 22)
     # the baseline (a bf16 body, no exact copy): its rows widened to fp32 (2 + 4) and rounded, 1.5 rows
-    base = pj.per_token(tiny, 8, "baseline", ubatch=4, compute="tf32-attn")
+    base = traffic.per_token(tiny, 8, "baseline", ubatch=4, compute="tf32-attn")
     assert base["TF32 operand rounding"]["bytes"] == pytest.approx(1.5 * 4 * 2 * 42 + 2 * 4 * 48)
     assert base["flex mask and K/V staging"]["bytes"] == pytest.approx(6 * (50 + 48) + 1.5 * 4 * 2 * 6)
     assert tf32["TF32 operand rounding"]["unit"] == "hbm"  # bandwidth-bound, eager elementwise kernels
