@@ -20,6 +20,7 @@ from kvarn.formats import kvarn_tiles, kvarn_type
 from kvarn.formats.hadamard import hadamard
 
 from bench.oracles.beellama import memory as bee_memory
+from bench.oracles.beellama import quant_fields
 from bench.oracles.beellama import quant_oracle as QO
 from bench.oracles.beellama import table as bee_table
 
@@ -48,8 +49,8 @@ def test_kvarn_records_match_beellama_byte_for_byte(case):
     x = QO.fixture_input(t, h, d, seed)
     bee = DATA[name]
     assert bee.shape == (t // 128, h * d // 128, kvarn_type.payload_nbytes(128, 128, bits) + 768)
-    ours = QO.kvarn_records(x, bits, role)
-    for part, b, o in zip(("payload", "scale", "zero", "other"), QO.record_fields(bee, bits), QO.record_fields(ours, bits)):
+    ours = quant_fields.kvarn_records(x, bits, role)
+    for part, b, o in zip(("payload", "scale", "zero", "other"), quant_fields.record_fields(bee, bits), quant_fields.record_fields(ours, bits)):
         assert np.array_equal(b, o), f"{name}: {part} differs in {int((b != o).sum())} entries"
 
 
@@ -62,12 +63,12 @@ def test_record_fields_split_the_layout():
     rec[0, 0, pb:pb + 2] = (0x00, 0x3C)  # scale[0] = 1.0
     rec[0, 0, pb + 256 + 2:pb + 256 + 4] = (0x00, 0xC0)  # zero[1] = -2.0
     rec[0, 0, pb + 512 + 254:] = (0x00, 0x38)  # other[127] = 0.5
-    payload, scale, zero, other = QO.record_fields(rec, bits)
+    payload, scale, zero, other = quant_fields.record_fields(rec, bits)
     assert payload[0, 0, 5] == 7 and payload.shape[-1] == pb
     assert scale.view(np.float16)[0, 0, 0] == 1.0 and zero.view(np.float16)[0, 0, 1] == -2.0
     assert other.view(np.float16)[0, 0, 127] == 0.5 and other.view(np.float16)[0, 0, :127].sum() == 0
     with pytest.raises(ValueError, match="record is"):
-        QO.record_fields(rec[..., :-2], bits)
+        quant_fields.record_fields(rec[..., :-2], bits)
 
 
 UPSTREAM_LAYOUT = ("q8_0", "q5_0", "q5_1", "q4_0", "q4_1")
@@ -80,8 +81,8 @@ def test_blocks_match_beellama(name):
     exact rounding ties); for the upstream layouts the raw bytes too."""
     x = QO.fixture_block_input()
     raw = DATA[f"block_{name}"]
-    bq, bd, bm = QO.beellama_block_fields(name, raw)
-    kq, kd, km = QO.kvarn_block_fields(name, x)
+    bq, bd, bm = quant_fields.beellama_block_fields(name, raw)
+    kq, kd, km = quant_fields.kvarn_block_fields(name, x)
     assert np.array_equal(bq, kq) and np.array_equal(bd, kd)
     assert (bm is None and km is None) or np.array_equal(bm, km)
     if name in UPSTREAM_LAYOUT:
@@ -94,11 +95,11 @@ def test_q8_0_beellama_cpu_rounds_ties_to_even():
     kvarn.llamacpp_cpu.compute's llamacpp-cpu emulation has it; kvarn's q8_0 format is ggml's reference
     (roundf: ties away from zero). They differ exactly on the tie blocks of the fixture."""
     x = QO.fixture_block_input()
-    bq, bd, _ = QO.beellama_block_fields("q8_0", DATA["block_q8_0"])
+    bq, bd, _ = quant_fields.beellama_block_fields("q8_0", DATA["block_q8_0"])
     q, d16, _ = q8.quantize_q8(torch.from_numpy(x), "q8_0")
     assert np.array_equal(bq, q.reshape(-1, 32).long().numpy())
     assert np.array_equal(bd, d16.reshape(-1).to(torch.float16).view(torch.int16).numpy().astype(np.uint16))
-    kq, kd, _ = QO.kvarn_block_fields("q8_0", x)
+    kq, kd, _ = quant_fields.kvarn_block_fields("q8_0", x)
     xb = x.reshape(-1, 32).astype(np.float32)
     amax = np.abs(xb).max(1, keepdims=True)
     v = xb * (np.float32(127) / amax)
@@ -111,8 +112,8 @@ def test_iq4_nl_differs_by_design_but_decodes_alike_here():
     """BeeLlama's CPU iq4_nl is ggml's quantize_row_iq4_nl_ref (scale search); kvarn follows
     the CUDA set_rows path (DESIGN §3). On the fixture's blocks they agree wherever no tie moved."""
     x = QO.fixture_block_input()
-    bq, bd, _ = QO.beellama_block_fields("iq4_nl", DATA["block_iq4_nl"])
-    kq, kd, _ = QO.kvarn_block_fields("iq4_nl", x)
+    bq, bd, _ = quant_fields.beellama_block_fields("iq4_nl", DATA["block_iq4_nl"])
+    kq, kd, _ = quant_fields.kvarn_block_fields("iq4_nl", x)
     same = (bq == kq).all(1) & (bd == kd)
     assert same[2 * 4:].all()  # rows 2.. (no ties): identical
 
@@ -147,12 +148,12 @@ def _blocks_bytes(name, codes, d, m=None):
 def test_beellama_block_fields_reads_hand_made_blocks(name, nlev, m):
     codes = (np.arange(32) * 7 + 3) % nlev
     raw = _blocks_bytes(name, codes, -0.25, m)
-    q, d, mm = QO.beellama_block_fields(name, raw)
+    q, d, mm = quant_fields.beellama_block_fields(name, raw)
     f16 = lambda v: np.array([v], np.float16).view(np.uint16)[0]  # noqa: E731
     assert np.array_equal(q[0], codes) and d[0] == f16(-0.25)
     assert (mm is None) if m is None else mm[0] == f16(m)
     with pytest.raises(ValueError, match="BeeLlama blocks"):
-        QO.beellama_block_fields(name, raw[:-1])
+        quant_fields.beellama_block_fields(name, raw[:-1])
 
 
 # --- the arithmetic pieces, against independent scalar references ------------------------------
@@ -227,7 +228,7 @@ def test_q6_0_refit_sums_in_beellamas_order():
         sx = sx + (w0 * v0 * x0 + w1 * v1 * x1)
         s2 = s2 + (w0 * v0 * v0 + w1 * v1 * v1)
     want = np.where(s2 > 0, sx / np.where(s2 > 0, s2, f(1)), d0).astype(np.float16).view(np.uint16)
-    _, kd, _ = QO.kvarn_block_fields("q6_0", x)
+    _, kd, _ = quant_fields.kvarn_block_fields("q6_0", x)
     assert np.array_equal(kd, want)
 
 

@@ -308,11 +308,12 @@ def test_beellama_types_at_tail_0_on_beellamas_own_blocks(kt, one_thread):
     """K and V are the committed fixture's rows as BeeLlama's CPU cache wrote them
     (tests/fixtures/beellama, read back from its bytes, not from kvarn's quantizer), Q random; the
     reference is its vec_dot and to_float over those bytes in ggml's one-chunk routine."""
+    from bench.oracles.beellama import quant_fields
     from bench.oracles.beellama import quant_oracle as QO
 
     x = QO.fixture_block_input()  # [8, 128]: 2 KV heads x 4 tokens x head dim 128
     raw = np.load(FIXTURE_NPZ)[f"block_{kt}"]
-    codes, d16, m16 = QO.beellama_block_fields(kt, raw)
+    codes, d16, m16 = quant_fields.beellama_block_fields(kt, raw)
     blocks = _fork_blocks(kt, codes, d16, m16)
     rows = [blocks[i * 4:(i + 1) * 4] for i in range(8)]
     Hkv, L, D, H, n_q = 2, 4, 128, 4, 3
