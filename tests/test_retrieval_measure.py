@@ -182,5 +182,6 @@ def test_the_report_shows_the_paired_measure(tmp_path):
     p = pl.read_parquet(outs["paired"]).row(0, named=True)
     assert (p["cell"], p["n"], p["dlogprob"], p["dmargin"]) == ("kvarn4-kvarn4-t0", 2, -0.5, -0.5)
     md = Path(outs["md"]).read_text()
-    assert "| kvarn4 128* | 2/2 | 0 | 0 | -0.500 | [-0.500, -0.500] | -0.500 |" in md
+    # Wilcoxon of (-0.5, -0.5): 2 x 1/4 = 0.5; Holm with the flip test (p 1) of the section: 1
+    assert "| kvarn4 128* | 2/2 | 0 | 0 | -0.500 | [-0.500, -0.500] | 0.5 | 1 | -0.500 |" in md
     assert "changes by -0.500 nats [-0.500, -0.500] (kvarn4 128*)" in Path(outs["paragraph"]).read_text()

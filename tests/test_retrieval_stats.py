@@ -92,8 +92,11 @@ def test_the_report_states_significance_after_holm(tmp_path):
     report.write_report([path], outs, teacher_forced=str(tmp_path / "none.parquet"))
     # q2_0: 7 lost, 0 gained, p = 2/128; q4_0: 1 lost, p = 1; Holm over the two: 4/128 and 1
     text = Path(outs["paragraph"]).read_text()
-    assert ("After Holm's adjustment across the 2 tests shown (each cell's flips against the exact cache, the "
-            "paired comparisons), significant at 5 %: q2_0 t128 vs the exact cache (lost 7, gained 0).") in text
+    assert ("After Holm's adjustment across the 2 tests shown (each cell against the exact cache: its flips, exact "
+            "binomial, and its Δ log p, Wilcoxon signed-rank; each pair of formats: McNemar and Wilcoxon), significant "
+            "at 5 %: q2_0 t128 vs the exact cache, flips (lost 7, gained 0, p 0.0312). Not significant: q4_0 t128 vs "
+            "the exact cache, flips (lost 1, gained 0, p 1).") in text
+    assert "Caveat: m are small models at short contexts (64 tokens)" in text
     s = pl.read_parquet(outs["scores"]).filter(pl.col("cell") == "q2_0-q2_0-t128").row(0, named=True)
     assert s["p_holm"] == pytest.approx(4 / 128) and s["p_flips"] == pytest.approx(2 / 128)
     assert "| q2_0 t128 | 0.12 | " in Path(outs["md"]).read_text()
@@ -137,3 +140,31 @@ def test_the_ordering_note_carries_the_tau_interval(tmp_path):
     assert "Kendall's tau (accuracy vs median KLD) +1.00 [" in notes[("m", 64)]
     assert "95 % bootstrap over the 6 prompts" in notes[("m", 64)]
     assert order["tau"].to_list() == [1.0] * 3 and order["tau_hi"][0] == pytest.approx(1.0)
+
+
+def test_signed_rank_p_by_hand():
+    # all five differences positive: of the 2^5 sign patterns only one has W- = 0; two-sided 2/32
+    assert score.signed_rank_p([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 32)
+    # one negative of rank 1: T = min(W+, W-) = 1; P(T <= 1) = 2/32 (W- = 0 or the rank-1 sign); two-sided 4/32
+    assert score.signed_rank_p([-1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(4 / 32)
+    assert score.signed_rank_p([0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 32)  # zeros do not count
+    assert score.signed_rank_p([0.0, 0.0]) == 1.0
+    assert math.isnan(score.signed_rank_p([]))
+
+
+def test_holm_family_includes_the_continuous_tests():
+    b = score.BASELINE_CELL
+    scores = pl.DataFrame({"model": ["m"] * 3, "context": [64] * 3, "cell": [b, "q4_0-q4_0-t128", "kvarn4-kvarn4-t0"],
+                           "p_flips": [None, 0.04, 0.5]})
+    comps = pl.DataFrame({"model": ["m"], "context": [64], "p": [0.3], "p_dlogprob": [0.001]})
+    paired = pl.DataFrame({"model": ["m"] * 2, "context": [64] * 2, "cell": ["q4_0-q4_0-t128", "kvarn4-kvarn4-t0"],
+                           "p_dlogprob": [0.002, 0.02]})
+    s, c, q = score.with_holm(scores, comps, paired)
+    # six tests: sorted 0.001, 0.002, 0.02, 0.04, 0.3, 0.5 -> x6, x5, x4, x3, x2, x1, running max
+    assert c["p_dlogprob_holm"][0] == pytest.approx(0.006)
+    assert q["p_holm"].to_list() == pytest.approx([0.010, 0.08])
+    assert s["p_holm"].to_list()[1:] == pytest.approx([0.12, 0.6])
+    assert s["p_holm"][0] is None and c["p_holm"][0] == pytest.approx(0.6)
+    # without the continuous tests the family is the flips and McNemar only (three tests)
+    s2, c2 = score.with_holm(scores, comps)
+    assert s2["p_holm"].to_list()[1:] == pytest.approx([0.12, 0.6]) and c2["p_holm"][0] == pytest.approx(0.6)

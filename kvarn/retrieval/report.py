@@ -62,6 +62,11 @@ def _p(x: float) -> str:
     return "1" if x >= 0.9995 else f"{x:.3g}"
 
 
+def _pv(x) -> str:
+    """A p-value that may be missing (None or NaN: no such test)."""
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else _p(x)
+
+
 def teacher_forced_kld(path, model: str, cells) -> tuple[pl.DataFrame | None, str]:
     """(cell, kld_median) of `model`'s cells in a teacher-forced summary.parquet, and a note
     naming the run read (n_ctx, chunks) or why there is none. Of several runs the one holding the
@@ -227,6 +232,27 @@ def grid(answers: pl.DataFrame) -> pl.DataFrame:
                    ).sort("model", "cell", "context", "depth")
 
 
+def grid_markdown(g: pl.DataFrame) -> str:
+    """Per model the length x depth grid as a table: a row per (cell, context), a column per depth,
+    correct/n (and, for a quantized cell, the mean Δ log p), then the needles' positions."""
+    parts = ["", "## The length x depth grid", "",
+             "Per model, cell and context, for each needle depth: correct / prompts, and for a quantized cell the "
+             "mean Δ log p against the exact cache on those prompts (nats); positions: how many needles lie in the "
+             "cell's exact sink / exact tail / quantized body (full-attention layers; `score.needle_position`).", ""]
+    for model in sorted(g["model"].unique()):
+        d = g.filter(pl.col("model") == model)
+        depths = sorted(d["depth"].unique())
+        rows = []
+        for (label, cell, ctx), x in d.sort("cell", "context").group_by("label", "cell", "context", maintain_order=True):
+            by = {r["depth"]: r for r in x.iter_rows(named=True)}
+            cells = [(f"{by[z]['correct']}/{by[z]['n']}" + ("" if by[z]["dlogprob"] is None else f" ({by[z]['dlogprob']:+.2f})"))
+                     if z in by else "–" for z in depths]
+            rows.append([label, ctx, *cells, f"{int(x['in_sink'].sum())} / {int(x['in_tail'].sum())} / {int(x['in_body'].sum())}"])
+        parts += [f"### {model}", "", _table(["cell", "context", *[f"depth {z:g}" for z in depths], "sink / tail / body"],
+                                             rows), ""]
+    return "\n".join(parts)
+
+
 def heatmap(g: pl.DataFrame) -> alt.TopLevelMixin:
     """RULER / NIAH style: per model, one panel per cell, context length (rows) x the needle's depth
     (columns), coloured by accuracy, each square labelled correct/n."""
@@ -274,7 +300,8 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired) 
               "–" if r.get("p_holm") is None else _p(r["p_holm"])] for r in s.iter_rows(named=True)]), "",
                   "p (flips): exact two-sided binomial test of lost against gained (the exact McNemar test of the "
                   "cell against the exact cache); p (Holm): adjusted across every test of this section (the "
-                  "flip tests and the paired comparisons below).", ""]
+                  "flip tests, the Wilcoxon signed-rank tests of Δ log p against the exact cache and the paired "
+                  "comparisons below, McNemar and Wilcoxon).", ""]
         t = _of(by_task, model, context)
         tasks = sorted(t["task"].unique())
         parts += ["Accuracy per task:", "", _table(["cell", *tasks], [
@@ -285,10 +312,11 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired) 
         if c.height:
             parts += ["Paired comparisons (exact McNemar on the same prompts):", "", _table(
                 ["A", "B", "prompts", "accuracy A", "accuracy B", "A only right", "B only right", "p (two-sided)",
-                 "p (Holm)", "Δ log p (A − B) [95 % CI]"],
+                 "p (Holm)", "Δ log p (A − B) [95 % CI]", "p (Wilcoxon)", "p (Holm)"],
                 [[r["a_label"], r["b_label"], r["n"], _fmt(r["acc_a"]), _fmt(r["acc_b"]), r["a_only"], r["b_only"],
                   _p(r["p"]), "–" if r.get("p_holm") is None else _p(r["p_holm"]),
-                  f"{_fmt(r['dlogprob'], 3)} [{_fmt(r['dlogprob_lo'], 3)}, {_fmt(r['dlogprob_hi'], 3)}]"]
+                  f"{_fmt(r['dlogprob'], 3)} [{_fmt(r['dlogprob_lo'], 3)}, {_fmt(r['dlogprob_hi'], 3)}]",
+                  _pv(r.get("p_dlogprob")), _pv(r.get("p_dlogprob_holm"))]
                  for r in c.iter_rows(named=True)]), ""]
         pc = _of(paired, model, context)
         if pc.height:
@@ -298,9 +326,11 @@ def markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired) 
                       "(nats, summed over its tokens) and of its margin over the best distractor value in the "
                       "prompt (prompts with distractors), with 95 % paired bootstrap intervals; top-1 = the "
                       "correct value ranks first among the prompt's values (cell / exact):", "", _table(
-                ["cell", "correct", "lost", "gained", "Δ log p", "95 % CI", "Δ margin", "95 % CI", "top-1"],
+                ["cell", "correct", "lost", "gained", "Δ log p", "95 % CI", "p (Wilcoxon)", "p (Holm)", "Δ margin",
+                 "95 % CI", "top-1"],
                 [[r["label"], f"{sc[r['cell']]['correct']}/{sc[r['cell']]['n']}", sc[r["cell"]]["lost"],
                   sc[r["cell"]]["gained"], _fmt(r["dlogprob"], 3), f"[{_fmt(r['dlogprob_lo'], 3)}, {_fmt(r['dlogprob_hi'], 3)}]",
+                  _pv(r.get("p_dlogprob")), _pv(r.get("p_holm")),
                   _fmt(r["dmargin"], 3), f"[{_fmt(r['dmargin_lo'], 3)}, {_fmt(r['dmargin_hi'], 3)}] (n {r['n_margin']})",
                   f"{_fmt(r['top1'])} / {_fmt(r['base_top1'])}"] for r in pc.iter_rows(named=True)]), ""]
         d = _of(dist, model, context)
@@ -342,16 +372,15 @@ def paragraph(scores, comps, tail, order, notes, paired) -> str:
                 f"{r['a_label']} alone right on {r['a_only']}, {r['b_label']} alone on {r['b_only']} of {r['n']} "
                 f"(p = {_p(r['p'])})" for r in c.iter_rows(named=True)) + "."
 
-        flips = s.filter((pl.col("cell") != score.BASELINE_CELL) & pl.col("p_holm").is_not_null())
-        n_tests = flips.height + c.filter(pl.col("p_holm").is_not_null()).height
-        if n_tests:
-            sig = [f"{r['label']} vs the exact cache (lost {r['lost']}, gained {r['gained']})"
-                   for r in flips.iter_rows(named=True) if r["p_holm"] < 0.05]
-            sig += [f"{r['a_label']} vs {r['b_label']}" for r in c.iter_rows(named=True)
-                    if r["p_holm"] is not None and r["p_holm"] < 0.05]
-            text += (f" After Holm's adjustment across the {n_tests} tests shown (each cell's flips against the exact "
-                     "cache, the paired comparisons), " + ("significant at 5 %: " + "; ".join(sig) if sig else
-                                                          "none is significant at 5 % with this many prompts") + ".")
+        pc = _of(paired, model, context)
+        tests = holm_tests(s, c, pc)
+        if tests:
+            sig = [t for t, p in tests if p < 0.05]
+            not_sig = [t for t, p in tests if p >= 0.05]
+            text += (f" After Holm's adjustment across the {len(tests)} tests shown (each cell against the exact cache: "
+                     "its flips, exact binomial, and its Δ log p, Wilcoxon signed-rank; each pair of formats: McNemar "
+                     "and Wilcoxon), significant at 5 %: " + ("; ".join(sig) if sig else "none") +
+                     ". Not significant: " + ("; ".join(not_sig) if not_sig else "none") + ".")
         e = _of(tail, model, context)
         for where, what in (("tail", "exact tail"), ("sink", "exact sink (KVarN's first 128 tokens)")):
             w = e.filter(pl.col("position") == where)
@@ -361,7 +390,6 @@ def paragraph(scores, comps, tail, order, notes, paired) -> str:
                          f"{lost} {'is' if lost == 1 else 'are'} lost against the exact cache"
                          + (" — the needle itself is read exactly there, so such a loss comes from the quantized "
                             "rest of the context." if lost else ": such a needle was never lost."))
-        pc = _of(paired, model, context)
         if pc.height:
             text += " Paired against the exact cache on the same prompts, the correct value's log-probability " \
                     "changes by " + "; ".join(
@@ -370,7 +398,33 @@ def paragraph(scores, comps, tail, order, notes, paired) -> str:
         note = notes[(model, context)]
         text += " " + note[0].upper() + note[1:] + "."
         out.append(text)
+    models = sorted(scores["model"].unique())
+    out.append(f"Caveat: {', '.join(models)} are small models at short contexts "
+               f"({', '.join(map(str, sorted(scores['context'].unique())))} tokens); a format that keeps their answers "
+               "may still lose a fact at 16k–64k tokens in a 27–31B model, and the reverse "
+               "(config/retrieval-gpu.yaml is the run sized for that).")
     return "\n\n".join(out) + "\n"
+
+
+def holm_tests(s: pl.DataFrame, c: pl.DataFrame, pc: pl.DataFrame) -> list[tuple[str, float]]:
+    """Every Holm-adjusted test of one (model, context) as (what it compares, p after Holm): each
+    cell's flips and Δ log p against the exact cache, each pair's McNemar and Δ log p."""
+    out = []
+    for r in s.filter(pl.col("cell") != score.BASELINE_CELL).iter_rows(named=True):
+        if r.get("p_holm") is not None:
+            out.append((f"{r['label']} vs the exact cache, flips (lost {r['lost']}, gained {r['gained']}, "
+                        f"p {_p(r['p_holm'])})", r["p_holm"]))
+    for r in pc.iter_rows(named=True):
+        if r.get("p_holm") is not None:
+            out.append((f"{r['label']} vs the exact cache, Δ log p {r['dlogprob']:+.3f} (p {_p(r['p_holm'])})", r["p_holm"]))
+    for r in c.iter_rows(named=True):
+        if r.get("p_holm") is not None:
+            out.append((f"{r['a_label']} vs {r['b_label']}, McNemar ({r['a_only']} vs {r['b_only']}, "
+                        f"p {_p(r['p_holm'])})", r["p_holm"]))
+        if r.get("p_dlogprob_holm") is not None:
+            out.append((f"{r['a_label']} vs {r['b_label']}, Δ log p {r['dlogprob']:+.3f} (p {_p(r['p_dlogprob_holm'])})",
+                        r["p_dlogprob_holm"]))
+    return out
 
 
 def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.parquet", bins=None) -> list[Path]:
@@ -378,10 +432,10 @@ def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.pa
     answers = score.with_position(load_answers(answer_paths))
     scores = score.cell_scores(answers)
     by_task = score.cell_scores(answers, by=("model", "task"))
-    scores, comps = score.with_holm(scores, score.comparisons(answers))
+    paired = score.paired_continuous(answers.filter(pl.col("logprob").is_not_null()))
+    scores, comps, paired = score.with_holm(scores, score.comparisons(answers), paired)
     dist = score.by_distance(answers, **({"edges": tuple(bins)} if bins else {}))
     tail = score.exact_tail(answers)
-    paired = score.paired_continuous(answers.filter(pl.col("logprob").is_not_null()))
     order, notes = ordering(scores, teacher_forced, answers, paired)
     cells_grid = grid(answers)
     for key, frame in (("scores", scores), ("comparisons", comps), ("by_distance", dist), ("exact_tail", tail),
@@ -389,7 +443,8 @@ def write_report(answer_paths, outputs: dict, teacher_forced="results/summary.pa
         Path(outputs[key]).parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(outputs[key]) as tmp:
             frame.write_parquet(tmp)
-    write_text(outputs["md"], markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired))
+    write_text(outputs["md"], markdown(answers, scores, by_task, comps, dist, tail, order, notes, paired)
+               + grid_markdown(cells_grid))
     write_text(outputs["paragraph"], paragraph(scores, comps, tail, order, notes, paired))
     stem = Path(outputs["figure_png"]).with_suffix("")
     stem.parent.mkdir(parents=True, exist_ok=True)

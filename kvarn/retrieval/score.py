@@ -34,7 +34,7 @@ import re
 
 import numpy as np
 import polars as pl
-from scipy.stats import binomtest, kendalltau
+from scipy.stats import binomtest, kendalltau, wilcoxon
 
 from kvarn.retrieval.tasks import LEGACY_TASKS, ruler_kind
 from kvarn.spec import facts, policy
@@ -147,23 +147,50 @@ def holm(pvalues) -> list[float]:
     return out
 
 
-def with_holm(scores: pl.DataFrame, comps: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+def signed_rank_p(d) -> float:
+    """Two-sided Wilcoxon signed-rank test of paired differences `d` (`scipy.stats.wilcoxon`,
+    zero differences dropped: zero_method "wilcox"; exact below 50 nonzero differences without
+    ties, else its normal approximation): the test of a paired continuous difference (Δ log p).
+    1 when no difference is nonzero, NaN without differences."""
+    d = np.asarray(d, dtype=np.float64)
+    d = d[~np.isnan(d)]
+    if not len(d):
+        return math.nan
+    if not np.any(d != 0):
+        return 1.0
+    return float(wilcoxon(d, zero_method="wilcox", alternative="two-sided").pvalue)
+
+
+def with_holm(scores: pl.DataFrame, comps: pl.DataFrame, paired: pl.DataFrame | None = None):
     """`p_holm` on the tests the report shows, Holm-adjusted within each (model, context): every
     non-baseline cell's flip test against the exact cache (`p_flips`) and every paired McNemar test
-    between formats (`comparisons`' p). The baseline's row gets none."""
+    between formats (`comparisons`' p); with `paired` (`paired_continuous`) also every Wilcoxon
+    test of Δ log p, each cell against the exact cache (`paired`' `p_dlogprob`, adjusted into its
+    `p_holm`) and each pair of formats (`comparisons`' `p_dlogprob`, into `p_dlogprob_holm`), in the
+    same family. The baseline's row gets none. Returns (scores, comps), or with `paired` (scores,
+    comps, paired)."""
     s = scores.with_row_index("_i")
     c = comps.with_row_index("_i")
+    q = paired.with_row_index("_i") if paired is not None else None
     ps, pc = [math.nan] * s.height, [math.nan] * c.height
+    pq, pcl = [math.nan] * (q.height if q is not None else 0), [math.nan] * c.height
     for model, context in s.select(*GROUP).unique(maintain_order=True).rows():
         si = s.filter((pl.col("model") == model) & (pl.col("context") == context) & (pl.col("cell") != BASELINE_CELL))
         ci = c.filter((pl.col("model") == model) & (pl.col("context") == context))
-        adj = holm(si["p_flips"].to_list() + ci["p"].to_list())
-        for i, a in zip(si["_i"].to_list(), adj[: si.height]):
-            ps[i] = a
-        for i, a in zip(ci["_i"].to_list(), adj[si.height :]):
-            pc[i] = a
-    return (scores.with_columns(pl.Series("p_holm", ps, dtype=pl.Float64).fill_nan(None)),
-            comps.with_columns(pl.Series("p_holm", pc, dtype=pl.Float64).fill_nan(None)))
+        fam = [(ps, i, p) for i, p in zip(si["_i"], si["p_flips"])] + [(pc, i, p) for i, p in zip(ci["_i"], ci["p"])]
+        if q is not None:
+            qi = q.filter((pl.col("model") == model) & (pl.col("context") == context))
+            fam += [(pq, i, p) for i, p in zip(qi["_i"], qi["p_dlogprob"])]
+            fam += [(pcl, i, p) for i, p in zip(ci["_i"], ci["p_dlogprob"])]
+        adj = holm([p if p is not None else math.nan for _, _, p in fam])
+        for (out, i, _), a in zip(fam, adj):
+            out[i] = a
+    ser = lambda name, xs: pl.Series(name, xs, dtype=pl.Float64).fill_nan(None)  # noqa: E731
+    scores = scores.with_columns(ser("p_holm", ps))
+    comps = comps.with_columns(ser("p_holm", pc))
+    if paired is None:
+        return scores, comps
+    return scores, comps.with_columns(ser("p_dlogprob_holm", pcl)), paired.with_columns(ser("p_holm", pq))
 
 
 def cell_label(name: str) -> str:
@@ -237,16 +264,17 @@ def comparisons(answers: pl.DataFrame) -> pl.DataFrame:
             j = m.filter(pl.col("cell") == a).select("id", pl.col("correct").alias("ca"), lp.alias("la")).join(
                 m.filter(pl.col("cell") == b).select("id", pl.col("correct").alias("cb"), lp.alias("lb")), on="id")
             t = mcnemar(j["ca"], j["cb"])
-            d, d_lo, d_hi = bootstrap_mean((j["la"] - j["lb"]).drop_nulls().to_numpy())
+            diff = (j["la"] - j["lb"]).drop_nulls().to_numpy()
+            d, d_lo, d_hi = bootstrap_mean(diff)
             rows.append({"model": model, "context": context, "kind": kind, "a": a, "b": b, "a_label": cell_label(a),
                          "b_label": cell_label(b), "n": t["n"], "acc_a": float(j["ca"].mean()) if t["n"] else math.nan,
                          "acc_b": float(j["cb"].mean()) if t["n"] else math.nan, "a_only": t["a_only"],
                          "b_only": t["b_only"], "p": t["p"], "dlogprob": d, "dlogprob_lo": d_lo,
-                         "dlogprob_hi": d_hi})
+                         "dlogprob_hi": d_hi, "p_dlogprob": signed_rank_p(diff)})
     schema = {"model": pl.String, "context": pl.Int64, "kind": pl.String, "a": pl.String, "b": pl.String, "a_label": pl.String,
               "b_label": pl.String, "n": pl.Int64, "acc_a": pl.Float64, "acc_b": pl.Float64, "a_only": pl.Int64,
               "b_only": pl.Int64, "p": pl.Float64, "dlogprob": pl.Float64, "dlogprob_lo": pl.Float64,
-              "dlogprob_hi": pl.Float64}
+              "dlogprob_hi": pl.Float64, "p_dlogprob": pl.Float64}
     return pl.DataFrame(rows, schema=schema)
 
 
@@ -368,12 +396,14 @@ def paired_continuous(answers: pl.DataFrame, resamples: int = BOOTSTRAP, seed: i
         lp, lp_lo, lp_hi = bootstrap_mean(d, resamples, seed)
         mg, mg_lo, mg_hi = bootstrap_mean(dm, resamples, seed)
         rows.append({"model": model, "context": context, "cell": cell, "label": cell_label(cell), "n": len(d),
-                     "dlogprob": lp, "dlogprob_lo": lp_lo, "dlogprob_hi": lp_hi, "n_margin": len(dm),
+                     "dlogprob": lp, "dlogprob_lo": lp_lo, "dlogprob_hi": lp_hi, "p_dlogprob": signed_rank_p(d),
+                     "n_margin": len(dm),
                      "dmargin": mg, "dmargin_lo": mg_lo, "dmargin_hi": mg_hi,
                      "top1": float((m["margin"] > 0).mean()) if m.height else math.nan,
                      "base_top1": float((m["base_margin"] > 0).mean()) if m.height else math.nan})
     schema = {"model": pl.String, "context": pl.Int64, "cell": pl.String, "label": pl.String, "n": pl.Int64,
-              "dlogprob": pl.Float64, "dlogprob_lo": pl.Float64, "dlogprob_hi": pl.Float64, "n_margin": pl.Int64,
+              "dlogprob": pl.Float64, "dlogprob_lo": pl.Float64, "dlogprob_hi": pl.Float64, "p_dlogprob": pl.Float64,
+              "n_margin": pl.Int64,
               "dmargin": pl.Float64, "dmargin_lo": pl.Float64, "dmargin_hi": pl.Float64, "top1": pl.Float64,
               "base_top1": pl.Float64}
     return pl.DataFrame(rows, schema=schema)
