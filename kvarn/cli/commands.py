@@ -12,6 +12,7 @@ from kvarn.files.atomic import atomic_path
 from kvarn.spec.facts import tail_label
 from kvarn.spec.geometry import geometry_from_config
 
+
 def advise(args) -> str:
     """`kvarn advise`: results/answer.md's text for a results folder and the user's tolerance."""
     import polars as pl

@@ -16,6 +16,7 @@ from kvarn.spec.facts import job_tail, pair_effective_tail, tail_label
 from kvarn.stats import paired
 from kvarn.weights.sources import fetch, parse_model
 
+
 def main(argv: list[str] | None = None) -> int:
 
     ap = build_parser()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+
 def markdown_parser():
     """markdown-it-py's CommonMark with tables and raw HTML off (escaped)."""
     from markdown_it import MarkdownIt

@@ -13,6 +13,7 @@ from kvarn.report.claims.render import decisions_markdown
 from kvarn.report.claims.study import load_study, study_model_of
 from kvarn.report.claims.verdicts import LEDGER_COLUMNS, no_delta, paired_delta
 
+
 def ledger(prep: pl.DataFrame, model: str, study: dict | None = None, cells: Mapping | None = None,
            study_model: str | None = None, n_boot: int = 2000, seed: int = 0) -> pl.DataFrame:
     """Every claim's rows for one model's prepared run (LEDGER_COLUMNS). `cells`: cell name ->

@@ -12,6 +12,7 @@ from kvarn.report.claims.decisions import (below_floor_table, cheapest_match_tab
 from kvarn.report.claims.verdicts import Delta, is_study_claim, lacks_a_cell, no_delta, verdict_counts
 from kvarn.report.data import FLOOR_TAIL, format_only_floor, standard_floor
 
+
 def _g(x) -> str:
     return "–" if x is None else f"{x:+.2g}"
 
