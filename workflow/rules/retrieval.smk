@@ -1,12 +1,13 @@
 # Long-context retrieval through the cache model (kvarn.retrieval; docs/notes/retrieval.md): seeded
-# synthetic tasks (a pass key, several keys with one asked for, a key-value lookup) at set depths,
-# answered greedily by every listed cell and by the exact (bf16, tail 0) cache. Not part of rule all:
-#   snakemake retrieval --configfile config/retrieval.yaml --cores all --resources gpu=1
+# synthetic tasks (a pass key, several keys with one asked for, a key-value lookup; RULER's families)
+# at set contexts and depths, answered greedily by every listed cell and by the exact (bf16, tail 0)
+# cache. Not part of rule all:
+#   snakemake retrieval --configfile config/retrieval.yaml --cores 2 --resources gpu=1
 #
 #   results/retrieval/{model}/ctx{n_ctx}/{task}/tasks.jsonl                     the prompts (token ids, answer, needle span)
 #   results/retrieval/{model}/ctx{n_ctx}/{task}/{k}-{v}-t{tail}{opts}.jsonl     one cell's answers
-#   results/retrieval/{scores,comparisons,by_distance,exact_tail,ordering,answers}.parquet, retrieval.md,
-#   README-paragraph.md, figures/retrieval.{svg,png,vl.json}
+#   results/retrieval/{scores,comparisons,by_distance,exact_tail,ordering,answers,paired,grid}.parquet,
+#   retrieval.md, README-paragraph.md, figures/retrieval.{svg,png,vl.json}, figures/heatmap.{svg,png,vl.json}
 #
 # Uses from common.smk: MATRIX, MODEL_THREADS, model_marker, model_param.
 from kvarn.retrieval import plan as kvret
