@@ -35,7 +35,7 @@ wildcard_constraints:
     v=kvm.TYPE_PATTERN,
     tail=r"\d+",
     opts=kvm.OPTS_PATTERN,
-    bopts=r"(|-llamacpp_cpu)",
+    bopts=kvm.BASELINE_OPTS_PATTERN,  # a baseline per compute path: "", -llamacpp_cpu, -bf16_attn, -tf32_attn
     source_key=r"[0-9a-f]{8}",
     prompts=r"\d+",
     tokens=r"\d+",

@@ -51,7 +51,7 @@ from kvarn.files.atomic import write_text
 from kvarn.spec import allocation, facts
 from kvarn.budget.memory import ACCOUNTINGS, bits_per_value, resummarize
 from kvarn.spec.allocation import Allocation, AllocationError
-from kvarn.spec.cell import CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
+from kvarn.spec.cell import BASELINE_OPTS_PATTERN, CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
 from kvarn.spec.cell import cell_spec
 from kvarn.spec.options import ATTENTIONS, DTYPES, SAMPLING_PATTERN, check_sampling, sampling_name  # noqa: F401 (the rules read SAMPLING_PATTERN here)
 from kvarn.llamacpp_engine.settings import ENGINE as LLAMACPP, Settings, engine_of

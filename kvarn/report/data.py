@@ -97,6 +97,27 @@ def select_run(summary: pl.DataFrame, model: str) -> pl.DataFrame:
     return df
 
 
+def primary_compute(df: pl.DataFrame) -> pl.DataFrame:
+    """The rows the study's tables show, per model: its `exact` cells (the format alone; the other
+    compute paths' rows live in `compute_split`), or, for a model none of whose cells runs exact, the
+    one compute path they all run (an article run on the GPU's tf32-attn). A model whose cells mix
+    compute paths without exact is refused: its rows would not compare."""
+    if "compute" not in df.columns or df.is_empty():
+        return df
+    compute = pl.col("compute").fill_null("exact")
+    by_model = "model" in df.columns
+    chosen = {}
+    for (model,), rows in df.group_by(["model"] if by_model else pl.lit(None), maintain_order=True):
+        computes = sorted(set(rows.select(compute).to_series().to_list()))
+        if "exact" not in computes and len(computes) > 1:
+            raise ValueError(f"model {model!r}: cells on compute paths {computes} and none on exact; the tables "
+                             "compare one compute path (run its cells on one, or add exact cells)")
+        chosen[model] = "exact" if "exact" in computes else computes[0]
+    if not by_model:
+        return df.filter(compute == chosen[None])
+    return df.filter(compute == pl.col("model").replace_strict(chosen, return_dtype=pl.String))
+
+
 def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
     """One prepared row per cell: the summary keys plus names, bits, MiB and series.
 
@@ -105,9 +126,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
     staging_mib, overlay_mib, delta_mib, memory_accounting (if missing), is_floor, below_floor.
     """
     df = select_run(summary, model) if model is not None else summary
-    if "compute" in df.columns:
-        # the study's tables are format damage: llamacpp-cpu rows live in `compute_split`
-        df = df.filter(pl.col("compute").fill_null("exact") == "exact")
+    df = primary_compute(df)
     if "family" not in df.columns:
         df = df.with_columns(pl.col("k_type").map_elements(family_of, return_dtype=pl.String).alias("family"))
     if "tail_requested" not in df.columns:

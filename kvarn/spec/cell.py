@@ -57,6 +57,10 @@ def compute_suffix(compute: str) -> str:
     return "" if compute == DEFAULT_COMPUTE else "-" + compute.replace("-", "_")
 
 
+# A run's baseline dump per compute path (baseline.kvd, baseline-llamacpp_cpu.kvd, ...): the Snakefile's `bopts`.
+BASELINE_OPTS_PATTERN = "(" + "|".join(re.escape(compute_suffix(c)) for c in COMPUTES) + ")"
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
