@@ -14,9 +14,16 @@ from transformers.masking_utils import AttentionMaskInterface
 import attention_ref as AR
 from kvarn.spec.cell import CellSpec
 import kvarn.kvcache.attention as kattn
-from kvarn.kvcache.cache import KVarnCache, exact_selection, layer_windows
+from kvarn.kvcache.cache import KVarnCache, exact_selection
+from kvarn.spec.geometry import geometry_from_config
 from kvarn.formats import get_format
 from kvarn.spec.policy import layer_policy
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer its sliding window W, or None for full attention (the geometry's reading)."""
+    return list(geometry_from_config(config).windows)
+
 
 N = 64  # tokens per test sequence
 

@@ -11,8 +11,29 @@ from kvarn import cli
 from kvarn.formats import get_format
 from kvarn.spec.cell import CellSpec
 from kvarn.spec.geometry import Geometry, geometry_from_config
-from kvarn.budget.memory import (ACCOUNTINGS, MIB, KVBytes, bits_per_value, int_at_least, at_tail0, bytes_table, check_accounting,
+from kvarn.spec import facts
+from kvarn.budget.memory import (ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, KVBytes, bits_per_value, int_at_least, at_tail0, check_accounting,
                                  kv_bytes, resummarize, summary_fields)
+
+
+# What a user's table of a pair's tails shows, built from kv_bytes as every table is (test-only: no production
+# caller needs it, the tables come from the summary).
+def bytes_table(geom: Geometry, n_ctx: int, pairs, tails=(0, 128), tail_dtype: str | None = None,
+                rot: bool = True, ubatch: int = 512, accounting: str = DEFAULT_ACCOUNTING) -> list[dict]:
+    """One row per (K type, V type, tail): body/staging/overlay/total MiB and the Δ vs tail 0."""
+    out = []
+    for k_type, v_type in pairs:
+        base = kv_bytes(geom, n_ctx, CellSpec(k_type, v_type, 0, rot=rot, tail_dtype=tail_dtype), ubatch, accounting)
+        for tail in tails:
+            b = kv_bytes(geom, n_ctx, CellSpec(k_type, v_type, tail, rot=rot, tail_dtype=tail_dtype), ubatch,
+                         accounting)
+            out.append({
+                "k_type": k_type, "v_type": v_type, "tail": tail,
+                "tail_label": facts.tail_label(k_type, v_type, tail), "accounting": accounting,
+                **b.mib(), "delta_tail0_mib": (b.total - base.total) / MIB,
+            })
+    return out
+
 
 TINY = Geometry.uniform(n_layers=2, n_kv_heads=2, head_dim=64, windows=(None, None))
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"

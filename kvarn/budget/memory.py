@@ -211,23 +211,6 @@ def _beellama_rows(accounting: str, family: str, n_eff: int, ubatch: int) -> int
     return n_eff + BEELLAMA_ROLLBACK if n_eff else 0
 
 
-def bytes_table(geom: Geometry, n_ctx: int, pairs, tails=(0, 128), tail_dtype: str | None = None,
-                rot: bool = True, ubatch: int = 512, accounting: str = DEFAULT_ACCOUNTING) -> list[dict]:
-    """One row per (K type, V type, tail): body/staging/overlay/total MiB and the Δ vs tail 0."""
-    out = []
-    for k_type, v_type in pairs:
-        base = kv_bytes(geom, n_ctx, CellSpec(k_type, v_type, 0, rot=rot, tail_dtype=tail_dtype), ubatch, accounting)
-        for tail in tails:
-            b = kv_bytes(geom, n_ctx, CellSpec(k_type, v_type, tail, rot=rot, tail_dtype=tail_dtype), ubatch,
-                         accounting)
-            out.append({
-                "k_type": k_type, "v_type": v_type, "tail": tail,
-                "tail_label": facts.tail_label(k_type, v_type, tail), "accounting": accounting,
-                **b.mib(), "delta_tail0_mib": (b.total - base.total) / MIB,
-            })
-    return out
-
-
 #: The reference a cell's bits per value are counted against: a BF16 cache, no tail.
 BF16_CELL = CellSpec("bf16", "bf16", 0)
 

@@ -51,15 +51,6 @@ from kvarn.spec.options import ATTENTION_PATHS, ATTENTION_ROUNDING, BEELLAMA_KVA
 from kvarn.spec.policy import LayerPolicy, default_tail_dtype, layer_policy
 from kvarn.kvcache.rows import Rows
 
-def layer_windows(config) -> list[int | None]:
-    """Per decoder layer: its sliding window W, or None for full attention.
-
-    Read as the transformers modeling code does (`layer_types` when present, else one
-    `sliding_window` for all layers when enabled): `kvarn.spec.geometry.geometry_from_config`.
-    """
-    return list(geometry_from_config(config).windows)
-
-
 def reads_exact(p, j, sink, tail):
     """DESIGN §2 elementwise: the query at position p reads key position j from the exact copy
     iff j < sink or p - j < tail. p, j (and sink, tail) are ints or broadcastable tensors:
