@@ -1,7 +1,7 @@
 """The llama.cpp engine (kvarn.llamacpp_engine) in this process: what tests/test_program.py checks through the
 workflow (in subprocesses, where mutation testing sees nothing), checked here call by call.
 
-* the baseline and a cell jobs on the pinned upstream build (SmolLM2 at n_ctx 256, one chunk, one thread:
+* the baseline and cell jobs on the pinned upstream build (SmolLM2 at n_ctx 256, one chunk, one thread:
   seconds): the base file is llama-perplexity's own, the identity and the summary carry each key and value
   the run set, and the summary prints what llama-perplexity --kl-divergence prints for the same cell;
 * the harness's command line, the printout's figures and their last-digit unit, the self-check's runs;
@@ -55,20 +55,20 @@ def upstream() -> pbuild.Build:
     return pbuild.read_build("upstream")
 
 
-@pytest.fixture(scope="module")
-def jobs(upstream, tmp_path_factory):
-    """The baseline job, then the q4_0 cell job against it, at one thread (no self-check to run)."""
-    from kvarn.weights.sources import parse_model
-
+def engine_block(upstream: pbuild.Build) -> dict:
     for name in pbuild.NUMERICS_ENV:
         assert name not in os.environ, name
-    d = tmp_path_factory.mktemp("engine")
-    engine = {"settings": Settings(build="upstream", args=ARGS).as_param(), "build": upstream.identity()}
+    return {"settings": Settings(build="upstream", args=ARGS).as_param(), "build": upstream.identity()}
+
+
+def baseline(upstream: pbuild.Build, d: Path) -> tuple[Path, dict]:
+    """The baseline job at one thread into `d` (each test runs its own: mutation testing picks a test by the
+    calls made in its own body, and times it there)."""
+    from kvarn.weights.sources import parse_model
+
     base = d / "base.kld"
-    info = runner.baseline_job(parse_model(MODEL), CACHE_DIR, WIKI_TEXT, CTX, 1, UB, engine, 1, base)
-    cell = CellSpec("q4_0", "q4_0", 0)
-    summary = runner.cell_job(parse_model(MODEL), CACHE_DIR, WIKI_TEXT, CTX, UB, engine, 1, cell, base, d / "cell")
-    return {"dir": d, "base": base, "info": info, "summary": summary, "cell": cell}
+    return base, runner.baseline_job(parse_model(MODEL), CACHE_DIR, WIKI_TEXT, CTX, 1, UB, engine_block(upstream), 1,
+                                     base)
 
 
 def perplexity(b: pbuild.Build, *args, env=None) -> str:
@@ -80,10 +80,14 @@ def perplexity(b: pbuild.Build, *args, env=None) -> str:
     return r.stdout + r.stderr
 
 
-def test_the_baseline_job_writes_llama_perplexity_s_base_file_and_its_identity(jobs, upstream, tmp_path):
+def test_the_baseline_job_writes_llama_perplexity_s_base_file_and_its_identity(upstream, tmp_path):
+    from kvarn.budget import memory
     from kvarn.files.identity import file_sha256
+    from kvarn.spec.geometry import config_object, geometry_from_config
+    from kvarn.weights.sources import config_json, parse_model
 
-    info, base = jobs["info"], jobs["base"]
+    (tmp_path / "run").mkdir()
+    base, info = baseline(upstream, tmp_path / "run")
     perplexity(upstream, "--chunks", "1", "-ctk", "bf16", "-ctv", "bf16", "--kl-divergence-base",
                str(tmp_path / "ref.kld"))
     assert base.read_bytes() == (tmp_path / "ref.kld").read_bytes()
@@ -95,20 +99,26 @@ def test_the_baseline_job_writes_llama_perplexity_s_base_file_and_its_identity(j
         "engine": ENGINE, "build": upstream.identity(), "threads": 1, "batch": CTX, "ubatch": UB, "flash_attn": "on",
         "gpu_layers": 0, "args": list(ARGS), "env": {}, "n_ctx": CTX, "weights_sha256": file_sha256(gguf),
         "text_sha256": uncached_sha256(WIKI_TEXT)}
-    # the program's bf16 KV buffer, as printed (2 decimals), is kvarn's accounting of the bf16 cache
-    assert abs(info["kv_program_mib"] - jobs["summary"]["kv_bf16_bytes"] / 2**20) <= 0.005 + 1e-9
+    # the program's bf16 KV buffer, as printed (2 decimals), is kvarn's accounting of a bf16 cache
+    geom = geometry_from_config(config_object(config_json(parse_model(MODEL), CACHE_DIR)))
+    bf16 = memory.summary_fields(geom, CTX, CellSpec("q4_0", "q4_0", 0), ubatch=UB)["kv_bf16_bytes"]
+    assert abs(info["kv_program_mib"] - bf16 / 2**20) <= 0.005 + 1e-9
     assert info["prefill_tokens_per_s"] > 0 and info["wall_s"] > 0
-    log = Path(f"{base}.log").read_text()
-    assert "--kvarn-mode base" in log.splitlines()[0] and " --chunks 1" in log.splitlines()[0]
-    assert sorted(p.name for p in jobs["dir"].iterdir()) == ["base.kld", "base.kld.json", "base.kld.log", "cell"]
+    log = Path(f"{base}.log").read_text().splitlines()[0]
+    assert "--kvarn-mode base" in log and log.endswith(" --chunks 1")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["base.kld", "base.kld.json", "base.kld.log"]
 
 
-def test_a_cell_job_s_summary_prints_what_llama_perplexity_prints(jobs, upstream):
-    s, cell = jobs["summary"], jobs["cell"]
+def test_a_cell_job_s_summary_prints_what_llama_perplexity_prints_and_carries_the_run_s_keys(upstream, tmp_path):
+    from kvarn.weights.sources import parse_model
+
+    base, info = baseline(upstream, tmp_path)
+    cell, out = CellSpec("q4_0", "q4_0", 0), tmp_path / "cell"
+    s = runner.cell_job(parse_model(MODEL), CACHE_DIR, WIKI_TEXT, CTX, UB, engine_block(upstream), 1, cell, base, out)
     args, env = runner.cell_args(upstream, cell)
-    text = perplexity(upstream, *args, "--kl-divergence-base", str(jobs["base"]), "--kl-divergence",
+    text = perplexity(upstream, *args, "--kl-divergence-base", str(base), "--kl-divergence",
                       env={**os.environ, **env})
-    tokens = pl.read_parquet(jobs["dir"] / "cell" / "tokens.parquet")
+    tokens = pl.read_parquet(out / "tokens.parquet")
     for key, (value, unit) in runner.printed_figures(text).items():
         slack = percentile_slack(tokens, key)
         assert abs(s[key] - value) <= unit * 1.0001 + slack, (key, s[key], value, unit, slack)
@@ -116,13 +126,8 @@ def test_a_cell_job_s_summary_prints_what_llama_perplexity_prints(jobs, upstream
     assert tokens.columns == list(runner.RECORD_COLUMNS)
     # the program's KV buffers, as printed (2 decimals), are kvarn's packed accounting of the cell
     assert abs(s["kv_program_mib"] - s["kv_total_bytes"] / 2**20) <= 0.005 + 1e-9
-
-
-def test_a_cell_job_s_summary_carries_the_run_s_keys(jobs, upstream):
-    s, info = jobs["summary"], jobs["info"]
-    assert json.loads((jobs["dir"] / "cell" / "summary.json").read_text()) == s
-    assert sorted(p.name for p in (jobs["dir"] / "cell").iterdir()) == ["program.log", "summary.json",
-                                                                        "tokens.parquet"]
+    assert json.loads((out / "summary.json").read_text()) == s
+    assert sorted(p.name for p in out.iterdir()) == ["program.log", "summary.json", "tokens.parquet"]
     assert {k: s[k] for k in (
         "model", "source", "memory_accounting", "n_ctx", "chunks", "ubatch", "k_type", "v_type", "rot", "tail",
         "sink_requested", "tail_dtype", "iters", "tail_eff", "compute", "engine", "program_env", "device",
@@ -135,8 +140,8 @@ def test_a_cell_job_s_summary_carries_the_run_s_keys(jobs, upstream):
         "engine_build": upstream.version, "engine_backend": upstream.backend, "engine_threads": 1}
     assert s["engine_identity"] == {k: info[k] for k in IDENTITY_KEYS}
     assert s["tokens_per_s"] == s["prefill_tokens_per_s"] > 0 and s["wall_s"] > 0
-    log = (jobs["dir"] / "cell" / "program.log").read_text().splitlines()[0]
-    assert f"--kvarn-records {jobs['dir'] / 'cell' / 'records.tsv'} " in log and "--chunks" not in log
+    log = (out / "program.log").read_text().splitlines()[0]
+    assert f"--kvarn-records {out / 'records.tsv'} " in log and "--chunks" not in log
 
 
 # --- the runner's parts, without the program --------------------------------------------------------
