@@ -262,7 +262,7 @@ def heatmap(g: pl.DataFrame) -> alt.TopLevelMixin:
             pl.format("{}/{}", "correct", "n").alias("frac"), pl.col("depth").cast(pl.String).alias("d"))
         order = d.sort("cell")["label"].unique(maintain_order=True).to_list()
         base = alt.Chart(d).encode(
-            x=alt.X("d:O", title="needle depth (0: start, 1: before the question)"),
+            x=alt.X("d:O", title="needle depth"),
             y=alt.Y("context:O", title="context (tokens)", sort="descending"))
         rect = base.mark_rect().encode(
             color=alt.Color("accuracy:Q", scale=alt.Scale(domain=[0, 1], scheme="redyellowgreen"), title="accuracy"),
@@ -273,7 +273,8 @@ def heatmap(g: pl.DataFrame) -> alt.TopLevelMixin:
             column=alt.Column("label:N", title=None, sort=order), title=model))
     return alt.vconcat(*rows).properties(title=alt.TitleParams(
         "Retrieval accuracy by context length and needle depth, per cache",
-        subtitle="greedy answers; bf16 (exact) = the exact cache; squares labelled correct / prompts", anchor="start"))
+        subtitle="greedy answers; bf16 (exact) = the exact cache; squares labelled correct / prompts; needle depth 0: "
+                 "right after the intro, 1: right before the question", anchor="start"))
 
 
 def _table(header: list[str], rows: list[list]) -> str:
