@@ -62,8 +62,7 @@ def _p(x: float) -> str:
     return "1" if x >= 0.9995 else f"{x:.3g}"
 
 
-def _pv(x) -> str:
-    """A p-value that may be missing (None or NaN: no such test)."""
+def _pv(x) -> str:  # a p-value that may be missing (None or NaN: no such test)
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else _p(x)
 
 
@@ -217,13 +216,10 @@ def grid(answers: pl.DataFrame) -> pl.DataFrame:
     if "position" not in df.columns:
         df = score.with_position(df)
     has_lp = "logprob" in df.columns and not df["logprob"].is_null().all()
-    if has_lp:
-        base = df.filter(pl.col("cell") == score.BASELINE_CELL).select(*score.GROUP, "id",
-                                                                      pl.col("logprob").alias("base_lp"))
-        df = df.join(base, on=[*score.GROUP, "id"], how="left").with_columns(
-            pl.when(pl.col("cell") != score.BASELINE_CELL).then(pl.col("logprob") - pl.col("base_lp")).alias("d_lp"))
-    else:
-        df = df.with_columns(pl.lit(None, dtype=pl.Float64).alias("d_lp"))
+    base = df.filter(pl.col("cell") == score.BASELINE_CELL).select(
+        *score.GROUP, "id", (pl.col("logprob") if has_lp else pl.lit(None, dtype=pl.Float64)).alias("base_lp"))
+    df = df.join(base, on=[*score.GROUP, "id"], how="left").with_columns(pl.when(
+        pl.col("cell") != score.BASELINE_CELL).then(pl.col("logprob") - pl.col("base_lp") if has_lp else None).alias("d_lp"))
     return df.group_by("model", "cell", "context", "depth").agg(
         pl.len().alias("n"), pl.col("correct").sum().alias("correct"), pl.col("d_lp").mean().alias("dlogprob"),
         *[(pl.col("position") == w).sum().alias(f"in_{w}") for w in score.POSITIONS],
@@ -264,12 +260,10 @@ def heatmap(g: pl.DataFrame) -> alt.TopLevelMixin:
         base = alt.Chart(d).encode(
             x=alt.X("d:O", title="needle depth"),
             y=alt.Y("context:O", title="context (tokens)", sort="descending"))
-        rect = base.mark_rect().encode(
-            color=alt.Color("accuracy:Q", scale=alt.Scale(domain=[0, 1], scheme="redyellowgreen"), title="accuracy"),
-            tooltip=["label:N", "context:Q", "depth:Q", "frac:N", alt.Tooltip("dlogprob:Q", format="+.3f"),
-                     "in_sink:Q", "in_tail:Q", "in_body:Q"])
-        text = base.mark_text(fontSize=9).encode(text="frac:N")
-        rows.append((rect + text).properties(width=WIDTH * 0.16, height=HEIGHT * 0.3).facet(
+        rect = base.mark_rect().encode(color=alt.Color("accuracy:Q", scale=alt.Scale(
+            domain=[0, 1], scheme="redyellowgreen"), title="accuracy"), tooltip=["label:N", "context:Q", "depth:Q", "frac:N",
+            alt.Tooltip("dlogprob:Q", format="+.3f"), "in_sink:Q", "in_tail:Q", "in_body:Q"])
+        rows.append((rect + base.mark_text(fontSize=9).encode(text="frac:N")).properties(width=WIDTH * 0.16, height=HEIGHT * 0.3).facet(
             column=alt.Column("label:N", title=None, sort=order), title=model))
     return alt.vconcat(*rows).properties(title=alt.TitleParams(
         "Retrieval accuracy by context length and needle depth, per cache",
