@@ -182,7 +182,10 @@ def test_cell_refuses_other_versions_and_device(tiny_run, monkeypatch):
 
 def test_cell_refuses_changed_weights(tiny_run):
     engine, spec, base, kw, h, d, tmp = tiny_run
-    _tiny_dir(d, 1)  # same directory, other weights (the last test of the module: it spoils the fixture)
-    with pytest.raises(ValueError, match=r"weights is 'sha256:[0-9a-f]+' in the baseline but 'sha256:") as e:
-        _cell(engine, spec, base, kw, tmp / "w")
-    assert not (tmp / "w").exists()
+    _tiny_dir(d, 1)  # same directory, other weights
+    try:
+        with pytest.raises(ValueError, match=r"weights is 'sha256:[0-9a-f]+' in the baseline but 'sha256:"):
+            _cell(engine, spec, base, kw, tmp / "w")
+        assert not (tmp / "w").exists()
+    finally:  # the fixture's weights back (seeded: the same bytes), so the module's other tests run in any order
+        _tiny_dir(d, 0)
