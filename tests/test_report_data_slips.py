@@ -185,3 +185,48 @@ def test_the_layer_error_subtitle_says_what_filled_and_open_mean():
     # what the subtitle says is what is drawn: full layers filled, sliding ones white
     fill = spec["layer"][1]["encoding"]["fill"]
     assert fill["condition"]["test"] == "datum.kind == 'full'" and fill["value"] == "white"
+
+
+# The four below kill mutants the first run counted killed by a timeout (a loaded machine), which the
+# rerun, on a quieter one, found alive.
+
+
+def test_the_same_width_bars_tooltip_shows_the_percent_change_it_draws():
+    p = D.prepare(summary([("q4_0-q4_0", 128, 0.10, 4.5), ("kvarn4-kvarn4", 0, 0.08, 4.6)]), "m")
+    spec = F.same_width(p).to_dict()
+    (bars,) = layers(spec, "pct_change")
+    assert bars["encoding"]["y"]["field"] == "pct"
+    tips = {t["field"]: t.get("title") for t in bars["encoding"]["tooltip"]}
+    assert tips == {"comparison": None, "statistic": None, "kvarn": "KVarN KLD", "standard": "standard KLD",
+                    "pct": "% change"}
+    drawn = {(r["statistic"], round(r["pct"], 6)) for r in rows_of(spec, bars)}
+    assert drawn == {("median", -20.0), ("mean", -20.0)}  # kvarn4 0.08 vs q4_0 0.10: 20 % less
+
+
+def test_the_tail_sweep_tooltip_shows_the_median_it_draws():
+    p = D.prepare(summary([("q4_0-q4_0", 0, 0.30, 4.4), ("q4_0-q4_0", 128, 0.10, 4.5),
+                           ("kvarn4-kvarn4", 0, 0.08, 4.6)]), "m")
+    spec = F.tail_sweep(p).to_dict()
+    (sweep,) = spec["layer"]
+    assert sweep["encoding"]["y"]["field"] == "kld_median"
+    assert [(t["field"], t.get("title")) for t in sweep["encoding"]["tooltip"]] == [
+        ("pair", None), ("tail_label", "tail"), ("kld_median", "median KLD"), ("kld_mean", "mean KLD"),
+        ("exact_share", "exact share")]
+
+
+def test_the_position_figure_names_its_axes_and_its_width_legend():
+    tokens = pl.DataFrame({"model": "m", "n_ctx": 64, "cell": ["q4_0-q4_0-t128"] * 4 + ["kvarn4-kvarn4-t0"] * 4,
+                           "family": ["standard"] * 4 + ["kvarn"] * 4, "width": 4, "pos": [0, 1, 2, 3] * 2,
+                           "kld": [0.1, 0.2, 0.3, 0.4, 0.01, 0.02, 0.03, 0.04]})
+    spec = F.position(tokens, n_bins=2).to_dict()
+    enc = spec["encoding"] if "encoding" in spec else spec["layer"][0]["encoding"]
+    assert enc["x"]["title"] == "position in the context (token)"
+    assert (enc["y"]["field"], enc["y"]["title"]) == ("kld_mean", "mean KLD in the bin (log)")
+    assert (enc["color"]["field"], enc["color"]["title"]) == ("width", "width (bits)")
+
+
+def test_the_decode_figure_colours_by_width_titled_in_bits(tmp_path):
+    spec = F.decode(D.decode_frame(decode_paths(tmp_path))).to_dict()
+    for panel in spec["hconcat"]:
+        color = panel["encoding"]["color"]
+        assert (color["field"], color["title"], color["scale"]["domain"]) == ("width", "width (bits)", [4])
