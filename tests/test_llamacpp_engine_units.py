@@ -341,12 +341,14 @@ def test_a_build_without_its_source_folder_is_refused_by_name(tmp_path, monkeypa
     (d / "bin").mkdir(parents=True)
     (d / "bin" / "llama-perplexity").write_bytes(b"")
     (d / "CMakeCache.txt").write_text("GGML_NATIVE:BOOL=ON\n")
-    (tmp_path / "cwd").mkdir()
+    (tmp_path / "cwd" / "include").mkdir(parents=True)
+    (tmp_path / "cwd" / "include" / "llama.h").write_text("")  # a stray header where the process runs
     monkeypatch.chdir(tmp_path / "cwd")
     tail = " (CMAKE_HOME_DIRECTORY) has no include/llama.h; kvarn compiles its harness against the build's own source"
-    with pytest.raises(pbuild.BuildError) as e:
+    with pytest.raises(pbuild.BuildError) as e:  # no source named: refused, not read as the current folder
         pbuild.read_build(d)
-    assert str(e.value) == f"{d}: its source folder .{tail}"
+    assert str(e.value) == (f"{d}: its CMakeCache.txt names no source folder (CMAKE_HOME_DIRECTORY or "
+                            "llama.cpp_SOURCE_DIR); kvarn compiles its harness against the build's own source")
     (d / "CMakeCache.txt").write_text(f"llama.cpp_SOURCE_DIR:STATIC={tmp_path / 'src'}\n")
     with pytest.raises(pbuild.BuildError) as e:
         pbuild.read_build(d)

@@ -196,7 +196,11 @@ def read_build(path: str | os.PathLike) -> Build:
     cache = _cmake_cache(d)
     if not exe.is_file():
         raise BuildError(f"{d}: no bin/llama-perplexity; build it: cmake --build {d} --target llama-perplexity")
-    source = Path(cache.get("CMAKE_HOME_DIRECTORY") or cache.get("llama.cpp_SOURCE_DIR", ""))
+    named = cache.get("CMAKE_HOME_DIRECTORY") or cache.get("llama.cpp_SOURCE_DIR")
+    if not named:  # an empty path would be this process's folder
+        raise BuildError(f"{d}: its CMakeCache.txt names no source folder (CMAKE_HOME_DIRECTORY or "
+                         "llama.cpp_SOURCE_DIR); kvarn compiles its harness against the build's own source")
+    source = Path(named)
     if not (source / "include" / "llama.h").is_file():
         raise BuildError(f"{d}: its source folder {source} (CMAKE_HOME_DIRECTORY) has no include/llama.h; "
                          "kvarn compiles its harness against the build's own source")
