@@ -59,6 +59,7 @@ def test_ruler_tasks_seeded_spans_depth_and_candidates(smol_tokenizer, task):
         for text, toks in needles:
             assert enc(text) == toks
         assert [r["needle_start"], r["needle_end"]] == r["spans"][0]
+        assert r["needle"] == needles[0][0]  # the asked needle's text, as the record names it
         # the answer is the values joined by ", "; the greedy answer has room for the longest candidate
         assert r["answer"] == ", ".join(r["answers"])
         assert max(len(c) for c in r["candidate_ids"]) < r["gen_tokens"]
@@ -169,3 +170,11 @@ def test_grade_all_values_must_appear():
     # the first tasks keep their rule: the first run of digits equals the answer
     assert score.grade("passkey", " 48213 and 1", "48213") == ("48213", True)
     assert score.grade("kv", " 1 48213", "48213") == ("1", False)
+
+
+def test_seven_digit_values_are_the_seeded_draws_of_1_000_000_to_9_999_999():
+    # pinned: a prompt's values are the same in every kvarn of this TASK_VERSION (a changed draw, e.g. of
+    # another range, would change every answer without a version bump)
+    vals = tasks._values(np.random.default_rng(0), "number", 4)
+    assert vals == ["3428080", "5600227", "8655615", "6732653"]
+    assert all(len(v) == 7 for v in tasks._values(np.random.default_rng(1), "number", 1000))
