@@ -7,25 +7,29 @@ from __future__ import annotations
 
 import pytest
 
+from bench.gpu import device_flex as dflex
+from bench.gpu import device_models as dmodels
+from bench.gpu import device_plan as dplan
 from bench.gpu import device_run as dr
+from bench.gpu import device_record as drec
 
 
 def test_the_steps_come_in_order_of_importance():
-    assert [name for name, _ in dr.STEPS] == ["qwen3.6-27b", "gemma4-31b", "flex", "triton"]
-    assert [label for label, _, _ in dr.RUNS] == ["baseline", "q4_0 t128", "kvarn4", "q8_0 t0"]
-    assert list(dr.MODELS) == ["qwen3.6-27b", "gemma4-31b"] and list(dr.FLEX_HEADS) == [512]
+    assert [name for name, _ in dplan.STEPS] == ["qwen3.6-27b", "gemma4-31b", "flex", "triton"]
+    assert [label for label, _, _ in dplan.RUNS] == ["baseline", "q4_0 t128", "kvarn4", "q8_0 t0"]
+    assert list(dplan.MODELS) == ["qwen3.6-27b", "gemma4-31b"] and list(dflex.FLEX_HEADS) == [512]
 
 
 def test_the_next_run_is_estimated_from_the_last_timed_chunk():
     # the first run of a step: no estimate, it starts while MIN_START_S is left
-    assert dr.next_run(300.0, None) == (None, None)
-    est, why = dr.next_run(dr.MIN_START_S - 1, None)
-    assert est is None and why.startswith(f"{dr.MIN_START_S - 1:.0f} s left")
+    assert dmodels.next_run(300.0, None) == (None, None)
+    est, why = dmodels.next_run(dplan.MIN_START_S - 1, None)
+    assert est is None and why.startswith(f"{dplan.MIN_START_S - 1:.0f} s left")
     # after a chunk of 20 s (whatever its warm-up took): warm-up allowance + 1.25 x 20 s
-    want = dr.WARMUP_EST_S + dr.CHUNK_FACTOR * 20.0
-    assert dr.next_run(want + 1, 20.0) == (want, None)
-    est, why = dr.next_run(want - 1, 20.0)
-    assert est == want and why == (f"estimated {want:.0f} s (warm-up {dr.WARMUP_EST_S:.0f} + {dr.CHUNK_FACTOR} x "
+    want = dplan.WARMUP_EST_S + dplan.CHUNK_FACTOR * 20.0
+    assert dmodels.next_run(want + 1, 20.0) == (want, None)
+    est, why = dmodels.next_run(want - 1, 20.0)
+    assert est == want and why == (f"estimated {want:.0f} s (warm-up {dplan.WARMUP_EST_S:.0f} + {dplan.CHUNK_FACTOR} x "
                                    f"the last timed chunk's 20.0 s), {want - 1:.0f} s left before the run's deadline")
 
 
@@ -47,8 +51,8 @@ RECS = [{"step": "run", "item": "machine", "gpu": "NVIDIA H100 80GB HBM3, 81559 
 def test_a_chunk_killed_after_its_warmup_leaves_the_warmups_line():
     """The q4_0 t128 chunk was killed: its warm-up's line shows (seconds, peak), it is no measured
     chunk for the projection, and the baseline's chunk is."""
-    assert dr.measured(RECS) == {"qwen3.6-27b": {"baseline": 21.0}}
-    md = dr.render(RECS)
+    assert drec.measured(RECS) == {"qwen3.6-27b": {"baseline": 21.0}}
+    md = drec.render(RECS)
     row = next(ln for ln in md.splitlines() if ln.startswith("| q4_0 t128 |"))
     assert "| 38.00 |" in row and "61.00 (warm-up)" in row and "warm-up ok, no chunk line" in row
     base = [ln for ln in md.splitlines() if ln.startswith("| baseline |")]
@@ -61,7 +65,7 @@ def test_a_subset_of_the_steps_for_a_second_try(tmp_path):
     results = tmp_path / "out"
     assert dr.main(["--smoke", "--budget-s", "0", "--steps", "triton,flex", "--results", str(results),
                     "--text", __file__]) == 0
-    recs = dr.Recorder(results).records()
+    recs = drec.Recorder(results).records()
     assert recs[0]["steps"] == ["flex", "triton"]  # in the script's order, whatever the command's
     assert [r["step"] for r in recs if r.get("status") == "skipped"] == ["flex", "triton"]
     with pytest.raises(SystemExit):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.gpu import device_run as dr
+from bench.gpu import device_flex as dflex
 from kvarn.kvcache.attention import rounded_attention
 from kvarn.kvcache.rounding import round_operand
 
@@ -23,7 +23,7 @@ def test_the_p_rule_check_names_the_rule_the_output_follows(rule):
     rep = hq // hkv
     y = rounded_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), mask, scale, "tfloat32",
                           p_rule=rule)
-    out = dr.p_rule_check(q, k, v, y, offset, scale, heads=hq)
+    out = dflex.p_rule_check(q, k, v, y, offset, scale, heads=hq)
     assert out["closer"] == rule
     assert out[rule]["mean"] == 0.0 and out[rule]["rms"] == 0.0  # the same arithmetic, bit for bit
     other = "nearest" if rule == "truncate" else "truncate"

@@ -333,7 +333,7 @@ def test_a_harness_that_does_not_compile_is_refused_with_the_compiler_s_error(ha
     ({"GGML_CUDA": "on"}, "CUDA (default architectures)"),
     ({"GGML_VULKAN": "TRUE", "GGML_NATIVE": "ON"}, "VULKAN")])
 def test_the_backend_is_read_from_the_cmake_cache(cache, backend):
-    assert pbuild._backend(cache) == backend
+    assert pbuild.backend_of(cache) == backend
 
 
 def test_a_build_without_its_source_folder_is_refused_by_name(tmp_path, monkeypatch):

@@ -175,6 +175,6 @@ def test_grade_all_values_must_appear():
 def test_seven_digit_values_are_the_seeded_draws_of_1_000_000_to_9_999_999():
     # pinned: a prompt's values are the same in every kvarn of this TASK_VERSION (a changed draw, e.g. of
     # another range, would change every answer without a version bump)
-    vals = tasks._values(np.random.default_rng(0), "number", 4)
+    vals = tasks.draw_values(np.random.default_rng(0), "number", 4)
     assert vals == ["3428080", "5600227", "8655615", "6732653"]
-    assert all(len(v) == 7 for v in tasks._values(np.random.default_rng(1), "number", 1000))
+    assert all(len(v) == 7 for v in tasks.draw_values(np.random.default_rng(1), "number", 1000))

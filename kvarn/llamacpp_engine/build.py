@@ -170,7 +170,8 @@ def _cmake_cache(build: Path) -> dict:
     return out
 
 
-def _backend(cache: dict) -> str:
+def backend_of(cache: dict) -> str:
+    """The backend a build's CMakeCache entries describe: "CUDA (<architectures>)", another GGML_<NAME>, or CPU."""
     on = lambda k: cache.get(k, "OFF").upper() in ("ON", "1", "TRUE", "YES")  # noqa: E731
     if on("GGML_CUDA"):
         return f"CUDA ({cache.get('CMAKE_CUDA_ARCHITECTURES', 'default architectures')})"
@@ -226,7 +227,7 @@ def read_build(path: str | os.PathLike) -> Build:
         raise BuildError(f"{exe} --help lists no allowed values for --cache-type-k: not a llama-perplexity kvarn reads")
     cache_types = tuple(t.strip() for t in types[1].split(",") if t.strip())
     options = frozenset(re.findall(r"(--[a-z0-9][a-z0-9-]+)", help_text))
-    b = Build(d, source, m[0], m[1], _backend(cache), provenance, libs, cache_types, options)
+    b = Build(d, source, m[0], m[1], backend_of(cache), provenance, libs, cache_types, options)
     _BUILDS[key] = b
     return b
 

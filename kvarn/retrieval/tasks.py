@@ -271,7 +271,8 @@ def _words(rng, n: int) -> list[str]:
     return [f"{ADJECTIVES[q // len(NOUNS)]}-{NOUNS[q % len(NOUNS)]}" for q in pairs]
 
 
-def _values(rng, kind: str, n: int) -> list[str]:
+def draw_values(rng, kind: str, n: int) -> list[str]:
+    """n distinct needle values from `rng`: UUIDs, or 7-digit numbers (1,000,000 .. 9,999,999)."""
     if kind == "uuid":
         return [_uuid(rng) for _ in range(n)]
     return [str(v) for v in rng.choice(np.arange(1_000_000, 10_000_000), size=n, replace=False)]
@@ -302,7 +303,7 @@ def ruler_texts(task: str, rng) -> dict:
     n_keys = RULER_KEYS if task in ("niah_multikey_1", "niah_multikey_uuid", "niah_multiquery") else 1
     n_values = RULER_KEYS if task == "niah_multivalue" else n_keys
     keys = _words(rng, n_keys)
-    values = _values(rng, kind, n_values)
+    values = draw_values(rng, kind, n_values)
     key_of = keys if n_keys > 1 else keys * n_values
     needles = [f" One of the special magic {noun} for {k} is: {v}." for k, v in zip(key_of, values)]
     if task == "niah_multiquery":
