@@ -148,14 +148,20 @@ def step_table(run: Path, work: Path, out: Path | None) -> str:
         "| cell | median | mean | p99 | same top | PPL(Q) | equals the engine to the printed digit |",
         "|---|---:|---:|---:|---:|---:|---|", *checks])
     if out:
-        text = out.read_text() if out.is_file() else ""
-        start, end = "<!-- table -->", "<!-- /table -->"
-        if start in text and end in text:
-            text = text[:text.index(start) + len(start)] + "\n" + table + "\n" + text[text.index(end):]
-        else:
-            text = text + f"\n{start}\n{table}\n{end}\n"
-        out.write_text(text)
+        write_table(out, table)
     return table
+
+
+def write_table(out: Path, table: str) -> None:
+    """`table` into the Markdown file `out` between its <!-- table --> and <!-- /table --> markers (the prose
+    around them kept), or appended with the markers where the file has none."""
+    text = out.read_text() if out.is_file() else ""
+    start, end = "<!-- table -->", "<!-- /table -->"
+    if start in text and end in text:
+        text = text[:text.index(start) + len(start)] + "\n" + table + "\n" + text[text.index(end):]
+    else:
+        text = text + f"\n{start}\n{table}\n{end}\n"
+    out.write_text(text)
 
 
 def main(argv=None) -> int:

@@ -20,23 +20,15 @@ import os
 import time
 from pathlib import Path
 
+from bench import REPO, TEXT
+from bench.program.beellama import write_table
 from kvarn.files.identity import file_sha256, uncached_sha256
 from kvarn.llamacpp_engine import build as pbuild
 from kvarn.llamacpp_engine import runner
 from kvarn.llamacpp_engine.settings import Settings
+from kvarn.report.provenance import machine
 from kvarn.spec.cell import CellSpec
 from kvarn.weights.sources import ModelSpec, gguf_path
-
-ROOT = Path(__file__).resolve().parents[2]
-MARK = ("<!-- table -->", "<!-- /table -->")
-TEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw-v1" / "wiki.test.raw"
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main(argv=None) -> int:
@@ -57,7 +49,7 @@ def main(argv=None) -> int:
     b = pbuild.read_build(a.build)
     settings = Settings(args=tuple(a.args), threads=a.threads)
     spec = ModelSpec(a.model, f"embedded:{a.model}")
-    gguf = gguf_path(spec, ROOT / "resources" / "models")
+    gguf = gguf_path(spec, REPO / "resources" / "models")
     a.work.mkdir(parents=True, exist_ok=True)
     base = a.work / "base.kld"
     if not Path(f"{base}.json").is_file():
@@ -81,7 +73,7 @@ def main(argv=None) -> int:
                          time.perf_counter() - t0, str(e)))
         print(rows[-1][:4], flush=True)
     lines = [f"Build: `${pbuild.BUILD_ENV}` = {b.version}, {b.backend}; model {a.model}, n_ctx {a.n_ctx}, one chunk, "
-             f"-ub {a.ubatch}, -t {a.threads} against -t 1; machine: {cpu_name()}, {os.cpu_count()} cores.", "",
+             f"-ub {a.ubatch}, -t {a.threads} against -t 1; machine: {machine()['cpu']}, {os.cpu_count()} cores.", "",
              "| order | cell | self-check | tokens differing (t1 vs run 1, t1 vs run 2, run 1 vs run 2) | wall s |",
              "|---:|---|---|---|---:|"]
     for i, (name, verdict, d, wall, _) in enumerate(rows, 1):
@@ -90,10 +82,8 @@ def main(argv=None) -> int:
                      for name, verdict, _, _, msg in rows if verdict == "refused"]
     text = "\n".join(lines) + "\n"
     print(text)
-    if a.out:  # between the file's table markers where it has them (its prose kept), else the whole file
-        old = a.out.read_text() if a.out.is_file() else ""
-        head, sep, rest = old.partition(MARK[0])
-        a.out.write_text(head + MARK[0] + "\n" + text + MARK[1] + rest.partition(MARK[1])[2] if sep else text)
+    if a.out:
+        write_table(a.out, text.rstrip("\n"))
     return 0
 
 
