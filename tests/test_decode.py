@@ -222,6 +222,102 @@ def test_sampled_decode_follows_the_seed(smol):
         assert (q["token"].reshape(PROMPTS, TOKENS)[p, :f] == b["token"].reshape(PROMPTS, TOKENS)[p, :f]).all()
 
 
+@pytest.mark.slow
+def test_run_decode_writes_one_cells_result(smol, tmp_path, monkeypatch):
+    """run_decode in this process (the workflow's decode jobs reach it only in a subprocess): it loads
+    through `setup` with the job's arguments (or takes them from a `context`), decodes the prompts it
+    cut from the chunks, and writes steps.parquet (the decode's rows, exactly) and summary.json (the
+    summary it returns: the per-prompt summary, the cell, the identity, the timing split, the
+    sampling); bad values are refused before any load."""
+    import json
+
+    import polars as pl
+
+    import kvarn.kvcache.attention  # noqa: F401  (registers "kvarn")
+    from kvarn.baseline import data
+    from kvarn.spec.options import DECODE_VERSION, sampling_label, sampling_name
+
+    lm, _ = smol
+    chunks = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)[:20000]), CTX, PROMPTS, lm.info.bos_id)
+    ident = {"text_sha256": "sha-of-the-text", "tokenizer_hash": "hash-of-the-tokenizer"}
+    calls, bars = [], []
+
+    def fake_setup(*args):  # what `setup` returns: the model on the cache model's attention
+        calls.append(args)
+        lm.model.set_attn_implementation("kvarn")
+        return lm, chunks, ident
+
+    class Bar:
+        def __init__(self, iterable, desc, total, unit):
+            bars.append(desc)
+
+        def update(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(KD, "setup", fake_setup)
+    monkeypatch.setattr(KD, "progress", Bar)
+    cell = CellSpec("q2_0", "q4_0", 16)
+    job = dict(ubatch=UBATCH, text="the-text", device="cpu", dtype="float32", cache_dir=CACHE_DIR, block=3)
+    s = KD.run_decode("the-spec", CTX, PROMPTS, TOKENS, cell, tmp_path / "greedy", **job)
+    assert calls == [("the-spec", CTX, PROMPTS, "the-text", "cpu", "float32", CACHE_DIR)]
+    assert bars == [f"{lm.info.name} decode q2_0/q4_0 tail 16"]
+    ref = KD.decode(lm.model, KD.decode_prompts(chunks, TOKENS), cell, TOKENS, ubatch=UBATCH, attention="ref",
+                    block=3)
+    steps = pl.read_parquet(tmp_path / "greedy" / "steps.parquet")
+    assert steps.columns == list(KD.STEP_KEYS)
+    for key in KD.STEP_KEYS:
+        assert np.array_equal(steps[key].to_numpy(), ref[key]), key
+    assert json.loads((tmp_path / "greedy" / "summary.json").read_text()) == s
+    for key, value in KD.summarize_decode(ref, PROMPTS, TOKENS).items():
+        assert s[key] == value, key
+    info = lm.info
+    want = {"model": info.name, "source": info.source, "revision": info.revision, "n_ctx": CTX,
+            "prompt_tokens": CTX - TOKENS, "k_type": "q2_0", "v_type": "q4_0", "tail": 16, "rot": cell.rot,
+            "tail_dtype": cell.tail_dtype, "iters": cell.iters, "sink": cell.sink, "compute": cell.compute,
+            "ubatch": UBATCH, "attention": "ref", "text_sha256": "sha-of-the-text",
+            "tokenizer_hash": "hash-of-the-tokenizer", "decode_version": DECODE_VERSION, "block": 3,
+            "temperature": 0.0, "seed": None, "sampling": sampling_name(0.0, 0), "device": info.device,
+            "dtype": info.dtype}
+    assert {k: s[k] for k in want} == want
+    assert s["step_ms"] == pytest.approx(1000 * s["steps_s"] / TOKENS, rel=1e-12)
+    assert s["prefill_s"] > 0 and s["cell_s"] + s["base_s"] + s["metrics_s"] <= s["steps_s"]
+    assert s["prefill_s"] + s["steps_s"] <= s["decode_s"] <= s["wall_s"]
+
+    # Sampled, from another job's loaded context: the context is asked for this job, setup is not called.
+    asked = []
+
+    class Context:
+        def for_job(self, *args):
+            asked.append(args)
+            return lm, chunks, ident
+
+    t = KD.run_decode("the-spec", CTX, PROMPTS, TOKENS, cell, tmp_path / "sampled", context=Context(),
+                      temperature=0.5, seed=7, **job)
+    assert asked == calls and len(calls) == 1
+    assert bars[-1] == f"{lm.info.name} decode q2_0/q4_0 tail 16, {sampling_label(0.5, 7)}"
+    assert (t["temperature"], t["seed"], t["sampling"]) == (0.5, 7, sampling_name(0.5, 7))
+    sampled = KD.decode(lm.model, KD.decode_prompts(chunks, TOKENS), cell, TOKENS, ubatch=UBATCH, block=3,
+                        temperature=0.5, seed=7)
+    assert np.array_equal(pl.read_parquet(tmp_path / "sampled" / "steps.parquet")["token"].to_numpy(),
+                          sampled["token"])
+
+    with pytest.raises(ValueError, match=f"decode prompts 3: the text holds only 2 chunks of {CTX} tokens"):
+        KD.run_decode("the-spec", CTX, 3, TOKENS, cell, tmp_path / "more", **job)
+    assert not (tmp_path / "more").exists()
+    with pytest.raises(TypeError, match="run_decode takes a kvarn.spec.cell.CellSpec"):
+        KD.run_decode("the-spec", CTX, PROMPTS, TOKENS, ("q2_0", "q4_0", 16), tmp_path / "x", **job)
+    n = len(calls)
+    with pytest.raises(ValueError, match="nope"):
+        KD.run_decode("the-spec", CTX, PROMPTS, TOKENS, cell, tmp_path / "x", **{**job, "device": "cpu"},
+                      attention="nope")
+    with pytest.raises(ValueError, match="temperature"):
+        KD.run_decode("the-spec", CTX, PROMPTS, TOKENS, cell, tmp_path / "x", temperature=-1, **job)
+    assert len(calls) == n and not (tmp_path / "x").exists()
+
+
 def test_cli_refuses_bad_decode_values(capsys):
     from kvarn.cli import main
 

@@ -419,3 +419,17 @@ def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypa
     q4_all, full = run("q4_0", "q4_0", 128)
     assert all(layer.stored_rows() == n for layer in full.layers if isinstance(layer, KVarnLayer))
     assert torch.equal(q4, q4_all)
+
+
+def test_json_default_writes_scalars_and_refuses_the_rest():
+    """A summary's numpy or torch scalar is written as its Python value (json.dumps' `default`); anything
+    else is refused by name, never written as its repr."""
+    import numpy as np
+
+    from kvarn.run.engine import json_default
+
+    got = json.loads(json.dumps({"a": np.float32(1.5), "b": np.int64(7), "c": torch.tensor(2.25)},
+                                default=json_default))
+    assert got == {"a": 1.5, "b": 7, "c": 2.25} and type(got["b"]) is int
+    with pytest.raises(TypeError, match="not JSON serializable: object"):
+        json_default(object())

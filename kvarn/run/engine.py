@@ -391,11 +391,12 @@ def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512,
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_path(out_dir / "tokens.parquet") as tmp:
         frame.write_parquet(tmp)
-    write_text(out_dir / "summary.json", json.dumps(summary, indent=1, default=_json_default) + "\n")
+    write_text(out_dir / "summary.json", json.dumps(summary, indent=1, default=json_default) + "\n")
     return summary
 
 
-def _json_default(x):
+def json_default(x):
+    """json.dumps' `default` for a summary: a numpy or torch scalar as its Python value; anything else refused."""
     if hasattr(x, "item"):
         return x.item()
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
