@@ -6,7 +6,7 @@
 * `summary.parquet`: one row per cell with the summary.json keys, the statistics computed
   from those tokens, plus what the aggregate rule adds (kvarn.plan.matrix.summary_row):
   `family`, `tail_requested`, `tail_label`, `cell`, `kv_delta_bytes_vs_tail0`. Type facts and
-  KV bytes (the `packed` accounting) come from kvarn.spec.facts and kvarn.budget.memory, as in a real run.
+  KV bytes (the `packed` accounting) come from kvarn.vocab.facts and kvarn.budget.memory, as in a real run.
 
 Two models with the shipped defaults' geometry (SmolLM2-135M: 30 layers x 3 KV heads x 64;
 Gemma 3 270M: 18 layers x 1 x 256, 5 of 6 layers sliding 512). KLD falls with width, a
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from kvarn.spec.cell import CellSpec
-from kvarn.spec import facts
-from kvarn.spec.geometry import Geometry
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab import facts
+from kvarn.vocab.geometry import Geometry
 from kvarn.budget.memory import bits_per_value, summary_fields
 
 MODELS = {
@@ -53,8 +53,8 @@ def geometry(model: str) -> Geometry:
 
 
 def exact_share(model: str, n_ctx: int, k: str, v: str, tail: int, sink: int | None = None) -> float:
-    """The product's exact share (kvarn.spec.policy) for a cell of the fixture."""
-    from kvarn.spec.policy import exact_share as share, layer_policy
+    """The product's exact share (kvarn.vocab.policy) for a cell of the fixture."""
+    from kvarn.vocab.policy import exact_share as share, layer_policy
 
     return share([layer_policy(facts.get(k), facts.get(v), tail, w, sink) for w in MODELS[model][3]], n_ctx)
 

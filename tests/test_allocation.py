@@ -1,4 +1,4 @@
-"""Per-layer K and V types (kvarn.spec.allocation), torch-free: the two config forms, every refusal's
+"""Per-layer K and V types (kvarn.vocab.allocation), torch-free: the two config forms, every refusal's
 text, the cell's name and identity, where a job finds the definition, the engines' spellings, the
 matrix and schema, and the memory accounting as the exact per-layer sum of real packed buffers."""
 
@@ -18,11 +18,11 @@ import yaml
 from kvarn.budget.memory import ACCOUNTINGS, kv_bytes, resummarize, summary_fields
 from kvarn.plan import matrix as kvm
 from kvarn.plan.config_check import config_errors
-from kvarn.spec import allocation as alc
-from kvarn.spec import facts
-from kvarn.spec.allocation import Allocation, AllocationError
-from kvarn.spec.cell import AllocCellSpec, CellError, CellSpec, cell_spec, parse_opts
-from kvarn.spec.geometry import Geometry, LayerGeometry
+from kvarn.vocab import allocation as alc
+from kvarn.vocab import facts
+from kvarn.vocab.allocation import Allocation, AllocationError
+from kvarn.vocab.cell import AllocCellSpec, CellError, CellSpec, cell_spec, parse_opts
+from kvarn.vocab.geometry import Geometry, LayerGeometry
 
 ROOT = Path(__file__).resolve().parents[1]
 EDGES = {"k": "0-1:q8_0,2-27:q4_0,28-29:q8_0", "v": "0-1:q8_0,2-27:q4_0,28-29:q8_0"}
@@ -168,7 +168,7 @@ def test_the_cell_name_carries_the_token_and_reads_back_without_the_definition()
     assert c.name == f"q4_0-q4_0-t128-a{a.token}-s64" and isinstance(c, AllocCellSpec)
     assert CellSpec.from_name(c.name) == c and parse_opts(c.opts)["alloc"] == a.token
     # a process that never saw the definition reads the name all the same (tables, the answer)
-    code = f"from kvarn.spec.cell import CellSpec; print(CellSpec.from_name({c.name!r}).alloc)"
+    code = f"from kvarn.vocab.cell import CellSpec; print(CellSpec.from_name({c.name!r}).alloc)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == a.token
 
@@ -215,7 +215,7 @@ def test_published_definitions_reach_a_child_process_and_an_edit_is_a_new_file(t
     assert os.environ[alc.DIR_ENV] == str(d) and (d / f"{old.token}.json").is_file()
     kvm.publish_allocations([new], tmp_path / "defs")  # the edit: another file; the first stays as it was
     assert sorted(p.name for p in d.iterdir()) == sorted(f"{a.token}.json" for a in (old, new))
-    code = ("import sys; from kvarn.spec import allocation as a; "
+    code = ("import sys; from kvarn.vocab import allocation as a; "
             "print(a.lookup(sys.argv[1]).resolve(30)[0][:3], a.lookup(sys.argv[2]).resolve(30)[0][:3])")
     out = subprocess.run([sys.executable, "-c", code, old.token, new.token], capture_output=True, text=True,
                          cwd=tmp_path, check=True, env=os.environ.copy())

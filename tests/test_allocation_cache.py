@@ -12,8 +12,8 @@ import torch
 
 import kvarn.kvcache.attention as kattn
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer
-from kvarn.spec.allocation import Allocation, AllocationError, define
-from kvarn.spec.cell import CellSpec, cell_spec
+from kvarn.vocab.allocation import Allocation, AllocationError, define
+from kvarn.vocab.cell import CellSpec, cell_spec
 import test_cache
 from paths import ENGINE_TEXT
 

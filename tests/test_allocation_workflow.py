@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from kvarn.spec.allocation import Allocation
+from kvarn.vocab.allocation import Allocation
 from test_workflow import CTX, fake_done, plan, smk, workflow_copy
 
 pytestmark = pytest.mark.xdist_group("allocation-workflow")

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from kvarn.plan import matrix as kvm
-from kvarn.spec.cell import compute_suffix
-from kvarn.spec.geometry import geometry_from_config
+from kvarn.vocab.cell import compute_suffix
+from kvarn.vocab.geometry import geometry_from_config
 from kvarn.budget.memory import MIB, kv_bytes
 from kvarn.report.claims.study import load_study
 
@@ -134,7 +134,7 @@ def test_article_dag_at_toy_scale_one_model_on_the_device_at_a_time(tmp_path):
     import sys
 
     from kvarn.run import worker
-    from kvarn.spec.geometry import geometry_from_config as geom_of
+    from kvarn.vocab.geometry import geometry_from_config as geom_of
     from kvarn.budget.preflight import estimate
     from paths import WIKI_TEXT
 

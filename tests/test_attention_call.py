@@ -23,8 +23,8 @@ from kvarn.kvcache.attention import kvarn_attention_forward, resolve_attention, 
 from kvarn.formats.hadamard import rotate_blocks
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer, exact_selection
 from kvarn.llamacpp_cpu.channel_order import gguf_order
-from kvarn.spec.cell import CellSpec
-from kvarn.spec.policy import LayerPolicy
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab.policy import LayerPolicy
 
 H, H_KV, D = 4, 2, 128
 
@@ -189,7 +189,7 @@ def test_the_cache_keeps_what_it_was_built_with(llama):
     cell = CellSpec("q4_0", "q8_0", 4)
     cache = KVarnCache(llama.config, cell, attention="flex")
     assert cache.cell is cell and cache.attention == "flex"
-    with pytest.raises(TypeError, match=r"KVarnCache takes a kvarn\.spec\.cell\.CellSpec \(validated once there\), "
+    with pytest.raises(TypeError, match=r"KVarnCache takes a kvarn\.vocab\.cell\.CellSpec \(validated once there\), "
                                         r"got 'q4_0'"):
         KVarnCache(llama.config, "q4_0")
     with pytest.raises(ValueError, match="attention path 'auto' not accepted; use one of ref, flex"):

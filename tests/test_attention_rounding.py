@@ -1,4 +1,4 @@
-"""Compute bf16-attn (kvarn.spec.options.ATTENTION_ROUNDING): the cache model's attention with
+"""Compute bf16-attn (kvarn.vocab.options.ATTENTION_ROUNDING): the cache model's attention with
 Q·K and P·V on bf16 operands, fp32 accumulation and an fp32 softmax, as a GPU's flash attention.
 
 Oracles: `rounded_attention` against loops written out in float64 over hand-rounded operands;
@@ -20,8 +20,8 @@ import kvarn.kvcache.attention as kattn
 import kvarn.kvcache.flex as kflex
 from kvarn.kvcache.cache import KVarnCache
 from kvarn.run import engine
-from kvarn.spec.cell import CellError, CellSpec
-from kvarn.spec.options import ATTENTION_ROUNDING, BF16_ATTN, COMPUTE_VERSION, TF32_ATTN, check_compute
+from kvarn.vocab.cell import CellError, CellSpec
+from kvarn.vocab.options import ATTENTION_ROUNDING, BF16_ATTN, COMPUTE_VERSION, TF32_ATTN, check_compute
 from test_cache import _gemma, _ids, _llama
 
 BF16 = torch.bfloat16
@@ -294,7 +294,7 @@ def test_the_matrix_plans_bf16_attn_cells_with_their_own_baseline():
     import yaml
 
     from kvarn.plan import matrix as kvm
-    from kvarn.spec.options import COMPUTES
+    from kvarn.vocab.options import COMPUTES
 
     repo = Path(__file__).resolve().parents[1]
     schema = yaml.safe_load((repo / "workflow/schemas/config.schema.yaml").read_text())

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.kvcache.cache import KVarnLayer, make_format
 from kvarn.formats import get_format
 from kvarn.formats.blocks import QK, SPECS
-from kvarn.spec.policy import layer_policy
+from kvarn.vocab.policy import layer_policy
 
 F16_MAX = 65504.0
 

@@ -8,7 +8,7 @@ import torch
 
 from bench.oracles.beellama import bos_draw as B
 from kvarn.kvcache.cache import KVarnLayer, make_format
-from kvarn.spec.policy import layer_policy
+from kvarn.vocab.policy import layer_policy
 
 
 def _x(n=6, seed=0):

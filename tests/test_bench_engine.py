@@ -6,7 +6,7 @@ import re
 import pytest
 
 from bench.perf import engine as E
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 
 
 def test_a_cell_is_k_v_tail_or_a_cell_name():

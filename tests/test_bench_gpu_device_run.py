@@ -195,7 +195,7 @@ def test_the_kept_baseline_gives_the_engines_own_numbers(tmp_path, one_thread):
 
     from kvarn.baseline import dump
     from kvarn.run import engine
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     cfg = device_models.tiny_config(ROOT / "config" / "models" / "gemma4-31b.json", tmp_path / "tiny.json")

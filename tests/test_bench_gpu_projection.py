@@ -129,11 +129,11 @@ def test_the_slower_memory_costs_more_on_the_h100():
 
 
 def test_geometry_and_weights_agree_with_transformers():
-    """The torch-free reading of the study configs is kvarn.spec.geometry's through transformers'
+    """The torch-free reading of the study configs is kvarn.vocab.geometry's through transformers'
     config class; the counted weights plus embeddings are transformers' parameter count on meta to
     0.1 % (norms, the conv and the gates' biases are what is left)."""
     from kvarn.budget.preflight import param_count
-    from kvarn.spec.geometry import config_object, geometry_from_config
+    from kvarn.vocab.geometry import config_object, geometry_from_config
 
     for model in ("qwen3.6-27b", "gemma4-31b"):
         cfg = traffic.config(model)

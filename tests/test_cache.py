@@ -12,12 +12,12 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 from transformers.masking_utils import AttentionMaskInterface
 
 import attention_ref as AR
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 import kvarn.kvcache.attention as kattn
 from kvarn.kvcache.cache import KVarnCache, exact_selection
-from kvarn.spec.geometry import geometry_from_config
+from kvarn.vocab.geometry import geometry_from_config
 from kvarn.formats import get_format
-from kvarn.spec.policy import layer_policy
+from kvarn.vocab.policy import layer_policy
 
 
 def layer_windows(config) -> list[int | None]:
@@ -187,7 +187,7 @@ def test_reference_check_catches_a_tail_off_by_one(monkeypatch):
     real = kattn.exact_selection
 
     def off_by_one(q_pos, kv_len, policy, kv_offset=0):
-        from kvarn.spec.policy import LayerPolicy
+        from kvarn.vocab.policy import LayerPolicy
 
         return real(q_pos, kv_len, LayerPolicy(policy.sink, max(policy.tail - 1, 0), policy.window), kv_offset)
     monkeypatch.setattr(kattn, "exact_selection", off_by_one)
@@ -301,7 +301,7 @@ def test_kvarn_groups_and_ubatch(model):
         assert (layer.n_tokens, layer.n_body) == (300, 256)
         assert (layer.keys[..., 256:, :] == 0).all()
         assert not torch.equal(layer.keys[..., :256, :], layer.exact_keys[..., :256, :])
-    from kvarn.spec.policy import exact_share
+    from kvarn.vocab.policy import exact_share
 
     assert exact_share(cache.policies, 300) < 1  # some scored read comes from the body
     for ub in (300, 100, 1):
@@ -358,7 +358,7 @@ def test_query_blocks(model, k, v, tail, monkeypatch):
 def test_exact_share_counts_the_selection(sink, tail, window, n_ctx):
     # Oracle: count the (scored query, key) pairs that attention's own selection
     # (exact_selection) marks exact among the causal / sliding-window allowed keys.
-    from kvarn.spec.policy import LayerPolicy, exact_pairs, exact_share
+    from kvarn.vocab.policy import LayerPolicy, exact_pairs, exact_share
 
     pol = LayerPolicy(sink, tail, window)
     p = torch.arange(n_ctx // 2, n_ctx - 1)
@@ -373,7 +373,7 @@ def test_exact_share_counts_the_selection(sink, tail, window, n_ctx):
 def test_exact_share_of_kvarn_by_hand():
     # KVarN at n_ctx 512 (sink 128, tail 128) on a full layer: query p reads p + 1 keys, of
     # which 128 sink + 128 tail are exact, every scored p >= 256 => exact = 256 per query.
-    from kvarn.spec.policy import exact_share
+    from kvarn.vocab.policy import exact_share
 
     kv = get_format("kvarn4")
     pol = layer_policy(kv, get_format("kvarn4", role="v"), 0)

@@ -1,4 +1,4 @@
-"""kvarn.spec.cell: a cell's one path encoding, written by the matrix and read back by the report."""
+"""kvarn.vocab.cell: a cell's one path encoding, written by the matrix and read back by the report."""
 
 import dataclasses
 
@@ -7,7 +7,7 @@ import yaml
 
 from kvarn.plan import matrix as kvm
 from kvarn.report import data as rdata
-from kvarn.spec.cell import CellError, CellSpec, parse_opts
+from kvarn.vocab.cell import CellError, CellSpec, parse_opts
 from paths import REPO
 
 
@@ -286,7 +286,7 @@ def test_a_name_the_matrix_would_write_otherwise_names_its_own(name, same):
 
 
 def test_compute_suffix_by_hand():
-    from kvarn.spec.cell import compute_suffix
+    from kvarn.vocab.cell import compute_suffix
 
     assert compute_suffix("exact") == "" and compute_suffix("llamacpp-cpu") == "-llamacpp_cpu"
     with pytest.raises(ValueError) as e:

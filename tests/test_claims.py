@@ -11,9 +11,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import synthetic  # noqa: E402
 
-from kvarn.spec.cell import CellSpec  # noqa: E402
-from kvarn.spec import facts  # noqa: E402
-from kvarn.spec.geometry import geometry_from_config  # noqa: E402
+from kvarn.vocab.cell import CellSpec  # noqa: E402
+from kvarn.vocab import facts  # noqa: E402
+from kvarn.vocab.geometry import geometry_from_config  # noqa: E402
 from kvarn.budget.memory import MIB, kv_bytes  # noqa: E402
 from kvarn.report.data import FORMAT_ONLY_OPTS  # noqa: E402
 from kvarn.stats.paired import compare, load_cell  # noqa: E402

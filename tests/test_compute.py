@@ -14,15 +14,15 @@ import torch
 from gguf.quants import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
-from kvarn.spec.cell import CellSpec
-from kvarn.spec import scoring
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab import scoring
 
 from kvarn.llamacpp_cpu import activations, channel_order, compute, q8
 
-from kvarn.spec import options
+from kvarn.vocab import options
 from kvarn.kvcache.cache import KVarnLayer, make_format
 from kvarn.formats.hadamard import rotate_blocks
-from kvarn.spec.policy import LayerPolicy
+from kvarn.vocab.policy import LayerPolicy
 from paths import WIKI_TEXT
 
 FIXTURE_NPZ = Path(__file__).parent / "fixtures" / "beellama" / "beellama_cpu.npz"
@@ -84,7 +84,7 @@ def test_every_cache_type_of_llamacpp_or_beellama_has_its_vec_dot_type():
     """A llamacpp-cpu cell at tail 0 runs ggml's kernel through `VEC_DOT_TYPE`: every registered
     float or block type has its entry (ggml-cpu.c type_traits_cpu, BeeLlama v0.4.3), no other."""
     from kvarn.formats import registry
-    from kvarn.spec.facts import get
+    from kvarn.vocab.facts import get
 
     cache = {t for t in registry.names() if get(t).family in ("float", "block")}
     assert set(options.VEC_DOT_TYPE) == cache

@@ -1,5 +1,5 @@
 """Which compute path the study's tables show (kvarn.report.data.primary_compute), and that every compute
-path has its own baseline dump the workflow can make (kvarn.spec.cell.BASELINE_OPTS_PATTERN, the
+path has its own baseline dump the workflow can make (kvarn.vocab.cell.BASELINE_OPTS_PATTERN, the
 Snakefile's `bopts`): a run on the GPU's tf32-attn alone (config/article.yaml) fills the tables."""
 
 import re
@@ -9,7 +9,7 @@ import pytest
 
 from kvarn.plan import matrix as kvm
 from kvarn.report.data import primary_compute
-from kvarn.spec.options import COMPUTES
+from kvarn.vocab.options import COMPUTES
 
 
 def rows(*cells):

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from kvarn.spec import scoring
+from kvarn.vocab import scoring
 
 from kvarn.baseline import data
 from paths import WIKI_TEXT

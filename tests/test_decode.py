@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.run import decode as KD
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
@@ -97,7 +97,7 @@ def test_gumbel_max_samples_softmax_of_logp_over_t(temperature):
 
 
 def test_sampling_names_and_bad_values():
-    from kvarn.spec.options import check_sampling, parse_sampling, sampling_label, sampling_name
+    from kvarn.vocab.options import check_sampling, parse_sampling, sampling_label, sampling_name
 
     assert sampling_name() == sampling_name(0, 7) == "" and sampling_name(1, 0) == "-T1-s0"
     assert sampling_name(0.7, 3) == "-T0.7-s3" and parse_sampling("-T0.7-s3") == (0.7, 3)
@@ -235,7 +235,7 @@ def test_run_decode_writes_one_cells_result(smol, tmp_path, monkeypatch):
 
     import kvarn.kvcache.attention  # noqa: F401  (registers "kvarn")
     from kvarn.baseline import data
-    from kvarn.spec.options import DECODE_VERSION, sampling_label, sampling_name
+    from kvarn.vocab.options import DECODE_VERSION, sampling_label, sampling_name
 
     lm, _ = smol
     chunks = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)[:20000]), CTX, PROMPTS, lm.info.bos_id)
@@ -307,7 +307,7 @@ def test_run_decode_writes_one_cells_result(smol, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"decode prompts 3: the text holds only 2 chunks of {CTX} tokens"):
         KD.run_decode("the-spec", CTX, 3, TOKENS, cell, tmp_path / "more", **job)
     assert not (tmp_path / "more").exists()
-    with pytest.raises(TypeError, match="run_decode takes a kvarn.spec.cell.CellSpec"):
+    with pytest.raises(TypeError, match="run_decode takes a kvarn.vocab.cell.CellSpec"):
         KD.run_decode("the-spec", CTX, PROMPTS, TOKENS, ("q2_0", "q4_0", 16), tmp_path / "x", **job)
     n = len(calls)
     with pytest.raises(ValueError, match="nope"):
@@ -395,7 +395,7 @@ def test_decode_figure_spec(tmp_path):
              _fake_summary(tmp_path, "kivi4-kivi4-t0", "kivi4", "kivi4", 0, [8, 8, 8])]
     f = decode_frame(paths)
     # the printed tail is the effective one where the format raised the request: KVarN to whole
-    # 128-token groups, an ecosystem type to its 128-token residual window (kvarn.spec.facts)
+    # 128-token groups, an ecosystem type to its 128-token residual window (kvarn.vocab.facts)
     assert set(f["label"]) == {"q4_0-q4_0 t128", "kvarn4-kvarn4 t128*", "kvarn2-kvarn2 t256*",
                                "kivi4-kivi4 t128*"} and f.height == 4 * 9
     kv = f.filter(f["cell"] == "kvarn4-kvarn4-t0").sort("step")

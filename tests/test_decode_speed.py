@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 import kvarn.kvcache.attention as KA
 from kvarn.run import decode as KD
 

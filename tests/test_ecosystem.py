@@ -19,14 +19,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import QuantizedCache
 
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 import kvarn.kvcache.attention as kattn
-from kvarn.spec import facts
+from kvarn.vocab import facts
 from kvarn import report as R
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer
 from kvarn.formats import get_format
 from kvarn.formats.ecosystem import use_quanto_python_unpack
-from kvarn.spec.geometry import Geometry
+from kvarn.vocab.geometry import Geometry
 from kvarn.budget.memory import kv_bytes
 from kvarn.report import data as D
 

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from kvarn.spec.cell import CellSpec
-from kvarn.spec import scoring
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab import scoring
 
 from kvarn import cli
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
@@ -226,7 +226,7 @@ def _cell(base, k, v, tail, tmp_path_factory, context):
                         cache_dir=CACHE_DIR, context=context)
     assert json.loads((out / "summary.json").read_text())["kld_median"] == s["kld_median"]
     # the memory keys: `packed` by default, with the geometry they came from (kvarn.budget.memory)
-    from kvarn.spec.geometry import Geometry
+    from kvarn.vocab.geometry import Geometry
     from kvarn.budget.memory import kv_bytes
 
     smol = Geometry.uniform(30, 3, 64)

@@ -1,4 +1,4 @@
-"""kvarn.spec.facts: the torch-free type table agrees with every registered format class."""
+"""kvarn.vocab.facts: the torch-free type table agrees with every registered format class."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from kvarn.spec import facts
+from kvarn.vocab import facts
 from kvarn.formats import get_format, names
 
 ATTRS = ("family", "group", "sink", "tail_quantum", "min_tail", "default_tail_dtype", "version")
@@ -80,7 +80,7 @@ def test_pair_rules():
 
 def test_torch_free():
     """memory, facts, matrix and the report's data shaping import without torch."""
-    code = ("import sys; import kvarn.spec.facts, kvarn.budget.memory, kvarn.plan.matrix, kvarn.spec.policy, kvarn.spec.geometry; "
+    code = ("import sys; import kvarn.vocab.facts, kvarn.budget.memory, kvarn.plan.matrix, kvarn.vocab.policy, kvarn.vocab.geometry; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import attention_ref as AR
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 import kvarn.kvcache.attention as kattn
 import kvarn.kvcache.flex as kflex
-from kvarn.spec import scoring
+from kvarn.vocab import scoring
 from kvarn.kvcache.cache import KVarnCache
 from kvarn.formats import get_format
-from kvarn.spec.policy import layer_policy
+from kvarn.vocab.policy import layer_policy
 from test_cache import _gemma, _ids, _llama
 
 # One xdist worker: the module fixtures load SmolLM2 once.

@@ -1,4 +1,4 @@
-"""kvarn.spec.geometry: a model's per-layer cache geometry, read from real transformers configs.
+"""kvarn.vocab.geometry: a model's per-layer cache geometry, read from real transformers configs.
 
 Every expected geometry is worked by hand from the config's own numbers (hidden size / heads,
 the layer pattern the config class documents), never copied from the module's output.
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvarn.spec.geometry import (
+from kvarn.vocab.geometry import (
     LAYER_TYPES,
     Geometry,
     LayerGeometry,

@@ -128,7 +128,7 @@ def test_gemma4_gguf_written_in_test_reloads_exactly(tmp_path, monkeypatch):
     assert tok == ("tokenizer of", path)
     with torch.no_grad():
         assert torch.equal(via_load.eval()(input_ids=ids).logits, want)
-    from kvarn.spec.geometry import geometry_from_config
+    from kvarn.vocab.geometry import geometry_from_config
 
     assert geometry_from_config(loaded.config).describe() == (
         "3 sliding_attention (2 KV heads x 16, W 8); 1 full_attention (1 KV heads x 32, K=V)")

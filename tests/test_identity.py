@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.files import identity
 from paths import WIKI_TEXT
 

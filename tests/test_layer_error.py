@@ -3,7 +3,7 @@ inputs the cell cannot have changed) matches the attention output captured at o_
 in two plain engine runs (f32 cache vs the cell); the error is split into K and V parts."""
 
 import pytest
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT
 
 # One xdist worker: the module fixture loads SmolLM2 once.
@@ -30,7 +30,7 @@ class _Captured(Exception):
 
 def _o_proj_input(lm, ids, k, v, layer=0):
     from kvarn.run import engine
-    from kvarn.spec import scoring
+    from kvarn.vocab import scoring
 
     got = []
 

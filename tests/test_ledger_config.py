@@ -20,7 +20,7 @@ from kvarn.report.claims.ledger import ledger  # noqa: E402
 from kvarn.report.claims.study import load_study  # noqa: E402
 from kvarn.report.claims.verdicts import lacks_a_cell  # noqa: E402
 from kvarn.report.data import prepare  # noqa: E402
-from kvarn.spec import facts  # noqa: E402
+from kvarn.vocab import facts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = load_study()

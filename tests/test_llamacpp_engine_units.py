@@ -28,9 +28,9 @@ from kvarn.files.identity import uncached_sha256
 from kvarn.llamacpp_engine import build as pbuild
 from kvarn.llamacpp_engine import runner
 from kvarn.llamacpp_engine.settings import ENGINE, Settings, engine_of
-from kvarn.spec import facts
-from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import DEFAULT_COMPUTE
+from kvarn.vocab import facts
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab.options import DEFAULT_COMPUTE
 from paths import CACHE_DIR, WIKI_TEXT
 from test_program import percentile_slack
 
@@ -83,7 +83,7 @@ def perplexity(b: pbuild.Build, *args, env=None) -> str:
 def test_the_baseline_job_writes_llama_perplexity_s_base_file_and_its_identity(upstream, tmp_path):
     from kvarn.budget import memory
     from kvarn.files.identity import file_sha256
-    from kvarn.spec.geometry import config_object, geometry_from_config
+    from kvarn.vocab.geometry import config_object, geometry_from_config
     from kvarn.weights.sources import config_json, parse_model
 
     (tmp_path / "run").mkdir()

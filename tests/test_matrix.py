@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvarn.spec import facts
+from kvarn.vocab import facts
 from kvarn.plan import matrix as kvm
 from kvarn.weights.sources import unpinned
 
@@ -96,7 +96,7 @@ def test_memory_accounting_is_per_model_and_not_in_the_cell_path():
 
 
 def test_summary_row_recomputes_memory_under_the_models_accounting():
-    from kvarn.spec.geometry import Geometry
+    from kvarn.vocab.geometry import Geometry
     from kvarn.budget.memory import MIB, summary_fields
 
     geom = Geometry.uniform(16, 4, 256)  # Qwen 3.6 27B's attention layers

@@ -9,9 +9,9 @@ import torch
 
 from kvarn import cli
 from kvarn.formats import get_format
-from kvarn.spec.cell import CellSpec
-from kvarn.spec.geometry import Geometry, geometry_from_config
-from kvarn.spec import facts
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab.geometry import Geometry, geometry_from_config
+from kvarn.vocab import facts
 from kvarn.budget.memory import (ACCOUNTINGS, DEFAULT_ACCOUNTING, MIB, KVBytes, bits_per_value, int_at_least, at_tail0, check_accounting,
                                  kv_bytes, resummarize, summary_fields)
 

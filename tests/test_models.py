@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_geometry_from_synthetic_configs():
     from transformers import Gemma3TextConfig, LlamaConfig
 
-    from kvarn.spec.geometry import geometry_from_config
+    from kvarn.vocab.geometry import geometry_from_config
 
     g = geometry_from_config(LlamaConfig(num_hidden_layers=3, num_attention_heads=8,
                                                 num_key_value_heads=2, hidden_size=256))

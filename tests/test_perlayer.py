@@ -18,9 +18,9 @@ from kvarn.budget import memory
 from kvarn.kvcache.cache import KVarnCache, probe_cache
 from kvarn.perlayer import plan, search
 from kvarn.perlayer.search import Choice, knapsack, knapsack_ref
-from kvarn.spec.allocation import Allocation, define
-from kvarn.spec.cell import CellSpec, cell_spec
-from kvarn.spec.geometry import geometry_from_config
+from kvarn.vocab.allocation import Allocation, define
+from kvarn.vocab.cell import CellSpec, cell_spec
+from kvarn.vocab.geometry import geometry_from_config
 import test_cache
 from paths import VALID_TEXT, WIKI_TEXT
 

@@ -1,4 +1,4 @@
-"""kvarn.spec.policy: which keys a query reads exactly (DESIGN §2) and the exact share.
+"""kvarn.vocab.policy: which keys a query reads exactly (DESIGN §2) and the exact share.
 
 References: hand-worked sinks and tails from DESIGN §2's rules, and a brute-force count over
 every (scored query, key) pair of the read rule "j < sink or p - j < tail" for the share.
@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-from kvarn.spec.facts import TypeFacts, get
-from kvarn.spec.policy import (
+from kvarn.vocab.facts import TypeFacts, get
+from kvarn.vocab.policy import (
     LayerPolicy,
     default_sink,
     default_tail_dtype,

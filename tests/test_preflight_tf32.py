@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvarn.budget import preflight
-from kvarn.spec.options import BF16_ATTN, TF32_ATTN
+from kvarn.vocab.options import BF16_ATTN, TF32_ATTN
 from kvarn.weights.sources import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]

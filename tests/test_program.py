@@ -26,7 +26,7 @@ from kvarn.plan import matrix as kvm
 from kvarn.llamacpp_engine import build as pbuild
 from kvarn.llamacpp_engine import runner
 from kvarn.llamacpp_engine.settings import Settings
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from paths import CACHE_DIR, WIKI_TEXT
 from test_workflow import ROOT, plan, smk, workflow_copy
 
@@ -220,7 +220,7 @@ def test_the_fit_table_adds_weights_kv_and_reserve_and_says_which_cells_fit():
 
     from kvarn.budget import memory
     from kvarn.plan import fit
-    from kvarn.spec.geometry import config_object, geometry_from_config
+    from kvarn.vocab.geometry import config_object, geometry_from_config
 
     m = kvm.expand(yaml.safe_load((ROOT / "config" / "study-program.yaml").read_text()))
     geoms = {name: geometry_from_config(config_object(json.loads((ROOT / "config" / "models" / f).read_text())))

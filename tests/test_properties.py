@@ -17,7 +17,7 @@ from kvarn.report.claims.definitions import same_width_gain
 from kvarn.report.claims.study import load_study
 from kvarn.report.claims.verdicts import directional
 from kvarn.report.data import prepare
-from kvarn.spec import facts
+from kvarn.vocab import facts
 from kvarn.stats.paired import CellTokens, compare
 
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

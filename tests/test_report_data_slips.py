@@ -11,7 +11,7 @@ import polars as pl
 
 from kvarn.report import data as D
 from kvarn.report import figures as F
-from kvarn.spec import facts
+from kvarn.vocab import facts
 
 MIB = 1 << 20
 

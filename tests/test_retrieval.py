@@ -199,7 +199,7 @@ def test_a_cache_whose_body_is_empty_loses_the_needle_the_exact_cache_finds(smol
     cache answers the same prompts."""
     import kvarn.kvcache.cache as C
     from kvarn.retrieval import run
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     tok, bos = smol_tokenizer

@@ -114,7 +114,7 @@ def test_the_report_has_a_section_per_context(tmp_path):
 
 def test_the_needle_position_counts_kvarns_sink():
     """n_prompt 992, gen 8: the last answering query is at 998. KVarN keeps its first 128 tokens exact
-    on full-attention layers (kvarn.spec.policy), a standard type none unless its cell asks (-s<n>)."""
+    on full-attention layers (kvarn.vocab.policy), a standard type none unless its cell asks (-s<n>)."""
     import polars as pl
 
     from kvarn.retrieval import score

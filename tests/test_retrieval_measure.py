@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvarn.kvcache.attention as kattn
 from kvarn.kvcache.cache import KVarnCache
 from kvarn.retrieval import run
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 
 pytestmark = pytest.mark.xdist_group("retrieval")
 N_PROMPT = 300  # past KVarN's 128-token sink and one 128-token group: its body is read

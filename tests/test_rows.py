@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 import kvarn.kvcache.attention as kattn
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer
 from kvarn.kvcache.rows import Rows

@@ -18,8 +18,8 @@ import pytest
 from kvarn.llamacpp_engine import build as pbuild
 from kvarn.llamacpp_engine import runner
 from kvarn.llamacpp_engine.settings import Settings
-from kvarn.spec import facts
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab import facts
+from kvarn.vocab.cell import CellSpec
 
 CTX, UB, TOKENS = 1024, 512, 200
 

@@ -1,7 +1,7 @@
 """A user's doubts about defaults: a cell that names no option gets the pair's own; a cell that
 names one gets that one. Checked on the cache model itself (kvarn.kvcache.cache.KVarnCache built
 from a tiny config, no weights), on the cell's fields and its name's parser, and on the option
-lists (kvarn.spec.options), so a slip in how the cache picks a default fails here, not only in a
+lists (kvarn.vocab.options), so a slip in how the cache picks a default fails here, not only in a
 slow end-to-end run. Expectations from DESIGN §2 and the facts table, written out by hand."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from transformers import Gemma3TextConfig, LlamaConfig
 
 from kvarn.kvcache.cache import KVarnCache
-from kvarn.spec import options as O
-from kvarn.spec.cell import CellSpec, parse_opts
+from kvarn.vocab import options as O
+from kvarn.vocab.cell import CellSpec, parse_opts
 
 
 def _llama():

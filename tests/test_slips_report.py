@@ -22,7 +22,7 @@ from kvarn.report.claims.verdicts import directional, paired_delta
 from kvarn.report import tables as T
 from kvarn.report.data import prepare
 from kvarn.report.paired_table import run_table
-from kvarn.spec import facts
+from kvarn.vocab import facts
 from kvarn.stats.paired import CellTokens
 from test_advise import row as advise_row
 

@@ -1,9 +1,9 @@
-"""kvarn.spec.options (compute paths, decode sampling names) and kvarn.spec.scoring (the scored
+"""kvarn.vocab.options (compute paths, decode sampling names) and kvarn.vocab.scoring (the scored
 positions), against hand-worked values and the rules their docstrings and DESIGN state."""
 
 import pytest
 
-from kvarn.spec import facts, options, scoring
+from kvarn.vocab import facts, options, scoring
 
 
 def raises(call, *args) -> str:

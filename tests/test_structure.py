@@ -101,7 +101,7 @@ def test_torch_free_modules_run_without_torch(tmp_path):
         from kvarn.budget import memory
         from kvarn.plan import generation, matrix
         from kvarn.run import worker
-        from kvarn.spec import facts, options
+        from kvarn.vocab import facts, options
         from kvarn.report import workflow
         m = matrix.expand(yaml.safe_load(open("config/matrix.yaml")))
         g = generation.targets(matrix.expand(yaml.safe_load(open("config/generation.yaml"))))

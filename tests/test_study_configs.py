@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvarn.spec.geometry import Geometry, LayerGeometry, geometry_from_config
+from kvarn.vocab.geometry import Geometry, LayerGeometry, geometry_from_config
 
 MODELS = Path(__file__).resolve().parents[1] / "config" / "models"
 
@@ -45,7 +45,7 @@ def test_gemma4_31b_geometry():
 def test_instantiates_real_class_at_size(name, cls, lo, hi, one_thread):
     from transformers import AutoModelForCausalLM
 
-    from kvarn.spec.geometry import config_object
+    from kvarn.vocab.geometry import config_object
 
     config = config_object(_load(name))
     with torch.device("meta"):

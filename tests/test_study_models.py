@@ -31,12 +31,12 @@ from transformers import (
 )
 from transformers.cache_utils import LinearAttentionLayer
 
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 import kvarn.kvcache.attention as kattn
-from kvarn.spec import scoring
+from kvarn.vocab import scoring
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer
 from kvarn.run.engine import policy_fields
-from kvarn.spec.geometry import geometry_from_config
+from kvarn.vocab.geometry import geometry_from_config
 from paths import WIKI_TEXT
 
 # One xdist worker: the module fixture builds each study architecture once.
@@ -205,7 +205,7 @@ def test_study_scale_configs_build_the_cache(name, want):
     # classes and summary fields, without weights. kvarn4's tail 128 fits Gemma's W 1024.
     from collections import Counter
 
-    from kvarn.spec.geometry import config_object
+    from kvarn.vocab.geometry import config_object
 
     layers, tail_sliding, shapes = want
     cfg = config_object(json.loads((REPO / "config" / "models" / f"{name}.json").read_text()))

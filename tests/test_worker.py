@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.run import worker
 from paths import CACHE_DIR, ENGINE_TEXT as TEXT, REPO
 

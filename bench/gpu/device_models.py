@@ -75,7 +75,7 @@ def time_baseline(model, ids, cell, path: str, ubatch: int, encode_rows: int, sy
     from kvarn.baseline.encoding import encode_rows as encode
     from kvarn.baseline.sparse import pack_rows
     from kvarn.run import engine
-    from kvarn.spec import scoring
+    from kvarn.vocab import scoring
 
     scored = scoring.scored_positions(int(ids.shape[0]))
     cache = engine.new_cache(model, cell, attention=path)
@@ -111,7 +111,7 @@ def time_cell(model, ids, cell, path: str, ubatch: int, base, sync) -> tuple[dic
     import numpy as np
 
     from kvarn.run import engine
-    from kvarn.spec import scoring
+    from kvarn.vocab import scoring
     from kvarn.stats import metrics
 
     scored = scoring.scored_positions(int(ids.shape[0]))
@@ -154,7 +154,7 @@ def step_model(name: str, args, rec: Recorder) -> None:
 
     import kvarn.kvcache.flex
     from kvarn.run import engine
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     smoke = args.smoke

@@ -270,7 +270,7 @@ def _steps(args, rec: Recorder, results: Path) -> int:
 # --- entry ----------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    from kvarn.spec.options import ATTENTION_ROUNDING, TF32_ATTN
+    from kvarn.vocab.options import ATTENTION_ROUNDING, TF32_ATTN
 
     # the GPU's arithmetic that kept every format's KLD (bench/perf/results/attn_rounding_tf32_truncP.md):
     # TF32 operands into flex, fp32 sums and softmax

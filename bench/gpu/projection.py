@@ -35,7 +35,7 @@ from bench.gpu.traffic import (ATTENTION_COMPUTES, CELL_FIXED_S, COMPILE_S, CONC
                                LOAD_DISK_Bps, NONZERO_SHARE, QUERY_BLOCK, TF32_ROUND_BYTES, UBATCH, model_load_s,
                                part_seconds, per_token)
 from kvarn.plan import matrix as kvm
-from kvarn.spec import facts
+from kvarn.vocab import facts
 
 ARTICLE = REPO / "config" / "article.yaml"
 GOAL_HOURS = 8.0  # issue 42: the article on one H200 in at most this many hours

@@ -17,9 +17,9 @@ from collections import Counter
 from types import SimpleNamespace
 
 from bench import REPO
-from kvarn.spec import facts, scoring
-from kvarn.spec.geometry import Geometry, geometry_from_config
-from kvarn.spec.policy import layer_policy
+from kvarn.vocab import facts, scoring
+from kvarn.vocab.geometry import Geometry, geometry_from_config
+from kvarn.vocab.policy import layer_policy
 
 MODELS = REPO / "config" / "models"
 KINDS = ("baseline", "standard t0", "standard tail", "kvarn")
@@ -44,7 +44,7 @@ for _d in DEVICES.values():
     # compute tf32-attn: the same kernels' efficiency on TF32 tensor cores, whose dense peak is half
     # the bf16 one (494.7 of 989 TFLOP/s), stated against the bf16 peak
     _d["fraction"].update(attention_tf32=0.15, attention_d512_tf32=0.075)
-ATTENTION_COMPUTES = ("bf16-attn", "tf32-attn")  # the arithmetic the article's attention runs in (kvarn.spec.options)
+ATTENTION_COMPUTES = ("bf16-attn", "tf32-attn")  # the arithmetic the article's attention runs in (kvarn.vocab.options)
 
 # The host side (the same on both nodes: 16 cores, PCIe gen 5):
 #   d2h_Bps      12 GB/s: `lp.cpu()` of pageable memory (pinned would reach ~50).
@@ -100,7 +100,7 @@ def config(model: str) -> dict:
 
 
 def geometry(cfg: dict) -> Geometry:
-    """kvarn.spec.geometry's reading of a config.json dict without transformers: the one
+    """kvarn.vocab.geometry's reading of a config.json dict without transformers: the one
     override it takes from transformers' config class is Gemma 4's, whose full layers use
     `global_head_dim` and (with attention_k_eq_v) `num_global_key_value_heads`
     (Gemma4TextConfig.per_layer_config); tests check it against geometry_from_config(dict)."""
@@ -136,7 +136,7 @@ def gemm_params(cfg: dict, geom: Geometry) -> int:
 
 def cell_policy(cell: tuple[str, str, int] | None, window: int | None):
     """(sink, tail, exact copy kept, body dtype bytes) of one layer for a cell (k, v, tail), None
-    the baseline (bf16, tail 0). kvarn.spec.policy.layer_policy over the type facts."""
+    the baseline (bf16, tail 0). kvarn.vocab.policy.layer_policy over the type facts."""
     if cell is None:
         return 0, 0, False, 2
     k, v, tail = cell

@@ -4,7 +4,7 @@
                                        [--model smollm2-135m --model gemma3-270m]
                                        [--n-ctx 2048] [--chunks 1] [--out bench/perf/results/attn_rounding.md]
 
-Compute bf16-attn / tf32-attn (kvarn.spec.options.ATTENTION_ROUNDING) runs the cache model's attention
+Compute bf16-attn / tf32-attn (kvarn.vocab.options.ATTENTION_ROUNDING) runs the cache model's attention
 as a GPU's flash attention does: Q·K and P·V on bf16 (TF32) operands, fp32 accumulation and softmax. It is the path
 that lets the article's attention run on tensor cores (issue 42); it may be used for a format only
 if the KLD it adds is small beside what the format itself does. Per model and format F (every
@@ -40,10 +40,10 @@ import torch
 
 from bench import REPO, TEXT
 from kvarn.run import engine
-from kvarn.spec import scoring
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab import scoring
+from kvarn.vocab.cell import CellSpec
 from kvarn.kvcache import rounding
-from kvarn.spec.options import ATTENTION_ROUNDING, BF16_ATTN, EXACT, TF32_ATTN
+from kvarn.vocab.options import ATTENTION_ROUNDING, BF16_ATTN, EXACT, TF32_ATTN
 from kvarn.stats import metrics
 from kvarn.weights import sources
 from kvarn.weights.sources import DEFAULT_CACHE_DIR

@@ -60,12 +60,12 @@ def worker(spec: dict) -> dict:
 
     import torch
 
-    from kvarn.spec import scoring
+    from kvarn.vocab import scoring
 
     from kvarn.baseline import data
 
     from kvarn.run import engine
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab.cell import CellSpec
 
     from kvarn.weights import models, sources
 

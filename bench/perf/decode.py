@@ -43,7 +43,7 @@ from bench import REPO, TEXT
 import kvarn.kvcache.attention as kattn  # noqa: E402
 from kvarn.baseline import data
 from kvarn.run import engine
-from kvarn.spec.cell import CellSpec  # noqa: E402
+from kvarn.vocab.cell import CellSpec  # noqa: E402
 from kvarn.weights import models, sources  # noqa: E402
 from kvarn.run import decode as kdecode  # noqa: E402
 from kvarn.files.atomic import write_text  # noqa: E402

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from bench import TEXT
-from kvarn.spec import scoring
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab import scoring
+from kvarn.vocab.cell import CellSpec
 
 from kvarn.baseline import data, dump, encoding
 

@@ -22,9 +22,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, QuantizedCache
 
 import kvarn.kvcache.attention as kattn
-from kvarn.spec import facts
+from kvarn.vocab import facts
 from kvarn.kvcache.cache import KVarnCache
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.formats import get_format
 
 G = facts.ECOSYSTEM_GROUP

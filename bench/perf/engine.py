@@ -32,12 +32,12 @@ from kvarn.formats import kvarn_tiles
 
 from bench import REPO, TEXT
 
-from kvarn.spec import scoring
+from kvarn.vocab import scoring
 
 from kvarn.baseline import data
 
 from kvarn.run import engine
-from kvarn.spec.cell import CellSpec  # noqa: E402
+from kvarn.vocab.cell import CellSpec  # noqa: E402
 
 from kvarn.weights import models, sources  # noqa: E402
 from kvarn.files.atomic import write_text  # noqa: E402

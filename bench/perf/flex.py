@@ -46,7 +46,7 @@ def _graphs() -> int:
 
 def measure(name: str, n_ctx: int, work: Path) -> dict:
     from kvarn.run import engine
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     spec = ModelSpec(name, f"embedded:{name}")

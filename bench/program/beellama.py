@@ -86,7 +86,7 @@ def step_torch(run: Path, work: Path, threads: int) -> None:
     import torch
 
     from kvarn.run import engine
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import parse_model
 
     torch.set_num_threads(threads)

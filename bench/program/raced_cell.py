@@ -27,7 +27,7 @@ from kvarn.llamacpp_engine import build as pbuild
 from kvarn.llamacpp_engine import runner
 from kvarn.llamacpp_engine.settings import Settings
 from kvarn.report.provenance import machine
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.weights.sources import ModelSpec, gguf_path
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvarn.spec import scoring
+from kvarn.vocab import scoring
 from kvarn.files.atomic import atomic_path
 from kvarn.baseline.encoding import ENCODING, ENCODING_VERSION, RANGE_NATS, decode_rows, encode_rows, row_uint16
 from kvarn.baseline.sparse import bitmap_bytes, decode_packed, pack_rows, unpack_rows

@@ -1,7 +1,7 @@
 """Persistent KV-cache bytes of one sequence (DESIGN §5): the "KV cache MiB" column. Torch-free.
 
 Owns the named memory accountings and their arithmetic over a model's per-layer
-geometry (`kvarn.spec.geometry`) and the type facts (`kvarn.spec.facts`):
+geometry (`kvarn.vocab.geometry`) and the type facts (`kvarn.vocab.facts`):
 
     total = body + staging + overlay        (bytes, one sequence, all layers, K and V)
 
@@ -23,7 +23,7 @@ Both accountings store s_l tokens per layer, as llama.cpp sizes its caches:
             newest part of the exact tail, which is at least 128 tokens: design choice,
             it costs no bytes of its own
     overlay per layer min(tail_l, s_l) + min(sink_l, s_l) exact rows at the tail dtype;
-            tail_l, sink_l from kvarn.spec.policy.layer_policy (standard: the tail as asked,
+            tail_l, sink_l from kvarn.vocab.policy.layer_policy (standard: the tail as asked,
             0 allowed, no sink; KVarN: max(128, roundup(tail, 128)) capped at W_l, sink
             128 on full-attention layers). Sink and tail are separate buffers: below
             n = sink + tail they hold some tokens twice, as two buffers would
@@ -58,8 +58,8 @@ Memory is computed, never measured: a cell's summary.json records the geometry i
 (`kv_geometry`), so an accounting change recomputes the bytes of finished cells without
 rerunning them (`kvarn.plan.matrix.summary_row`).
 
-Per-layer types (kvarn.spec.allocation): every sum above is over the layers, each with its own
-K and V types (`kvarn.spec.allocation.layer_types`); the tail, sink, tail dtype and group are the
+Per-layer types (kvarn.vocab.allocation): every sum above is over the layers, each with its own
+K and V types (`kvarn.vocab.allocation.layer_types`); the tail, sink, tail dtype and group are the
 family's, the same on every layer. A cell of an allocation records it in its summary.json
 (`kv_alloc`: the definition; `kv_alloc_k`, `kv_alloc_v`: the type of each decoder layer), so
 its bytes are recomputed from the summary alone.
@@ -70,12 +70,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from kvarn.spec import facts
-from kvarn.spec.allocation import Allocation, layer_types, lookup
-from kvarn.spec.cell import CellSpec, cell_spec
-from kvarn.spec.geometry import Geometry
-from kvarn.spec.options import DEFAULT_COMPUTE
-from kvarn.spec.policy import default_tail_dtype, layer_policy, pair_family
+from kvarn.vocab import facts
+from kvarn.vocab.allocation import Allocation, layer_types, lookup
+from kvarn.vocab.cell import CellSpec, cell_spec
+from kvarn.vocab.geometry import Geometry
+from kvarn.vocab.options import DEFAULT_COMPUTE
+from kvarn.vocab.policy import default_tail_dtype, layer_policy, pair_family
 
 MIB = 2**20
 
@@ -139,7 +139,7 @@ class LayerBytes:
 
 def body_bytes(layer, n_body: int, type_name: str, role: str, rot: bool = True) -> int:
     """Bytes of one layer's K (`role` "k") or V body of `n_body` rows in `type_name` over its KV heads
-    (`layer`: a kvarn.spec.geometry layer): what the per-layer search prices a layer's type at."""
+    (`layer`: a kvarn.vocab.geometry layer): what the per-layer search prices a layer's type at."""
     return layer.n_kv_heads * facts.get(type_name).nbytes(n_body, layer.head_dim, role, rot)
 
 
@@ -147,7 +147,7 @@ def layer_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
                 accounting: str = DEFAULT_ACCOUNTING, alloc: Allocation | None = None) -> list[LayerBytes]:
     """`kv_bytes` layer by layer (attention layers only, in layer order)."""
     if not isinstance(cell, CellSpec):
-        raise TypeError(f"kv_bytes takes a kvarn.spec.cell.CellSpec, got {cell!r}")
+        raise TypeError(f"kv_bytes takes a kvarn.vocab.cell.CellSpec, got {cell!r}")
     int_at_least("n_ctx", n_ctx, 1)
     int_at_least("ubatch", ubatch, 1)
     check_accounting(accounting)

@@ -15,7 +15,7 @@ What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
   copy of each (12 bytes per row and channel, the most any cell stores; bf16 / f16 bodies
   and cells without an exact copy store less; under compute bf16-attn the body is bf16, 8
   bytes; under tf32-attn it stays fp32, 12), the baseline only its bf16 body (4 bytes), per layer
-  n_kv_heads x rows x head_dim, from `kvarn.spec.geometry`;
+  n_kv_heads x rows x head_dim, from `kvarn.vocab.geometry`;
   linear-attention layers keep transformers' conv and recurrent state (fp32, a few MB);
 * temporaries: one attention call of the run's path (`attention_temporaries`): on ref
   (`kvarn.kvcache.attention`) the boolean masks of a ubatch, one 128-query block's gathered K/V
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvarn.spec.geometry import Geometry, config_object, geometry_from_config, text_config
-from kvarn.spec.options import ATTENTION_ROUNDING, attention_for
+from kvarn.vocab.geometry import Geometry, config_object, geometry_from_config, text_config
+from kvarn.vocab.options import ATTENTION_ROUNDING, attention_for
 from kvarn.weights.modelbuild import pick_device_dtype
 from kvarn.weights.sources import config_json
 from kvarn.files.workerfiles import SOCKET_ENV, held_path, socket_dir
@@ -172,7 +172,7 @@ def attention_temporaries(path: str, rounding: str | None, u: int, n_ctx: int, n
                           d_max: int) -> int:
     """Bytes one attention call of the path ("ref" | "flex") holds at its peak, for a ubatch of u
     queries over n_ctx keys (the largest layer: kv_max KV heads of head dim d_max). `rounding`:
-    kvarn.spec.options.ATTENTION_ROUNDING's value for the compute: None (exact), "bfloat16"
+    kvarn.vocab.options.ATTENTION_ROUNDING's value for the compute: None (exact), "bfloat16"
     (bf16-attn: bf16 operands) or "tfloat32" (tf32-attn: fp32 operands rounded by
     kvarn.kvcache.rounding, TF32_ROUNDING_BYTES of temporaries per element while one is rounded)."""
     if rounding not in (None, "bfloat16", "tfloat32"):
@@ -314,7 +314,7 @@ def preflight(spec, n_ctx: int, ubatch: int, device: str, dtype, cache_dir, base
     """Estimate a job from its config; stop (PreflightError) if its n_ctx is beyond the model's
     trained context (`check_context`, dry run included) or it cannot fit; return the estimate.
     `dry_run`: no capacity check, for `kvarn run/baseline --dry-run`. `attention`: the option
-    (`kvarn.spec.options.attention_for` picks the path on the device), `compute` the cell's."""
+    (`kvarn.vocab.options.attention_for` picks the path on the device), `compute` the cell's."""
     raw = config_json(spec, cache_dir)
     check_context(raw, n_ctx, allow_long_context)
     device, torch_dtype = pick_device_dtype(device, dtype)

@@ -9,8 +9,8 @@ from kvarn.budget.memory import MIB, at_tail0, kv_bytes
 from kvarn.budget.model_config import memory_config
 from kvarn.cli.parser import UsageError, cell_spec
 from kvarn.files.atomic import atomic_path
-from kvarn.spec.facts import tail_label
-from kvarn.spec.geometry import geometry_from_config
+from kvarn.vocab.facts import tail_label
+from kvarn.vocab.geometry import geometry_from_config
 
 
 def advise(args) -> str:

@@ -12,7 +12,7 @@ from kvarn.budget.preflight import LONG_CONTEXT_ENV, PreflightError, capacity, p
 from kvarn.cli import commands
 from kvarn.cli.parser import UsageError, build_parser, cell_spec
 from kvarn.files.outlock import OutputBusy, hold_output
-from kvarn.spec.facts import job_tail, pair_effective_tail, tail_label
+from kvarn.vocab.facts import job_tail, pair_effective_tail, tail_label
 from kvarn.stats import paired
 from kvarn.weights.sources import fetch, parse_model
 

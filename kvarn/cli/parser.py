@@ -10,9 +10,9 @@ import re
 from kvarn.budget.memory import ACCOUNTINGS, DEFAULT_ACCOUNTING
 from kvarn.budget.model_config import STUDY_CONFIGS
 from kvarn.budget.preflight import LONG_CONTEXT_ENV, LONG_CONTEXT_FLAG
-from kvarn.spec.cell import CellError, CellSpec
-from kvarn.spec.facts import TAIL_DTYPES
-from kvarn.spec.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_sampling  # one list each for the CLI and the matrix
+from kvarn.vocab.cell import CellError, CellSpec
+from kvarn.vocab.facts import TAIL_DTYPES
+from kvarn.vocab.options import ATTENTIONS, COMPUTES, DEFAULT_COMPUTE, DTYPES, check_sampling  # one list each for the CLI and the matrix
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 EPILOG = """\
@@ -65,7 +65,7 @@ def _nonneg_int(name):
 
 
 def _temperature(s):
-    """--temperature: kvarn.spec.options.check_sampling's rule, as an argparse error."""
+    """--temperature: kvarn.vocab.options.check_sampling's rule, as an argparse error."""
     try:
         t = float(s)
     except ValueError:

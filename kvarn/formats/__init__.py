@@ -7,7 +7,7 @@
 """
 
 from . import blocks, floats, kvarn_type  # noqa: F401  (each registers its formats)
-from . import ecosystem  # noqa: F401, I001  (last: the registry keeps kvarn.spec.facts' order)
+from . import ecosystem  # noqa: F401, I001  (last: the registry keeps kvarn.vocab.facts' order)
 from .base import KVFormat, Packed
 from .registry import get_format, names
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvarn.spec import facts
+from kvarn.vocab import facts
 
 from .base import KVFormat, Packed, ValueRangeError, first_bad
 from .hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
@@ -254,7 +254,7 @@ class BlockFormat(KVFormat):
         self.name = name
         self.spec = SPECS[name]
         self.rot = bool(rot)
-        self.version = facts.get(name).version  # kvarn.spec.facts holds it (q6_0 2: the refit sums in BeeLlama's order)
+        self.version = facts.get(name).version  # kvarn.vocab.facts holds it (q6_0 2: the refit sums in BeeLlama's order)
 
     def __repr__(self) -> str:
         return f"BlockFormat({self.name!r}, role={self.role!r}, rot={self.rot})"

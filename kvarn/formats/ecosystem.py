@@ -8,7 +8,7 @@ our cache model (DESIGN §2):
 * transformers' `QuantizedLayer` keeps a full-precision residual window of
   `residual_length` = 128 tokens; when it fills, the whole cache is re-quantized
   (dequant(old) + residual, quantized again), and a prefill is quantized whole.
-* Here a body format seals groups of 128 tokens (`kvarn.spec.facts.ECOSYSTEM_GROUP`, the
+* Here a body format seals groups of 128 tokens (`kvarn.vocab.facts.ECOSYSTEM_GROUP`, the
   residual length): each head's group is quantized once, by one library call on a
   [1, 1, 128, head_dim] tensor, when its last token arrives; the >= 128-token exact tail
   (`min_tail`) is the residual window. The two cadences coincide wherever the library
@@ -17,7 +17,7 @@ our cache model (DESIGN §2):
   re-quantization of already quantized groups and by its position-aligned (not sliding)
   residual window (docs/notes/ecosystem.md measures it).
 
-Variants (`kvarn.spec.facts.ECOSYSTEM_TYPES`, axes as `QuantizedCache` takes them):
+Variants (`kvarn.vocab.facts.ECOSYSTEM_TYPES`, axes as `QuantizedCache` takes them):
 
     quantoN  optimum-quanto, K and V axis 0: per token, groups of 64 channels
              (QuantizedCache's defaults), min/max affine (MaxOptimizer)
@@ -34,7 +34,7 @@ Bytes (`nbytes`, per head): the library's packed codes (n * D * bits / 8) + one 
 one zero (quanto: shift) per q_group_size values at the library's dtype, which is the
 model's (bf16 by default: `dtype`).
 
-The library version is pinned (`kvarn.spec.facts.ECOSYSTEM_LIBRARIES`): a format refuses to be
+The library version is pinned (`kvarn.vocab.facts.ECOSYSTEM_LIBRARIES`): a format refuses to be
 built on another installed version, and a packed buffer records the version that wrote it.
 
 optimum-quanto dequantizes through its `quanto::unpack` op, whose CPU kernel is a C++
@@ -50,7 +50,7 @@ import types
 
 import torch
 
-from kvarn.spec.facts import (ECOSYSTEM_GROUP, ECOSYSTEM_LIBRARIES, ECOSYSTEM_META_DTYPE, ECOSYSTEM_TYPES,
+from kvarn.vocab.facts import (ECOSYSTEM_GROUP, ECOSYSTEM_LIBRARIES, ECOSYSTEM_META_DTYPE, ECOSYSTEM_TYPES,
                          ECOSYSTEM_VERSION)
 
 from .base import KVFormat, Packed
@@ -103,7 +103,7 @@ def _library_layer(backend: str, bits: int, axis_k: int, axis_v: int, q_group: i
 
 
 class EcosystemFormat(KVFormat):
-    """One of `kvarn.spec.facts.ECOSYSTEM_TYPES` for K (role 'k') or V ('v').
+    """One of `kvarn.vocab.facts.ECOSYSTEM_TYPES` for K (role 'k') or V ('v').
 
     dtype: the library's compute dtype (that of the model's K/V in a transformers run), in
     which each group is quantized and its scales and zeros are stored."""

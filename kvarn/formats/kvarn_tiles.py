@@ -9,12 +9,12 @@ import math
 
 import torch
 
-# The type facts (group, slice, iters, head dims) are kvarn.spec.facts', read here;
+# The type facts (group, slice, iters, head dims) are kvarn.vocab.facts', read here;
 # the numerics constants are shared with the Triton kernels (kvarn_numerics).
-from kvarn.spec.facts import kvarn_head_dim_ok
-from kvarn.spec.facts import KVARN_GROUP as GROUP  # tokens per tile (G)
-from kvarn.spec.facts import KVARN_ITERS as ITERS  # normalization passes
-from kvarn.spec.facts import KVARN_SLICE as SLICE  # most channels in one tile
+from kvarn.vocab.facts import kvarn_head_dim_ok
+from kvarn.vocab.facts import KVARN_GROUP as GROUP  # tokens per tile (G)
+from kvarn.vocab.facts import KVARN_ITERS as ITERS  # normalization passes
+from kvarn.vocab.facts import KVARN_SLICE as SLICE  # most channels in one tile
 
 from .kvarn_numerics import LOG_MAX, LOG_MIN, RATIO_FLOOR, STD_MAX, STD_MIN, STEP_MIN
 

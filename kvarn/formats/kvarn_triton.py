@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - older layouts
         libdevice = None
 LIBDEVICE = tl.constexpr(libdevice is not None and not _INTERPRET)
 
-from kvarn.spec.facts import KVARN_ITERS, kvarn_payload_nbytes
+from kvarn.vocab.facts import KVARN_ITERS, kvarn_payload_nbytes
 
 from . import kvarn_numerics as num
 

@@ -10,14 +10,14 @@ import math
 
 import torch
 
-from kvarn.spec.facts import KVARN_DEFAULT_TAIL_DTYPE, KVARN_VERSION
-from kvarn.spec.facts import KVARN_GROUP as GROUP  # tokens per tile (G)
-from kvarn.spec.facts import KVARN_ITERS as ITERS  # normalization passes
-from kvarn.spec.facts import KVARN_SINK as SINK  # exact leading tokens on full-attention layers (DESIGN §2)
-from kvarn.spec.facts import KVARN_WIDTHS as WIDTHS
-from kvarn.spec.facts import kvarn_payload_nbytes as payload_nbytes
-from kvarn.spec.facts import kvarn_tile_nbytes as tile_nbytes
-from kvarn.spec.facts import kvarn_tile_shape as tile_shape
+from kvarn.vocab.facts import KVARN_DEFAULT_TAIL_DTYPE, KVARN_VERSION
+from kvarn.vocab.facts import KVARN_GROUP as GROUP  # tokens per tile (G)
+from kvarn.vocab.facts import KVARN_ITERS as ITERS  # normalization passes
+from kvarn.vocab.facts import KVARN_SINK as SINK  # exact leading tokens on full-attention layers (DESIGN §2)
+from kvarn.vocab.facts import KVARN_WIDTHS as WIDTHS
+from kvarn.vocab.facts import kvarn_payload_nbytes as payload_nbytes
+from kvarn.vocab.facts import kvarn_tile_nbytes as tile_nbytes
+from kvarn.vocab.facts import kvarn_tile_shape as tile_shape
 
 from .base import KVFormat, Packed, ValueRangeError, first_bad
 from .kvarn_tiles import check_head_dim, dequantize_tiles_ref, from_tiles, quantize_tiles_ref, rotate, stage, to_tiles

@@ -19,7 +19,7 @@ speed the queries go in blocks of QUERY_BLOCK, each with only the key rows its m
 select (body: one span; exact: the sink and the tail band), so the exact half costs about
 one block of extra keys instead of doubling attention, and causal waste is cut too.
 
-Under compute bf16-attn or tf32-attn (`KVarnCache.attn_rounding`, kvarn.spec.options.ATTENTION_ROUNDING)
+Under compute bf16-attn or tf32-attn (`KVarnCache.attn_rounding`, kvarn.vocab.options.ATTENTION_ROUNDING)
 each block is `rounded_attention` instead of fp32 sdpa: the same keys and mask, Q·K and P·V on bf16
 (TF32) operands with fp32 accumulation and an fp32 softmax, as a GPU's flash attention computes it.
 
@@ -41,7 +41,7 @@ from kvarn.kvcache import flex
 from kvarn.llamacpp_cpu import compute
 from kvarn.kvcache.cache import KVarnCache, check_body_rows, exact_selection
 from kvarn.kvcache.rounding import round_operand, round_p
-from kvarn.spec.options import attention_for
+from kvarn.vocab.options import attention_for
 
 ATTN_NAME = "kvarn"
 
@@ -131,7 +131,7 @@ def split_mask(allowed: torch.Tensor, q_offset: int, policy, kv_offset: int = 0)
 
 
 def resolve_attention(attention: str, device) -> str:
-    """The attention path a run takes on `device`: "ref" or "flex" (`kvarn.spec.options.attention_for`:
+    """The attention path a run takes on `device`: "ref" or "flex" (`kvarn.vocab.options.attention_for`:
     "auto" is flex on CUDA, ref elsewhere)."""
     return attention_for(attention, torch.device(device).type)
 

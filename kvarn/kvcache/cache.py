@@ -17,9 +17,9 @@ the ubatch and the ubatch's own, as transformers' `DynamicSlidingWindowLayer` do
   always covers them; `kvarn.kvcache.attention` asserts it).
 
 Which copy a (query, key) pair reads is decided in `kvarn.kvcache.attention` from
-`exact_selection` below and the layer's `kvarn.spec.policy.LayerPolicy`.
+`exact_selection` below and the layer's `kvarn.vocab.policy.LayerPolicy`.
 
-Layers are built per layer from `kvarn.spec.geometry.geometry_from_config` (the one source of
+Layers are built per layer from `kvarn.vocab.geometry.geometry_from_config` (the one source of
 layer types and per-layer KV heads / head dim / window): attention layers get a
 `KVarnLayer` (its shape comes from the K/V the layer writes, so Gemma 4's 512-wide full
 layers and 256-wide sliding layers each get their own), and layers with their own state
@@ -28,8 +28,8 @@ that type, so their conv and recurrent state is exactly what the model's `Dynami
 would keep, in the baseline and in every cell.
 
 Each attention layer stores with its own K and V formats: the cell's pair, or for a cell of
-per-layer types (kvarn.spec.allocation) the types its allocation gives that layer
-(`kvarn.spec.allocation.layer_types`, decoder-layer indices as llama.cpp counts them); the tail,
+per-layer types (kvarn.vocab.allocation) the types its allocation gives that layer
+(`kvarn.vocab.allocation.layer_types`, decoder-layer indices as llama.cpp counts them); the tail,
 sink and tail dtype are the family's, the same on every layer.
 """
 
@@ -40,15 +40,15 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 import kvarn.llamacpp_cpu.compute as kcompute
 from kvarn.llamacpp_cpu.channel_order import gguf_order, gguf_qk_permuted
-from kvarn.spec.allocation import layer_types
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.allocation import layer_types
+from kvarn.vocab.cell import CellSpec
 from kvarn.formats import get_format
 from kvarn.formats.base import ValueRangeError, check_finite
 from kvarn.formats.floats import FLOAT_DTYPES
 from kvarn.formats.hadamard import rotate_blocks
-from kvarn.spec.geometry import Geometry, geometry_from_config, text_config
-from kvarn.spec.options import ATTENTION_PATHS, ATTENTION_ROUNDING, BEELLAMA_KVARN_HEAD_DIMS, EXACT, LLAMACPP_CPU, scalar_route
-from kvarn.spec.policy import LayerPolicy, default_tail_dtype, layer_policy
+from kvarn.vocab.geometry import Geometry, geometry_from_config, text_config
+from kvarn.vocab.options import ATTENTION_PATHS, ATTENTION_ROUNDING, BEELLAMA_KVARN_HEAD_DIMS, EXACT, LLAMACPP_CPU, scalar_route
+from kvarn.vocab.policy import LayerPolicy, default_tail_dtype, layer_policy
 from kvarn.kvcache.rows import Rows
 
 def reads_exact(p, j, sink, tail):
@@ -118,7 +118,7 @@ class KVarnLayer(CacheLayerMixin):
         # (`_exact_copy`; BeeLlama's scalar route over a rotated standard cache), else None
         self.exact_rotation = exact_rotation or {"k": None, "v": None}
         # compute bf16-attn / tf32-attn: the format attention rounds every K and V to before use
-        # (kvarn.spec.options.ATTENTION_ROUNDING); a bf16 body is stored so (`_body_dtype`)
+        # (kvarn.vocab.options.ATTENTION_ROUNDING); a bf16 body is stored so (`_body_dtype`)
         self.attn_rounding = attn_rounding
         self.k_op = self.v_op = None
         self.is_sliding = policy.window is not None
@@ -284,7 +284,7 @@ class KVarnLayer(CacheLayerMixin):
 
 
 class KVarnCache(Cache):
-    """A transformers Cache implementing DESIGN §2 for one model and one cell (`kvarn.spec.cell.CellSpec`).
+    """A transformers Cache implementing DESIGN §2 for one model and one cell (`kvarn.vocab.cell.CellSpec`).
 
         cache = KVarnCache(model.config, CellSpec("q4_0", "q4_0", tail=128))
         model(ids, cache=cache, kvarn_cache=cache)   # with attn_implementation "kvarn"
@@ -306,7 +306,7 @@ class KVarnCache(Cache):
 
     def __init__(self, config, cell: CellSpec, attention: str = "ref"):
         if not isinstance(cell, CellSpec):
-            raise TypeError(f"KVarnCache takes a kvarn.spec.cell.CellSpec (validated once there), got {cell!r}")
+            raise TypeError(f"KVarnCache takes a kvarn.vocab.cell.CellSpec (validated once there), got {cell!r}")
         self.cell = cell
         self.compute = cell.compute
         if attention not in ATTENTION_PATHS:
@@ -316,10 +316,10 @@ class KVarnCache(Cache):
         # `exact` keeps transformers' order (DESIGN §6b's format damage); llamacpp-cpu llama.cpp's
         self.qk_gguf_order = cell.compute == LLAMACPP_CPU and gguf_qk_permuted(text_config(config).model_type)
         # llamacpp-cpu with a KVarN pair or a tail: BeeLlama's scalar route, whose arithmetic is the
-        # exact path's (kvarn.spec.options.scalar_route), so its layers store and attend as exact ones
+        # exact path's (kvarn.vocab.options.scalar_route), so its layers store and attend as exact ones
         self.scalar_route = scalar_route(cell.compute, cell.k, cell.v, cell.tail)
         # bf16-attn / tf32-attn: the exact path's layers, its attention's operands rounded
-        # (kvarn.spec.options.ATTENTION_ROUNDING; kvarn.kvcache.attention applies it)
+        # (kvarn.vocab.options.ATTENTION_ROUNDING; kvarn.kvcache.attention applies it)
         self.attn_rounding: str | None = ATTENTION_ROUNDING.get(cell.compute)
         layer_compute = EXACT if self.scalar_route or cell.compute in ATTENTION_ROUNDING else self.compute
         fmts = {}

@@ -125,7 +125,7 @@ def attention(module, query, key, value, attention_mask, scaling, layer, policy,
     """query [b, H, n_q, D]; key/value: the body rows [b, H_kv, L, D]. Returns [b, n_q, H, D]
     in the query's dtype (as `kvarn.kvcache.attention.attention_ref`).
 
-    `attn_rounding` (kvarn.spec.options.ATTENTION_ROUNDING): "bfloat16" (compute bf16-attn): Q, K
+    `attn_rounding` (kvarn.vocab.options.ATTENTION_ROUNDING): "bfloat16" (compute bf16-attn): Q, K
     and V go to flex_attention in bf16, whose compiled kernel sums Q·K and P·V in fp32, keeps the
     softmax in fp32 and rounds P to V's dtype (`kvarn.kvcache.attention.rounded_attention`'s
     arithmetic); eager (`COMPILE = False`) flex also rounds the scores to bf16: the tests'

@@ -1,5 +1,5 @@
 """How a tensor core reads an attention operand: the rounding of compute bf16-attn and tf32-attn
-(kvarn.spec.options.ATTENTION_ROUNDING), for `kvarn.kvcache.attention.rounded_attention` and the
+(kvarn.vocab.options.ATTENTION_ROUNDING), for `kvarn.kvcache.attention.rounded_attention` and the
 flex path.
 
 Under tf32-attn Q, K and V are rounded here (`round_operand`, to nearest) before the kernel sees

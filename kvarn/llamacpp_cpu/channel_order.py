@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvarn.spec.options import LLAMACPP_CPU
+from kvarn.vocab.options import LLAMACPP_CPU
 
 GGUF_QK_PERMUTED = {
     "llama": True, "mistral": True, "mixtral": True,  # LLM_ARCH_LLAMA: NORM

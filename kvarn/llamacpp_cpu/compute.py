@@ -57,10 +57,10 @@ Supported: the upstream llama.cpp types (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1,
 iq4_nl) and BeeLlama v0.4.3's (q6_0, q6_1, q3_0, q3_1, q2_0, q2_1) for K and V, tail 0 and no
 sink (llama.cpp keeps no token exact). BeeLlama's types take the same one-chunk routine at tail 0
 (`ggml_compute_forward_flash_attn_ext_f16_one_chunk` through `type_traits_cpu`): Q to q8_0 blocks
-for the _0 types, q8_1 for the _1 types, the same integer block dot (`kvarn.spec.options.
+for the _0 types, q8_1 for the _1 types, the same integer block dot (`kvarn.vocab.options.
 VEC_DOT_TYPE`), V widened by its `to_float`; rotated like upstream's (`attn_rot_k` / `attn_rot_v`:
 any quantized type). A KVarN pair, or any BeeLlama type with a tail, takes BeeLlama's scalar CPU
-route instead (`kvarn.spec.options.scalar_route`: `flash_attn_ext_kvarn` /
+route instead (`kvarn.vocab.options.scalar_route`: `flash_attn_ext_kvarn` /
 `flash_attn_ext_tail_ref`, the exact path's arithmetic over the rounded cache, K rounded in the
 GGUF's order); this module's kernel is not used there. Anything else (the ecosystem's caches) is
 refused with an error naming it, rather than emulating a kernel we have not read.
@@ -75,7 +75,7 @@ from kvarn.formats.floats import FLOAT_DTYPES
 from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
 from kvarn.llamacpp_cpu.channel_order import gguf_order
 from kvarn.llamacpp_cpu.q8 import quantize_q8
-from kvarn.spec.options import VEC_DOT_TYPE
+from kvarn.vocab.options import VEC_DOT_TYPE
 
 FA_TILE_Q = 64  # ggml-cpu common.h GGML_FA_TILE_Q: the tiled path needs at least this many query rows
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvarn.spec import scoring
+from kvarn.vocab import scoring
 from kvarn.files.atomic import atomic_path
 from kvarn.baseline.dump import open_dump
 from kvarn.baseline.encoding import decode_rows, row_uint16

@@ -35,9 +35,9 @@ import numpy as np
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.files.identity import uncached_sha256
 from kvarn.llamacpp_engine import build as pbuild
-from kvarn.spec import facts, scoring
-from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import DEFAULT_COMPUTE
+from kvarn.vocab import facts, scoring
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab.options import DEFAULT_COMPUTE
 from kvarn.llamacpp_engine.settings import ENGINE, Settings
 
 RECORD_COLUMNS = ("chunk", "pos", "kld", "nll", "nll_base", "dp", "same_top")
@@ -329,7 +329,7 @@ def cell_job(spec, cache_dir, text, n_ctx: int, ubatch: int, engine: dict, job_t
     same cell (from the model's geometry) beside the KV buffers the program printed, and its decode speed
     where the settings ask for it (the build's own bench tool)."""
     from kvarn.budget import memory
-    from kvarn.spec.geometry import config_object, geometry_from_config
+    from kvarn.vocab.geometry import config_object, geometry_from_config
 
     j = _job(spec, cache_dir, text, engine, job_threads, n_ctx)
     cell_args(j.build, cell)  # refused before anything else runs

@@ -23,7 +23,7 @@ from kvarn.kvcache import attention as kattn
 from kvarn.kvcache.cache import KVarnCache
 from kvarn.perlayer import search, sensitivity
 from kvarn.perlayer.plan import FAMILIES, PerLayer, family_of
-from kvarn.spec import allocation as kalloc
+from kvarn.vocab import allocation as kalloc
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvarn.spec import facts
+from kvarn.vocab import facts
 
 OUT_DIR = "results/perlayer"
 SENSITIVITY_FILE = OUT_DIR + "/{model}/sensitivity/{type}.parquet"

@@ -1,7 +1,7 @@
 """Per-layer K and V types for a byte budget, searched on the validation text only.
 
 Two allocators, each within one family (standard or KVarN types: one family per allocation,
-kvarn.spec.allocation), for a budget given as a uniform cell's bytes at the evaluation context:
+kvarn.vocab.allocation), for a budget given as a uniform cell's bytes at the evaluation context:
 
 * **knapsack** (`knapsack`): every attention layer's K and every layer's V is one group of a
   multiple-choice knapsack (Kellerer, Pferschy & Pisinger, *Knapsack Problems*, 2004, ch. 11): pick
@@ -30,9 +30,9 @@ from functools import reduce
 import numpy as np
 
 from kvarn.budget import memory
-from kvarn.spec import facts
-from kvarn.spec.allocation import Allocation, range_string
-from kvarn.spec.cell import CellSpec, cell_spec
+from kvarn.vocab import facts
+from kvarn.vocab.allocation import Allocation, range_string
+from kvarn.vocab.cell import CellSpec, cell_spec
 
 MAX_UNITS = 2_000_000  # dynamic-programming states per group: beyond it costs are rounded up (never over budget)
 

@@ -19,7 +19,7 @@ from kvarn.baseline import data
 from kvarn.kvcache import attention as kattn
 from kvarn.kvcache.cache import probe_cache
 from kvarn.run.engine import BASELINE, chunk_logprobs, new_cache, progress
-from kvarn.spec import scoring
+from kvarn.vocab import scoring
 from kvarn.stats import metrics
 
 COLUMNS = ("layer", "kind", "role", "type", "kld_mean", "kld_median", "kld_p99", "tokens")

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     import yaml
 
     from kvarn.plan import matrix as kvm
-    from kvarn.spec.geometry import config_object, geometry_from_config
+    from kvarn.vocab.geometry import config_object, geometry_from_config
     from kvarn.weights.sources import ModelSpec, config_json, gguf_path
 
     ap = argparse.ArgumentParser(prog="python -m kvarn.plan.fit", description=__doc__.splitlines()[0])

@@ -24,13 +24,13 @@ Config shape (documented key by key in config/README.md):
     allocations:
       edges8: {k: "0-1:q8_0,2-27:q4_0,28-29:q8_0", v: q4_0, v_first: "q8_0,2", v_last: "q8_0,2"}
 
-An allocation (kvarn.spec.allocation) is checked here, before any job: its ranges, types and
+An allocation (kvarn.vocab.allocation) is checked here, before any job: its ranges, types and
 family; a layer past a model is refused where the model's geometry is known (the cache, the
 memory accounting). Its cells are `{k}-{v}-t{tail}-a{name}.{digest}`, K and V its main types:
 an edited definition is a new digest, hence a new path. `publish_allocations` writes the
 definitions where the jobs (and their workers) look them up.
 
-This module is pure Python over the type facts (`kvarn.spec.facts`: no torch, no model, no
+This module is pure Python over the type facts (`kvarn.vocab.facts`: no torch, no model, no
 download), so `snakemake -n` of any matrix, the article's included, plans without a network.
 
 A model's `memory_accounting` (kvarn.budget.memory) is not part of any cell path: memory is
@@ -48,12 +48,12 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from kvarn.files.atomic import write_text
-from kvarn.spec import allocation, facts
+from kvarn.vocab import allocation, facts
 from kvarn.budget.memory import ACCOUNTINGS, bits_per_value, resummarize
-from kvarn.spec.allocation import Allocation, AllocationError
-from kvarn.spec.cell import BASELINE_OPTS_PATTERN, CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
-from kvarn.spec.cell import cell_spec
-from kvarn.spec.options import ATTENTIONS, DTYPES, SAMPLING_PATTERN, check_sampling, sampling_name  # noqa: F401 (the rules read SAMPLING_PATTERN here)
+from kvarn.vocab.allocation import Allocation, AllocationError
+from kvarn.vocab.cell import BASELINE_OPTS_PATTERN, CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
+from kvarn.vocab.cell import cell_spec
+from kvarn.vocab.options import ATTENTIONS, DTYPES, SAMPLING_PATTERN, check_sampling, sampling_name  # noqa: F401 (the rules read SAMPLING_PATTERN here)
 from kvarn.llamacpp_engine.settings import ENGINE as LLAMACPP, Settings, engine_of
 from kvarn.weights.sources import unpinned
 
@@ -63,7 +63,7 @@ ALL_CHUNKS = "all"
 CHUNKS_PATTERN = r"\d+|all"
 MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
                   "memory_accounting": "packed", "engine": None}
-CELL_DEFAULTS = parse_opts("")  # a cell's options when the config names none (kvarn.spec.cell)
+CELL_DEFAULTS = parse_opts("")  # a cell's options when the config names none (kvarn.vocab.cell)
 
 # The results layout, one template per output directory: the cells below and the workflow's
 # rules (workflow/rules/common.smk, decode.smk) take their paths from these.
@@ -115,7 +115,7 @@ class Decode:
 
     @property
     def sampling(self) -> str:
-        """The decode run directory's suffix (kvarn.spec.options.sampling_name): "" when greedy."""
+        """The decode run directory's suffix (kvarn.vocab.options.sampling_name): "" when greedy."""
         return sampling_name(self.temperature, self.seed)
 
 
@@ -143,11 +143,11 @@ class Cell(CellSpec):
     n_ctx: int = field(kw_only=True)
     chunks: int | str = field(kw_only=True)  # a count, or ALL_CHUNKS
     engine: str = field(default="torch", kw_only=True)  # the model's engine: not in the cell's path
-    alloc: str | None = field(default=None, kw_only=True)  # the allocation's token (kvarn.spec.allocation)
+    alloc: str | None = field(default=None, kw_only=True)  # the allocation's token (kvarn.vocab.allocation)
 
     @property
     def spec(self) -> CellSpec:
-        """What identifies the cell within its run (kvarn.spec.cell): types, tail, options, allocation."""
+        """What identifies the cell within its run (kvarn.vocab.cell): types, tail, options, allocation."""
         return cell_spec(**{f.name: getattr(self, f.name) for f in fields(CellSpec)}, alloc=self.alloc)
 
     @property
@@ -364,7 +364,7 @@ def _pairs(where: str, entry: dict) -> list[tuple[str, str, dict]]:
 
 
 def _allocations(config: dict) -> dict[str, Allocation]:
-    """The config's `allocations:`, each checked (kvarn.spec.allocation) and defined in this process."""
+    """The config's `allocations:`, each checked (kvarn.vocab.allocation) and defined in this process."""
     raw = config.get("allocations") or {}
     if not isinstance(raw, dict):
         raise MatrixError(f"allocations: {raw!r}; give a mapping of names to {{k, v, k_first, k_last, v_first, v_last}}")
@@ -462,7 +462,7 @@ def _normalize(cell: Cell) -> Cell:
 
     KVarN always rotates and iters only matter to KVarN; a tail dtype or sink equal to
     the pair's default is the default (so existing cell paths stay as they were); a tail the
-    format rounds is the tail it runs at (`kvarn.spec.facts.job_tail`: KVarN 500 is the 512 job,
+    format rounds is the tail it runs at (`kvarn.vocab.facts.job_tail`: KVarN 500 is the 512 job,
     a tail of 0 stays t0); an allocation of one K and one V type on every layer of any model is
     the plain cell of that pair (bit for bit the same run, tests/test_allocation_cache.py).
     """
@@ -513,9 +513,9 @@ def allocation_versions(cell: CellSpec) -> dict:
 
 
 def publish_allocations(allocs, directory=None) -> Path | None:
-    """Write each allocation's record to `directory` (default kvarn.spec.allocation.directory())
+    """Write each allocation's record to `directory` (default kvarn.vocab.allocation.directory())
     as `{token}.json` and name that directory in $KVARN_ALLOCATIONS_DIR, so the job scripts this
-    process starts, and the workers they start, find them (`kvarn.spec.allocation.lookup`).
+    process starts, and the workers they start, find them (`kvarn.vocab.allocation.lookup`).
     Content-addressed: a file already there holds the same definition. None when there is none."""
     allocs = list(allocs)
     if not allocs:

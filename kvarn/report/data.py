@@ -14,7 +14,7 @@ Conventions the report follows (and the README states):
 * MiB are 2^20 bytes; Δ MiB is against the same pair at tail 0. They are computed under
   the run's memory accounting (`memory_accounting`, kvarn.budget.memory; `packed` when a summary
   predates it), and every table and figure names it (`accounting_of`).
-* Type facts (family, bits, KVarN's tail rule) come from `kvarn.spec.facts`, never from names.
+* Type facts (family, bits, KVarN's tail rule) come from `kvarn.vocab.facts`, never from names.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Iterable, Sequence
 
 import polars as pl
 
-from kvarn.spec import facts
-from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import DEFAULT_COMPUTE, summary_sampling
+from kvarn.vocab import facts
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab.options import DEFAULT_COMPUTE, summary_sampling
 from kvarn.plan.matrix import parse_cell_dir
 from kvarn.report.migrate import migrate_summary
 
@@ -43,12 +43,12 @@ SERIES_KVARN = "KVarN, tail 128*"
 FORMAT_ONLY_OPTS = f"-td{facts.get('kvarn4').default_tail_dtype}-s{facts.KVARN_SINK}"  # the cell path's opts
 SERIES_FORMAT_ONLY = "standard + KVarN's sink, F16 tail"
 SERIES_ECOSYSTEM = "QuantizedCache backends"  # transformers' quanto, HQQ, KIVI layout (kvarn.formats.ecosystem)
-SERIES_PER_LAYER = "per-layer types, {family}"  # a cell of an allocation (kvarn.spec.allocation), never a frontier's
+SERIES_PER_LAYER = "per-layer types, {family}"  # a cell of an allocation (kvarn.vocab.allocation), never a frontier's
 
 
 
 def type_bits(name: str) -> int | None:
-    """Nominal bit width of a cache type (kvarn.spec.facts): q4_0 -> 4, kvarn6 -> 6, bf16 -> 16."""
+    """Nominal bit width of a cache type (kvarn.vocab.facts): q4_0 -> 4, kvarn6 -> 6, bf16 -> 16."""
     return facts.FACTS[name].bits if name in facts.FACTS else None
 
 
@@ -59,7 +59,7 @@ def same_width_partner(kvarn_type: str) -> str | None:
 
 
 def family_of(k_type: str) -> str:
-    """'kvarn', 'ecosystem' or 'standard' for a pair whose K type is k_type (kvarn.spec.facts)."""
+    """'kvarn', 'ecosystem' or 'standard' for a pair whose K type is k_type (kvarn.vocab.facts)."""
     fam = facts.get(k_type).family
     return fam if fam in ("kvarn", "ecosystem") else "standard"
 
@@ -73,7 +73,7 @@ def accounting_of(prep: pl.DataFrame) -> str:
 
 def tail_label(family: str, tail_requested: int, tail_eff: int | None) -> str:
     """`128*` for a KVarN (or ecosystem) request whose effective tail differs from the request
-    (`kvarn.spec.facts.label_tail`, read from a summary's columns); a standard request as given."""
+    (`kvarn.vocab.facts.label_tail`, read from a summary's columns); a standard request as given."""
     return facts.label_tail(tail_requested, tail_eff if family in ("kvarn", "ecosystem") else None)
 
 
@@ -139,7 +139,7 @@ def prepare(summary: pl.DataFrame, model: str | None = None) -> pl.DataFrame:
         r["opts"] = spec.opts if spec else ""
         r["alloc"] = getattr(spec, "alloc", None)
         r["pair"] = f"{r['k_type']}-{r['v_type']}{r['opts']}"  # a non-default option stays visible
-        if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.spec.facts.tail_label)
+        if not r.get("tail_label"):  # the aggregate rule writes it (kvarn.vocab.facts.tail_label)
             r["tail_label"] = tail_label(r["family"], r["tail_requested"], r["tail_eff_full"])
         r["series"] = series_of(r["family"], r["tail_requested"], r["tail_eff_full"])
         if r["family"] == "standard" and r["opts"] == FORMAT_ONLY_OPTS:
@@ -474,7 +474,7 @@ def decode_frame(summary_paths: Iterable[str | Path]) -> pl.DataFrame:
     """Long rows of (cell, step) from kvarn.run.decode summary.json files: survival S(t) (fraction
     of prompts still on the baseline's text after t tokens, t = 0..G) and the mean KLD of
     decode step t (t < G; null at t = G), plus the cell's family, width, label, P, G and decoding
-    (`kvarn.spec.options.summary_sampling`; summaries of two decodings are refused)."""
+    (`kvarn.vocab.options.summary_sampling`; summaries of two decodings are refused)."""
     import json
 
     frames = []

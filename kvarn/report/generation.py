@@ -36,9 +36,9 @@ import numpy as np
 import polars as pl
 
 from kvarn.report.data import same_width_partner
-from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import summary_sampling
-from kvarn.spec.scoring import scored_range
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab.options import summary_sampling
+from kvarn.vocab.scoring import scored_range
 
 DEFAULT_BOOT = 2000
 DEFAULT_SEED = 0

@@ -2,7 +2,7 @@
 machine and the command (`record`), and the check that committed figures are current (`stale`).
 
 Numerics versions are every version that changes a number kvarn prints: each KV type's
-(`kvarn.spec.facts`), each compute path's (`COMPUTE_VERSION`), the free-running decode's
+(`kvarn.vocab.facts`), each compute path's (`COMPUTE_VERSION`), the free-running decode's
 (`DECODE_VERSION`), the baseline encoding's (`ENCODING_VERSION`) and KVarN's passes. A committed
 ledger whose versions differ from the code's was produced by other arithmetic: tests/test_claims.py
 fails until the figures are regenerated (make run, then workflow/scripts/readme_figures.py --readme).
@@ -25,8 +25,8 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", 
 
 def numerics_versions() -> dict:
     from kvarn.baseline.encoding import ENCODING_VERSION
-    from kvarn.spec import facts
-    from kvarn.spec.options import COMPUTE_VERSION, DECODE_VERSION
+    from kvarn.vocab import facts
+    from kvarn.vocab.options import COMPUTE_VERSION, DECODE_VERSION
 
     return {"types": {n: facts.get(n).version for n in facts.names()}, "compute": dict(COMPUTE_VERSION),
             "decode": DECODE_VERSION, "baseline_encoding": ENCODING_VERSION, "kvarn_iters": facts.KVARN_ITERS}

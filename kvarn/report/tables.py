@@ -4,7 +4,7 @@ Shaped like the study's table: K/V pair, tail (KVarN request 0 printed `128*`), 
 MiB with the Δ against the same pair at tail 0 in brackets (its header and the caption
 name the memory accounting, kvarn.budget.memory), mean KLD ± standard error,
 median, p99, p99.9, same-top % ±, tokens/s, and the exact share (how much of the row is
-exactness rather than format: `kvarn.spec.policy.exact_share`). The standard floor (the study's: the standard pair
+exactness rather than format: `kvarn.vocab.policy.exact_share`). The standard floor (the study's: the standard pair
 with the lowest median KLD at tail 128, kvarn.report.data.standard_floor) is marked; rows whose median KLD is below the floor are highlighted (bold in
 Markdown, class `below-floor` in HTML).
 """
@@ -16,7 +16,7 @@ import html
 import polars as pl
 
 from kvarn.report.data import accounting_of, prepare
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 
 #: Columns of the numeric table (the parquet), in order.
 TABLE_COLUMNS = [

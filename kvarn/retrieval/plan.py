@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvarn.retrieval.score import BASELINE_CELL
 from kvarn.retrieval.tasks import TASK_VERSION, TASKS  # noqa: F401  (TASK_VERSION: the rules' param)
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 
 RETRIEVAL_DIR = "results/retrieval"
 RUN_DIR = RETRIEVAL_DIR + "/{model}/ctx{n_ctx}"

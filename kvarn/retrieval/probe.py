@@ -19,7 +19,7 @@ import torch
 
 from kvarn.retrieval import run, tasks
 from kvarn.retrieval.score import BASELINE_CELL
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.weights.sources import ModelSpec
 
 

@@ -25,7 +25,7 @@ from kvarn.retrieval import score
 from kvarn.retrieval.tasks import read_tasks, write_tasks
 from kvarn.run.decode import choose, feed
 from kvarn.run.engine import attention_path, new_cache, set_compute
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.weights import models
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
@@ -147,7 +147,7 @@ def run_cell(spec, task_paths, out_paths, cell: CellSpec, ubatch=512, batch=8, d
     """One cell over task files (all of one model and context): out_paths[i] gets the answers
     to task_paths[i] (JSONL, atomically). Returns a summary (model, cell, counts, wall time)."""
     if not isinstance(cell, CellSpec):
-        raise TypeError(f"run_cell takes a kvarn.spec.cell.CellSpec, got {cell!r}")
+        raise TypeError(f"run_cell takes a kvarn.vocab.cell.CellSpec, got {cell!r}")
     if len(task_paths) != len(out_paths):
         raise ValueError(f"run_cell: {len(task_paths)} task files but {len(out_paths)} answer files")
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ Owns `read_answer` (the answer a generated text gives), `wilson`, `mcnemar`, and
 * the pairs compared: each KVarN cell at 128* against the standard type of its width at tail 128
   (kvarn4 vs q4_0), and each standard type at tail 0 against itself at tail 128;
 * the needle's position (`needle_position`), on full-attention layers under the cell's policy
-  (`kvarn.spec.policy.layer_policy`: KVarN's 128-token sink, a standard type's `-s<n>`, the
+  (`kvarn.vocab.policy.layer_policy`: KVarN's 128-token sink, a standard type's `-s<n>`, the
   effective tail): "sink" when every token of it lies in the sink, "tail" when every token lies
   within the effective tail of every answering query (the last one at n_prompt + gen_tokens − 2),
   "body" when some answering query reads some token of it from the quantized body, "exact" for a
@@ -37,8 +37,8 @@ import polars as pl
 from scipy.stats import binomtest, kendalltau, wilcoxon
 
 from kvarn.retrieval.tasks import LEGACY_TASKS, ruler_kind
-from kvarn.spec import facts, policy
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab import facts, policy
+from kvarn.vocab.cell import CellSpec
 
 BASELINE_CELL = "bf16-bf16-t0"
 GROUP = ("model", "context")  # every score is per model and context length: lengths are never pooled

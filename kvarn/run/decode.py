@@ -57,8 +57,8 @@ import kvarn
 from kvarn.stats import metrics
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.run.engine import attention_path, baseline_cell, new_cache, progress, set_compute, setup
-from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import DECODE_VERSION, check_sampling, sampling_label, sampling_name
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab.options import DECODE_VERSION, check_sampling, sampling_label, sampling_name
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 STEP_KEYS = ("prompt", "step", "token", "base_token", "kld", "same_top", "nll_base")
@@ -126,7 +126,7 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
     """Generate `n_tokens` per prompt with the cell's cache, the BF16 baseline (on the cell's compute path)
     re-scoring the cell's text in blocks of `block` steps (None: `block_steps`; 1: lock step).
     `temperature` 0: greedy; T > 0: sampled at T with the Gumbel noise of a generator seeded with
-    `seed` (the module doc; `kvarn.spec.options.check_sampling` names the accepted values).
+    `seed` (the module doc; `kvarn.vocab.options.check_sampling` names the accepted values).
     Returns the STEP_KEYS columns, [P · n_tokens] rows ordered by (prompt, step). `model` must use
     attn_implementation "kvarn"; `attention`: the attention path of both caches ("ref" or "flex",
     `kvarn.run.engine.attention_path`). `timing`: if given, gets prefill_s (both prompts), steps_s
@@ -245,10 +245,10 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
     (kvarn.run.worker: the teacher-forced cells of the same chunks share it), else loads now.
     `block`: decode steps the baseline scores in one forward (`decode`: None from `block_steps`,
     1 lock step), recorded in the summary. `temperature`, `seed`: how tokens are chosen (`decode`;
-    0: greedy), recorded in the summary with `sampling` (`kvarn.spec.options.sampling_name`)."""
+    0: greedy), recorded in the summary with `sampling` (`kvarn.vocab.options.sampling_name`)."""
     out_dir = Path(out_dir)
     if not isinstance(cell, CellSpec):
-        raise TypeError(f"run_decode takes a kvarn.spec.cell.CellSpec, got {cell!r}")
+        raise TypeError(f"run_decode takes a kvarn.vocab.cell.CellSpec, got {cell!r}")
     attention_path(attention, "cpu", cell.compute)  # a bad option is refused before any work
     temperature, seed = check_sampling(temperature, seed)
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ import torch
 
 import kvarn
 import kvarn.kvcache.attention as kattn
-from kvarn.spec import scoring
+from kvarn.vocab import scoring
 from kvarn.baseline import data, dump
 from kvarn.baseline.protocol import Baseline
 from kvarn.budget import memory
@@ -31,11 +31,11 @@ from kvarn.weights import models, sources
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.kvcache.cache import KVarnCache
 from kvarn.llamacpp_cpu.activations import set_activation_rounding
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.files.identity import job_key
 from kvarn.run.ahead import ahead
-from kvarn.spec.options import ATTENTION_ROUNDING, COMPUTE_VERSION, LLAMACPP_CPU
-from kvarn.spec.policy import exact_share
+from kvarn.vocab.options import ATTENTION_ROUNDING, COMPUTE_VERSION, LLAMACPP_CPU
+from kvarn.vocab.policy import exact_share
 from kvarn.budget.preflight import preflight
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
@@ -184,7 +184,7 @@ def attention_path(attention: str, device: str, compute: str) -> str | None:
 
 def check_baseline_compute(base: Baseline, compute: str) -> None:
     """A cell scores only against a baseline of the same compute path and version
-    (`kvarn.spec.options.COMPUTE_VERSION`; dumps before those fields existed were `exact`, 1)."""
+    (`kvarn.vocab.options.COMPUTE_VERSION`; dumps before those fields existed were `exact`, 1)."""
     found = base.header.get("compute", "exact")
     if found != compute:
         raise ValueError(
@@ -194,7 +194,7 @@ def check_baseline_compute(base: Baseline, compute: str) -> None:
     if version != COMPUTE_VERSION[compute]:
         raise ValueError(
             f"dump {base.path}: baseline computed with compute {compute!r} version {version}, this kvarn "
-            f"emulates version {COMPUTE_VERSION[compute]} (kvarn.spec.options.COMPUTE_VERSION); make the baseline again")
+            f"emulates version {COMPUTE_VERSION[compute]} (kvarn.vocab.options.COMPUTE_VERSION); make the baseline again")
 
 
 def progress(iterable, desc, total, unit="chunk"):
@@ -287,7 +287,7 @@ def policy_fields(cache: KVarnCache) -> dict:
 
 def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512, text=None, device="auto",
              dtype="auto", cache_dir=DEFAULT_CACHE_DIR, accounting="packed", context=None, attention="auto") -> dict:
-    """One cell (`kvarn.spec.cell.CellSpec`: types, tail, options, all validated there) against
+    """One cell (`kvarn.vocab.cell.CellSpec`: types, tail, options, all validated there) against
     the baseline dump; writes out_dir/tokens.parquet and summary.json.
 
     `context`: a loaded `Context` of the same job arguments (kvarn.run.worker), else loads now.
@@ -305,7 +305,7 @@ def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512,
     came from, so another accounting can be computed later without a rerun).
     """
     if not isinstance(cell, CellSpec):
-        raise TypeError(f"run_cell takes a kvarn.spec.cell.CellSpec, got {cell!r}")
+        raise TypeError(f"run_cell takes a kvarn.vocab.cell.CellSpec, got {cell!r}")
     compute = cell.compute
     kattn.resolve_attention(attention, "cpu")  # a bad option is refused before any work
     out_dir = Path(out_dir)

@@ -19,10 +19,10 @@ import polars as pl
 import torch
 
 import kvarn.kvcache.attention as kattn
-from kvarn.spec import scoring
+from kvarn.vocab import scoring
 from kvarn.run.engine import new_cache
-from kvarn.spec.cell import CellSpec
-from kvarn.spec.options import EXACT
+from kvarn.vocab.cell import CellSpec
+from kvarn.vocab.options import EXACT
 
 VARIANTS = ("kv", "k", "v")  # both quantized (the cell), K only, V only
 REFERENCE = CellSpec("f32", "f32", 0)  # the fp32 copy every variant is compared with
@@ -90,7 +90,7 @@ def layer_errors(model, chunk_ids: torch.Tensor, cell: CellSpec, ubatch=512):
     rel_err_kv, rel_err_k, rel_err_v (relative L2 error of the attention output), n_rows.
     The probe compares exact attention outputs: the cell's compute path must be exact."""
     if not isinstance(cell, CellSpec):
-        raise TypeError(f"layer_errors takes a kvarn.spec.cell.CellSpec, got {cell!r}")
+        raise TypeError(f"layer_errors takes a kvarn.vocab.cell.CellSpec, got {cell!r}")
     if cell.compute != EXACT:
         raise ValueError(f"layer errors are measured on the exact compute path; cell {cell.name} has compute "
                          f"{cell.compute!r}")

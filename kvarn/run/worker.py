@@ -52,7 +52,7 @@ from pathlib import Path
 
 import kvarn
 from kvarn.files.identity import job_key
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.weights.sources import DEFAULT_CACHE_DIR, ModelSpec
 from kvarn.files.workerfiles import DIR_ENV, SOCKET_ENV, held_path, socket_dir
 

@@ -3,18 +3,18 @@ model of a config, and filling its weights from named tensors.
 
 Shared by every way a model is made (`kvarn.weights.models` from a transformers directory,
 `kvarn.weights.gguf_weights` from a GGUF, `kvarn.weights.random_model` from a config file) and by the
-preflight's estimate (`pick_device_dtype`). Imports only `kvarn.spec.options`; torch and
+preflight's estimate (`pick_device_dtype`). Imports only `kvarn.vocab.options`; torch and
 transformers only inside the functions.
 """
 
 from __future__ import annotations
 
-from kvarn.spec.options import MODEL_DTYPES
+from kvarn.vocab.options import MODEL_DTYPES
 
 
 def pick_device_dtype(device: str, dtype):
     """(device, torch dtype) a job runs on: "auto" device is CUDA when present, else CPU;
-    "auto" dtype bfloat16 on CUDA, float32 on CPU; a dtype name is one of `kvarn.spec.options.MODEL_DTYPES`."""
+    "auto" dtype bfloat16 on CUDA, float32 on CPU; a dtype name is one of `kvarn.vocab.options.MODEL_DTYPES`."""
     import torch
 
     if device == "auto":

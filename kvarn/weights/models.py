@@ -2,7 +2,7 @@
 
 Owns: `load` (model + tokenizer + `ModelInfo`: cache geometry, BOS behaviour, vocabulary
 size, tokenizer identity), `detect_add_bos` and `tokenizer_hash`. Where the weights come
-from (and their verification) is `kvarn.weights.sources`; the cache geometry is `kvarn.spec.geometry`.
+from (and their verification) is `kvarn.weights.sources`; the cache geometry is `kvarn.vocab.geometry`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvarn.weights import gguf_weights, random_model
-from kvarn.spec.geometry import Geometry, geometry_from_config
+from kvarn.vocab.geometry import Geometry, geometry_from_config
 from kvarn.weights.modelbuild import build_model, fill_weights, pick_device_dtype
 from kvarn.weights.sources import DEFAULT_CACHE_DIR, ModelSpec, is_text_weight, resolve
 

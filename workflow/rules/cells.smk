@@ -1,6 +1,6 @@
 # The cells of the matrix (kvarn.plan.matrix): one job per cell path, and its table row.
 #
-# Per-layer allocations (kvarn.spec.allocation): their definitions are written where the cell jobs,
+# Per-layer allocations (kvarn.vocab.allocation): their definitions are written where the cell jobs,
 # and the workers they start, look them up by the token in the cell's path (content-addressed, so a
 # worker started before an edit never reads a stale one); a cell's `versions` param holds the
 # numerics version of its K and V types and, for an allocation, of every type it uses

@@ -106,7 +106,7 @@ def model_param(key):
 
 
 def cell_fields(wildcards) -> dict:
-    """The job's cell (kvarn.spec.cell.CellSpec, read from its path), every field, as one param:
+    """The job's cell (kvarn.vocab.cell.CellSpec, read from its path), every field, as one param:
     a changed option reruns the job, and so does a changed default, which the path leaves out."""
     return dataclasses.asdict(kvm.CellSpec.from_wildcards(wildcards))
 

@@ -7,7 +7,7 @@
 # Uses from common.smk: MATRIX, decode_targets (rule all), model_marker, model_param, cell_fields, format_versions;
 # from report.smk: figure_outputs, kvr (kvr.generation_figure_outputs).
 from kvarn.plan import generation as kvgen
-from kvarn.spec.options import DECODE_VERSION
+from kvarn.vocab.options import DECODE_VERSION
 
 DECODE = kvm.DECODE_DIR
 GENERATION = f"{kvm.DECODE_RUN_DIR}/{kvgen.GENERATION_DIR}"

@@ -10,8 +10,8 @@ from _wf import model_spec, scratch, start
 
 start(snakemake)  # noqa: F821
 from kvarn.run import worker  # noqa: E402
-from kvarn.spec.cell import CellSpec  # noqa: E402
-from kvarn.spec.options import parse_sampling  # noqa: E402
+from kvarn.vocab.cell import CellSpec  # noqa: E402
+from kvarn.vocab.options import parse_sampling  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
 temperature, seed = parse_sampling(w.sampling)  # "" greedy, "-T1-s0" sampled (kvarn.plan.matrix.DECODE_RUN_DIR)

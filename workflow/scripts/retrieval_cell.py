@@ -8,7 +8,7 @@ from _wf import model_spec, start
 
 start(snakemake)  # noqa: F821
 from kvarn.retrieval import run  # noqa: E402
-from kvarn.spec.cell import CellSpec  # noqa: E402
+from kvarn.vocab.cell import CellSpec  # noqa: E402
 
 p, cfg = snakemake.params, snakemake.config  # noqa: F821
 summary = run.run_cell(

@@ -254,7 +254,7 @@ def main(argv=None) -> int:
         import torch
 
         from kvarn.run import engine
-        from kvarn.spec.cell import CellSpec
+        from kvarn.vocab.cell import CellSpec
         from kvarn.weights.sources import parse_model
 
         torch.set_num_threads(args.threads)

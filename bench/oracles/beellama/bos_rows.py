@@ -217,7 +217,7 @@ def main(argv=None) -> int:
 
     spec = sources.parse_model(args.model)
     cache_dir = str(REPO / "resources" / "models")
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab.cell import CellSpec
 
     if args.type not in ("f16", "bf16", "q4_0"):
         ap.error(f"--type {args.type!r}: accepted f16, bf16, q4_0")

@@ -138,7 +138,7 @@ def run_cell(cmd: list[str], log: Path, timeout: float = 300.0) -> None:
 def gguf_geometry(gguf: Path, cache: Path | None = None):
     """The per-layer geometry `kvarn memory -m GGUF` reads from the file's metadata (slow:
     kept in `cache`, a JSON of `Geometry.to_list()`, once read)."""
-    from kvarn.spec.geometry import Geometry, geometry_from_config
+    from kvarn.vocab.geometry import Geometry, geometry_from_config
 
     if cache is not None and cache.is_file():
         return Geometry.from_list(json.loads(cache.read_text()))
@@ -155,7 +155,7 @@ def gguf_geometry(gguf: Path, cache: Path | None = None):
 def kvarn_total(geom, n_ctx: int, cell: Cell, accounting: str) -> float | str:
     """`kvarn memory -m GGUF -c N -ub 512 --tail T --accounting A`'s total MiB (or its refusal)."""
     from kvarn.budget.memory import MIB, kv_bytes
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab.cell import CellSpec
 
     try:
         b = kv_bytes(geom, n_ctx, CellSpec(cell.k, cell.v, cell.tail), ubatch=512, accounting=accounting)

@@ -48,8 +48,8 @@ def main() -> None:
 
     from kvarn.run import engine
 
-    from kvarn.spec import options
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab import options
+    from kvarn.vocab.cell import CellSpec
     from kvarn.weights import sources
     from kvarn.formats.hadamard import V_ROTATION_BLOCK, k_rotation_block, rotate_blocks
 

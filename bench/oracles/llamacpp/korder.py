@@ -25,7 +25,7 @@ from kvarn.llamacpp_cpu import channel_order
 
 from kvarn.run import engine
 from kvarn.weights import sources
-from kvarn.spec.cell import CellSpec
+from kvarn.vocab.cell import CellSpec
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 

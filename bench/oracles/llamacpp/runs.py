@@ -96,7 +96,7 @@ def kvarn_baseline(model, n_ctx, chunks, mode, out: Path, llama_out: Path | None
 
 def kvarn_cell(model, n_ctx, chunks, k, rot, mode, baseline: Path, out: Path) -> dict:
     from kvarn.run import engine
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import parse_model
 
     if not (out / "summary.json").is_file():

@@ -101,8 +101,8 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
 
     from kvarn.run import engine
 
-    from kvarn.spec import options
-    from kvarn.spec.cell import CellSpec
+    from kvarn.vocab import options
+    from kvarn.vocab.cell import CellSpec
     from kvarn.weights import sources
     from kvarn.formats.registry import get_format
 

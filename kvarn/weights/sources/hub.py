@@ -1,7 +1,7 @@
 """``hf:org/repo[@revision]`` and ``hf:org/repo/file.gguf[@revision]``: the Hugging Face hub.
 
 A repository: ``config.json`` first, so a layer type kvarn does not support is refused
-(`kvarn.spec.geometry.check_layer_types`) before any weights; then the tokenizer and, for an
+(`kvarn.vocab.geometry.check_layer_types`) before any weights; then the tokenizer and, for an
 image-text checkpoint (a ``text_config``), only the safetensors shards its index lists for
 language-model tensors (`is_text_weight`). Gated repositories read a token from the
 environment (``HF_TOKEN``), never from a file. One GGUF file: the spec's revision
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvarn.spec.geometry import check_layer_types
+from kvarn.vocab.geometry import check_layer_types
 from kvarn.weights.sources.base import HEX40, ModelSpec, SourceKind, check_sha, gguf_unpinned, register
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvarn.spec.geometry import check_layer_types
+from kvarn.vocab.geometry import check_layer_types
 from kvarn.weights.sources.base import REGISTRY, ModelSpec, SourceKind, check_sha, gguf_unpinned, register
 
 

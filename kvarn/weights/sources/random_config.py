@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvarn.spec.geometry import check_layer_types
+from kvarn.vocab.geometry import check_layer_types
 from kvarn.weights.sources.base import ModelSpec, SourceKind, register, sha256_file
 
 RANDOM_SEED = 0  # random: sources draw their weights from this seed

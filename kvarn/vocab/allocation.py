@@ -11,13 +11,13 @@ layer a K type and a V type, per role in one of two forms:
 
 Layer indices are decoder-layer indices as llama.cpp and ik_llama.cpp count them (`il`: every
 layer, a hybrid model's recurrent layers included), which are transformers' `layer_idx` and
-`kvarn.spec.geometry`'s; a layer without a KV cache takes a type and ignores it, as they do
+`kvarn.vocab.geometry`'s; a layer without a KV cache takes a type and ignores it, as they do
 (docs/notes/per-layer.md). All the types of one allocation are of one family (standard, KVarN or
 QuantizedCache types): the cell's tail, sink, tail dtype and group are the family's, the same on
 every layer.
 
 Identity: `Allocation.token` is `{name}.{digest}`, the digest 8 hex digits of the sha256 of the
-canonical definition. A cell's name carries it (`-a{token}`, kvarn.spec.cell), so an edited
+canonical definition. A cell's name carries it (`-a{token}`, kvarn.vocab.cell), so an edited
 allocation is another cell path, and a name says which definition it means. Where the layers'
 types are needed (the cache, the memory accounting), `lookup` finds the definition: one this
 process defined (`define`; the matrix defines the config's), else the file `{token}.json` in the
@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvarn.spec import facts
+from kvarn.vocab import facts
 
 NAME_RE = re.compile(r"[a-z0-9_]{1,40}")
 DIGITS = 8  # hex digits of the digest in a token
@@ -344,8 +344,8 @@ def lookup(token: str) -> Allocation:
 
 
 def layer_types(cell, geom, alloc: Allocation | None = None) -> list[tuple[str, str]]:
-    """(K type, V type) of each decoder layer of `geom` (kvarn.spec.geometry.Geometry) for `cell`
-    (a kvarn.spec.cell.CellSpec): its pair on every layer, or its allocation's map (`alloc`, else
+    """(K type, V type) of each decoder layer of `geom` (kvarn.vocab.geometry.Geometry) for `cell`
+    (a kvarn.vocab.cell.CellSpec): its pair on every layer, or its allocation's map (`alloc`, else
     `lookup(cell.alloc)`), whose main types must be the cell's."""
     token = getattr(cell, "alloc", None)
     if token is None:

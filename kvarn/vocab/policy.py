@@ -4,14 +4,14 @@ For a query at p and a key at j <= p (and p - j < W on a sliding layer of window
 attention reads the exact copy if j < sink or p - j < tail, else the body copy.
 
 The functions take two objects with the type facts' attributes (name, family, sink,
-default_tail_dtype, effective_tail): `kvarn.formats` formats or `kvarn.spec.facts.TypeFacts`.
+default_tail_dtype, effective_tail): `kvarn.formats` formats or `kvarn.vocab.facts.TypeFacts`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvarn.spec.scoring import scored_range
+from kvarn.vocab.scoring import scored_range
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def layer_policy(k_fmt, v_fmt, tail: int, window: int | None = None, sink: int |
     Standard types: sink 0 (or `sink` when asked), tail as requested. KVarN: sink 128 on
     full-attention layers, tail max(128, roundup(tail, 128)) capped at the window. No
     sink on sliding-window layers (KVarN's rule, kept for a standard type's sink too).
-    The tail and sink are a cell's, already checked (`kvarn.spec.cell.CellSpec.validate`).
+    The tail and sink are a cell's, already checked (`kvarn.vocab.cell.CellSpec.validate`).
     """
     eff = max(k_fmt.effective_tail(tail), v_fmt.effective_tail(tail))
     sink = default_sink(k_fmt, v_fmt) if sink is None else sink
@@ -62,7 +62,7 @@ def layer_policy(k_fmt, v_fmt, tail: int, window: int | None = None, sink: int |
 
 def default_tail_dtype(k_fmt, v_fmt) -> str:
     """The exact copy's dtype when none is asked: the pair's own default from the facts
-    table (`kvarn.spec.facts`): BF16 for standard types, F16 for KVarN (DESIGN §2)."""
+    table (`kvarn.vocab.facts`): BF16 for standard types, F16 for KVarN (DESIGN §2)."""
     pair_family(k_fmt, v_fmt)
     return k_fmt.default_tail_dtype
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from kvarn.spec.facts import get
+from kvarn.vocab.facts import get
 
 EXACT = "exact"
 LLAMACPP_CPU = "llamacpp-cpu"

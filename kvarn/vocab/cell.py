@@ -13,7 +13,7 @@ defaults as path tokens, in one order: `-a{allocation}`, `-norot`, `-td{dtype}`,
 back: the matrix, the workflow, the worker's requests and the report use these, nothing else
 builds or parses a cell name.
 
-A cell of per-layer types (kvarn.spec.allocation) is an `AllocCellSpec`: a CellSpec with the
+A cell of per-layer types (kvarn.vocab.allocation) is an `AllocCellSpec`: a CellSpec with the
 allocation's token (`edges8.1a2b3c4d`: its name and the digest of its definition) in `alloc`,
 its K and V the allocation's main types. A plain CellSpec has no `alloc` field (a class
 attribute None), so its fields, and the workflow params made of them, are what they were.
@@ -25,8 +25,8 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import ClassVar
 
-from kvarn.spec import allocation, facts, policy
-from kvarn.spec.options import COMPUTES, DEFAULT_COMPUTE, LLAMACPP_CPU, check_compute
+from kvarn.vocab import allocation, facts, policy
+from kvarn.vocab.options import COMPUTES, DEFAULT_COMPUTE, LLAMACPP_CPU, check_compute
 
 CELL_NAME = "{k}-{v}-t{tail}{opts}"
 # Wildcard patterns: a type name has no "-", so a cell name parses one way.
@@ -74,7 +74,7 @@ class CellSpec:
     tail_dtype: str | None = None  # None: the family's default (bf16 standard, f16 KVarN)
     iters: int = facts.KVARN_ITERS  # KVarN's variance-normalization passes
     sink: int | None = None  # None: the pair's own (0 standard, 128 KVarN)
-    compute: str = DEFAULT_COMPUTE  # kvarn.spec.options.COMPUTES: "exact" | "llamacpp-cpu" | "bf16-attn" | "tf32-attn"
+    compute: str = DEFAULT_COMPUTE  # kvarn.vocab.options.COMPUTES: "exact" | "llamacpp-cpu" | "bf16-attn" | "tf32-attn"
     alloc: ClassVar[str | None] = None  # per-layer types: AllocCellSpec's field (the allocation's token)
 
     def __post_init__(self):
@@ -134,7 +134,7 @@ class CellSpec:
 
     @property
     def family(self) -> str:
-        """The pair's family: 'kvarn', 'ecosystem' or 'standard' (kvarn.spec.policy.pair_family)."""
+        """The pair's family: 'kvarn', 'ecosystem' or 'standard' (kvarn.vocab.policy.pair_family)."""
         return facts.pair_family(self.k, self.v)
 
     @property
@@ -177,7 +177,7 @@ class CellSpec:
 
 @dataclass(frozen=True)
 class AllocCellSpec(CellSpec):
-    """A cell of per-layer types: `alloc` is its allocation's token (kvarn.spec.allocation), `k` and
+    """A cell of per-layer types: `alloc` is its allocation's token (kvarn.vocab.allocation), `k` and
     `v` that allocation's main types; every other option as a CellSpec's, on every layer."""
 
     alloc: str = field(kw_only=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvarn.spec import policy
+from kvarn.vocab import policy
 
 QK = 32  # values per block of the llama.cpp block types
 KVARN_GROUP = 128  # tokens per KVarN tile (G)
@@ -84,7 +84,7 @@ def kvarn_tile_nbytes(rows: int, cols: int, bits: int) -> int:
 @dataclass(frozen=True)
 class TypeFacts:
     """One KV cache type. Attribute names match `kvarn.formats.KVFormat`'s, so the pair
-    rules of `kvarn.spec.policy` accept either."""
+    rules of `kvarn.vocab.policy` accept either."""
 
     name: str
     family: str  # "float" | "block" | "kvarn" | "ecosystem"
