@@ -44,7 +44,7 @@ test-cluster: setup
 
 bench: setup
 	$(BIN)/python -m bench.perf.formats
-	$(BIN)/python -m bench.perf.engine
+	$(BIN)/python -m bench.perf.forward_speed
 
 # Debian's chromium, which tests/test_page.py loads the report page in (headless): installed with apt-get
 # when `chromium` is not on PATH (as root; otherwise the command to run is printed and make stops).

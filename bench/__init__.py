@@ -1,6 +1,6 @@
 """kvarn's benchmarks and external oracles, by purpose (bench/README.md): perf/ (speed, memory,
 sizes), gpu/ (the scripts for a lent GPU machine), oracles/ (llama.cpp, BeeLlama). Run a script
-from the repository root as a module: `python -m bench.perf.engine --help`.
+from the repository root as a module: `python -m bench.perf.forward_speed --help`.
 
 Paths outside the repository come from the environment (bench/README.md lists them all); this
 module holds the two every folder uses."""

@@ -2,7 +2,7 @@
 
 The package holds every number the pipeline produces: KV-cache formats
 (`kvarn.formats`), byte accounting (`kvarn.budget.memory`), the cache model inside
-transformers (`kvarn.kvcache.cache`), the teacher-forced KLD engine (`kvarn.run.engine`),
+transformers (`kvarn.kvcache.cache`), the teacher-forced KLD engine (`kvarn.run.torch_engine`),
 metrics (`kvarn.stats.metrics`) and the tables and figures (`kvarn.report`).
 The numerics contract is docs/DESIGN.md ("DESIGN §N"); docs/CONTRACTS.md lists the
 interfaces between modules.

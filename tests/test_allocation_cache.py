@@ -1,4 +1,4 @@
-"""Per-layer types in the cache model and the engine (kvarn.kvcache.cache, kvarn.run.engine) on tiny
+"""Per-layer types in the cache model and the engine (kvarn.kvcache.cache, kvarn.run.torch_engine) on tiny
 random-weight models: each layer stores with its own types, and an allocation of one type on every
 layer is its plain cell bit for bit (logits, stored rows, tokens.parquet and the summary's KLD)."""
 
@@ -136,7 +136,7 @@ def test_a_layer_past_the_model_is_refused_when_the_cache_is_built(llama):
 def test_the_engine_scores_a_uniform_allocation_as_its_plain_cell(tmp_path, one_thread):
     """run_cell end to end on a random-weight model: the same tokens.parquet and KLD, the summary
     records the allocation and its per-layer types."""
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights.sources import ModelSpec
 
     cfg = tmp_path / "tiny.json"
@@ -146,12 +146,12 @@ def test_the_engine_scores_a_uniform_allocation_as_its_plain_cell(tmp_path, one_
     spec = ModelSpec("tiny", f"random:{cfg}")
     common = dict(text=ENGINE_TEXT, device="cpu", dtype="float32", cache_dir=tmp_path / "models", ubatch=64)
     base = tmp_path / "baseline.kvd"
-    engine.run_baseline(spec, 256, 1, base, **common)
+    torch_engine.run_baseline(spec, 256, 1, base, **common)
     uniform = alloc_cell({"k": "0-1:q4_0", "v": "q4_0"}, tail=32, name="engine_uniform")
     sums = {}
     for cell in (CellSpec("q4_0", "q4_0", 32), uniform):
         out = tmp_path / cell.name
-        sums[cell.name] = engine.run_cell(spec, 256, 1, cell, base, out, **common)
+        sums[cell.name] = torch_engine.run_cell(spec, 256, 1, cell, base, out, **common)
     frames = [pl.read_parquet(tmp_path / name / "tokens.parquet") for name in sums]
     assert frames[0].equals(frames[1])
     plain, alloc = sums.values()

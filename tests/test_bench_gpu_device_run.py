@@ -109,9 +109,9 @@ def test_smoke_runs_every_step_in_order_without_polars(tmp_path):
 
 
 def test_the_engine_imports_without_polars(tmp_path):
-    """kvarn.run.engine (Context, chunk_logprobs, new_cache: what the device run times) imports
+    """kvarn.run.torch_engine (Context, chunk_logprobs, new_cache: what the device run times) imports
     where polars does not; only run_cell's parquet writing imports it."""
-    p = subprocess.run([sys.executable, "-c", "import kvarn.run.engine"], cwd=ROOT, env=_no_polars_env(tmp_path),
+    p = subprocess.run([sys.executable, "-c", "import kvarn.run.torch_engine"], cwd=ROOT, env=_no_polars_env(tmp_path),
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
 
@@ -188,28 +188,28 @@ def test_a_failing_flex_case_is_a_result_and_is_retried_with_small_blocks(tmp_pa
 
 @pytest.mark.skipif(not WIKI_TEXT.is_file(), reason="wiki.test.raw not available")
 def test_the_kept_baseline_gives_the_engines_own_numbers(tmp_path, one_thread):
-    """time_baseline + time_cell (nothing written) against kvarn.run.engine.run_baseline (the dump
+    """time_baseline + time_cell (nothing written) against kvarn.run.torch_engine.run_baseline (the dump
     on disk) + run_cell: the same packed bytes, the same per-token metrics bit for bit."""
     import numpy as np
     import polars as pl
 
     from kvarn.baseline import dump
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     cfg = device_models.tiny_config(ROOT / "config" / "models" / "gemma4-31b.json", tmp_path / "tiny.json")
     spec, n_ctx, ubatch = ModelSpec("tiny", f"random:{cfg}"), 256, 64
     common = dict(text=str(WIKI_TEXT), device="cpu", dtype="float32", cache_dir=tmp_path / "models")
-    ctx = engine.Context(spec, n_ctx, 1, **common, ubatch=ubatch, baseline=True)
+    ctx = torch_engine.Context(spec, n_ctx, 1, **common, ubatch=ubatch, baseline=True)
     cell = CellSpec("q4_0", "q4_0", 8)
-    engine.run_baseline(spec, n_ctx, 1, tmp_path / "base.kvd", ubatch=ubatch, **common, context=ctx, attention="ref")
-    engine.run_cell(spec, n_ctx, 1, cell, tmp_path / "base.kvd", tmp_path / "cell", ubatch=ubatch, **common,
+    torch_engine.run_baseline(spec, n_ctx, 1, tmp_path / "base.kvd", ubatch=ubatch, **common, context=ctx, attention="ref")
+    torch_engine.run_cell(spec, n_ctx, 1, cell, tmp_path / "base.kvd", tmp_path / "cell", ubatch=ubatch, **common,
                     context=ctx, attention="ref")
     want = pl.read_parquet(tmp_path / "cell" / "tokens.parquet")
 
     ids, model = ctx.chunk_ids[0], ctx.loaded.model
-    kept, timing = device_models.time_baseline(model, ids, engine.baseline_cell(), "ref", ubatch, 1024, lambda: None)
+    kept, timing = device_models.time_baseline(model, ids, torch_engine.baseline_cell(), "ref", ubatch, 1024, lambda: None)
     on_disk = dump.open_dump(tmp_path / "base.kvd")
     assert kept.n == on_disk.n_scored and timing["encode_rows"] == kept.n
     stored = np.asarray(on_disk.payload[:on_disk.header["payload_bytes"]])
@@ -220,7 +220,7 @@ def test_the_kept_baseline_gives_the_engines_own_numbers(tmp_path, one_thread):
     assert got_timing["s_per_chunk"] >= got_timing["forward_s"] > 0
 
     # fewer rows kept than the chunk has: row r reads kept row r mod n, whole slices
-    few, t = device_models.time_baseline(model, ids, engine.baseline_cell(), "ref", ubatch, 64, lambda: None)
+    few, t = device_models.time_baseline(model, ids, torch_engine.baseline_cell(), "ref", ubatch, 64, lambda: None)
     assert few.n == 64 and t["encode_s_chunk"] == pytest.approx(t["encode_s"] * kept.n / 64)
     assert few.decode(0, 64, 128).equal(on_disk.decode(0, 0, 64))
     assert few.decode(0, 192, 255).equal(on_disk.decode(0, 0, 63))

@@ -566,7 +566,7 @@ def test_beellama_kvarn_route_refuses_what_beellama_refuses():
 def test_baseline_compute_must_match(tmp_path):
     from types import SimpleNamespace
 
-    from kvarn.run.engine import check_baseline_compute
+    from kvarn.run.torch_engine import check_baseline_compute
 
     old = SimpleNamespace(header={}, path=tmp_path / "b.kvd")  # a dump from before the field: exact
     check_baseline_compute(old, "exact")
@@ -590,7 +590,7 @@ def test_smollm2_paths():
 
     from kvarn.baseline import data
 
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     from kvarn.weights import models
 
@@ -603,8 +603,8 @@ def test_smollm2_paths():
                            ctx, 1, lm.info.bos_id)[0]
 
     def run(k, v, mode, ubatch=512):
-        cache = engine.new_cache(lm.model, CellSpec(k, v, 0, compute=mode))
-        lp = torch.cat([x for _, x in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ctx))])
+        cache = torch_engine.new_cache(lm.model, CellSpec(k, v, 0, compute=mode))
+        lp = torch.cat([x for _, x in torch_engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ctx))])
         return lp, {getattr(layer, "last_path", None) for layer in cache.layers}
 
     def kld(a, b):

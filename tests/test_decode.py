@@ -170,7 +170,7 @@ def test_bf16_cell_never_diverges_and_q2_does(smol, monkeypatch):
     assert s["n_diverged"] == 0 and s["survival"][-1] == 1.0 and (b["kld"] == 0).all() and b["same_top"].all()
     bars = []
 
-    class Bar:  # kvarn.run.engine.progress's tqdm, recorded
+    class Bar:  # kvarn.run.torch_engine.progress's tqdm, recorded
         def __init__(self, iterable, desc, total, unit):
             self.args, self.n, self.closed = (desc, total, unit), 0, False
             bars.append(self)

@@ -97,11 +97,11 @@ def first_chunk(loaded):
 
 
 def _engine_logprobs(lm, ids, k, v, tail=0, ubatch=512):
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     lm.model.set_attn_implementation("kvarn")
-    cache = engine.new_cache(lm.model, CellSpec(k, v, tail))
-    return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(CTX))])
+    cache = torch_engine.new_cache(lm.model, CellSpec(k, v, tail))
+    return torch.cat([lp for _, lp in torch_engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(CTX))])
 
 
 @torch.inference_mode()
@@ -133,16 +133,16 @@ SMOL = ("smollm2-135m", "embedded:smollm2-135m")
 
 @pytest.fixture(scope="session")
 def smol_context():
-    """`smol_context(n_ctx)`: one engine.Context (SmolLM2 loaded, the text tokenized) per
+    """`smol_context(n_ctx)`: one torch_engine.Context (SmolLM2 loaded, the text tokenized) per
     n_ctx, shared by the cells and baselines below, as kvarn.run.worker shares one per job."""
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights import sources
 
     out = {}
 
     def get(n_ctx):
         if n_ctx not in out:
-            out[n_ctx] = engine.Context(sources.ModelSpec(*SMOL), n_ctx, 1, TEXT, cache_dir=CACHE_DIR)
+            out[n_ctx] = torch_engine.Context(sources.ModelSpec(*SMOL), n_ctx, 1, TEXT, cache_dir=CACHE_DIR)
         return out[n_ctx]
     return get
 
@@ -152,14 +152,14 @@ def smol_baseline_run(tmp_path_factory):
     """The SmolLM2 baseline dump at CTX, made without a Context (the engine loading the
     model itself), and the row counts of the log-prob slices its writer was handed."""
     from kvarn.baseline import dump
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights import sources
 
     out = tmp_path_factory.mktemp("kvarn") / "base.kvd"
     real = dump.write_dump
     with pytest.MonkeyPatch.context() as mp:
         seen = _spy_on_dump_slices(mp)
-        engine.run_baseline(sources.ModelSpec(*SMOL), CTX, 1, out, text=TEXT, cache_dir=CACHE_DIR)
+        torch_engine.run_baseline(sources.ModelSpec(*SMOL), CTX, 1, out, text=TEXT, cache_dir=CACHE_DIR)
     assert dump.write_dump is real
     return out, seen
 
@@ -196,10 +196,10 @@ def test_baseline_streams_its_log_probs_to_the_dump_in_slices(smol_baseline_run)
     # The host never holds a whole chunk's log-probs (32 GB at Qwen 3.6's 64k): each chunk
     # reaches the writer as LOGIT_ROWS slices (test_dump: the file is the same either way).
     from kvarn.baseline import dump
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     out, seen = smol_baseline_run
-    assert len(seen) > 1 and max(seen) <= engine.LOGIT_ROWS and sum(seen) == CTX - 1 - CTX // 2
+    assert len(seen) > 1 and max(seen) <= torch_engine.LOGIT_ROWS and sum(seen) == CTX - 1 - CTX // 2
     assert dump.open_dump(out).n_chunks == 1
 
 
@@ -207,22 +207,22 @@ def test_the_forward_run_ahead_of_the_writer_writes_the_same_dump(smol_baseline_
                                                                   monkeypatch):
     # The fixture's dump was written with the forward in a thread ahead of the writer (AHEAD 2);
     # one after the other in one thread (AHEAD 0), the file is the same bytes.
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights import sources
 
-    assert engine.AHEAD == 2
+    assert torch_engine.AHEAD == 2
     monkeypatch.setattr(engine, "AHEAD", 0)
     out = tmp_path / "serial.kvd"
-    engine.run_baseline(sources.ModelSpec(*SMOL), CTX, 1, out, text=TEXT, cache_dir=CACHE_DIR, context=smol_context(CTX))
+    torch_engine.run_baseline(sources.ModelSpec(*SMOL), CTX, 1, out, text=TEXT, cache_dir=CACHE_DIR, context=smol_context(CTX))
     assert out.read_bytes() == smol_baseline_run[0].read_bytes()
 
 
 def _cell(base, k, v, tail, tmp_path_factory, context):
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights import sources
 
     out = tmp_path_factory.mktemp(f"{k}-{v}-t{tail}")
-    s = engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, CellSpec(k, v, tail), base, out, text=TEXT,
+    s = torch_engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, CellSpec(k, v, tail), base, out, text=TEXT,
                         cache_dir=CACHE_DIR, context=context)
     assert json.loads((out / "summary.json").read_text())["kld_median"] == s["kld_median"]
     # the memory keys: `packed` by default, with the geometry they came from (kvarn.budget.memory)
@@ -244,13 +244,13 @@ def _cell(base, k, v, tail, tmp_path_factory, context):
 def smol_bf16_cell(loaded, first_chunk):
     """The bf16/bf16 cell's own log-probs on the baseline's chunk, with the baseline's ubatch
     and attention path, through a cache built here (not the engine's baseline constants)."""
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     lm, ids = loaded("smollm2-135m"), first_chunk("smollm2-135m")
     lm.model.set_attn_implementation("kvarn")
-    path = engine.attention_path("auto", lm.info.device, "exact")
-    cache = engine.new_cache(lm.model, CellSpec("bf16", "bf16", 0), attention=path)
-    lp = torch.cat([x.cpu() for _, x in engine.chunk_logprobs(lm.model, ids, cache, 512, scoring.scored_positions(CTX))])
+    path = torch_engine.attention_path("auto", lm.info.device, "exact")
+    cache = torch_engine.new_cache(lm.model, CellSpec("bf16", "bf16", 0), attention=path)
+    lp = torch.cat([x.cpu() for _, x in torch_engine.chunk_logprobs(lm.model, ids, cache, 512, scoring.scored_positions(CTX))])
     return lp, ids[CTX // 2 + 1 : CTX]
 
 
@@ -302,7 +302,7 @@ def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_facto
 
     from kvarn.baseline import dump
 
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     from kvarn.weights import sources
 
@@ -313,7 +313,7 @@ def test_cell_identical_from_sparse_and_dense_dump(smol_baseline, tmp_path_facto
     got = {}
     for name, base in (("sparse", smol_baseline), ("dense", dense)):
         out = tmp_path_factory.mktemp(f"q8-{name}")
-        s = engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, CellSpec("q8_0", "q8_0", 0), base, out,
+        s = torch_engine.run_cell(sources.ModelSpec(*SMOL), CTX, 1, CellSpec("q8_0", "q8_0", 0), base, out,
                             text=TEXT, cache_dir=CACHE_DIR, context=smol_context(CTX))
         got[name] = (pl.read_parquet(out / "tokens.parquet"), s)
     assert got["sparse"][0].equals(got["dense"][0]) and got["sparse"][0]["kld"].max() > 0
@@ -337,11 +337,11 @@ def test_smollm2_orderings(smol_baseline, tmp_path_factory, smol_context):
 
 @pytest.fixture(scope="session")
 def smol_baseline_512(tmp_path_factory, smol_context):
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights.sources import ModelSpec
 
     out = tmp_path_factory.mktemp("kvarn512") / "base.kvd"
-    engine.run_baseline(ModelSpec(*SMOL), 512, 1, out, text=TEXT, cache_dir=CACHE_DIR, context=smol_context(512))
+    torch_engine.run_baseline(ModelSpec(*SMOL), 512, 1, out, text=TEXT, cache_dir=CACHE_DIR, context=smol_context(512))
     return out
 
 
@@ -350,13 +350,13 @@ def test_kvarn_end_to_end_reads_the_body(smol_baseline_512, tmp_path_factory, sm
     # At n_ctx 256 a scored query (p >= 128) reads nothing from KVarN's body (sink 128 +
     # tail 128 cover p + 1 <= 256 keys): such a test exercises no KVarN numerics. At 512
     # a third of the reads come from the body, so the width must show in the KLD.
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights.sources import ModelSpec
 
     spec = ModelSpec(*SMOL)
     s = {}
     for k in ("kvarn2", "kvarn8"):
-        s[k] = engine.run_cell(spec, 512, 1, CellSpec(k, k, 0), smol_baseline_512, tmp_path_factory.mktemp(k),
+        s[k] = torch_engine.run_cell(spec, 512, 1, CellSpec(k, k, 0), smol_baseline_512, tmp_path_factory.mktemp(k),
                                text=TEXT, cache_dir=CACHE_DIR, context=smol_context(512))
     for k, r in s.items():
         assert 0 < 1 - r["exact_share"] and r["exact_share"] == pytest.approx(2 / 3)  # body share 1/3
@@ -380,7 +380,7 @@ def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypa
     # test_f32_cache_equals_plain_forward, for Gemma 3 made here), and a q4_0 tail-128 cell
     # is bit for bit the same cache keeping every row.
     from kvarn.baseline import data
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.kvcache.cache import KVarnLayer
 
     lm, n, ub = loaded("gemma3-270m"), SLIDE_CTX, SLIDE_UB
@@ -396,8 +396,8 @@ def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypa
 
     def run(k, v, tail):
         lm.model.set_attn_implementation("kvarn")
-        cache = engine.new_cache(lm.model, CellSpec(k, v, tail))
-        return torch.cat([lp for _, lp in engine.chunk_logprobs(lm.model, ids, cache, ub, sc)]), cache
+        cache = torch_engine.new_cache(lm.model, CellSpec(k, v, tail))
+        return torch.cat([lp for _, lp in torch_engine.chunk_logprobs(lm.model, ids, cache, ub, sc)]), cache
 
     plain = {impl: _plain_logprobs(lm, ids, impl, sc) for impl in ("sdpa", "eager")}
     noise = (plain["eager"] - plain["sdpa"]).abs().max().item()
@@ -426,7 +426,7 @@ def test_json_default_writes_scalars_and_refuses_the_rest():
     else is refused by name, never written as its repr."""
     import numpy as np
 
-    from kvarn.run.engine import json_default
+    from kvarn.run.torch_engine import json_default
 
     got = json.loads(json.dumps({"a": np.float32(1.5), "b": np.int64(7), "c": torch.tensor(2.25)},
                                 default=json_default))

@@ -51,7 +51,7 @@ def holder(tmp_path):
 
 
 def test_a_second_run_into_a_folder_being_written_is_refused_naming_the_first(tmp_path, holder, monkeypatch, capsys):
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     out, p = holder
     monkeypatch.setattr(engine, "run_cell", lambda *a, **k: pytest.fail("the second run started"))
@@ -69,7 +69,7 @@ def test_a_second_run_into_a_folder_being_written_is_refused_naming_the_first(tm
 
 def test_a_run_holds_its_folder_while_it_writes(tmp_path, monkeypatch, capsys):
     """During the engine's write the folder's lock is held (by this run, named), and released after."""
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     out = tmp_path / "cell"
     seen = {}
@@ -94,7 +94,7 @@ def test_a_run_holds_its_folder_while_it_writes(tmp_path, monkeypatch, capsys):
 
 
 def test_a_refused_run_leaves_no_folder(tmp_path, monkeypatch):
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     def refuse(*a, **k):
         raise ValueError("dump is truncated")
@@ -106,7 +106,7 @@ def test_a_refused_run_leaves_no_folder(tmp_path, monkeypatch):
 
 
 def test_a_tail_the_format_rounds_runs_and_prints_as_the_tail_it_runs_at(tmp_path, monkeypatch, capsys):
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     assert cli.main(_run_argv(tmp_path, tmp_path / "c", "kvarn4", "--tail", "500", "--dry-run")) == 0
     out = capsys.readouterr().out

@@ -115,7 +115,7 @@ def tiny_run(tmp_path_factory, fetched):
     if not TEXT.is_file():
         pytest.skip("needs wiki.test.raw")
     from kvarn.baseline import data
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights.sources import ModelSpec
 
     # 2 chunks of 32 tokens need only the head of the (verified) test split: the baseline and
@@ -129,13 +129,13 @@ def tiny_run(tmp_path_factory, fetched):
     spec = ModelSpec("tiny", str(d))
     base = tmp_path / "base.kvd"
     kw = dict(text=str(text), device="cpu", cache_dir=str(tmp_path / "cache"))
-    h = engine.run_baseline(spec, 32, 2, base, **kw)
+    h = torch_engine.run_baseline(spec, 32, 2, base, **kw)
     yield engine, spec, base, kw, h, d, tmp_path
     mp.undo()
 
 
 def _cell(engine, spec, base, kw, out, **over):
-    return engine.run_cell(spec, 32, 2, CellSpec("q4_0", "q4_0", 0), base, out, **{**kw, **over})
+    return torch_engine.run_cell(spec, 32, 2, CellSpec("q4_0", "q4_0", 0), base, out, **{**kw, **over})
 
 
 def test_dump_carries_every_identity_field(tiny_run):

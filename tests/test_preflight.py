@@ -51,7 +51,7 @@ def _tiny(tmp_path):
 
 
 def test_too_small_device_stops_before_loading(tmp_path, monkeypatch):
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights import models
 
     def no_load(*a, **k):
@@ -62,7 +62,7 @@ def test_too_small_device_stops_before_loading(tmp_path, monkeypatch):
     with pytest.raises(preflight.PreflightError,
                        match=r"needs about .* GiB of device memory \(cuda\) but 0.01 GiB is free; "
                              r"the largest part is (\w|[ -])+ \(.*\): lower it with --"):
-        engine.run_baseline(ModelSpec("t", _tiny(tmp_path)), 4096, 1, tmp_path / "b.kvd", ubatch=512,
+        torch_engine.run_baseline(ModelSpec("t", _tiny(tmp_path)), 4096, 1, tmp_path / "b.kvd", ubatch=512,
                             device="cuda", dtype="bfloat16")
     assert not (tmp_path / "b.kvd").exists()
 
@@ -154,9 +154,9 @@ def test_a_context_beyond_the_trained_one_is_refused_naming_both_and_the_knob(tm
 
 
 def test_the_engine_refuses_a_long_context_before_loading_unless_allowed(tmp_path, monkeypatch):
-    """Any job (a workflow's cell or baseline goes through kvarn.run.engine): refused before
+    """Any job (a workflow's cell or baseline goes through kvarn.run.torch_engine): refused before
     weights load; KVARN_ALLOW_LONG_CONTEXT=1 lets it through to the load."""
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights import models
 
     def loaded(*a, **k):
@@ -166,10 +166,10 @@ def test_the_engine_refuses_a_long_context_before_loading_unless_allowed(tmp_pat
     spec = ModelSpec("t", _trained(tmp_path, 1024))
     monkeypatch.delenv(preflight.LONG_CONTEXT_ENV, raising=False)
     with pytest.raises(preflight.PreflightError, match=r"n_ctx 2048 is beyond .* \(max_position_embeddings 1024\)"):
-        engine.run_baseline(spec, 2048, 1, tmp_path / "b.kvd", device="cpu")
+        torch_engine.run_baseline(spec, 2048, 1, tmp_path / "b.kvd", device="cpu")
     monkeypatch.setenv(preflight.LONG_CONTEXT_ENV, "1")
     with pytest.raises(RuntimeError, match="reached the load"):
-        engine.run_baseline(spec, 2048, 1, tmp_path / "b.kvd", device="cpu")
+        torch_engine.run_baseline(spec, 2048, 1, tmp_path / "b.kvd", device="cpu")
 
 
 def test_the_embedded_model_at_65536_is_refused(fetched, capsys):

@@ -136,16 +136,16 @@ def test_the_rotation_switch_reaches_the_program(dag):
 @pytest.mark.slow
 def test_the_torch_engine_s_llamacpp_cpu_cells_agree_within_10_percent(dag, tmp_path):
     """The torch engine's emulation of llama.cpp's CPU arithmetic on the same tokens, its own baseline."""
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights.sources import parse_model
 
     spec = parse_model("smollm2-135m")
-    base = engine.run_baseline(spec, CTX, CHUNKS, tmp_path / "base.kvd", text=str(WIKI_TEXT),
+    base = torch_engine.run_baseline(spec, CTX, CHUNKS, tmp_path / "base.kvd", text=str(WIKI_TEXT),
                                compute="llamacpp-cpu", cache_dir=str(CACHE_DIR))
     assert base["n_chunks"] == CHUNKS
     for cell in CELLS:
         c = CellSpec.from_name(cell)
-        torch_cell = engine.run_cell(spec, CTX, CHUNKS, CellSpec(c.k, c.v, c.tail, rot=c.rot, compute="llamacpp-cpu"),
+        torch_cell = torch_engine.run_cell(spec, CTX, CHUNKS, CellSpec(c.k, c.v, c.tail, rot=c.rot, compute="llamacpp-cpu"),
                                      tmp_path / "base.kvd", tmp_path / cell, text=str(WIKI_TEXT),
                                      cache_dir=str(CACHE_DIR))
         ours = json.loads((dag / RUN / "cells" / cell / "summary.json").read_text())

@@ -51,7 +51,7 @@ def _private_uses(path: Path, kvarn_modules: set[str]) -> list[str]:
                     aliases[a.asname or a.name] = f"{node.module}.{a.name}"
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
-            # a chain of names ending in a kvarn module: kvarn.run.engine._x, engine._x, kattn._x
+            # a chain of names ending in a kvarn module: kvarn.run.torch_engine._x, torch_engine._x, kattn._x
             chain, v = [], node.value
             while isinstance(v, ast.Attribute):
                 chain.append(v.attr)
@@ -83,12 +83,13 @@ def test_no_private_name_is_used_across_modules():
 
 def test_private_use_is_seen(tmp_path):
     """The scan above finds each form it looks for (so an empty result means something)."""
-    mods = {"kvarn", "kvarn.run.engine", "kvarn.kvcache.attention"}
+    mods = {"kvarn", "kvarn.run.torch_engine", "kvarn.kvcache.attention"}
     f = tmp_path / "probe.py"
-    f.write_text("import kvarn.kvcache.attention as kattn\nfrom kvarn.run import engine\nfrom kvarn.run.engine import _x\n"
-                 "import kvarn\nkattn._a\nengine._b\nkvarn.run.engine._c\nengine.ok\n")
+    f.write_text("import kvarn.kvcache.attention as kattn\nfrom kvarn.run import torch_engine\n"
+                 "from kvarn.run.torch_engine import _x\n"
+                 "import kvarn\nkattn._a\ntorch_engine._b\nkvarn.run.torch_engine._c\ntorch_engine.ok\n")
     assert [h.split(": ", 1)[1] for h in _private_uses(f, mods)] == [
-        "from kvarn.run.engine import _x", "kvarn.kvcache.attention._a", "kvarn.run.engine._b", "kvarn.run.engine._c"]
+        "from kvarn.run.torch_engine import _x", "kvarn.kvcache.attention._a", "kvarn.run.torch_engine._b", "kvarn.run.torch_engine._c"]
 
 
 def test_torch_free_modules_run_without_torch(tmp_path):

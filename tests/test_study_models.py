@@ -35,7 +35,7 @@ from kvarn.vocab.cell import CellSpec
 import kvarn.kvcache.attention as kattn
 from kvarn.vocab import scoring
 from kvarn.kvcache.cache import KVarnCache, KVarnLayer
-from kvarn.run.engine import policy_fields
+from kvarn.run.torch_engine import policy_fields
 from kvarn.vocab.geometry import geometry_from_config
 from paths import WIKI_TEXT
 
@@ -423,7 +423,7 @@ def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread, f
         pytest.skip("needs wiki.test.raw")
     from kvarn import cli
     from kvarn.baseline import dump
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights.models import load
     from kvarn.weights.sources import ModelSpec
 
@@ -462,10 +462,10 @@ def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread, f
     scored = scoring.scored_positions(CTX)
 
     def logprobs(cache, c):
-        return torch.cat([lp for _, lp in engine.chunk_logprobs(model, ids[c], cache, 512, scored)])
+        return torch.cat([lp for _, lp in torch_engine.chunk_logprobs(model, ids[c], cache, 512, scored)])
 
-    fresh = logprobs(engine.new_cache(model, CellSpec("bf16", "bf16", 0)), 1)
-    stale_cache = engine.new_cache(model, CellSpec("bf16", "bf16", 0))
+    fresh = logprobs(torch_engine.new_cache(model, CellSpec("bf16", "bf16", 0)), 1)
+    stale_cache = torch_engine.new_cache(model, CellSpec("bf16", "bf16", 0))
     logprobs(stale_cache, 0)
     for layer in stale_cache.layers:  # carry only the state layers over: the KV layers restart
         if isinstance(layer, KVarnLayer):

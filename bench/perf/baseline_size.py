@@ -5,7 +5,7 @@ at 16k, and the encoding's KLD error against the q8_0 median KLD.
     .venv/bin/python -m bench.perf.baseline_size [--ctx 2048] [--dump MODEL=PATH ...]
 
 -> bench/perf/results/baseline_size.md. Without --dump, each embedded model's baseline is made at
---ctx (1 chunk, `engine.run_baseline`); a given dump of either layout is converted to the
+--ctx (1 chunk, `torch_engine.run_baseline`); a given dump of either layout is converted to the
 other (`dump.convert_dump`), and the two are checked to decode to the same bits, slice by
 slice, before anything is counted. The KLD error is `measure_q8_error` (bench/perf/dump_error.py) at --err-ctx.
 """
@@ -32,7 +32,7 @@ from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 BUDGET = 16e9  # bytes per model on disk (issue 9's goal, decimal GB)
-SLICE = 64  # rows a cell decodes at a time (kvarn.run.engine.LOGIT_ROWS)
+SLICE = 64  # rows a cell decodes at a time (kvarn.run.torch_engine.LOGIT_ROWS)
 
 
 def study_models() -> dict[str, tuple[int, int, int]]:
@@ -46,12 +46,12 @@ def study_models() -> dict[str, tuple[int, int, int]]:
 
 def both_layouts(name: str, given: str | None, ctx: int, text: str, cache_dir: str, tmp: Path) -> dict[str, Path]:
     """{layout: path} of one baseline in both layouts."""
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights import sources
 
     if given is None:
         src = tmp / f"{name}.kvd"
-        engine.run_baseline(sources.ModelSpec(name, f"embedded:{name}"), ctx, 1, src, text=text, cache_dir=cache_dir)
+        torch_engine.run_baseline(sources.ModelSpec(name, f"embedded:{name}"), ctx, 1, src, text=text, cache_dir=cache_dir)
     else:
         src = Path(given)
     have = dump.open_dump(src, verify=False).layout
@@ -148,7 +148,7 @@ def report(ms: list[dict], study: dict, errs: dict, args, elapsed: float) -> str
     L += ["", "(Break-even assumes every row sparse; mixed rows cost ≤ that.)", "",
           "## The encoding's KLD error vs the q8_0 median KLD", "",
           f"`dump_error.measure_q8_error(model, {args.err_ctx}, {args.err_chunks} chunk)`: base = the BF16-cache baseline's "
-          "fp32 log-probs, Q = the q8_0 t0 cell's (both from `engine.chunk_logprobs`); per token |KLD against "
+          "fp32 log-probs, Q = the q8_0 t0 cell's (both from `torch_engine.chunk_logprobs`); per token |KLD against "
           "the decoded sparse dump − KLD against the fp32 base|. Goal: ≤ 1 % of the q8_0 median KLD. Encoding "
           "version 3 (the default) takes up the fp32 rounding of the mass-corrected floor; version 2 (the same "
           "with its lattice off) beside it.", "",

@@ -3,7 +3,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.perf.flex [--ctx 2048] [--out bench/perf/results/flex.md]
 
-Per model, one process and one model load (`kvarn.run.engine.Context`), first chunk of Wikitext:
+Per model, one process and one model load (`kvarn.run.torch_engine.Context`), first chunk of Wikitext:
 
 1. warm-up: one untimed flex baseline run, which compiles `torch.compile(flex_attention,
    dynamic=True)` for this head dim (its wall time, compile included, is reported);
@@ -45,26 +45,26 @@ def _graphs() -> int:
 
 
 def measure(name: str, n_ctx: int, work: Path) -> dict:
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     spec = ModelSpec(name, f"embedded:{name}")
     common = dict(text=str(TEXT), cache_dir=REPO / "resources" / "models")
     t = time.perf_counter()
-    ctx = engine.Context(spec, n_ctx, 1, **common, baseline=True)
+    ctx = torch_engine.Context(spec, n_ctx, 1, **common, baseline=True)
     out = {"load_s": time.perf_counter() - t, "runs": {}, "spread": {}}
     t = time.perf_counter()
-    engine.run_baseline(spec, n_ctx, 1, work / f"{name}-warm.kvd", **common, context=ctx, attention="flex")
+    torch_engine.run_baseline(spec, n_ctx, 1, work / f"{name}-warm.kvd", **common, context=ctx, attention="flex")
     out["warmup_flex_s"] = time.perf_counter() - t
     graphs = _graphs()
     for label, cell in RUNS:  # ref and flex interleaved per run: a shared machine's load drifts
         for path in ("ref", "flex"):
             base = work / f"{name}-{path}.kvd"
             if cell is None:
-                r = engine.run_baseline(spec, n_ctx, 1, base, **common, context=ctx, attention=path)
+                r = torch_engine.run_baseline(spec, n_ctx, 1, base, **common, context=ctx, attention=path)
             else:
-                r = engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), base, work / f"{name}-{path}-{label}", **common,
+                r = torch_engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), base, work / f"{name}-{path}-{label}", **common,
                                     context=ctx, attention=path)
                 assert r["attention"] == path and r["baseline_attention"] == path
             out["runs"][(path, label)] = {"s_per_chunk": n_ctx / r["tokens_per_s"], "wall_s": r["wall_s"],
@@ -74,12 +74,12 @@ def measure(name: str, n_ctx: int, work: Path) -> dict:
     import kvarn.kvcache.attention as kattn
 
     for label, cell in RUNS[1:]:
-        r = engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), work / f"{name}-ref.kvd", work / f"{name}-ref200-{label}",
+        r = torch_engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), work / f"{name}-ref.kvd", work / f"{name}-ref200-{label}",
                             **common, context=ctx, attention="ref", ubatch=200)
         out["spread"][label] = {k: r[k] for k in STATS}
         block, kattn.QUERY_BLOCK = kattn.QUERY_BLOCK, 96  # every sdpa call reduces over other spans
         try:
-            r = engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), work / f"{name}-ref.kvd", work / f"{name}-refqb96-{label}",
+            r = torch_engine.run_cell(spec, n_ctx, 1, CellSpec(*cell), work / f"{name}-ref.kvd", work / f"{name}-refqb96-{label}",
                                 **common, context=ctx, attention="ref")
         finally:
             kattn.QUERY_BLOCK = block

@@ -21,7 +21,7 @@ import polars as pl
 
 from kvarn.run.decode import TIMING_KEYS
 
-# wall-clock fields of a cell's summary.json (kvarn.run.engine.run_cell) and a decode's
+# wall-clock fields of a cell's summary.json (kvarn.run.torch_engine.run_cell) and a decode's
 TIMING = tuple(dict.fromkeys(("wall_s", "tokens_per_s", "forward_s") + TIMING_KEYS))
 
 

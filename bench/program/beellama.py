@@ -85,7 +85,7 @@ def step_printed(run: Path, work: Path) -> None:
 def step_torch(run: Path, work: Path, threads: int) -> None:
     import torch
 
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import parse_model
 
@@ -97,7 +97,7 @@ def step_torch(run: Path, work: Path, threads: int) -> None:
     base = work / "torch" / "base.kvd"
     if not base.is_file():
         base.parent.mkdir(parents=True, exist_ok=True)
-        h = engine.run_baseline(spec, n_ctx, chunks, base, text=str(TEXT), compute="llamacpp-cpu", cache_dir=str(cache))
+        h = torch_engine.run_baseline(spec, n_ctx, chunks, base, text=str(TEXT), compute="llamacpp-cpu", cache_dir=str(cache))
         print(f"torch baseline in {h['wall_s']:.0f} s", flush=True)
     import yaml
 
@@ -111,7 +111,7 @@ def step_torch(run: Path, work: Path, threads: int) -> None:
             continue
         s = CellSpec.from_name(name)
         cell = CellSpec(s.k, s.v, s.tail, rot=s.rot, compute="llamacpp-cpu")
-        r = engine.run_cell(spec, n_ctx, chunks, cell, base, out, text=str(TEXT), cache_dir=str(cache))
+        r = torch_engine.run_cell(spec, n_ctx, chunks, cell, base, out, text=str(TEXT), cache_dir=str(cache))
         print(f"{name}: torch in {r['wall_s']:.0f} s", flush=True)
 
 

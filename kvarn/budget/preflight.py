@@ -26,7 +26,7 @@ What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
   them while the BlockMask is built (int64 indices), under tf32-attn the larger of that and the
   fp32 operands while they are rounded (both K and V before and after, the temporaries of one:
   about 10.5 bytes per element of each); then the MLP activations of a ubatch, and
-  the logits of a ubatch (vocab wide, fp32) plus the log-softmax slices of `kvarn.run.engine`;
+  the logits of a ubatch (vocab wide, fp32) plus the log-softmax slices of `kvarn.run.torch_engine`;
 * host, baseline: one LOGIT_ROWS slice of fp32 log-probs on its way to `kvarn.baseline.dump` (the
   engine streams a chunk slice by slice; the writer encodes it with float64 temporaries
   and 16-bit codes); cell: the baseline chunk is memory-mapped and the per-token metrics are
@@ -67,7 +67,7 @@ ROUNDED_CELL_ROW_BYTES = 2 * (2 + 2)  # compute bf16-attn: the body in bf16 (kva
 TF32_ROUNDING_BYTES = 1 + 4 + 4
 BASELINE_ROW_BYTES = 2 * 2  # the bf16/bf16 tail-0 baseline: bf16 bodies only
 QUERY_BLOCK = 128  # kvarn.kvcache.attention.QUERY_BLOCK (not imported: it pulls in torch and transformers)
-LOGIT_ROWS = 64  # kvarn.run.engine.LOGIT_ROWS
+LOGIT_ROWS = 64  # kvarn.run.torch_engine.LOGIT_ROWS
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # The knob that lowers each part, for the error message.

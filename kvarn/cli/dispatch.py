@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        from kvarn.run import engine
+        from kvarn.run import torch_engine
 
         if args.allow_long_context:
             os.environ[LONG_CONTEXT_ENV] = "1"  # the engine's own preflight reads it
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"free here: unknown ({est.device} not available: {e})")
             return 0
         if args.cmd == "baseline":
-            h = engine.run_baseline(spec, args.ctx, chunks, Path(args.out), ubatch=args.ubatch, text=args.text,
+            h = torch_engine.run_baseline(spec, args.ctx, chunks, Path(args.out), ubatch=args.ubatch, text=args.text,
                                     device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
                                     compute=args.compute, llama_kld_out=args.llama_kld_out, attention=args.attention)
             print(f"baseline: {h['n_chunks']} chunks x {args.ctx} tokens, {h['tokens_per_s']:.1f} tokens/s -> {args.out}")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             if not Path(args.baseline).is_file():
                 raise UsageError(f"--baseline {args.baseline}: no such file; make it with `kvarn baseline`")
             with hold_output(args.out, ["kvarn", *(sys.argv[1:] if argv is None else argv)]):
-                s = engine.run_cell(spec, args.ctx, chunks, cell, Path(args.baseline), Path(args.out),
+                s = torch_engine.run_cell(spec, args.ctx, chunks, cell, Path(args.baseline), Path(args.out),
                                     ubatch=args.ubatch, text=args.text, device=args.device, dtype=args.dtype,
                                     cache_dir=args.cache_dir, accounting=args.accounting, attention=args.attention)
             sys.stdout.write(format_llama(s))

@@ -4,7 +4,7 @@ Hadamard rotation (`rotate_torch`) of kvarn.formats.kvarn_tiles, the same arithm
 
 Why compiled: the torch reference issues ~60 tensor operations per pass on small tiles
 (64 x 128), so at the engine's batch most of a call was dispatch, and a kvarn4 cell cost
-~1.5x its baseline on CPU (bench/perf/results/engine_kvarn_fast.md). Here a tile's 16 passes
+~1.5x its baseline on CPU (bench/perf/results/forward_speed_kvarn_fast.md). Here a tile's 16 passes
 are one call with no temporaries.
 
 The arithmetic is the reference's, in its order of operations and types:

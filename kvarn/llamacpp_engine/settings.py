@@ -1,7 +1,7 @@
 """A model's engine in the matrix, torch-free (kvarn.plan.matrix reads it when planning).
 
 `engine: torch` (the default) runs the cell through transformers with the cache model emulated
-in PyTorch (kvarn.run.engine); `engine: llama.cpp` runs it through a llama.cpp build, the
+in PyTorch (kvarn.run.torch_engine); `engine: llama.cpp` runs it through a llama.cpp build, the
 program's own logits (kvarn.llamacpp_engine.runner). The llama.cpp engine takes a block of settings:
 
     engine: {name: llama.cpp, build: upstream, threads: 2, batch: 2048, flash_attn: "on",

@@ -18,7 +18,7 @@ import torch
 from kvarn.baseline import data
 from kvarn.kvcache import attention as kattn
 from kvarn.kvcache.cache import probe_cache
-from kvarn.run.engine import BASELINE, chunk_logprobs, new_cache, progress
+from kvarn.run.torch_engine import BASELINE, chunk_logprobs, new_cache, progress
 from kvarn.vocab import scoring
 from kvarn.stats import metrics
 

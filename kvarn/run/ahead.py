@@ -1,5 +1,5 @@
 """Run a producer of chunk slices ahead of its consumer, in a thread: the baseline's forward keeps
-going while the dump's writer encodes what came before (`kvarn.run.engine.run_baseline`).
+going while the dump's writer encodes what came before (`kvarn.run.torch_engine.run_baseline`).
 
 `ahead(chunks, depth)` takes an iterable of chunks, each an iterable of items (the forward's
 log-prob slices), and returns the same nesting, items in the same order, while a background

@@ -4,7 +4,7 @@ baseline, cell and decode scripts talk to over a unix socket.
 Owns `run` (what a job script calls: through a worker, or in this process) and the worker
 itself (`python -m kvarn.run.worker SOCKET IDENTITY_JSON`). Each cell stays its own Snakemake
 job and target; only the model load, the text's tokenization and the baseline's checksum
-move into the worker, which does them once (`kvarn.run.engine.Context`) and then runs the same
+move into the worker, which does them once (`kvarn.run.torch_engine.Context`) and then runs the same
 `run_cell` / `run_baseline` / `run_decode` for every request: the same code path, the same
 numbers. A decode of P prompts has the identity of the cells of P chunks (its prompts are
 those chunks), so the generation setting's decodes share their teacher-forced cells' worker.
@@ -120,7 +120,7 @@ def socket_path(ident: dict, directory=None) -> Path:
 
 def run(kind: str, spec, n_ctx: int, chunks: int, *, text=None, device="auto", dtype="auto",
         cache_dir=DEFAULT_CACHE_DIR, files=(), use_worker: bool | None = None, **kwargs) -> dict:
-    """kvarn.run.engine.run_cell (kind "cell"), run_baseline ("baseline") or kvarn.run.decode.
+    """kvarn.run.torch_engine.run_cell (kind "cell"), run_baseline ("baseline") or kvarn.run.decode.
     run_decode ("decode"; `chunks` is its prompts) with these arguments, through this identity's
     worker (KVARN_WORKER, see the module doc) or in this process.
     `files`: more files whose change must mean a fresh load (the model's fetch marker)."""
@@ -145,9 +145,9 @@ def _runner(kind: str):
         from kvarn.run.decode import run_decode
 
         return run_decode
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
-    return engine.run_cell if kind == "cell" else engine.run_baseline
+    return torch_engine.run_cell if kind == "cell" else torch_engine.run_baseline
 
 
 @contextlib.contextmanager
@@ -298,12 +298,12 @@ class _Released(Exception):
 
 
 def _load_context(engine, args, common, ubatch):
-    """engine.Context, releasing the other workers of this directory once if the preflight
+    """torch_engine.Context, releasing the other workers of this directory once if the preflight
     refuses the load (the device is held by another model's idle worker)."""
     from kvarn.budget.preflight import PreflightError
 
     try:
-        return engine.Context(*args, **common, ubatch=ubatch, baseline=True)
+        return torch_engine.Context(*args, **common, ubatch=ubatch, baseline=True)
     except PreflightError as e:
         own = os.environ.get(SOCKET_ENV)
         pids = release_others(Path(own)) if own else []
@@ -311,7 +311,7 @@ def _load_context(engine, args, common, ubatch):
             raise
         print(f"preflight refused the load ({str(e).splitlines()[0]}); released workers {pids} "
               f"at {time.time():.3f}; checking again", flush=True)
-        return engine.Context(*args, **common, ubatch=ubatch, baseline=True)
+        return torch_engine.Context(*args, **common, ubatch=ubatch, baseline=True)
 
 
 # --- the worker's side -------------------------------------------------------------------------
@@ -409,7 +409,7 @@ def _handle(conn, f, ident: dict, context):
                              f"nothing was run")
         if req.get("kind") not in KINDS:
             raise ValueError(f"request kind {req.get('kind')!r}: expected one of {KINDS}")
-        from kvarn.run import engine
+        from kvarn.run import torch_engine
 
         k = ident
         spec = ModelSpec(k["name"], k["source"], k["revision"])

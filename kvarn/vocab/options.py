@@ -23,7 +23,7 @@ COMPUTES = (EXACT, LLAMACPP_CPU, BF16_ATTN, TF32_ATTN)
 DEFAULT_COMPUTE = EXACT
 
 # The arithmetic each compute path emulates, versioned: a cell refuses a baseline of another
-# version (kvarn.run.engine.check_baseline_compute). llamacpp-cpu 2: ggml's fp16-table GELU.
+# version (kvarn.run.torch_engine.check_baseline_compute). llamacpp-cpu 2: ggml's fp16-table GELU.
 COMPUTE_VERSION = {EXACT: 1, LLAMACPP_CPU: 2, BF16_ATTN: 1, TF32_ATTN: 2}  # tf32-attn 2: P truncated to TF32 as the kernel reads it (kvarn.kvcache.rounding)
 
 # The compute paths whose attention is kvarn.kvcache.attention's (the cache model's storage, exact

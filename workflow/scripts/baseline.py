@@ -1,4 +1,4 @@
-"""Rule baseline: the BF16-cache log-prob dump of one (model, n_ctx, chunks) (kvarn.run.engine.run_baseline)."""
+"""Rule baseline: the BF16-cache log-prob dump of one (model, n_ctx, chunks) (kvarn.run.torch_engine.run_baseline)."""
 
 import json
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Rule cell: one quantized run (kvarn.run.engine.run_cell) -> tokens.parquet + summary.json, atomically.
+"""Rule cell: one quantized run (kvarn.run.torch_engine.run_cell) -> tokens.parquet + summary.json, atomically.
 
 Thin: no torch here. kvarn.run.worker runs the cell in the worker that holds this model, text
 and n_ctx already loaded (spawned if none), or in this process (KVARN_WORKER=0)."""

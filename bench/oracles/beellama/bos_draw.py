@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     if not args.table_only:
         import torch
 
-        from kvarn.run import engine
+        from kvarn.run import torch_engine
         from kvarn.vocab.cell import CellSpec
         from kvarn.weights.sources import parse_model
 
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
         spec = parse_model(args.model)
         cell = CellSpec(args.k, args.v, args.tail, rot=not args.no_rot, compute=args.compute)
         cache_dir = str(REPO / "resources" / "models")
-        ctx = engine.Context(spec, args.ctx, args.chunks, str(TEXT), "cpu", "auto", cache_dir)
+        ctx = torch_engine.Context(spec, args.ctx, args.chunks, str(TEXT), "cpu", "auto", cache_dir)
         args.out.mkdir(parents=True, exist_ok=True)
         done = {r["label"] for r in records}
         runs = plan(args.seeds, args.eps, args.position, args.control)
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
                 continue
             t = time.process_time()
             with patched(p):
-                s = engine.run_cell(spec, args.ctx, args.chunks, cell, args.baseline, args.out / label,
+                s = torch_engine.run_cell(spec, args.ctx, args.chunks, cell, args.baseline, args.out / label,
                                     text=str(TEXT), device="cpu", cache_dir=cache_dir, context=ctx)
             records.append(record(label, p, s, time.process_time() - t))
             with jsonl.open("a") as fh:

@@ -23,7 +23,7 @@ from kvarn.kvcache import cache
 
 from kvarn.llamacpp_cpu import channel_order
 
-from kvarn.run import engine
+from kvarn.run import torch_engine
 from kvarn.weights import sources
 from kvarn.vocab.cell import CellSpec
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
@@ -50,7 +50,7 @@ def main():
     orig = cache.make_format
     cache.make_format = lambda name, role, rot, iters: (
         gguf_order(orig(name, role, rot, iters)) if role == "k" else orig(name, role, rot, iters))
-    engine.run_cell(sources.parse_model("smollm2-135m"), n_ctx, chunks, CellSpec(k_type, k_type, 0, rot=rot), base, out,
+    torch_engine.run_cell(sources.parse_model("smollm2-135m"), n_ctx, chunks, CellSpec(k_type, k_type, 0, rot=rot), base, out,
                     text=str(TEXT), cache_dir=DEFAULT_CACHE_DIR)
     s = json.load(open(f"{out}/summary.json"))
     print(f"{k_type} rot={rot}: median {s['kld_median']:.6f} mean {s['kld_mean']:.6f}")

@@ -85,22 +85,22 @@ def run_dir(model: str, chunks: int | None = None) -> Path:
 
 
 def kvarn_baseline(model, n_ctx, chunks, mode, out: Path, llama_out: Path | None):
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.weights.sources import parse_model
 
     if not out.is_file():
-        engine.run_baseline(parse_model(model), n_ctx, chunks, out, text=str(TEXT), compute=mode,
+        torch_engine.run_baseline(parse_model(model), n_ctx, chunks, out, text=str(TEXT), compute=mode,
                             cache_dir=str(REPO / "resources" / "models"), llama_kld_out=llama_out)
     return out
 
 
 def kvarn_cell(model, n_ctx, chunks, k, rot, mode, baseline: Path, out: Path) -> dict:
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
     from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import parse_model
 
     if not (out / "summary.json").is_file():
-        engine.run_cell(parse_model(model), n_ctx, chunks, CellSpec(k, k, 0, rot=rot, compute=mode), baseline, out,
+        torch_engine.run_cell(parse_model(model), n_ctx, chunks, CellSpec(k, k, 0, rot=rot, compute=mode), baseline, out,
                         text=str(TEXT), cache_dir=str(REPO / "resources" / "models"))
     return json.loads((out / "summary.json").read_text())
 

@@ -99,7 +99,7 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     """
     from kvarn.llamacpp_cpu import compute
 
-    from kvarn.run import engine
+    from kvarn.run import torch_engine
 
     from kvarn.vocab import options
     from kvarn.vocab.cell import CellSpec
@@ -137,7 +137,7 @@ def swapped_cell(model: str, n_ctx: int, chunks: int, k_type: str, rot: bool, ba
     if not (out / "summary.json").is_file():
         compute.append_kv = swap
         try:
-            engine.run_cell(spec, n_ctx, chunks, CellSpec(k_type, k_type, 0, rot=rot, compute=options.LLAMACPP_CPU),
+            torch_engine.run_cell(spec, n_ctx, chunks, CellSpec(k_type, k_type, 0, rot=rot, compute=options.LLAMACPP_CPU),
                             baseline, out, text=str(lc.TEXT), cache_dir=str(REPO / "resources" / "models"))
         finally:
             compute.append_kv = append_kv

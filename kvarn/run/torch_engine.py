@@ -99,7 +99,7 @@ class Context:
         want = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
         diff = [f"{k}: loaded {self.key[k]!r}, requested {want[k]!r}" for k in want if want[k] != self.key[k]]
         if diff:
-            raise ValueError("this kvarn.run.engine.Context was loaded for another job; " + "; ".join(diff))
+            raise ValueError("this kvarn.run.torch_engine.Context was loaded for another job; " + "; ".join(diff))
         return self.loaded, self.chunk_ids, self.ident
 
     def open_dump(self, path):

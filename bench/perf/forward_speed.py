@@ -1,6 +1,6 @@
 """Engine cost: quantized cell vs BF16 baseline wall time, tokens/s, dump bytes per scored token.
 
-    .venv/bin/python -m bench.perf.engine [--ctx 512 2048 4096] [--skip MODEL:CTX ...] [--dump MODEL=PATH ...]
+    .venv/bin/python -m bench.perf.forward_speed [--ctx 512 2048 4096] [--skip MODEL:CTX ...] [--dump MODEL=PATH ...]
         [--cells q8_0/q8_0/0 kvarn4/kvarn4/0 q4_0-q4_0-t128-tdf16-s128 ...] [--ref-normalization] [--no-dump]
 
 1. Overhead: forward wall time (cache model + scored logits + log-softmax, as timed by
@@ -36,7 +36,7 @@ from kvarn.vocab import scoring
 
 from kvarn.baseline import data
 
-from kvarn.run import engine
+from kvarn.run import torch_engine
 from kvarn.vocab.cell import CellSpec  # noqa: E402
 
 from kvarn.weights import models, sources  # noqa: E402
@@ -66,13 +66,13 @@ def label(cell: CellSpec) -> str:
 
 def forward_s(lm, ids, cell: CellSpec, ubatch=512, ref_norm=False) -> float:
     lm.model.set_attn_implementation("kvarn")
-    cache = engine.new_cache(lm.model, cell)
+    cache = torch_engine.new_cache(lm.model, cell)
     fast = kvarn_tiles.quantize_normalized_fast
     if ref_norm:
         kvarn_tiles.quantize_normalized_fast = kvarn_tiles.quantize_normalized
     try:
         t = time.perf_counter()
-        for _ in engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ids.shape[0])):
+        for _ in torch_engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ids.shape[0])):
             pass
         return time.perf_counter() - t
     finally:
@@ -93,7 +93,7 @@ def main() -> int:
                     help="measure an existing baseline dump instead of writing one")
     ap.add_argument("--skip", nargs="*", default=[], metavar="MODEL:CTX", help="throughput points to leave out")
     ap.add_argument("--cache-dir", default=str(REPO / sources.DEFAULT_CACHE_DIR))
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "engine.md"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "forward_speed.md"))
     ap.add_argument("-t", "--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
@@ -151,7 +151,7 @@ def main() -> int:
                 ctx, n_chunks = hdr["n_ctx"], hdr["n_chunks"]
             else:
                 p, ctx, n_chunks = Path(d) / "base.kvd", args.overhead_ctx, 1
-                engine.run_baseline(spec, ctx, 1, p, text=str(TEXT), cache_dir=args.cache_dir)
+                torch_engine.run_baseline(spec, ctx, 1, p, text=str(TEXT), cache_dir=args.cache_dir)
             n_scored = n_chunks * len(scoring.scored_positions(ctx))
             size = p.stat().st_size
             dump_rows.append((name, lm.info.vocab_size, ctx, size, size / n_scored,
@@ -162,7 +162,7 @@ def main() -> int:
     L = [
         "# Engine benchmark",
         "",
-        f"`.venv/bin/python -m bench.perf.engine {' '.join(sys.argv[1:])}`".replace(" `", "`"),
+        f"`.venv/bin/python -m bench.perf.forward_speed {' '.join(sys.argv[1:])}`".replace(" `", "`"),
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores visible, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), fp32 compute on CPU; load average at the end "

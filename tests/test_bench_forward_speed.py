@@ -1,11 +1,11 @@
-"""bench/perf/engine.py's cell arguments (the benchmark itself is run by hand: a timing, not a test)."""
+"""bench/perf/forward_speed.py's cell arguments (the benchmark itself is run by hand: a timing, not a test)."""
 
 import argparse
 import re
 
 import pytest
 
-from bench.perf import engine as E
+from bench.perf import forward_speed as E
 from kvarn.vocab.cell import CellSpec
 
 
