@@ -298,7 +298,7 @@ def test_the_validation_split_is_verified():
 def test_the_search_never_reads_the_test_text(tmp_path, monkeypatch):
     """Both jobs end to end on a random-weight model; every text they read goes through load_text, which
     here records its calls, and the bytes of wiki.test.raw are never opened."""
-    from kvarn.perlayer import jobs
+    from kvarn.perlayer import run
     from kvarn.weights.sources import ModelSpec
 
     cfg = tmp_path / "tiny.json"
@@ -326,11 +326,11 @@ def test_the_search_never_reads_the_test_text(tmp_path, monkeypatch):
     paths = [tmp_path / f"{t}.parquet" for t in p.all_types()]
     added = {}
     for t, path in zip(p.all_types(), paths):
-        frame = jobs.run_sensitivity(spec, str(VALID_TEXT), p, t, path, **common)
+        frame = run.run_sensitivity(spec, str(VALID_TEXT), p, t, path, **common)
         assert frame.height == 8 and frame["tokens"].to_list() == [255] * 8  # 4 layers x K, V; n_ctx/2 - 1 tokens
         added[t] = frame["kld_mean"].sum()
     assert added["q2_0"] > 10 * added["q8_0"] and added["kvarn2"] > 10 * added["kvarn8"]
-    result = jobs.run_search(spec, str(VALID_TEXT), p, "q8_0", paths, tmp_path / "s.json", eval_n_ctx=1024, **common)
+    result = run.run_search(spec, str(VALID_TEXT), p, "q8_0", paths, tmp_path / "s.json", eval_n_ctx=1024, **common)
     assert calls and all(split == "validation" and path == str(VALID_TEXT) for path, split in calls)
     assert not any("wiki.test" in f for f in opened)
     assert result["search_text_sha256"] == data.WIKI_VALID_SHA256
@@ -341,9 +341,9 @@ def test_the_search_never_reads_the_test_text(tmp_path, monkeypatch):
 
 
 def test_the_tables_words_for_gains_and_verdicts():
-    from kvarn.perlayer import table
+    from kvarn.perlayer import report
 
-    assert table.gain_text(13.44) == "+13.4 %" and table.gain_text(-12.8) == "-12.8 %"
-    assert table.gain_text(-3289.1) == "33.9× the uniform median" and table.gain_text(None) == ""
-    assert table.verdict(-2.0, -1.0) == "lower" and table.verdict(1.0, 2.0) == "higher"
-    assert table.verdict(-1.0, 0.0) == table.verdict(0.0, 1.0) == "within noise"  # an interval touching 0
+    assert report.gain_text(13.44) == "+13.4 %" and report.gain_text(-12.8) == "-12.8 %"
+    assert report.gain_text(-3289.1) == "33.9× the uniform median" and report.gain_text(None) == ""
+    assert report.verdict(-2.0, -1.0) == "lower" and report.verdict(1.0, 2.0) == "higher"
+    assert report.verdict(-1.0, 0.0) == report.verdict(0.0, 1.0) == "within noise"  # an interval touching 0

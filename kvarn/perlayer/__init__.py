@@ -4,5 +4,6 @@ plan         the `perlayer:` config key: the search text and context, the types,
 sensitivity  the KLD one layer's K (or V) alone adds, per type, on the search text (valid split)
 search       per budget, the allocation of least summed sensitivity (multiple-choice knapsack) and
              ik_llama.cpp's first/last form with N chosen on the search text
-table        the held-out table (test split, paired against the best uniform pair) and the heatmap
+run          the jobs (workflow/rules/perlayer.smk): the model loaded once, sensitivities and searches written
+report       the held-out table (test split, paired against the best uniform pair) and the heatmap
 """

@@ -1,15 +1,15 @@
 """Rule perlayer_sensitivity: one type's one-layer probes on the search text
-(kvarn.perlayer.jobs.run_sensitivity) -> results/perlayer/{model}/sensitivity/{type}.parquet, atomically."""
+(kvarn.perlayer.run.run_sensitivity) -> results/perlayer/{model}/sensitivity/{type}.parquet, atomically."""
 
 from pathlib import Path
 
 from _wf import model_spec, start
 
 start(snakemake)  # noqa: F821
-from kvarn.perlayer import jobs, plan  # noqa: E402
+from kvarn.perlayer import plan, run  # noqa: E402
 
 sm = snakemake  # noqa: F821
-frame = jobs.run_sensitivity(
+frame = run.run_sensitivity(
     model_spec(sm), sm.input.text, plan.expand(sm.config), sm.wildcards.type, sm.output[0], ubatch=sm.params.ubatch,
     dtype=sm.params.dtype, cache_dir=Path(sm.input.model).parent, attention=sm.config.get("attention", "auto"),
 )

@@ -1,5 +1,5 @@
 """Rule perlayer_table: the searches, the run's summary and the cells' tokens -> results/perlayer/perlayer.md
-and .parquet (kvarn.perlayer.table), and each model's sensitivity heatmap."""
+and .parquet (kvarn.perlayer.report), and each model's sensitivity heatmap."""
 
 import json
 
@@ -7,19 +7,19 @@ import polars as pl
 from _wf import atomic, start
 
 start(snakemake)  # noqa: F821
-from kvarn.perlayer import plan, table  # noqa: E402
+from kvarn.perlayer import plan, report  # noqa: E402
 from kvarn.report.figures import save_chart  # noqa: E402
 
 sm = snakemake  # noqa: F821
 searches = [json.loads(open(p).read()) for p in sm.input.searches]
-frame = table.build(pl.read_parquet(sm.input.summary), searches, table.cell_dir_map(sm.input.tokens),
+frame = report.build(pl.read_parquet(sm.input.summary), searches, report.cell_dir_map(sm.input.tokens),
                     plan.expand(sm.config), n_boot=sm.params.boot, seed=sm.params.seed)
 with atomic(sm.output.parquet) as tmp:
     frame.write_parquet(tmp)
 with atomic(sm.output.md) as tmp:
-    tmp.write_text(table.markdown(frame, searches), encoding="utf-8")
-sens = table.sensitivity_frame(sm.input.sensitivity)
+    tmp.write_text(report.markdown(frame, searches), encoding="utf-8")
+sens = report.sensitivity_frame(sm.input.sensitivity)
 for model in sens["model"].unique(maintain_order=True):
-    save_chart(table.heatmap(sens.filter(pl.col("model") == model), model),
+    save_chart(report.heatmap(sens.filter(pl.col("model") == model), model),
                plan.HEATMAP.format(model=model))
-print(table.markdown(frame, searches))
+print(report.markdown(frame, searches))

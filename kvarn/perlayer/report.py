@@ -97,7 +97,7 @@ def markdown(table: pl.DataFrame, searches: list[dict]) -> str:
     out = ["# Which layers deserve the bits: per-layer KV types at equal memory", "",
            "Searched on Wikitext-2 valid, judged here on test. Δ median is the allocation's median KLD minus the "
            "best uniform pair's at no more bytes (picked on test, which favours it), with its paired 95 % "
-           "interval; gain = 1 − median / uniform median. kvarn/perlayer/table.py says how.", ""]
+           "interval; gain = 1 − median / uniform median. kvarn/perlayer/report.py says how.", ""]
     notes = {(s["model"], s["budget"]): s["notes"] for s in searches}
     for model in table["model"].unique(maintain_order=True):
         t = table.filter(pl.col("model") == model)
