@@ -28,6 +28,7 @@ from kvarn.formats import get_format
 from kvarn.formats.ecosystem import use_quanto_python_unpack
 from kvarn.vocab.geometry import Geometry
 from kvarn.budget.memory import kv_bytes
+from kvarn.report import compare
 from kvarn.report import data as D
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -262,8 +263,8 @@ def test_rows_in_same_width_and_pareto():
             pl.lit("128*").alias("tail_label"), pl.lit(median).alias("kld_median"),
             pl.lit(D.series_of("ecosystem", 0, 128)).alias("series"), pl.lit(False).alias("is_floor")))
     both = pl.concat([prep, *eco], how="vertical_relaxed")
-    sw = D.same_width(both)
-    assert D.same_width_backends(sw) == ["kivi", "quanto"]
+    sw = compare.same_width(both)
+    assert compare.same_width_backends(sw) == ["kivi", "quanto"]
     w4, w2 = (sw.filter(pl.col("width") == w).row(0, named=True) for w in (4, 2))
     assert w4["pct_median_quanto"] == pytest.approx((w4["kld_median_kvarn"] / 0.5 - 1) * 100)
     assert w2["pct_median_kivi"] == pytest.approx((w2["kld_median_kvarn"] / 0.25 - 1) * 100)

@@ -141,7 +141,7 @@ def run(tmp_path_factory):
     from kvarn.report.claims.render import claims_html, claims_markdown
     from kvarn.report import figures as F
     from kvarn.report import load_tokens, prepare, select_token_paths
-    from kvarn.report.data import compute_split
+    from kvarn.report.compare import compute_split
     from kvarn.report.paired_table import run_table
 
     root = tmp_path_factory.mktemp("page")
@@ -241,9 +241,9 @@ def test_each_pick_and_its_ppl_ratio_are_on_the_landing(page, run):
 
 def test_no_placeholder_figure_is_shown_and_each_is_named(page, run):
     """The synthetic run has no cell in both compute paths, so kernel_share is only a placeholder
-    (kvarn.report.data.compute_split is empty): not drawn, named with its reason; every other figure
+    (kvarn.report.compare.compute_split is empty): not drawn, named with its reason; every other figure
     of each model is drawn, in MODEL_FIGURES order, with a caption."""
-    from kvarn.report.data import compute_split
+    from kvarn.report.compare import compute_split
 
     outline = Outline(page[1])
     shown = [(f["id"], f["data-figure"]) for f in outline.figures()]

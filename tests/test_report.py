@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import synthetic  # noqa: E402
 
 from kvarn import report as R  # noqa: E402
+from kvarn.report import compare  # noqa: E402
 from kvarn.report import data as D  # noqa: E402
 from kvarn.report import tokens as T  # noqa: E402
 
@@ -272,7 +273,7 @@ def test_pareto_p99_panel_beside_the_median():
 
 def test_same_width_pairs_matched_and_missing_skipped(prep):
     for model, missing in (("smollm2-135m", 3), ("gemma3-270m", 5)):
-        sw = D.same_width(prep[model])
+        sw = compare.same_width(prep[model])
         assert missing not in sw["width"].to_list() and 2 in sw["width"].to_list()
         assert (sw["pair_std"].str.contains("_0")).all() and (sw["tail_label_kvarn"] == "128*").all()
         spec = R.same_width(prep[model]).to_dict()
@@ -284,7 +285,7 @@ def test_same_width_pairs_matched_and_missing_skipped(prep):
                                                      for part in ("body", "staging", "overlay")}
         mem = [u for u in bars if fields(u)["y"] == "mib"][0]
         assert mem["encoding"]["y"]["title"] == "KV cache MiB, packed accounting"
-    gemma = D.same_width(prep["gemma3-270m"]).filter(pl.col("width") == 2)
+    gemma = compare.same_width(prep["gemma3-270m"]).filter(pl.col("width") == 2)
     assert gemma["pct_median"][0] > 0  # the width where KVarN loses (DESIGN §7) shows as positive
 
 
@@ -295,7 +296,7 @@ def test_same_width_without_partners_is_a_placeholder(prep):
 
 
 def test_tail_effect_spec(prep):
-    te = D.tail_effect(prep["smollm2-135m"])
+    te = compare.tail_effect(prep["smollm2-135m"])
     assert te.filter(pl.col("width") == 2)["pct_median"][0] < -30  # the tail matters most at 2 bits
     assert 3 not in te["width"].to_list()  # q3_0 has no tail-128 partner
     spec = R.tail_effect(prep["smollm2-135m"]).to_dict()
@@ -567,7 +568,7 @@ def test_format_only_rows_in_table_and_same_width(prep, results):
     kv4 = smol.filter((pl.col("pair") == "kvarn4-kvarn4") & (pl.col("tail_requested") == 0)).row(0, named=True)
     q4 = fo.filter(pl.col("k_type") == "q4_0").row(0, named=True)
     assert q4["exact_share"] == kv4["exact_share"] and q4["overlay_mib"] == kv4["overlay_mib"]
-    sw = D.same_width(smol)
+    sw = compare.same_width(smol)
     w4 = sw.filter(pl.col("width") == 4).row(0, named=True)
     assert w4["pair_fmt"] == "q4_0-q4_0-tdf16-s128"
     assert w4["pct_median_fmt"] == pytest.approx((w4["kld_median_kvarn"] / w4["kld_median_fmt"] - 1) * 100)
@@ -585,13 +586,13 @@ def test_format_only_rows_in_table_and_same_width(prep, results):
 def test_tail_sweep(prep):
     import math
 
-    sw = D.tail_sweep(prep["smollm2-135m"])
+    sw = compare.tail_sweep(prep["smollm2-135m"])
     q4 = sw.filter(pl.col("pair") == "q4_0-q4_0")
     kv = sw.filter(pl.col("pair") == "kvarn4-kvarn4")
     assert q4["tail"].to_list() == [0, 128, 256, 512]
     assert kv["tail"].to_list() == [128, 256, 512]  # requests 0 and 128 are one cache: drawn once
     assert kv["exact_share"].to_list() == sorted(kv["exact_share"].to_list())  # longer tail: more exact
-    r = D.tail_vs_format(sw)
+    r = compare.tail_vs_format(sw)
     med = lambda s, t: s.filter(pl.col("tail") == t)["kld_median"][0]  # noqa: E731
     tail = (abs(math.log(med(q4, 0) / med(q4, 512))) + abs(math.log(med(kv, 128) / med(kv, 512)))) / 2
     fmt = sum(abs(math.log(med(q4, t) / med(kv, t))) for t in (128, 256, 512)) / 3
@@ -599,21 +600,21 @@ def test_tail_sweep(prep):
     assert r["ratio"] == pytest.approx(tail / fmt) and r["tail_response"] == pytest.approx(tail)
     assert "ratio_format_only" not in r  # no format-only median given
     # Against the format-only row (q4_0 with KVarN's sink and F16 tail): the quantizer alone.
-    fo = D.format_only_median(prep["smollm2-135m"])
+    fo = compare.format_only_median(prep["smollm2-135m"])
     fo_row = prep["smollm2-135m"].filter(pl.col("pair") == "q4_0-q4_0-tdf16-s128")
     assert fo == fo_row["kld_median"][0]
-    r2 = D.tail_vs_format(sw, format_only=fo)
+    r2 = compare.tail_vs_format(sw, format_only=fo)
     assert r2["format_only_response"] == pytest.approx(abs(math.log(fo / med(kv, 128))))
     assert r2["ratio_format_only"] == pytest.approx(tail / r2["format_only_response"])
-    assert D.format_only_median(prep["gemma3-270m"]) is None  # not measured there
+    assert compare.format_only_median(prep["gemma3-270m"]) is None  # not measured there
     spec = R.tail_sweep(prep["smollm2-135m"]).to_dict()
     sub = " ".join(spec["title"]["subtitle"] if isinstance(spec["title"]["subtitle"], list)
                    else [spec["title"]["subtitle"]])
     assert "more to the tail" in sub and "quantizer alone" in sub
     assert dataset_values(spec, "pair") == {"q4_0-q4_0", "kvarn4-kvarn4"}
     # gemma3 has no sweep beyond 128 on KVarN: one point per pair is still drawn, no ratio
-    g = D.tail_sweep(prep["gemma3-270m"])
-    assert D.tail_vs_format(g) is None
+    g = compare.tail_sweep(prep["gemma3-270m"])
+    assert compare.tail_vs_format(g) is None
 
 
 def test_compute_split_side_by_side():
@@ -626,7 +627,7 @@ def test_compute_split_side_by_side():
             {**base, "cell": "q8_0-q8_0-t0-llamacpp_cpu", "compute": "llamacpp-cpu", "kld_median": 0.004,
              "kld_mean": 0.004},
             {**base, "k_type": "q4_0", "v_type": "q4_0", "cell": "q4_0-q4_0-t0", "compute": "exact"}]  # one path only
-    split = D.compute_split(pl.DataFrame(rows), "m")
+    split = compare.compute_split(pl.DataFrame(rows), "m")
     assert split["pair"].to_list() == ["q8_0-q8_0"]
     r = split.row(0, named=True)
     assert (r["exact_median"], r["total_median"], r["width"]) == (0.001, 0.004, 8)
@@ -634,7 +635,7 @@ def test_compute_split_side_by_side():
     assert "| q8_0-q8_0 | 0 | 0.001000 | 0.004000 | 75 % |" in T.split_markdown(split)
     spec = F.kernel_share(split, "m").to_dict()
     assert any(u.get("name") == "kernel_share" or "kernel_share" in json.dumps(u) for u in [spec])
-    assert D.compute_split(pl.DataFrame(rows[:1]), "m").is_empty()
+    assert compare.compute_split(pl.DataFrame(rows[:1]), "m").is_empty()
 
 
 def test_prepare_keeps_llamacpp_rows_out_of_the_study_tables(results):

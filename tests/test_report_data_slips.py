@@ -9,6 +9,7 @@ import json
 
 import polars as pl
 
+from kvarn.report import compare
 from kvarn.report import data as D
 from kvarn.report import figures as F
 from kvarn.vocab import facts
@@ -236,8 +237,8 @@ def test_same_width_adds_each_quantizedcache_backend_of_the_width_as_a_partner()
     # kvarn4 0.08 vs q4_0 t128 0.10 (-20 %), vs kivi4 and quanto4 at their 128-token window 0.16 and 0.04
     p = D.prepare(summary([("q4_0-q4_0", 128, 0.10, 4.5), ("kvarn4-kvarn4", 0, 0.08, 4.6),
                            ("kivi4-kivi4", 0, 0.16, 4.7), ("quanto4-quanto4", 0, 0.04, 4.8)]), "m")
-    sw = D.same_width(p)
-    assert D.same_width_backends(sw) == ["kivi", "quanto"]
+    sw = compare.same_width(p)
+    assert compare.same_width_backends(sw) == ["kivi", "quanto"]
     (r,) = sw.iter_rows(named=True)
     assert (r["width"], r["pair_kivi"], r["tail_label_kivi"], r["pair_quanto"]) == (4, "kivi4-kivi4", "128*",
                                                                                  "quanto4-quanto4")

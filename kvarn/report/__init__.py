@@ -1,6 +1,7 @@
 """Tables and figures of a kvarn run: pure functions of polars DataFrames.
 
 * `kvarn.report.data`    — shaping `results/summary.parquet`, choosing the per-token parquets
+* `kvarn.report.compare` — the comparisons of prepared rows (same width, tail, compute split)
 * `kvarn.report.migrate` — older summaries brought up to the columns the report reads
 * `kvarn.report.tokens`  — the per-token parquets read, binned by position and as an ECDF
 * `kvarn.report.tables`  — the per-model benchmark table (DataFrame, Markdown, HTML)

@@ -17,6 +17,7 @@ import altair as alt
 import polars as pl
 
 from kvarn.files.atomic import write_bytes
+from kvarn.report import compare
 from kvarn.report import data as D
 from kvarn.plan import generation as GEN
 from kvarn.report import tokens as T
@@ -254,10 +255,10 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
     and the format-only row (qN_0 with KVarN's sink, tail and F16 tail dtype), against
     which only the quantizer differs."""
     model = prep["model"][0]
-    sw = D.same_width(prep, tail=tail)
+    sw = compare.same_width(prep, tail=tail)
     if sw.is_empty():
         return _placeholder(model, "same-width comparison", f"no width has both kvarnN-kvarnN and qN_0-qN_0 at tail {tail}")
-    backends = D.same_width_backends(sw)
+    backends = compare.same_width_backends(sw)
     partners = [("std", "vs standard t%d" % tail), ("fmt", "vs standard + sink, F16 tail (format only)")]
     partners += [(b, f"vs {b}N t{tail}* (QuantizedCache)") for b in backends]
     parts = []
@@ -333,7 +334,7 @@ def same_width(prep: pl.DataFrame, tail: int = 128) -> alt.HConcatChart | alt.Ch
 def tail_effect(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
     """% change of the median KLD from tail 0 to tail N, per standard width."""
     model = prep["model"][0]
-    te = D.tail_effect(prep)
+    te = compare.tail_effect(prep)
     if te.is_empty():
         return _placeholder(model, "tail effect", "no standard qN_0-qN_0 pair measured at tail 0 and a longer tail")
     te = te.with_columns(pl.format("tail 0 → {}", pl.col("tail")).alias("change"))
@@ -364,10 +365,10 @@ def tail_sweep(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
     """Median KLD against the effective tail for q4_0 and kvarn4 (log y), with the ratio of
     how strongly the median responds to the tail and to the format."""
     model = prep["model"][0]
-    sw = D.tail_sweep(prep)
+    sw = compare.tail_sweep(prep)
     if sw["pair"].n_unique() < 1 or sw.height < 2:
         return _placeholder(model, "tail sweep", "q4_0-q4_0 / kvarn4-kvarn4 measured at fewer than two tails")
-    tvf = D.tail_vs_format(sw, format_only=D.format_only_median(prep))
+    tvf = compare.tail_vs_format(sw, format_only=compare.format_only_median(prep))
     colors = alt.Scale(domain=["q4_0-q4_0", "kvarn4-kvarn4"], range=[SERIES_COLORS[D.SERIES_STANDARD_T128],
                                                                      SERIES_COLORS[D.SERIES_KVARN]])
     tt = [alt.Tooltip("pair:N"), alt.Tooltip("tail_label:N", title="tail"),
@@ -392,7 +393,7 @@ def tail_sweep(prep: pl.DataFrame) -> alt.LayerChart | alt.Chart:
 
 
 def kernel_share(split: pl.DataFrame, model: str) -> alt.LayerChart | alt.Chart:
-    """Per width: how much of llama.cpp's median KLD is its kernel's arithmetic (`D.compute_split`)."""
+    """Per width: how much of llama.cpp's median KLD is its kernel's arithmetic (`compare.compute_split`)."""
     sw = split.filter(pl.col("width").is_not_null()) if not split.is_empty() else split
     if sw.is_empty():
         return _placeholder(model, "kernel share", "no qN-qN pair run in both compute paths (exact and llamacpp-cpu)")

@@ -1,7 +1,7 @@
 """The per-run table of paired statistics behind the report's `band` column and ranked
 figure: each cell's own interval and its paired Δ against the standard floor and the
-same-width partner (`kvarn.stats.paired` computes the statistics; `kvarn.report.data` picks the
-partners)."""
+same-width partner (`kvarn.stats.paired` computes the statistics; `kvarn.report.data` and
+`kvarn.report.compare` pick the partners)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import polars as pl
 
 from kvarn.stats.paired import LEVEL, N_BOOT, SEED, cell_interval, compare, load_cell
 from kvarn.report import data as D
+from kvarn.report.compare import same_width
 
 
 def run_table(prep, token_paths, n_boot: int = N_BOOT, seed: int = SEED, level: float = LEVEL, tail: int = 128):
@@ -20,7 +21,7 @@ def run_table(prep, token_paths, n_boot: int = N_BOOT, seed: int = SEED, level: 
     Columns: cell, kld_median, kld_median_lo/hi, block, floor_cell, floor_delta, floor_lo,
     floor_hi, band ("floor", "≈ floor" when the interval of Δ vs the floor holds 0, else
     ""), sw_cell, sw_delta, sw_lo, sw_hi, sw_significant (KVarN rows with a same-width
-    partner at `tail`, see kvarn.report.data.same_width; Δ = KVarN − standard).
+    partner at `tail`, see kvarn.report.compare.same_width; Δ = KVarN − standard).
     The standard floor is kvarn.report.data.standard_floor: the study's, the standard pair
     with the lowest median KLD at tail 128 (ties: the smaller cache).
     """
@@ -30,7 +31,7 @@ def run_table(prep, token_paths, n_boot: int = N_BOOT, seed: int = SEED, level: 
         raise ValueError(f"no tokens.parquet given for cells {missing}; got {sorted(by_name)}")
     cells = {r["cell"]: load_cell(by_name[r["cell"]], summary=r) for r in prep.iter_rows(named=True)}
     floor = D.standard_floor(prep)
-    sw = {r["pair_kvarn"]: r["pair_std"] for r in D.same_width(prep, tail=tail).iter_rows(named=True)}
+    sw = {r["pair_kvarn"]: r["pair_std"] for r in same_width(prep, tail=tail).iter_rows(named=True)}
     cell_of_pair = {(r["pair"], r["tail_requested"]): r["cell"] for r in prep.iter_rows(named=True)}
     rows = []
     for r in prep.iter_rows(named=True):

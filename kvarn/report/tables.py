@@ -180,7 +180,7 @@ SPLIT_HEADERS = ["K/V pair", "tail", "format median (exact)", "total median (lla
 
 
 def split_markdown(split: pl.DataFrame) -> str:
-    """`kvarn.report.data.compute_split` as Markdown: format damage beside llama.cpp's total."""
+    """`kvarn.report.compare.compute_split` as Markdown: format damage beside llama.cpp's total."""
     if split.is_empty():
         return "(no cell was run in both compute paths)\n"
     lines = ["| " + " | ".join(SPLIT_HEADERS) + " |", "|---|---|" + "---:|" * (len(SPLIT_HEADERS) - 2)]

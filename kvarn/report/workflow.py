@@ -13,7 +13,7 @@ from kvarn.plan.generation import FIGURE_DIR, GENERATION_FIGURES
 SUMMARY_FIGURES = ["pareto", "same_width", "tail_effect", "tail_sweep", "heatmap"]
 TOKEN_FIGURES = ["position", "distribution"]
 PAIRED_FIGURES = ["ranked"]  # from results/paired/{model}.parquet (kvarn.report.paired_table.run_table)
-# from the summary's rows of both compute paths (kvarn.report.data.compute_split), not `prepare`'s
+# from the summary's rows of both compute paths (kvarn.report.compare.compute_split), not `prepare`'s
 SPLIT_FIGURES = ["kernel_share"]
 # Every model's figures, drawn by one job (rule report_figures): one interpreter and one Vega
 # renderer for all of them, where a job per figure started both nine times.

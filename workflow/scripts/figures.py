@@ -2,7 +2,7 @@
 (Vega-Lite), .svg, .png, in one job (one interpreter and one Vega renderer for all of them).
 
 Summary figures read results/summary.parquet (kernel_share: its rows of both compute paths,
-through kvarn.report.data.compute_split; ranked: with results/paired/{model}.parquet); the
+through kvarn.report.compare.compute_split; ranked: with results/paired/{model}.parquet); the
 position and distribution figures read the chosen cells' tokens.parquet (chosen in
 workflow/rules/report.smk from their paths); decode reads the model's decode summaries.
 """
@@ -14,7 +14,8 @@ from _wf import start
 
 start(snakemake)  # noqa: F821
 from kvarn.report import load_tokens, prepare, save_chart, summary_figure, token_figure  # noqa: E402
-from kvarn.report.data import compute_split, decode_frame  # noqa: E402
+from kvarn.report.compare import compute_split  # noqa: E402
+from kvarn.report.data import decode_frame  # noqa: E402
 from kvarn.report.figures import decode, kernel_share, ranked  # noqa: E402
 from kvarn.report.workflow import PAIRED_FIGURES, SPLIT_FIGURES, TOKEN_FIGURES  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Rule report_table: results/summary.parquet -> one model's table as .md, .html and .parquet.
 
 The .md also carries the compute split (format damage beside llama.cpp's total) when a cell
-was run in both compute paths (kvarn.report.data.compute_split).
+was run in both compute paths (kvarn.report.compare.compute_split).
 """
 
 import polars as pl
@@ -9,7 +9,7 @@ from _wf import atomic, start
 
 start(snakemake)  # noqa: F821
 from kvarn.report import build_table, to_html, to_markdown  # noqa: E402
-from kvarn.report.data import compute_split  # noqa: E402
+from kvarn.report.compare import compute_split  # noqa: E402
 from kvarn.report.tables import split_markdown  # noqa: E402
 
 model = snakemake.wildcards.model  # noqa: F821

@@ -12,7 +12,8 @@ from kvarn.report.claims.decisions import (PRESET_LEVELS, below_floor_table, che
                                            presets_table, row_mib, row_name, std_row)
 from kvarn.report.claims.study import cell_key, figure, figure_or_other
 from kvarn.report.claims.verdicts import LEDGER_COLUMNS, VERDICTS, Delta, directional, no_delta
-from kvarn.report.data import FLOOR_TAIL, format_only_floor, standard_floor, tail_sweep, tail_vs_format
+from kvarn.report.compare import tail_sweep, tail_vs_format
+from kvarn.report.data import FLOOR_TAIL, format_only_floor, standard_floor
 
 LADDER = (4, 5, 6, 8)
 SWEEP_TAILS = (128, 512, 1024)
