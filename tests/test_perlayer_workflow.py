@@ -42,7 +42,7 @@ def test_the_per_layer_study_runs_and_a_new_budget_plans_only_its_jobs(tmp_path)
     wd = workflow_copy(tmp_path, CONFIG)
     (wd / "config" / "models" / "toy.json").write_text(json.dumps(TOY))
     env_before = dict(os.environ)
-    os.environ.update(KVARN_WORKER="0", OMP_NUM_THREADS="1")
+    os.environ.update(OMP_NUM_THREADS="1")
     try:
         smk(wd, "perlayer", "--cores", "2", "--resources", "gpu=1", timeout=1200)
     finally:

@@ -297,7 +297,7 @@ class _Released(Exception):
     """A release request was answered: the serve loop exits."""
 
 
-def _load_context(engine, args, common, ubatch):
+def _load_context(torch_engine, args, common, ubatch):
     """torch_engine.Context, releasing the other workers of this directory once if the preflight
     refuses the load (the device is held by another model's idle worker)."""
     from kvarn.budget.preflight import PreflightError
@@ -420,7 +420,7 @@ def _handle(conn, f, ident: dict, context):
             kwargs["cell"] = CellSpec.from_name(kwargs["cell"])
         if context is None:
             t0 = time.perf_counter()
-            context = _load_context(engine, args, common, kwargs.get("ubatch", 512))
+            context = _load_context(torch_engine, args, common, kwargs.get("ubatch", 512))
             print(f"loaded {spec.name} ({spec.source}@{spec.revision}) in {time.perf_counter() - t0:.1f}s "
                   f"at {time.time():.3f}", flush=True)
         t0 = time.perf_counter()
