@@ -56,6 +56,7 @@ def test_a_bad_allocation_fails_before_any_job(tmp_path, change, field):
     assert not (wd / "results").exists()
 
 
+@pytest.mark.slow
 def test_editing_an_allocation_plans_only_its_cells(tmp_path):
     wd = workflow_copy(tmp_path, CONFIG)
     fake_done(wd)

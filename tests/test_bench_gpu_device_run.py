@@ -33,6 +33,7 @@ def _records(results: Path) -> list[dict]:
     return [json.loads(line) for line in (results / "device_run.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not WIKI_TEXT.is_file(), reason="wiki.test.raw not available")
 def test_smoke_runs_every_step_in_order_without_polars(tmp_path):
     env = _no_polars_env(tmp_path)

@@ -308,6 +308,7 @@ def test_a_buffer_carries_its_format_role_library_and_dtype():
         get_format("quanto4").nbytes(100, 64)
 
 
+@pytest.mark.slow
 def test_only_a_quanto_format_routes_quanto_unpack_to_python():
     """quanto's C++ unpack is compiled (a minute) on first use: building a quanto format routes it to the
     Python kernel (the same integers), an HQQ format leaves it alone. In a fresh interpreter, where

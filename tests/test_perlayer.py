@@ -294,6 +294,7 @@ def test_the_validation_split_is_verified():
         data.load_text(VALID_TEXT, split="train")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not VALID_TEXT.is_file(), reason="needs the shared wiki.valid.raw")
 def test_the_search_never_reads_the_test_text(tmp_path, monkeypatch):
     """Both jobs end to end on a random-weight model; every text they read goes through load_text, which

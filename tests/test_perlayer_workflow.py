@@ -16,7 +16,7 @@ import yaml
 from paths import VALID_TEXT
 from test_workflow import smk, workflow_copy
 
-pytestmark = [pytest.mark.xdist_group("perlayer-workflow"),
+pytestmark = [pytest.mark.xdist_group("perlayer-workflow"), pytest.mark.slow,
               pytest.mark.skipif(not VALID_TEXT.is_file(), reason="needs the shared wiki.valid.raw")]
 
 TOY = {"model_type": "llama", "vocab_size": 300, "hidden_size": 128, "intermediate_size": 64, "num_hidden_layers": 6,

@@ -5,6 +5,7 @@ report only needs them to exist and their captions to render."""
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from test_workflow import fake_done, smk, workflow_copy
@@ -12,6 +13,7 @@ from test_workflow import fake_done, smk, workflow_copy
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_report_renders_with_decode_jobs(tmp_path):
     cfg = yaml.safe_load((ROOT / "config" / "matrix-512.yaml").read_text())
     assert any(m.get("decode") for m in cfg["models"]), "matrix-512.yaml should hold decode jobs"
