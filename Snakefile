@@ -28,18 +28,18 @@ validate(config, "workflow/schemas/config.schema.yaml")
 
 include: "workflow/rules/common.smk"
 wildcard_constraints:
-    model=kvm.MODEL_PATTERN,
+    model=kvp.MODEL_PATTERN,
     n_ctx=r"\d+",
-    chunks=kvm.CHUNKS_PATTERN,
-    k=kvm.TYPE_PATTERN,
-    v=kvm.TYPE_PATTERN,
+    chunks=kvp.CHUNKS_PATTERN,
+    k=kvp.TYPE_PATTERN,
+    v=kvp.TYPE_PATTERN,
     tail=r"\d+",
-    opts=kvm.OPTS_PATTERN,
-    bopts=kvm.BASELINE_OPTS_PATTERN,  # a baseline per compute path: "", -llamacpp_cpu, -bf16_attn, -tf32_attn
+    opts=kvp.OPTS_PATTERN,
+    bopts=kvp.BASELINE_OPTS_PATTERN,  # a baseline per compute path: "", -llamacpp_cpu, -bf16_attn, -tf32_attn
     source_key=r"[0-9a-f]{8}",
     prompts=r"\d+",
     tokens=r"\d+",
-    sampling=kvm.SAMPLING_PATTERN,
+    sampling=kvp.SAMPLING_PATTERN,
 
 
 include: "workflow/rules/models.smk"

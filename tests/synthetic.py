@@ -4,7 +4,7 @@
 * `{model}/ctx{n_ctx}-c{chunks}/cells/{k}-{v}-t{tail}/tokens.parquet` per cell (chunk, pos,
   kld, nll, nll_base, dp, same_top — docs/CONTRACTS.md), and
 * `summary.parquet`: one row per cell with the summary.json keys, the statistics computed
-  from those tokens, plus what the aggregate rule adds (kvarn.plan.matrix.summary_row):
+  from those tokens, plus what the aggregate rule adds (kvarn.plan.rows.summary_row):
   `family`, `tail_requested`, `tail_label`, `cell`, `kv_delta_bytes_vs_tail0`. Type facts and
   KV bytes (the `packed` accounting) come from kvarn.vocab.facts and kvarn.budget.memory, as in a real run.
 

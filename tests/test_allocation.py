@@ -16,7 +16,9 @@ import pytest
 import yaml
 
 from kvarn.budget.memory import ACCOUNTINGS, kv_bytes, resummarize, summary_fields
+from kvarn.plan import allocations as kva
 from kvarn.plan import matrix as kvm
+from kvarn.plan import rows as kvr
 from kvarn.plan.config_check import config_errors
 from kvarn.vocab import allocation as alc
 from kvarn.vocab import facts
@@ -211,16 +213,16 @@ def test_a_cell_whose_types_are_not_its_allocations_main_types_is_refused():
 def test_published_definitions_reach_a_child_process_and_an_edit_is_a_new_file(tmp_path, monkeypatch):
     monkeypatch.setenv(alc.DIR_ENV, "")  # unset ("" is no directory) and restored after: publish sets it
     old, new = parse(EDGES, "pubtest"), parse({**EDGES, "k": "q4_0"}, "pubtest")
-    d = kvm.publish_allocations([old], tmp_path / "defs")
+    d = kva.publish_allocations([old], tmp_path / "defs")
     assert os.environ[alc.DIR_ENV] == str(d) and (d / f"{old.token}.json").is_file()
-    kvm.publish_allocations([new], tmp_path / "defs")  # the edit: another file; the first stays as it was
+    kva.publish_allocations([new], tmp_path / "defs")  # the edit: another file; the first stays as it was
     assert sorted(p.name for p in d.iterdir()) == sorted(f"{a.token}.json" for a in (old, new))
     code = ("import sys; from kvarn.vocab import allocation as a; "
             "print(a.lookup(sys.argv[1]).resolve(30)[0][:3], a.lookup(sys.argv[2]).resolve(30)[0][:3])")
     out = subprocess.run([sys.executable, "-c", code, old.token, new.token], capture_output=True, text=True,
                          cwd=tmp_path, check=True, env=os.environ.copy())
     assert out.stdout.strip() == "('q8_0', 'q8_0', 'q4_0') ('q4_0', 'q4_0', 'q4_0')"
-    assert kvm.publish_allocations([]) is None
+    assert kva.publish_allocations([]) is None
 
 
 def test_an_unknown_token_is_refused_naming_where_it_was_looked_for(tmp_path, monkeypatch):
@@ -285,10 +287,10 @@ def test_the_matrix_plans_allocation_cells_by_token_and_a_uniform_one_as_its_pla
                                          f"q4_0-q4_0-t128-a{i}", "q4_0-q4_0-t0", "q4_0-q4_0-t128"]
     c = m.cells[1]
     assert c.spec == CellSpec.from_name(c.name) and c.dir.endswith(f"/cells/q4_0-q4_0-t128-a{e}")
-    cols = kvm.cell_columns(c.spec)
+    cols = kvr.cell_columns(c.spec)
     assert (cols["alloc"], cols["cell"], cols["k_version"], cols["family"]) == (e, c.name, 1, "standard")
-    assert kvm.allocation_versions(c.spec) == {"alloc": {"q8_0": 1, "q4_0": 1}}
-    assert kvm.allocation_versions(CellSpec("q4_0", "q4_0", 0)) == {}
+    assert kva.allocation_versions(c.spec) == {"alloc": {"q8_0": 1, "q4_0": 1}}
+    assert kva.allocation_versions(CellSpec("q4_0", "q4_0", 0)) == {}
     kv = copy.deepcopy(BASE)
     kv["allocations"]["kv"] = {"k": "kvarn4", "v": "kvarn4", "k_first": "kvarn6,1"}
     kv["cells"] = [{"alloc": "kv", "tail": 0, "models": ["m"]}]
@@ -411,6 +413,6 @@ def test_the_summary_records_the_allocation_and_is_recomputed_from_it_alone():
     assert alc.known(a.token) is None
     again = resummarize(summary, "beellama-gemma")
     assert again["kv_total_bytes"] == kv_bytes(GEOM, 500, c, 64, "beellama-gemma", a).total
-    row = kvm.summary_row(summary, {"cell": c.name, "alloc": a.token})
+    row = kvr.summary_row(summary, {"cell": c.name, "alloc": a.token})
     assert (row["alloc_k"], row["alloc_v"]) == ("0:q8_0,1-3:q4_0", "0-2:q4_0,3:q8_0")
     assert not {"kv_alloc", "kv_alloc_k", "kv_alloc_v"} & set(row) and row["bits_per_value"] > 0

@@ -294,6 +294,7 @@ def test_the_matrix_plans_bf16_attn_cells_with_their_own_baseline():
     import yaml
 
     from kvarn.plan import matrix as kvm
+    from kvarn.plan import paths as kvp
     from kvarn.vocab.options import COMPUTES
 
     repo = Path(__file__).resolve().parents[1]
@@ -312,4 +313,4 @@ def test_the_matrix_plans_bf16_attn_cells_with_their_own_baseline():
     walk(schema)
     assert enums == [list(COMPUTES)]  # the schema accepts every compute path, named as kvarn names them
     cell = CellSpec("q8_0", "q8_0", 0, compute=BF16_ATTN)
-    assert kvm.baseline_path("results/m/ctx2048-c1", cell.compute) == "results/m/ctx2048-c1/baseline-bf16_attn.kvd"
+    assert kvp.baseline_path("results/m/ctx2048-c1", cell.compute) == "results/m/ctx2048-c1/baseline-bf16_attn.kvd"

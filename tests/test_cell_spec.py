@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from kvarn.plan import matrix as kvm
+from kvarn.plan import paths as kvp
 from kvarn.report import data as rdata
 from kvarn.vocab.cell import CellError, CellSpec, parse_opts
 from paths import REPO
@@ -129,9 +130,9 @@ def test_from_wildcards_is_from_name():
     ("/abs/prefix/results/gemma-3.1_x/ctx2048-call", {"model": "gemma-3.1_x", "n_ctx": 2048, "chunks": "all"}),
 ])
 def test_run_dirs_read_back_through_the_layout(path, want):
-    assert kvm.parse_run_dir(path) == want
-    assert kvm.RUN_DIR.format(**want) in path
-    run, cell = kvm.parse_cell_dir(f"{path}/cells/q4_0-q4_0-t0-norot")
+    assert kvp.parse_run_dir(path) == want
+    assert kvp.RUN_DIR.format(**want) in path
+    run, cell = kvp.parse_cell_dir(f"{path}/cells/q4_0-q4_0-t0-norot")
     assert run == want and cell == CellSpec("q4_0", "q4_0", 0, rot=False)
 
 
@@ -139,7 +140,7 @@ def test_run_dirs_read_back_through_the_layout(path, want):
                                   "results/m/ctx512-c4/extra"])
 def test_a_path_outside_the_layout_is_refused(path):
     with pytest.raises(ValueError, match="not a run directory"):
-        kvm.parse_run_dir(path)
+        kvp.parse_run_dir(path)
 
 
 # ---------------------------------------------------------------- each check and encoding, by hand

@@ -8,6 +8,7 @@ import polars as pl
 import pytest
 
 from kvarn.plan import matrix as kvm
+from kvarn.plan import paths as kvp
 from kvarn.report.data import primary_compute
 from kvarn.vocab.options import COMPUTES
 
@@ -41,9 +42,9 @@ def test_a_summary_without_a_compute_column_is_all_exact():
 
 @pytest.mark.parametrize("compute", COMPUTES)
 def test_every_compute_path_has_a_baseline_the_workflow_can_make(compute):
-    path = kvm.baseline_path("results/m/ctx512-c1", compute)
+    path = kvp.baseline_path("results/m/ctx512-c1", compute)
     bopts = re.fullmatch(r"results/m/ctx512-c1/baseline(.*)\.kvd", path)[1]
-    assert re.fullmatch(kvm.BASELINE_OPTS_PATTERN, bopts)
+    assert re.fullmatch(kvp.BASELINE_OPTS_PATTERN, bopts)
 
 
 def test_the_article_runs_tf32_attn_and_plans_its_baselines():
@@ -53,5 +54,5 @@ def test_the_article_runs_tf32_attn_and_plans_its_baselines():
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "config" / "article.yaml").read_text())
     m = kvm.expand(cfg)
     assert {c.compute for c in m.cells} == {"tf32-attn"}
-    assert {kvm.baseline_path(c.run_dir, c.compute) for c in m.cells} == {
+    assert {kvp.baseline_path(c.run_dir, c.compute) for c in m.cells} == {
         "results/qwen3.6-27b/ctx65536-call/baseline-tf32_attn.kvd", "results/gemma4-31b/ctx16384-call/baseline-tf32_attn.kvd"}

@@ -460,7 +460,7 @@ def test_generation_plan_of_the_shipped_config():
     prompts, are refused by name."""
     import yaml
 
-    from kvarn.plan import matrix
+    from kvarn.plan import matrix, paths
 
     cfg = yaml.safe_load((ROOT / "config" / "generation.yaml").read_text())
     m = matrix.expand(cfg)
@@ -471,7 +471,7 @@ def test_generation_plan_of_the_shipped_config():
     eco = {c.name for c in m.cells if c.family == "ecosystem"}
     assert eco == {f"{t}-{t}-t0" for t in ("quanto4", "quanto2", "hqq4", "hqq2", "kivi4", "kivi2")}
     assert sum(d.rsplit("/", 1)[1] in eco for d in r["decode"]) == 6
-    assert r["decode"][0] == matrix.decode_dir("smollm2-135m", 2048, 16, 1024, m.cells[0].name)
+    assert r["decode"][0] == paths.decode_dir("smollm2-135m", 2048, 16, 1024, m.cells[0].name)
     got = PG.run_inputs(m, "smollm2-135m", "2048", "16", "1024")  # wildcards arrive as strings
     assert got == {"decode": [f"{d}/summary.json" for d in r["decode"]], "steps": [f"{d}/steps.parquet" for d in r["decode"]],
                    "cells": [f"{d}/summary.json" for d in r["cells"]], "tokens": [f"{d}/tokens.parquet" for d in r["cells"]],

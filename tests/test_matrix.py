@@ -9,6 +9,8 @@ import yaml
 
 from kvarn.vocab import facts
 from kvarn.plan import matrix as kvm
+from kvarn.plan import paths as kvp
+from kvarn.plan import rows as kvr
 from kvarn.weights.sources import unpinned
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,8 +80,8 @@ def test_a_tail_the_format_rounds_names_the_job_it_runs():
 
 
 def test_summary_row_adds_the_table_columns():
-    columns = kvm.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0))
-    row = kvm.summary_row({"kv_total_bytes": 1000, "kv_total_bytes_tail0": 900, "kld_median": 0.1}, columns)
+    columns = kvr.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0))
+    row = kvr.summary_row({"kv_total_bytes": 1000, "kv_total_bytes_tail0": 900, "kld_median": 0.1}, columns)
     assert row["family"] == "kvarn" and row["tail_label"] == "128*" and row["tail_requested"] == 0
     assert row["kv_delta_bytes_vs_tail0"] == 100 and row["cell"] == "kvarn4-kvarn4-t0"
     assert isinstance(row["k_version"], int) and row["kld_median"] == 0.1
@@ -103,11 +105,11 @@ def test_summary_row_recomputes_memory_under_the_models_accounting():
     summary = {"n_ctx": 65536, "k_type": "kvarn4", "v_type": "kvarn4", "tail": 0, "tail_dtype": "f16",
                "rot": True, "ubatch": 512, "kld_median": 0.1,
                **summary_fields(geom, 65536, kvm.CellSpec("kvarn4", "kvarn4", 0))}  # as run_cell writes it (packed)
-    row = kvm.summary_row(summary, kvm.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0), "beellama-qwen"))
+    row = kvr.summary_row(summary, kvr.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0), "beellama-qwen"))
     assert row["memory_accounting"] == "beellama-qwen" and row["kv_total_bytes"] == 1184 * MIB
     assert row["kv_staging_bytes"] == 16 * MIB and row["kv_delta_bytes_vs_tail0"] == 0
     assert "kv_geometry" not in row  # per-layer lists stay in summary.json
-    row = kvm.summary_row(summary, kvm.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0)))
+    row = kvr.summary_row(summary, kvr.cell_columns(kvm.CellSpec("kvarn4", "kvarn4", 0)))
     assert row["memory_accounting"] == "packed" and row["kv_total_bytes"] == 1136 * MIB
 
 
@@ -171,7 +173,7 @@ def test_sink_option_paths():
     assert kvm.parse_opts("-tdf16-s128") == {**kvm.CELL_DEFAULTS, "tail_dtype": "f16", "sink": 128}
     import re
 
-    assert re.fullmatch(kvm.OPTS_PATTERN, "-norot-tdf16-i8-s64")
+    assert re.fullmatch(kvp.OPTS_PATTERN, "-norot-tdf16-i8-s64")
 
 
 @pytest.mark.parametrize("sink,needle", [(64, "KVarN's sink is fixed at 128"), (-1, "must be an integer >= 0"),
@@ -188,7 +190,7 @@ def test_chunks_all_is_a_stable_path():
     m = kvm.expand(with_(("models", 0, "chunks"), "all"))
     assert m.cells[0].dir == "results/smollm2-135m/ctx512-call/cells/q8_0-q8_0-t0"
     assert m.runs() == [("smollm2-135m", 512, "all")]
-    assert kvm.chunks_arg("all") is None and kvm.chunks_arg("3") == 3
+    assert kvp.chunks_arg("all") is None and kvp.chunks_arg("3") == 3
     # a count keeps the path it always had
     assert kvm.expand(BASE).cells[0].dir == "results/smollm2-135m/ctx512-c2/cells/q8_0-q8_0-t0"
 
@@ -225,7 +227,7 @@ def test_compute_path_is_part_of_the_cell_and_its_baseline():
                                              "results/smollm2-135m/ctx512-c2/baseline-llamacpp_cpu.kvd"]
     assert m.baselines() == [c.baseline for c in m.cells] and len(m.runs()) == 1
     assert kvm.parse_opts(m.cells[1].opts)["compute"] == "llamacpp-cpu"
-    assert re.fullmatch(kvm.OPTS_PATTERN, "-norot-llamacpp_cpu")
+    assert re.fullmatch(kvp.OPTS_PATTERN, "-norot-llamacpp_cpu")
 
 
 @pytest.mark.parametrize("entry,needle", [

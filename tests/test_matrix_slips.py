@@ -8,6 +8,8 @@ import copy
 import pytest
 
 from kvarn.plan import matrix as kvm
+from kvarn.plan import paths as kvp
+from kvarn.plan import rows as kvr
 
 MODEL = {"name": "smollm2-135m", "source": "embedded:smollm2-135m", "n_ctx": [512], "chunks": 2}
 PROGRAM_MODEL = {**MODEL, "engine": {"name": "llama.cpp", "build": "upstream"}}
@@ -18,13 +20,13 @@ def config(model=MODEL, cells=({"types": ["q4_0"], "tail": 0},), **extra):
 
 
 def test_a_run_directory_reads_back_its_context_under_the_key_n_ctx():
-    assert kvm.parse_run_dir("results/smollm2-135m/ctx2048-c3") == {"model": "smollm2-135m", "n_ctx": 2048, "chunks": 3}
-    assert kvm.parse_run_dir("x/results/m/ctx512-call")["n_ctx"] == 512
+    assert kvp.parse_run_dir("results/smollm2-135m/ctx2048-c3") == {"model": "smollm2-135m", "n_ctx": 2048, "chunks": 3}
+    assert kvp.parse_run_dir("x/results/m/ctx512-call")["n_ctx"] == 512
 
 
 def test_a_sampled_decode_directory_carries_its_temperature_and_seed():
-    greedy = kvm.decode_dir("m", 512, 4, 16, "q4_0-q4_0-t0")
-    sampled = kvm.decode_dir("m", 512, 4, 16, "q4_0-q4_0-t0", sampling="-T0.7-s3")
+    greedy = kvp.decode_dir("m", 512, 4, 16, "q4_0-q4_0-t0")
+    sampled = kvp.decode_dir("m", 512, 4, 16, "q4_0-q4_0-t0", sampling="-T0.7-s3")
     assert greedy == "results/m/decode-ctx512-p4-g16/q4_0-q4_0-t0"
     assert sampled == "results/m/decode-ctx512-p4-g16-T0.7-s3/q4_0-q4_0-t0"
 
@@ -80,11 +82,11 @@ SUMMARY = {"k_type": "q4_0", "v_type": "q4_0", "tail": 0, "n_ctx": 512, "kld_mea
 
 
 def test_a_summary_without_an_accounting_is_read_as_packed():
-    row = kvm.summary_row(dict(SUMMARY), {"cell": "q4_0-q4_0-t0"})
+    row = kvr.summary_row(dict(SUMMARY), {"cell": "q4_0-q4_0-t0"})
     assert row["memory_accounting"] == "packed"
 
 
 def test_nested_summary_records_stay_out_of_the_table_row():
-    row = kvm.summary_row(dict(SUMMARY), {"cell": "q4_0-q4_0-t0", "memory_accounting": "packed"})
+    row = kvr.summary_row(dict(SUMMARY), {"cell": "q4_0-q4_0-t0", "memory_accounting": "packed"})
     assert "self_check" not in row and "engine_identity" not in row
     assert row["kld_mean"] == 0.01 and row["cell"] == "q4_0-q4_0-t0"

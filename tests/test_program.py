@@ -23,6 +23,7 @@ import polars as pl
 import pytest
 
 from kvarn.plan import matrix as kvm
+from kvarn.plan import paths as kvp
 from kvarn.llamacpp_engine import build as pbuild
 from kvarn.llamacpp_engine import runner
 from kvarn.llamacpp_engine.settings import Settings
@@ -90,7 +91,7 @@ def percentile_slack(tokens: pl.DataFrame, key: str) -> float:
 
 @pytest.mark.slow
 def test_the_baseline_is_llama_perplexity_s_own_base_file(dag, upstream, tmp_path):
-    ours = dag / RUN / kvm.PROGRAM_BASELINE
+    ours = dag / RUN / kvp.PROGRAM_BASELINE
     perplexity(upstream, "-f", str(WIKI_TEXT), "--chunks", str(CHUNKS), "-ctk", "bf16", "-ctv", "bf16",
                "--kl-divergence-base", str(tmp_path / "ref.kld"))
     assert ours.read_bytes() == (tmp_path / "ref.kld").read_bytes()
@@ -105,7 +106,7 @@ def test_each_cell_prints_what_llama_perplexity_prints(dag, upstream, cell):
     args, env = runner.cell_args(upstream, spec)
     import os
 
-    text = perplexity(upstream, *args, "--kl-divergence-base", str(dag / RUN / kvm.PROGRAM_BASELINE),
+    text = perplexity(upstream, *args, "--kl-divergence-base", str(dag / RUN / kvp.PROGRAM_BASELINE),
                       "--kl-divergence", env={**os.environ, **env})
     summary = json.loads((dag / RUN / "cells" / cell / "summary.json").read_text())
     tokens = pl.read_parquet(dag / RUN / "cells" / cell / "tokens.parquet")

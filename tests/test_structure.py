@@ -100,7 +100,7 @@ def test_torch_free_modules_run_without_torch(tmp_path):
     code = textwrap.dedent('''
         import json, yaml
         from kvarn.budget import memory
-        from kvarn.plan import generation, matrix
+        from kvarn.plan import allocations, generation, matrix, paths, rows
         from kvarn.run import worker
         from kvarn.vocab import facts, options
         from kvarn.report import workflow

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from kvarn.plan import matrix as kvm
+from kvarn.plan import paths as kvp
 from paths import WIKI_TEXT
 
 # One xdist worker: the tiny workflow is run once per module (tiny_done, tiny_run).
@@ -210,7 +211,7 @@ def test_a_fresh_checkout_over_a_filled_model_cache_plans_everything_at_once(tmp
     cache = tmp_path / "models"
     cache.mkdir()
     m = TINY["models"][0]
-    (cache / f"smollm2-135m.{kvm.source_key(m['source'], None)}.fetched.json").write_text("{}")
+    (cache / f"smollm2-135m.{kvp.source_key(m['source'], None)}.fetched.json").write_text("{}")
     wd = workflow_copy(tmp_path, TINY)
     later = time.time() + 60
     for f in [wd / "Snakefile", *wd.rglob("workflow/**/*")]:
@@ -224,11 +225,11 @@ def test_a_numerics_version_bump_reruns_only_the_cells_using_it(tmp_path, tiny_d
     wd = done_copy(tiny_done, tmp_path)
     # Simulate `q4_0.version += 1` as the workflow sees it: through the format_version param.
     common = wd / "workflow" / "rules" / "common.smk"
-    line = "return {role: kvm.format_version(wildcards[role], role) for role in (\"k\", \"v\")}"
+    line = "return {role: kvrows.format_version(wildcards[role], role) for role in (\"k\", \"v\")}"
     assert line in common.read_text()  # else the patch below would change nothing
     common.write_text(common.read_text().replace(
-        line, line.replace("kvm.format_version(wildcards[role], role)",
-                           "kvm.format_version(wildcards[role], role) + (wildcards[role] == 'q4_0')")))
+        line, line.replace("kvrows.format_version(wildcards[role], role)",
+                           "kvrows.format_version(wildcards[role], role) + (wildcards[role] == 'q4_0')")))
     assert plan(wd) == {"cell": 1, "cell_row": 1, "summary": 1}
 
 

@@ -52,7 +52,8 @@ def spread(m: pl.DataFrame) -> pl.DataFrame:
 def finished_cells(results: Path, config: dict) -> dict[tuple[str, str], tuple[dict, Path]]:
     """(model, cell) -> (its summary row as the cell_row rule writes it, its folder) for every cell of
     `config` finished under `results` (the folder standing for `results/`)."""
-    from kvarn.plan.matrix import cell_columns, expand, summary_row
+    from kvarn.plan.matrix import expand
+    from kvarn.plan.rows import cell_columns, summary_row
 
     m = expand(config)
     out = {}

@@ -56,7 +56,7 @@ own log at context creation (bench/oracles/beellama/memory.py, bench/oracles/bee
 
 Memory is computed, never measured: a cell's summary.json records the geometry it ran
 (`kv_geometry`), so an accounting change recomputes the bytes of finished cells without
-rerunning them (`kvarn.plan.matrix.summary_row`).
+rerunning them (`kvarn.plan.rows.summary_row`).
 
 Per-layer types (kvarn.vocab.allocation): every sum above is over the layers, each with its own
 K and V types (`kvarn.vocab.allocation.layer_types`); the tail, sink, tail dtype and group are the

@@ -6,7 +6,7 @@ write the result atomically.
   the run's identity).
 * `run_search`: for one budget, the knapsack's allocation in each family and the first/last form with
   N measured on the search text -> JSON (the workflow publishes each allocation's definition where cell
-  jobs look it up when it reads the file: kvarn.plan.matrix.publish_allocations).
+  jobs look it up when it reads the file: kvarn.plan.allocations.publish_allocations).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ and polars-free: the Snakefile imports it while it plans."""
 
 from __future__ import annotations
 
-from kvarn.plan.matrix import DECODE_RUN_DIR, decode_dir
+from kvarn.plan.paths import DECODE_RUN_DIR, decode_dir
 
-GENERATION_DIR = "generation"  # inside the decode run's directory (kvarn.plan.matrix.DECODE_RUN_DIR)
+GENERATION_DIR = "generation"  # inside the decode run's directory (kvarn.plan.paths.DECODE_RUN_DIR)
 GENERATION_TABLES = ("cells.parquet", "paired.parquet", "survival.parquet", "curves.parquet", "generation.md")
 GENERATION_FIGURES = ("survival", "kld_steps", "slopes", "tf_vs_free")
 FIGURE_DIR = "results/figures/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}"

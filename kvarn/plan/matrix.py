@@ -1,14 +1,8 @@
 """The study matrix: `config/matrix.yaml` expanded into cells, and the checks a JSON schema cannot make.
 
 A *cell* is one quantized run: (model, n_ctx, chunks, K type, V type, requested tail,
-rot, tail dtype, KVarN iters). `chunks` is a count or "all" (every whole chunk of the text,
-as llama-perplexity without --chunks; the path then reads ``-call``). Its identity is its path,
-
-    results/{model}/ctx{n_ctx}-c{chunks}/cells/{k}-{v}-t{tail}{opts}/
-
-where `opts` spells only the non-default options (`-norot`, `-td{dtype}`, `-i{iters}`), so
-the default cell's path is the one in docs/CONTRACTS.md and the workflow can read every
-per-cell parameter back from the path (`parse_opts`). Adding a cell to the config adds a
+rot, tail dtype, KVarN iters). Its identity is its path (kvarn.plan.paths: the results layout,
+which the workflow reads every per-cell parameter back from). Adding a cell to the config adds a
 path; nothing else moves.
 
 Config shape (documented key by key in config/README.md):
@@ -27,74 +21,35 @@ Config shape (documented key by key in config/README.md):
 An allocation (kvarn.vocab.allocation) is checked here, before any job: its ranges, types and
 family; a layer past a model is refused where the model's geometry is known (the cache, the
 memory accounting). Its cells are `{k}-{v}-t{tail}-a{name}.{digest}`, K and V its main types:
-an edited definition is a new digest, hence a new path. `publish_allocations` writes the
-definitions where the jobs (and their workers) look them up.
+an edited definition is a new digest, hence a new path. `kvarn.plan.allocations.publish_allocations`
+writes the definitions where the jobs (and their workers) look them up.
 
 This module is pure Python over the type facts (`kvarn.vocab.facts`: no torch, no model, no
 download), so `snakemake -n` of any matrix, the article's included, plans without a network.
-
-A model's `memory_accounting` (kvarn.budget.memory) is not part of any cell path: memory is
-computed, not measured, so changing it reruns only the per-cell row jobs (their
-`columns` param changes) and the aggregation, which recompute the bytes from the geometry
-each summary.json recorded.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 
-from kvarn.files.atomic import write_text
 from kvarn.vocab import allocation, facts
-from kvarn.budget.memory import ACCOUNTINGS, bits_per_value, resummarize
+from kvarn.budget.memory import ACCOUNTINGS
+from kvarn.plan.paths import ALL_CHUNKS, RUN_DIR, baseline_path, decode_dir
+# kvarn/report (data.py: parse_cell_dir; advise.py: ALL_CHUNKS, RUN_DIR) still imports these from here: to
+# import them from kvarn.plan.paths once the report's split beside this one lands, and this line to go.
+from kvarn.plan.paths import parse_cell_dir  # noqa: F401
 from kvarn.vocab.allocation import Allocation, AllocationError
-from kvarn.vocab.cell import BASELINE_OPTS_PATTERN, CELL_NAME, OPTS_PATTERN, TYPE_PATTERN, CellError, CellSpec, compute_suffix, parse_opts  # noqa: F401 (the rules read them here)
-from kvarn.vocab.cell import cell_spec
-from kvarn.vocab.options import ATTENTIONS, DTYPES, SAMPLING_PATTERN, check_sampling, sampling_name  # noqa: F401 (the rules read SAMPLING_PATTERN here)
+from kvarn.vocab.cell import CellError, CellSpec, cell_spec, parse_opts
+from kvarn.vocab.options import ATTENTIONS, DTYPES, check_sampling, sampling_name
 from kvarn.llamacpp_engine.settings import ENGINE as LLAMACPP, Settings, engine_of
 from kvarn.weights.sources import unpinned
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._]*(?:-[A-Za-z0-9._]+)*$")
 SOURCE_RE = re.compile(r"^(embedded:[A-Za-z0-9._-]+|hf:[^/\s]+/[^/\s]+|[^:\s][^\s]*)$")
-ALL_CHUNKS = "all"
-CHUNKS_PATTERN = r"\d+|all"
 MODEL_DEFAULTS = {"revision": None, "n_ctx": [512], "chunks": 4, "ubatch": 512, "dtype": "auto",
                   "memory_accounting": "packed", "engine": None}
 CELL_DEFAULTS = parse_opts("")  # a cell's options when the config names none (kvarn.vocab.cell)
-
-# The results layout, one template per output directory: the cells below and the workflow's
-# rules (workflow/rules/common.smk, decode.smk) take their paths from these.
-RUN_DIR = "results/{model}/ctx{n_ctx}-c{chunks}"
-CELL_DIR = RUN_DIR + "/cells/" + CELL_NAME
-DECODE_RUN_DIR = "results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}"  # sampling: sampling_name
-DECODE_DIR = DECODE_RUN_DIR + "/" + CELL_NAME
-
-MODEL_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-# What each field of the layout matches; a run directory is read back only through these.
-_RUN_DIR_RE = re.compile(r"(?:^|/)" + RUN_DIR.replace(".", r"\.").format(
-    model=f"(?P<model>{MODEL_PATTERN})", n_ctx=r"(?P<n_ctx>\d+)", chunks=f"(?P<chunks>{CHUNKS_PATTERN})") + "$")
-
-
-def parse_run_dir(path) -> dict:
-    """model, n_ctx and chunks (a count or "all") of a run directory laid out as RUN_DIR (any
-    prefix before `results/`); a path not in that layout raises ValueError naming it."""
-    m = _RUN_DIR_RE.search(str(path))
-    if m is None:
-        raise ValueError(f"{str(path)!r} is not a run directory; expected {RUN_DIR}")
-    return {"model": m["model"], "n_ctx": int(m["n_ctx"]),
-            "chunks": m["chunks"] if m["chunks"] == ALL_CHUNKS else int(m["chunks"])}
-
-
-def parse_cell_dir(path) -> tuple[dict, CellSpec]:
-    """(parse_run_dir of its run, the cell) of a cell directory laid out as CELL_DIR."""
-    p = str(path).rstrip("/")
-    run, sep, name = p.rpartition("/cells/")
-    if not sep:
-        raise ValueError(f"{p!r} is not a cell directory; expected {CELL_DIR}")
-    return parse_run_dir(run), CellSpec.from_name(name)
 
 
 class MatrixError(ValueError):
@@ -189,36 +144,6 @@ class Matrix:
         """The baseline dumps the cells need (one per run and compute path), in first-use order."""
         return list(dict.fromkeys(c.baseline for c in self.cells))
 
-
-def decode_dir(model: str, n_ctx: int, prompts: int, tokens: int, cell: str, sampling: str = "") -> str:
-    """results/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}/{cell}: steps.parquet + summary.json."""
-    return f"{DECODE_RUN_DIR.format(model=model, n_ctx=n_ctx, prompts=prompts, tokens=tokens, sampling=sampling)}/{cell}"
-
-
-def baseline_path(run_dir: str, compute: str = "exact", engine: str = "torch") -> str:
-    """results/{model}/ctx{n_ctx}-c{chunks}/baseline{-llamacpp_cpu}.kvd, or baseline.llama.kld (llama-perplexity's
-    KLD base file, with its identity beside it in baseline.llama.kld.json) for the llama.cpp engine."""
-    if engine == LLAMACPP:
-        return f"{run_dir}/{PROGRAM_BASELINE}"
-    return f"{run_dir}/baseline{compute_suffix(compute)}.kvd"
-
-
-PROGRAM_BASELINE = "baseline.llama.kld"
-
-
-def source_key(source: str, revision: str | None) -> str:
-    """8 hex digits naming a model's (source, revision): the workflow's fetch marker is
-    `{model_cache}/{model}.{key}.fetched.json`, so a new source is a new marker path."""
-    import hashlib
-
-    return hashlib.sha256(f"{source}@{revision}".encode()).hexdigest()[:8]
-
-
-def chunks_arg(chunks: int | str) -> int | None:
-    """The engine's `chunks` for a config/path value: None for "all", else the count."""
-    return None if chunks == ALL_CHUNKS else int(chunks)
-
-
 def _chunks(where: str, x) -> int | str:
     if x == ALL_CHUNKS:
         return x
@@ -241,11 +166,6 @@ def check_pinned(models: dict[str, Model], allow, plan_only: bool = False) -> li
             + ". Pin each (revision: <40-hex commit>, or sha256:<hex> for a GGUF) or run with "
             "--config allow_unpinned=true (the summaries then record the commit that was fetched)")
     return [] if allow else loose
-
-
-def format_version(name: str, role: str = "k") -> int:
-    """The numerics version of a type (the same for K and V; `role` kept for the rule's callers)."""
-    return facts.get(name).version
 
 
 def _as_list(x):
@@ -477,76 +397,3 @@ def _normalize(cell: Cell) -> Cell:
                    rot=True if kvarn else cell.rot,
                    iters=cell.iters if kvarn else CELL_DEFAULTS["iters"],
                    tail_dtype=None if cell.tail_dtype == default_td else cell.tail_dtype)
-
-
-def cell_columns(cell: CellSpec, memory_accounting: str = "packed") -> dict:
-    """What the tables need about a cell and the engine does not write.
-
-    The pair's family, the requested tail and its printed label (`128*`), the cell's path
-    name, the K and V numerics versions and the model's memory accounting. The workflow
-    computes these at planning time (from the cell's path, `CellSpec.from_wildcards`) and
-    hands them to the row job as params.
-    """
-    out = {
-        "memory_accounting": memory_accounting,
-        "family": cell.family,
-        "tail_requested": cell.tail,
-        "tail_label": facts.tail_label(cell.k, cell.v, cell.tail),
-        "cell": cell.name,
-        "k_version": format_version(cell.k, "k"),
-        "v_version": format_version(cell.v, "v"),
-    }
-    if cell.alloc is not None:  # the newest version among the types of each role
-        a = allocation.lookup(cell.alloc)
-        out.update(alloc=cell.alloc, k_version=max(map(format_version, a.k.types())),
-                   v_version=max(map(format_version, a.v.types())))
-    return out
-
-
-def allocation_versions(cell: CellSpec) -> dict:
-    """What a cell job's `versions` param adds to its K and V types' versions: for a cell of an
-    allocation {"alloc": {type: version}} of every type it uses (a bump reruns its cells); {} else."""
-    if cell.alloc is None:
-        return {}
-    a = allocation.lookup(cell.alloc)
-    return {"alloc": {t: format_version(t) for t in dict.fromkeys(a.k.types() + a.v.types())}}
-
-
-def publish_allocations(allocs, directory=None) -> Path | None:
-    """Write each allocation's record to `directory` (default kvarn.vocab.allocation.directory())
-    as `{token}.json` and name that directory in $KVARN_ALLOCATIONS_DIR, so the job scripts this
-    process starts, and the workers they start, find them (`kvarn.vocab.allocation.lookup`).
-    Content-addressed: a file already there holds the same definition. None when there is none."""
-    allocs = list(allocs)
-    if not allocs:
-        return None
-    d = Path(directory or allocation.directory()).resolve()
-    for a in allocs:
-        allocation.define(a)
-        path = d / f"{a.token}.json"
-        if not path.is_file():
-            write_text(path, json.dumps(a.record(), indent=1) + "\n")
-    os.environ[allocation.DIR_ENV] = str(d)
-    return d
-
-
-def summary_row(summary: dict, columns: dict, where: str = "summary.json") -> dict:
-    """One tidy row of results/summary.parquet: a cell's summary.json + `cell_columns`
-    + the KV bytes saved or spent against the same pair at tail 0 + its bits per value
-    (`kvarn.budget.memory.bits_per_value`).
-
-    The memory keys are those of `columns["memory_accounting"]` (default: as recorded),
-    recomputed from the geometry the cell recorded (`kvarn.budget.memory.resummarize`)."""
-    accounting = columns.get("memory_accounting") or summary.get("memory_accounting", "packed")
-    row = {**summary, **columns, **resummarize(summary, accounting, where)}
-    # stay in summary.json, not in the table
-    for nested in ("kv_geometry", "engine_identity", "program_env", "self_check", "kv_alloc"):
-        row.pop(nested, None)
-    for role in ("k", "v"):  # an allocation's types per layer: the table's one string, '0-1:q8_0,2-27:q4_0,...'
-        if f"kv_alloc_{role}" in row:
-            row[f"alloc_{role}"] = allocation.range_string(row.pop(f"kv_alloc_{role}"))
-    if "kv_total_bytes" in row and "kv_total_bytes_tail0" in row:
-        row["kv_delta_bytes_vs_tail0"] = row["kv_total_bytes"] - row["kv_total_bytes_tail0"]
-    if row.get("kv_bf16_bytes"):
-        row["bits_per_value"] = bits_per_value(row["kv_total_bytes"], row["kv_bf16_bytes"])
-    return row

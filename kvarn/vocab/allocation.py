@@ -21,7 +21,7 @@ canonical definition. A cell's name carries it (`-a{token}`, kvarn.vocab.cell), 
 allocation is another cell path, and a name says which definition it means. Where the layers'
 types are needed (the cache, the memory accounting), `lookup` finds the definition: one this
 process defined (`define`; the matrix defines the config's), else the file `{token}.json` in the
-directory that `DIR_ENV` names (the workflow writes them there, kvarn.plan.matrix.publish_allocations):
+directory that `DIR_ENV` names (the workflow writes them there, kvarn.plan.allocations.publish_allocations):
 content-addressed, so a worker started before an edit reads the new definition, never a stale one.
 """
 

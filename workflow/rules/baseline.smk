@@ -5,7 +5,7 @@ rule baseline:
         model=model_marker,
         text=ancient(rules.wikitext.output[0]),  # sha256-fixed: its identity cannot change
     output:
-        f"{RUN}/baseline{{bopts}}.kvd",  # bopts: kvarn.plan.matrix.compute_suffix of the compute path
+        f"{RUN}/baseline{{bopts}}.kvd",  # bopts: kvarn.vocab.cell.compute_suffix of the compute path
     params:
         source=model_param("source"),
         revision=model_param("revision"),
@@ -34,8 +34,8 @@ rule baseline_program:
         model=model_marker,
         text=ancient(rules.wikitext.output[0]),
     output:
-        base=f"{RUN}/{kvm.PROGRAM_BASELINE}",
-        identity=f"{RUN}/{kvm.PROGRAM_BASELINE}.json",
+        base=f"{RUN}/{kvp.PROGRAM_BASELINE}",
+        identity=f"{RUN}/{kvp.PROGRAM_BASELINE}.json",
     params:
         source=model_param("source"),
         revision=model_param("revision"),

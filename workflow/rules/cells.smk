@@ -4,8 +4,8 @@
 # and the workers they start, look them up by the token in the cell's path (content-addressed, so a
 # worker started before an edit never reads a stale one); a cell's `versions` param holds the
 # numerics version of its K and V types and, for an allocation, of every type it uses
-# (kvarn.plan.matrix.allocation_versions: bumping one reruns the cells using it).
-kvm.publish_allocations(MATRIX.allocations.values())
+# (kvarn.plan.allocations.allocation_versions: bumping one reruns the cells using it).
+kva.publish_allocations(MATRIX.allocations.values())
 
 
 rule cell:
@@ -25,7 +25,7 @@ rule cell:
         dtype=model_param("dtype"),
         cell=cell_fields,
         versions=lambda wildcards: {**format_versions(wildcards),
-                                    **kvm.allocation_versions(kvm.CellSpec.from_wildcards(wildcards))},
+                                    **kva.allocation_versions(kvm.CellSpec.from_wildcards(wildcards))},
     threads: MODEL_THREADS
     resources:
         gpu=1,

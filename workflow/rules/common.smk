@@ -8,7 +8,8 @@
 #   decode_targets()     -> [str]  every (cell, decode) summary.json + each decoding model's figure
 #   all_targets()        -> [str]  the default target: the summary + report_targets() + decode_targets()
 #
-# The matrix is expanded and checked once, here, before any job is planned (kvarn.plan.matrix).
+# The matrix is expanded and checked once, here, before any job is planned (kvarn.plan.matrix); the
+# results layout is kvarn.plan.paths's, a cell's row columns kvarn.plan.rows's.
 # Per-cell parameters are read back from the wildcards of the cell path, never from the
 # whole config, so adding or editing one cell plans only that cell.
 import dataclasses
@@ -17,7 +18,10 @@ import os
 
 from snakemake.exceptions import WorkflowError
 
+from kvarn.plan import allocations as kva
 from kvarn.plan import matrix as kvm
+from kvarn.plan import paths as kvp
+from kvarn.plan import rows as kvrows
 from kvarn.plan.slurm import cpus_per_task
 
 MATRIX = kvm.expand(config)
@@ -54,8 +58,8 @@ def _model_threads() -> int:
 MODEL_THREADS = _model_threads()
 
 
-RUN = kvm.RUN_DIR  # the results layout is kvarn.plan.matrix's
-CELL = kvm.CELL_DIR
+RUN = kvp.RUN_DIR  # the results layout is kvarn.plan.paths's
+CELL = kvp.CELL_DIR
 LOG = "logs/{model}/ctx{n_ctx}-c{chunks}"
 BENCH = "benchmarks/{model}/ctx{n_ctx}-c{chunks}"
 
@@ -87,7 +91,7 @@ def decode_targets():
 
 
 def source_key(model):
-    return kvm.source_key(MODELS[model]["source"], MODELS[model]["revision"])
+    return kvp.source_key(MODELS[model]["source"], MODELS[model]["revision"])
 
 
 def model_marker(wildcards):
@@ -115,7 +119,7 @@ def cell_baseline(wildcards):
     """The cell's baseline dump: results/.../baseline.kvd, baseline-llamacpp_cpu.kvd for that compute path,
     or baseline.llama.kld for a model of the llama.cpp engine."""
     run = RUN.format(model=wildcards.model, n_ctx=wildcards.n_ctx, chunks=wildcards.chunks)
-    return kvm.baseline_path(run, kvm.CellSpec.from_wildcards(wildcards).compute,
+    return kvp.baseline_path(run, kvm.CellSpec.from_wildcards(wildcards).compute,
                              MATRIX.models[wildcards.model].engine)
 
 
@@ -147,13 +151,13 @@ def engine_param(wildcards) -> dict:
 
 def format_versions(wildcards) -> dict:
     """The numerics versions of the cell's K and V types: bumping one reruns the cells using it."""
-    return {role: kvm.format_version(wildcards[role], role) for role in ("k", "v")}
+    return {role: kvrows.format_version(wildcards[role], role) for role in ("k", "v")}
 
 
 def cell_columns(wildcards):
-    """family, tail label, versions, ... of a cell (kvarn.plan.matrix.cell_columns), from its path,
+    """family, tail label, versions, ... of a cell (kvarn.plan.rows.cell_columns), from its path,
     and its model's memory accounting: changing that reruns the row jobs, not the cells."""
-    return kvm.cell_columns(kvm.CellSpec.from_wildcards(wildcards), MODELS[wildcards.model]["memory_accounting"])
+    return kvrows.cell_columns(kvm.CellSpec.from_wildcards(wildcards), MODELS[wildcards.model]["memory_accounting"])
 
 
 # fetch_model and wikitext run these in `run:` blocks without params, not scripts: their
@@ -229,8 +233,8 @@ def perlayer_cells(model):
         path = checkpoints.perlayer_search.get(model=model, budget=budget).output[0]
         for e in json.loads(open(path).read())["allocations"]:
             allocs.append(kvm.allocation.Allocation.from_record(e["record"], path))
-            out.append(f"{kvm.RUN_DIR.format(model=model, n_ctx=n_ctx, chunks=chunks)}/cells/{e['cell']}")
-    kvm.publish_allocations([a for a in allocs if not a.uniform])
+            out.append(f"{kvp.RUN_DIR.format(model=model, n_ctx=n_ctx, chunks=chunks)}/cells/{e['cell']}")
+    kva.publish_allocations([a for a in allocs if not a.uniform])
     return list(dict.fromkeys(out))
 
 

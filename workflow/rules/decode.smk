@@ -9,8 +9,8 @@
 from kvarn.plan import generation as kvgen
 from kvarn.vocab.options import DECODE_VERSION
 
-DECODE = kvm.DECODE_DIR
-GENERATION = f"{kvm.DECODE_RUN_DIR}/{kvgen.GENERATION_DIR}"
+DECODE = kvp.DECODE_DIR
+GENERATION = f"{kvp.DECODE_RUN_DIR}/{kvgen.GENERATION_DIR}"
 DECODE_LOG = "logs/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}/{k}-{v}-t{tail}{opts}"
 DECODE_BENCH = "benchmarks/{model}/decode-ctx{n_ctx}-p{prompts}-g{tokens}{sampling}/{k}-{v}-t{tail}{opts}"
 

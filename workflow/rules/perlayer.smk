@@ -35,7 +35,7 @@ rule wikitext_valid:
 rule perlayer_sensitivity:
     wildcard_constraints:
         model=TORCH_MODELS,
-        type=kvm.TYPE_PATTERN,
+        type=kvp.TYPE_PATTERN,
     input:
         model=model_marker,
         text=ancient(kvpl.SEARCH_TEXT),
@@ -48,7 +48,7 @@ rule perlayer_sensitivity:
         dtype=model_param("dtype"),
         search=lambda wildcards: {"n_ctx": perlayer_plan().n_ctx, "chunks": perlayer_plan().chunks,
                                   "tail": perlayer_plan().tail_of(wildcards.type),
-                                  "version": kvm.format_version(wildcards.type)},
+                                  "version": kvrows.format_version(wildcards.type)},
     threads: MODEL_THREADS
     resources:
         gpu=1,
@@ -65,7 +65,7 @@ rule perlayer_sensitivity:
 checkpoint perlayer_search:
     wildcard_constraints:
         model=TORCH_MODELS,
-        budget=kvm.TYPE_PATTERN,
+        budget=kvp.TYPE_PATTERN,
     input:
         model=model_marker,
         text=ancient(kvpl.SEARCH_TEXT),

@@ -7,7 +7,7 @@ from _wf import atomic, model_spec, start
 
 start(snakemake)  # noqa: F821
 from kvarn.run import worker  # noqa: E402  (no torch here: the worker or this process loads it)
-from kvarn.plan.matrix import chunks_arg  # noqa: E402
+from kvarn.plan.paths import chunks_arg  # noqa: E402
 
 w, p = snakemake.wildcards, snakemake.params  # noqa: F821
 with atomic(snakemake.output[0]) as tmp:  # noqa: F821

@@ -10,7 +10,7 @@ from _wf import model_spec, scratch, start
 
 start(snakemake)  # noqa: F821
 from kvarn.run import worker  # noqa: E402
-from kvarn.plan.matrix import chunks_arg  # noqa: E402
+from kvarn.plan.paths import chunks_arg  # noqa: E402
 from kvarn.vocab.cell import CellSpec  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821

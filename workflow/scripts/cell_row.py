@@ -7,7 +7,7 @@ import polars as pl
 from _wf import atomic, start
 
 start(snakemake)  # noqa: F821
-from kvarn.plan.matrix import summary_row  # noqa: E402  (no torch: columns come as params)
+from kvarn.plan.rows import summary_row  # noqa: E402  (no torch: columns come as params)
 
 with open(snakemake.input[0]) as f:  # noqa: F821
     summary = json.load(f)

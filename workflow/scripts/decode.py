@@ -14,7 +14,7 @@ from kvarn.vocab.cell import CellSpec  # noqa: E402
 from kvarn.vocab.options import parse_sampling  # noqa: E402
 
 w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
-temperature, seed = parse_sampling(w.sampling)  # "" greedy, "-T1-s0" sampled (kvarn.plan.matrix.DECODE_RUN_DIR)
+temperature, seed = parse_sampling(w.sampling)  # "" greedy, "-T1-s0" sampled (kvarn.plan.paths.DECODE_RUN_DIR)
 with scratch(out.steps, out.summary) as tmp:  # summary.json last: its presence means done
     summary = worker.run(
         "decode", model_spec(snakemake), int(w.n_ctx), int(w.prompts), tokens=int(w.tokens),  # noqa: F821

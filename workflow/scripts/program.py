@@ -8,7 +8,7 @@ from pathlib import Path
 from _wf import model_spec, scratch, start
 
 start(snakemake)  # noqa: F821
-from kvarn.plan.matrix import chunks_arg  # noqa: E402
+from kvarn.plan.paths import chunks_arg  # noqa: E402
 from kvarn.llamacpp_engine import runner  # noqa: E402
 from kvarn.vocab.cell import CellSpec  # noqa: E402
 
