@@ -786,7 +786,7 @@ def test_rows_the_study_printed_no_figure_for_are_never_counted_as_its_claims():
 
 
 def test_splice_claims_rewrites_only_the_block():
-    sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+    sys.path.insert(0, str(ROOT / "tools"))
     import readme_figures as R
 
     readme = f"# T\nbefore\n{R.CLAIMS_BEGIN}\n| old |\n{R.CLAIMS_END}\nafter\n"
@@ -798,7 +798,7 @@ def test_splice_claims_rewrites_only_the_block():
 
 def test_the_readme_claims_block_is_the_committed_ledger():
     """The README's findings are docs/figures/claims.parquet rendered, not typed by hand."""
-    sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+    sys.path.insert(0, str(ROOT / "tools"))
     import readme_figures as R
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -819,7 +819,7 @@ def test_the_committed_figures_were_made_by_the_code_s_numerics():
     prov = json.loads((ROOT / "docs" / "figures" / "provenance.json").read_text())
     assert {"commit", "numerics", "machine", "command"} <= set(prov)
     assert provenance.stale(prov) == [], ("the committed figures are stale: regenerate them with make run, then "
-                                          "workflow/scripts/readme_figures.py --readme README.md")
+                                          "tools/readme_figures.py --readme README.md")
     bumped = json.loads(json.dumps(prov))
     bumped["numerics"]["types"]["kvarn4"] += 1
     bumped["numerics"]["compute"]["exact"] += 1

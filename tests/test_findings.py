@@ -71,7 +71,7 @@ def test_no_pick_is_said_plainly():
 
 def test_the_readme_findings_block_is_the_committed_answer_and_ledger():
     """The README's plain findings are docs/figures/answer.parquet and claims.parquet rendered."""
-    sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+    sys.path.insert(0, str(ROOT / "tools"))
     import readme_figures as R
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -99,3 +99,20 @@ def test_a_frontier_without_kvarn_says_none_and_lists_nothing():
     a = answer_rows().filter(~pl.col("name").str.starts_with("kvarn"))
     lines = F.model_findings("m", a, ledger_rows())
     assert "- KVarN cells on the frontier: 0 of 2." in lines
+
+
+def test_the_readme_retrieval_block_is_the_committed_retrieval_study():
+    """The README's retrieval paragraph is docs/figures/retrieval/comparisons.parquet rendered
+    (kvarn.retrieval.headline), not typed."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import readme_figures as R
+
+    from kvarn.retrieval import headline
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split(R.RETRIEVAL_BEGIN)[1].split(R.RETRIEVAL_END)[0]
+    comparisons = pl.read_parquet(ROOT / "docs" / "figures" / "retrieval" / "comparisons.parquet")
+    assert set(comparisons["model"]) == {"smollm2-135m", "gemma3-270m"}
+    assert block == "\n" + headline.sentences(comparisons, comparisons["model"].unique(),
+                                               comparisons["context"].unique()) + "\n"
+    assert "after Holm" in block and "Caveat:" in block and "small models" in block

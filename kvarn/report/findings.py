@@ -1,6 +1,6 @@
 """The README's findings in plain words: per model a few generated sentences and a scoreboard, from
 a run's answer (results/answer.parquet, `kvarn.report.advise.frontier_frame`) and its claims ledger
-(results/claims.parquet). Nothing here is typed by hand: `workflow/scripts/readme_figures.py
+(results/claims.parquet). Nothing here is typed by hand: `tools/readme_figures.py
 --readme` writes it between the README's findings markers, and a test checks the block.
 """
 

@@ -5,7 +5,7 @@ Numerics versions are every version that changes a number kvarn prints: each KV 
 (`kvarn.vocab.facts`), each compute path's (`COMPUTE_VERSION`), the free-running decode's
 (`DECODE_VERSION`), the baseline encoding's (`ENCODING_VERSION`) and KVarN's passes. A committed
 ledger whose versions differ from the code's was produced by other arithmetic: tests/test_claims.py
-fails until the figures are regenerated (make run, then workflow/scripts/readme_figures.py --readme).
+fails until the figures are regenerated (make run, then tools/readme_figures.py --readme).
 The machine matters too (one chunk's medians move by a few % between CPUs: docs/notes/performance.md),
 so it is recorded, but it is not checked: a reader's machine is not the one that made the figures.
 """

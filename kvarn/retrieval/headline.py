@@ -1,7 +1,7 @@
 """The README's retrieval sentences, computed from the comparisons table (comparisons.parquet): per
 pair of formats, in how many (model, length) runs the pair differs after Holm, and which way, on the
 answer's paired log-probability (Wilcoxon) and on right/wrong (exact McNemar); then the small-model
-caveat. `workflow/scripts/readme_figures.py --readme` writes it between the README's retrieval markers.
+caveat. `tools/readme_figures.py --readme` writes it between the README's retrieval markers.
 """
 
 from __future__ import annotations
