@@ -23,7 +23,7 @@ from scipy.stats import kendalltau
 
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.report.figures import HEIGHT, WIDTH, save_chart
-from kvarn.retrieval import score
+from kvarn.retrieval import headline, score
 from kvarn.retrieval.tasks import read_tasks
 
 ANSWER_COLUMNS = ("model", "context", "task", "id", "depth", "depth_index", "prompt_index", "cell", "answer",
@@ -370,8 +370,8 @@ def paragraph(scores, comps, tail, order, notes, paired) -> str:
         pc = _of(paired, model, context)
         tests = holm_tests(s, c, pc)
         if tests:
-            sig = [t for t, p in tests if p < 0.05]
-            not_sig = [t for t, p in tests if p >= 0.05]
+            sig = [t for t, p in tests if p < headline.ALPHA]
+            not_sig = [t for t, p in tests if p >= headline.ALPHA]
             text += (f" After Holm's adjustment across the {len(tests)} tests shown (each cell against the exact cache: "
                      "its flips, exact binomial, and its Δ log p, Wilcoxon signed-rank; each pair of formats: McNemar "
                      "and Wilcoxon), significant at 5 %: " + ("; ".join(sig) if sig else "none") +
@@ -394,10 +394,7 @@ def paragraph(scores, comps, tail, order, notes, paired) -> str:
         text += " " + note[0].upper() + note[1:] + "."
         out.append(text)
     models = sorted(scores["model"].unique())
-    out.append(f"Caveat: {', '.join(models)} are small models at short contexts "
-               f"({', '.join(map(str, sorted(scores['context'].unique())))} tokens); a format that keeps their answers "
-               "may still lose a fact at 16k–64k tokens in a 27–31B model, and the reverse "
-               "(config/retrieval-gpu.yaml is the run sized for that).")
+    out.append(f"Caveat: {headline.caveat(models, scores['context'].unique())}.")
     return "\n\n".join(out) + "\n"
 
 
