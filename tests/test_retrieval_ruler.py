@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from kvarn.retrieval import score, tasks
+from kvarn.retrieval import haystack, score, tasks
 from paths import CACHE_DIR
 
 pytestmark = pytest.mark.xdist_group("retrieval")
@@ -96,16 +96,16 @@ def test_ruler_tasks_seeded_spans_depth_and_candidates(smol_tokenizer, task):
             assert r["candidates"] == [", ".join(values)]
         # the haystack: the noise filler or Wikitext-2 sentences
         hay = r["prompt"]
-        if tasks.HAYSTACK.get(task) == "noise":
+        if haystack.HAYSTACK.get(task) == "noise":
             assert "The grass is green." in hay and " @" not in hay
         else:
-            assert "The grass is green." not in hay and sum(s in hay for s in tasks.wiki_sentences()[:100000]) >= 5
+            assert "The grass is green." not in hay and sum(s in hay for s in haystack.wiki_sentences()[:100000]) >= 5
     # the asked needle at its depth: its start within one haystack unit (a Wikitext sentence: up to
     # ~80 tokens here; a filler sentence: 8) plus the other needles' tokens of depth x (haystack -
     # needle), as the legacy tasks' test; vt's first statement of depth x the haystack's filler; and
     # for each prompt index, deeper is later
     prefix = (bos is not None) + len(enc(tasks.ruler_texts(task, np.random.default_rng(0))["intro"]))
-    unit = 80 if tasks.HAYSTACK.get(task, "wiki") == "wiki" else 8
+    unit = 80 if haystack.HAYSTACK.get(task, "wiki") == "wiki" else 8
     for r in recs:
         hay = r["n_prompt"] - prefix - len(enc(r["prompt"][r["prompt"].rindex("\n"):]))
         others = sum(e - a for a, e in r["spans"][1:])
@@ -133,8 +133,8 @@ def test_ruler_tasks_refuse_a_context_too_short(smol_tokenizer):
 def test_the_wikitext_haystack_is_the_verified_validation_split(tmp_path):
     from kvarn.baseline import data
 
-    assert (tasks.WIKI_BYTES, tasks.WIKI_SHA256) == (data.WIKI_VALID_BYTES, data.WIKI_VALID_SHA256)
-    sentences = tasks.wiki_sentences()
+    assert (haystack.WIKI_BYTES, haystack.WIKI_SHA256) == (data.WIKI_VALID_BYTES, data.WIKI_VALID_SHA256)
+    sentences = haystack.wiki_sentences()
     assert sentences[0] == (" Homarus gammarus , known as the European lobster or common lobster , is a species of "
                             "clawed lobster from the eastern Atlantic Ocean , Mediterranean Sea and parts of the "
                             "Black Sea .")
@@ -142,9 +142,9 @@ def test_the_wikitext_haystack_is_the_verified_validation_split(tmp_path):
     bad = tmp_path / "wiki.valid.raw"
     bad.write_text("not wikitext")
     with pytest.raises(ValueError, match="is not the original wikitext-2-raw-v1 wiki.valid.raw"):
-        tasks.wiki_sentences(str(bad))
+        haystack.wiki_sentences(str(bad))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        tasks.wiki_sentences(str(tmp_path / "none.raw"))
+        haystack.wiki_sentences(str(tmp_path / "none.raw"))
 
 
 def test_grade_all_values_must_appear():
@@ -175,6 +175,6 @@ def test_grade_all_values_must_appear():
 def test_seven_digit_values_are_the_seeded_draws_of_1_000_000_to_9_999_999():
     # pinned: a prompt's values are the same in every kvarn of this TASK_VERSION (a changed draw, e.g. of
     # another range, would change every answer without a version bump)
-    vals = tasks.draw_values(np.random.default_rng(0), "number", 4)
+    vals = haystack.draw_values(np.random.default_rng(0), "number", 4)
     assert vals == ["3428080", "5600227", "8655615", "6732653"]
-    assert all(len(v) == 7 for v in tasks.draw_values(np.random.default_rng(1), "number", 1000))
+    assert all(len(v) == 7 for v in haystack.draw_values(np.random.default_rng(1), "number", 1000))

@@ -1,7 +1,8 @@
 """Seeded synthetic retrieval tasks, built in token space, and their JSONL files (torch-free).
 
-Owns the three task kinds (`TASKS`), their templates, `make_tasks` (one (task, context) set:
-every depth × prompt) and `write_tasks` / `read_tasks`.
+Owns the task kinds (`TASKS`) and `TASK_VERSION`, their templates, the prompt assembly, `make_tasks`
+(one (task, context) set: every depth × prompt) and `write_tasks` / `read_tasks`. What the haystack and
+the needles are made of (filler, Wikitext sentences, keys, values, units) is `kvarn.retrieval.haystack`'s.
 
 A prompt is `[BOS] + intro + haystack + question`, assembled from separately tokenized pieces so
 that the needle's token span is known exactly; its length is `context − gen_tokens` tokens for
@@ -52,8 +53,7 @@ same way (token space, exact spans, seeds from values), the asked needle (the fi
   statement at the depth, the four hops at seeded random boundaries after it, in order; asked for
   every variable holding the value.
 
-The Wikitext haystack: the split's paragraphs cut into sentences (units), taken in order from a
-seeded random sentence, cut at the front like the filler. A RULER task's record has `answer` = its
+The Wikitext haystack is described in `kvarn.retrieval.haystack`. A RULER task's record has `answer` = its
 values joined by ", " (the order of the candidate below), `n_answers`, and `spans` (every needle's
 [start, end)); its candidates are the full answer (" v1, v2, v3, v4": multi-value in the order the text states
 the values, multi-query in the order the question asks the keys, variable tracking in the chain's
@@ -68,16 +68,14 @@ values or five variable names), and its prompts are `context` minus that.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import re
-import uuid
 from pathlib import Path
 
 import numpy as np
 
 from kvarn.files.atomic import write_text
+from kvarn.retrieval.haystack import ADJECTIVES, COLOURS, FILLER, NOUNS, boundaries, draw_values, haystack_units, words
 
 LEGACY_TASKS = ("passkey", "multikey", "kv")
 RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_uuid",
@@ -90,16 +88,6 @@ TASKS = LEGACY_TASKS + RULER_TASKS
 TASK_VERSION = 4
 MULTIKEY_KEYS = 4
 KV_KEYS = 8
-
-FILLER = (" The grass is green.", " The sky is blue.", " The sun is yellow.", " Here we go.",
-          " There and back again.")
-COLOURS = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")
-ADJECTIVES = ("amber", "bold", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
-              "lunar", "misty", "noble", "olive", "proud", "quiet", "rapid", "silver", "tidy", "urban", "vivid",
-              "wild", "young", "zesty", "brisk", "cosy", "deep", "early", "fresh")
-NOUNS = ("falcon", "river", "maple", "harbor", "lantern", "meadow", "pebble", "canyon", "violin", "garden",
-         "comet", "forest", "island", "saddle", "tunnel", "willow", "anchor", "barrel", "candle", "dragon",
-         "engine", "feather", "glacier", "hammer", "jacket", "kettle", "ladder", "mirror", "needle", "orchard")
 
 INTRO = {
     "passkey": "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -146,16 +134,6 @@ def _check(task, context, depths, prompts, seed, gen_tokens) -> None:
         raise ValueError(f"retrieval depths must be a non-empty list of numbers in [0, 1], got {depths!r}")
 
 
-def _boundaries(units: list[list[int]], cut: int) -> list[int]:
-    """Unit boundaries of the stream cut by `cut` tokens at its front, as offsets into the cut stream."""
-    out, pos = [0], 0
-    for u in units:
-        pos += len(u)
-        if pos - cut > 0:
-            out.append(pos - cut)
-    return out
-
-
 def make_prompt(encode, bos_id, task: str, n_prompt: int, depth: float, rng) -> dict:
     """One prompt of exactly `n_prompt` tokens: input_ids, answer, needle span, the asked key."""
     enc = lambda text: list(encode(text))  # noqa: E731
@@ -186,7 +164,7 @@ def make_prompt(encode, bos_id, task: str, n_prompt: int, depth: float, rng) -> 
     fill = hay - need  # filler tokens kept
     cut = total - fill
     stream = [t for u in units for t in u][cut:]
-    bounds = _boundaries(units, cut)
+    bounds = boundaries(units, cut)
     # distractor needles at distinct random boundaries, then the asked one nearest its depth
     taken: dict[int, list[int]] = {}
     for j in range(1, n_keys):
@@ -221,15 +199,7 @@ VT_VARIABLES = 5  # one chain, four hops (RULER's vt: num_chains 1, num_hops 4)
 # spell them (a digit a token; a UUID up to 36 tokens) and a separator between them
 ANSWER_TOKENS = {"niah_single_1": 12, "niah_single_2": 12, "niah_single_3": 40, "niah_multikey_1": 12,
                  "niah_multikey_uuid": 40, "niah_multivalue": 48, "niah_multiquery": 48, "vt": 32}
-# the haystack of each RULER task: "noise" (FILLER repeated) or "wiki" (Wikitext-2 validation sentences)
-HAYSTACK = {"niah_single_1": "noise", "vt": "noise"}
 VALUE_KIND = {"niah_single_3": "uuid", "niah_multikey_uuid": "uuid", "vt": "variable"}  # else "number"
-# Wikitext-2 validation (wiki.valid.raw), read torch-free here; the same bytes and sha256 as
-# kvarn.baseline.data's verified loader checks (a test holds the two equal)
-WIKI_PATH = "../shared/data/wikitext-2-raw-v1/wiki.valid.raw"
-WIKI_BYTES = 1_146_846
-WIKI_SHA256 = "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7"
-
 
 def ruler_kind(task: str) -> str:
     """What a RULER task's values are: "number" (7 digits), "uuid" or "variable" (vt's names)."""
@@ -239,43 +209,6 @@ def ruler_kind(task: str) -> str:
 def answer_tokens(task: str, gen_tokens: int) -> int:
     """The greedy answer's length of `task`: max(gen_tokens, the task's own minimum)."""
     return max(gen_tokens, ANSWER_TOKENS.get(task, 0))
-
-
-@functools.lru_cache(maxsize=2)
-def wiki_sentences(path: str = WIKI_PATH) -> tuple[str, ...]:
-    """The sentences of Wikitext-2 validation's paragraphs (headings and blank lines dropped), each
-    " sentence ." as the raw file spells it; the file is checked against its size and sha256."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"retrieval haystack {path!r} does not exist: the Wikitext-2 tasks read "
-                                f"wiki.valid.raw from ../shared/data/wikitext-2-raw-v1 (README)")
-    data = p.read_bytes()
-    if len(data) != WIKI_BYTES or hashlib.sha256(data).hexdigest() != WIKI_SHA256:
-        raise ValueError(f"{path} is not the original wikitext-2-raw-v1 wiki.valid.raw ({len(data):,} bytes; "
-                         f"expected {WIKI_BYTES:,} bytes, sha256 {WIKI_SHA256})")
-    out = []
-    for line in data.decode("utf-8").splitlines():
-        line = line.strip()
-        if not line or line.startswith("="):
-            continue
-        out += [" " + x.strip() for x in re.split(r"(?<= \.) ", line) if x.strip()]
-    return tuple(out)
-
-
-def _uuid(rng) -> str:
-    return str(uuid.UUID(bytes=bytes(int(b) for b in rng.integers(0, 256, size=16)), version=4))
-
-
-def _words(rng, n: int) -> list[str]:
-    pairs = rng.choice(len(ADJECTIVES) * len(NOUNS), size=n, replace=False)
-    return [f"{ADJECTIVES[q // len(NOUNS)]}-{NOUNS[q % len(NOUNS)]}" for q in pairs]
-
-
-def draw_values(rng, kind: str, n: int) -> list[str]:
-    """n distinct needle values from `rng`: UUIDs, or 7-digit numbers (1,000,000 .. 9,999,999)."""
-    if kind == "uuid":
-        return [_uuid(rng) for _ in range(n)]
-    return [str(v) for v in rng.choice(np.arange(1_000_000, 10_000_000), size=n, replace=False)]
 
 
 def ruler_texts(task: str, rng) -> dict:
@@ -302,7 +235,7 @@ def ruler_texts(task: str, rng) -> dict:
              f"I will quiz you about the {noun} afterwards.\n")
     n_keys = RULER_KEYS if task in ("niah_multikey_1", "niah_multikey_uuid", "niah_multiquery") else 1
     n_values = RULER_KEYS if task == "niah_multivalue" else n_keys
-    keys = _words(rng, n_keys)
+    keys = words(rng, n_keys)
     values = draw_values(rng, kind, n_values)
     key_of = keys if n_keys > 1 else keys * n_values
     needles = [f" One of the special magic {noun} for {k} is: {v}." for k, v in zip(key_of, values)]
@@ -320,25 +253,6 @@ def ruler_texts(task: str, rng) -> dict:
             "candidates": candidates, "placement": "random"}
 
 
-def _haystack_units(enc, task: str, rng, need: int) -> list[list[int]]:
-    """Tokenized haystack units, at least `need` tokens: the filler from a seeded sentence, or
-    Wikitext-2 sentences in order from a seeded sentence (wrapping around)."""
-    units: list[list[int]] = []
-    total = 0
-    if HAYSTACK.get(task, "wiki") == "noise":
-        i = int(rng.integers(len(FILLER)))
-        source = lambda j: FILLER[j % len(FILLER)]  # noqa: E731
-    else:
-        sentences = wiki_sentences()
-        i = int(rng.integers(len(sentences)))
-        source = lambda j: sentences[j % len(sentences)]  # noqa: E731
-    while total < need:
-        units.append(enc(source(i)))
-        i += 1
-        total += len(units[-1])
-    return units
-
-
 def make_ruler_prompt(encode, bos_id, task: str, n_prompt: int, depth: float, rng) -> dict:
     """One RULER prompt of exactly `n_prompt` tokens: `[BOS] + intro + haystack + question`, the
     needles at haystack unit boundaries, the first (the asked one) nearest depth · (haystack −
@@ -354,12 +268,12 @@ def make_ruler_prompt(encode, bos_id, task: str, n_prompt: int, depth: float, rn
     if hay < need + 8:
         raise ValueError(f"retrieval task {task}: a prompt of {n_prompt} tokens leaves {hay} for the haystack, "
                          f"fewer than its needles' {need} + 8; use a larger context")
-    units = _haystack_units(enc, task, rng, hay - need + 64)
+    units = haystack_units(enc, task, rng, hay - need + 64)
     total = sum(map(len, units))
     fill = hay - need
     cut = total - fill
     stream = [x for u in units for x in u][cut:]
-    bounds = _boundaries(units, cut)
+    bounds = boundaries(units, cut)
     if len(bounds) < len(needles):
         raise ValueError(f"retrieval task {task}: a prompt of {n_prompt} tokens leaves {fill} haystack tokens, "
                          f"{len(bounds)} sentence boundaries for its {len(needles)} needles; use a larger context")
