@@ -387,7 +387,7 @@ def _fake_summary(tmp_path, cell, k, v, tail, fd, g=8):
 
 def test_decode_figure_spec(tmp_path):
     from kvarn.report.data import decode_frame
-    from kvarn.report.figures import decode as decode_fig
+    from kvarn.report.figures_generation import decode as decode_fig
 
     paths = [_fake_summary(tmp_path, "q4_0-q4_0-t128", "q4_0", "q4_0", 128, [2, 3, 8]),
              _fake_summary(tmp_path, "kvarn4-kvarn4-t0", "kvarn4", "kvarn4", 0, [5, 8, 8]),

@@ -363,7 +363,7 @@ def test_compute_run_refuses_another_text(hand_run):
 
 
 def test_generation_figures_draw_every_table(hand_run):
-    from kvarn.report.figures import GENERATION_FIGURES, generation_figure
+    from kvarn.report.figures_generation import GENERATION_FIGURES, generation_figure
 
     _, dec, cells, idents = hand_run
     t = G.compute_run(dec, cells, idents, n_boot=50)
@@ -379,7 +379,7 @@ def test_survival_figure_at_full_size_draws_the_step_points(hand_run):
     """At the generation config's size (7 cells × G + 1 points) the survival table exceeds altair's
     5000 embedded rows; the figure draws each step function from its change points, the same
     curve under step-after interpolation."""
-    from kvarn.report.figures import generation_figure, step_points
+    from kvarn.report.figures_generation import generation_figure, step_points
 
     _, dec, cells, idents = hand_run
     t = G.compute_run(dec, cells, idents, n_boot=20)

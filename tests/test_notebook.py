@@ -19,7 +19,7 @@ from kvarn import report as R  # noqa: E402
 from kvarn.report import advise as A  # noqa: E402
 from kvarn.report.claims.ledger import run_claims  # noqa: E402
 from kvarn.report.claims.render import claims_markdown  # noqa: E402
-from kvarn.report.figures import ranked  # noqa: E402
+from kvarn.report.figures_cells import ranked  # noqa: E402
 from kvarn.report.paired_table import run_table  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("notebook")  # one execution of the notebook shared by the module's tests

@@ -139,7 +139,7 @@ def run(tmp_path_factory):
     from kvarn.report import advise as A
     from kvarn.report.claims.ledger import run_claims
     from kvarn.report.claims.render import claims_html, claims_markdown
-    from kvarn.report import figures as F
+    from kvarn.report import figures, figures_catalog, figures_cells, figures_compare
     from kvarn.report import load_tokens, prepare, select_token_paths
     from kvarn.report.compare import compute_split
     from kvarn.report.paired_table import run_table
@@ -164,12 +164,13 @@ def run(tmp_path_factory):
         (res / "paired").mkdir(exist_ok=True)
         paired.write_parquet(res / "paired" / f"{m}.parquet")
         toks = load_tokens(select_token_paths(tokens[m], widths=[2, 4, 8], tail=128))
-        charts = {f: F.summary_figure(f, prep) for f in W.SUMMARY_FIGURES}
-        charts |= {f: F.token_figure(f, toks) for f in W.TOKEN_FIGURES}
-        charts |= {"ranked": F.ranked(prep, paired), "kernel_share": F.kernel_share(compute_split(summary, m), m)}
+        charts = {f: figures_catalog.summary_figure(f, prep) for f in W.SUMMARY_FIGURES}
+        charts |= {f: figures_catalog.token_figure(f, toks) for f in W.TOKEN_FIGURES}
+        charts |= {"ranked": figures_cells.ranked(prep, paired),
+                   "kernel_share": figures_compare.kernel_share(compute_split(summary, m), m)}
         assert set(charts) == set(W.MODEL_FIGURES)
         for f, chart in charts.items():
-            F.save_chart(chart, res / "figures" / m / f, formats=("vl.json", "svg"))
+            figures.save_chart(chart, res / "figures" / m / f, formats=("vl.json", "svg"))
     return {"root": root, "summary": summary, "answers": answers, "decisions": decisions}
 
 
@@ -333,7 +334,8 @@ def retrieval_results(root: Path, summary_path: Path) -> dict[str, Path]:
 
 def layer_results(root: Path) -> Path:
     """A per-layer result as `kvarn layers -o results/layers/STEM` writes it: STEM.parquet and the figure."""
-    from kvarn.report.figures import layer_error, save_chart
+    from kvarn.report.figures import save_chart
+    from kvarn.report.figures_tokens import layer_error
 
     table = pl.DataFrame({"layer": [0, 1, 2, 3], "kind": ["sliding", "sliding", "full", "sliding"],
                           "window": [512, 512, None, 512], "rel_err_kv": [0.02, 0.03, 0.31, 0.05],

@@ -194,7 +194,8 @@ def caption_series(caption: str) -> dict[str, str]:
 
 
 def test_pareto_caption_names_exactly_the_series_drawn(prep):
-    from kvarn.report.figures import COLOR_NAMES, SHAPE_NAMES, pareto_caption
+    from kvarn.report.figures import COLOR_NAMES, SHAPE_NAMES
+    from kvarn.report.figures_pareto import pareto_caption
 
     hand = hand_prep(HAND_SERIES)
     named = caption_series(pareto_caption(hand))
@@ -228,7 +229,7 @@ def test_pareto_legend_shows_every_label_in_full(prep):
 
 
 def test_pareto_x_bits_per_value_else_mib():
-    from kvarn.report.figures import pareto_caption
+    from kvarn.report.figures_pareto import pareto_caption
 
     def xs(spec):
         return {fields(u).get("x") for u in units(spec) if "x" in fields(u)} - {None}
@@ -367,7 +368,8 @@ def test_position_and_distribution_specs(results):
 def test_line_style_per_family_only_for_the_families_drawn():
     """Solid KVarN, dashed standard, dotted QuantizedCache backends; the legend lists (and its title
     explains) only the families a figure draws, and an unknown family is refused by name."""
-    from kvarn.report.figures import FAMILY_DASH, generation_encodings, family_dash
+    from kvarn.report.figures import FAMILY_DASH, family_dash
+    from kvarn.report.figures_generation import generation_encodings
 
     dash = family_dash(["ecosystem", "standard", "kvarn"]).to_dict()
     assert dash["scale"]["domain"] == ["kvarn", "standard", "ecosystem"]
@@ -433,7 +435,7 @@ def test_paired_band_and_same_width(results, prep, paired):
 
 
 def test_ranked_spec(prep, paired):
-    from kvarn.report.figures import ranked
+    from kvarn.report.figures_cells import ranked
 
     spec = ranked(prep["smollm2-135m"], paired).to_dict()
     marks = {u.get("name"): u for u in units(spec)}
@@ -618,7 +620,7 @@ def test_tail_sweep(prep):
 
 
 def test_compute_split_side_by_side():
-    from kvarn.report import figures as F
+    from kvarn.report import figures_compare
     from kvarn.report import tables as T
 
     base = {"model": "m", "n_ctx": 512, "chunks": 1, "k_type": "q8_0", "v_type": "q8_0", "tail": 0,
@@ -633,7 +635,7 @@ def test_compute_split_side_by_side():
     assert (r["exact_median"], r["total_median"], r["width"]) == (0.001, 0.004, 8)
     assert r["kernel_share_median"] == pytest.approx(0.75) and r["kernel_share_mean"] == pytest.approx(0.5)
     assert "| q8_0-q8_0 | 0 | 0.001000 | 0.004000 | 75 % |" in T.split_markdown(split)
-    spec = F.kernel_share(split, "m").to_dict()
+    spec = figures_compare.kernel_share(split, "m").to_dict()
     assert any(u.get("name") == "kernel_share" or "kernel_share" in json.dumps(u) for u in [spec])
     assert compare.compute_split(pl.DataFrame(rows[:1]), "m").is_empty()
 
@@ -660,7 +662,8 @@ def test_every_report_name_is_its_defining_modules():
     assert kvarn.report.__all__ and set(kvarn.report.__all__) <= set(dir(kvarn.report))
     for name in kvarn.report.__all__:
         obj = getattr(kvarn.report, name)
-        homes = [m for m in ("data", "tokens", "figures", "tables")
+        homes = [m for m in ("data", "tokens", "figures", "figures_catalog", "figures_cells", "figures_compare",
+                             "figures_pareto", "figures_tokens", "tables")
                  if getattr(importlib.import_module(f"kvarn.report.{m}"), name, None) is obj]
         assert homes, name
     with pytest.raises(AttributeError, match="kvarn.report' has no attribute 'nope'"):

@@ -11,7 +11,7 @@ import polars as pl
 
 from kvarn.report import compare
 from kvarn.report import data as D
-from kvarn.report import figures as F
+from kvarn.report import figures, figures_compare, figures_generation, figures_pareto, figures_tokens
 from kvarn.vocab import facts
 
 MIB = 1 << 20
@@ -109,7 +109,7 @@ def test_the_decode_frame_carries_each_cells_family_and_median_first_divergence(
 def test_the_pareto_text_labels_draw_the_cells_own_rows():
     p = D.prepare(summary([("q4_0-q4_0", 128, 0.10, 4.5), ("q8_0-q8_0", 128, 0.02, 8.5),
                            ("q4_0-q4_0", 0, 0.3, 4.4), ("kvarn4-kvarn4", 0, 0.03, 4.6)]), "m")
-    spec = F.pareto(p).to_dict()
+    spec = figures_pareto.pareto(p).to_dict()
     labels = layers(spec, "cell_labels")
     assert len(labels) == 2  # median and p99 panels
     for unit, y in zip(labels, ("kld_median", "kld_p99")):
@@ -123,13 +123,13 @@ def test_the_pareto_text_labels_draw_the_cells_own_rows():
 
 def test_tail_effect_without_a_tail_0_pair_says_why_in_words():
     p = D.prepare(summary([("q4_0-q4_0", 128, 0.10, 4.5), ("kvarn4-kvarn4", 0, 0.03, 4.6)]), "m")
-    spec = F.tail_effect(p).to_dict()
+    spec = figures_compare.tail_effect(p).to_dict()
     assert spec["data"]["values"] == [{"why": "no standard qN_0-qN_0 pair measured at tail 0 and a longer tail"}]
     assert spec["encoding"]["text"]["field"] == "why" and spec["title"]["text"] == "m: tail effect"
 
 
 def test_the_decode_survival_panel_runs_over_the_steps_0_to_g_at_the_kld_panels_size(tmp_path):
-    spec = F.decode(D.decode_frame(decode_paths(tmp_path))).to_dict()
+    spec = figures_generation.decode(D.decode_frame(decode_paths(tmp_path))).to_dict()
     surv, kld = spec["hconcat"]
     assert surv["name"].startswith("survival") and kld["name"].startswith("kld_per_step")
     x = surv["encoding"]["x"]
@@ -137,7 +137,7 @@ def test_the_decode_survival_panel_runs_over_the_steps_0_to_g_at_the_kld_panels_
                                                                         [0, 3])
     assert surv["encoding"]["y"]["field"] == "survival"
     # side by side, the two panels are one size
-    assert (surv["width"], surv["height"]) == (kld["width"], kld["height"]) == (F.WIDTH * 0.55, F.HEIGHT)
+    assert (surv["width"], surv["height"]) == (kld["width"], kld["height"]) == (figures.WIDTH * 0.55, figures.HEIGHT)
 
 
 def _generation_cells():
@@ -152,7 +152,7 @@ def test_generation_survival_draws_the_band_and_the_survival_line():
     surv = pl.DataFrame({"cell": ["q4_0-q4_0-t128"] * 3 + ["kvarn4-kvarn4-t0"] * 3, "t": [0, 2, 3] * 2,
                          "survival": [1.0, 0.5, 0.5, 1.0, 1.0, 0.75], "lo": [1.0, 0.2, 0.2, 1.0, 1.0, 0.4],
                          "hi": [1.0, 0.8, 0.8, 1.0, 1.0, 0.9], "at_risk": [4, 4, 2, 4, 4, 4]})
-    spec = F.generation_survival({"cells": _generation_cells(), "survival": surv}).to_dict()
+    spec = figures_generation.generation_survival({"cells": _generation_cells(), "survival": surv}).to_dict()
     band, line = spec["layer"]
     assert band["mark"]["type"] == "area" and (band["encoding"]["y"]["field"], band["encoding"]["y2"]["field"]) == \
         ("lo", "hi")
@@ -166,7 +166,7 @@ def test_generation_survival_draws_the_band_and_the_survival_line():
 def test_the_slope_intervals_tooltip_shows_the_estimate_and_both_bounds():
     paired = pl.DataFrame({"kvarn_label": ["kvarn4-kvarn4 t128*"], "standard_label": ["q4_0-q4_0 t128"],
                            "diff_per_1k": [-0.4], "diff_lo_per_1k": [-0.7], "diff_hi_per_1k": [-0.1]})
-    spec = F.generation_slopes({"cells": _generation_cells(), "paired": paired}).to_dict()
+    spec = figures_generation.generation_slopes({"cells": _generation_cells(), "paired": paired}).to_dict()
     left, right = spec["hconcat"]
     for panel, want in ((left, ["label", "slope_per_1k", "slope_lo_per_1k", "slope_hi_per_1k"]),
                         (right, ["pair", "diff_per_1k", "diff_lo_per_1k", "diff_hi_per_1k"])):
@@ -179,7 +179,7 @@ def test_the_slope_intervals_tooltip_shows_the_estimate_and_both_bounds():
 def test_the_layer_error_subtitle_says_what_filled_and_open_mean():
     table = pl.DataFrame({"layer": [0, 1], "kind": ["full", "sliding"], "rel_err_kv": [0.02, 0.01],
                           "rel_err_k": [0.015, 0.008], "rel_err_v": [0.01, 0.004]})
-    spec = F.layer_error(table, "g q4_0").to_dict()
+    spec = figures_tokens.layer_error(table, "g q4_0").to_dict()
     assert spec["title"]["text"] == "g q4_0: attention error by layer"
     assert spec["title"]["subtitle"] == ("relative L2 error of each attention layer's output vs an fp32 cache on the "
                                          "same inputs, scored positions; filled: full attention, open: sliding window")
@@ -194,7 +194,7 @@ def test_the_layer_error_subtitle_says_what_filled_and_open_mean():
 
 def test_the_same_width_bars_tooltip_shows_the_percent_change_it_draws():
     p = D.prepare(summary([("q4_0-q4_0", 128, 0.10, 4.5), ("kvarn4-kvarn4", 0, 0.08, 4.6)]), "m")
-    spec = F.same_width(p).to_dict()
+    spec = figures_compare.same_width(p).to_dict()
     (bars,) = layers(spec, "pct_change")
     assert bars["encoding"]["y"]["field"] == "pct"
     tips = {t["field"]: t.get("title") for t in bars["encoding"]["tooltip"]}
@@ -207,7 +207,7 @@ def test_the_same_width_bars_tooltip_shows_the_percent_change_it_draws():
 def test_the_tail_sweep_tooltip_shows_the_median_it_draws():
     p = D.prepare(summary([("q4_0-q4_0", 0, 0.30, 4.4), ("q4_0-q4_0", 128, 0.10, 4.5),
                            ("kvarn4-kvarn4", 0, 0.08, 4.6)]), "m")
-    spec = F.tail_sweep(p).to_dict()
+    spec = figures_compare.tail_sweep(p).to_dict()
     (sweep,) = spec["layer"]
     assert sweep["encoding"]["y"]["field"] == "kld_median"
     assert [(t["field"], t.get("title")) for t in sweep["encoding"]["tooltip"]] == [
@@ -219,7 +219,7 @@ def test_the_position_figure_names_its_axes_and_its_width_legend():
     tokens = pl.DataFrame({"model": "m", "n_ctx": 64, "cell": ["q4_0-q4_0-t128"] * 4 + ["kvarn4-kvarn4-t0"] * 4,
                            "family": ["standard"] * 4 + ["kvarn"] * 4, "width": 4, "pos": [0, 1, 2, 3] * 2,
                            "kld": [0.1, 0.2, 0.3, 0.4, 0.01, 0.02, 0.03, 0.04]})
-    spec = F.position(tokens, n_bins=2).to_dict()
+    spec = figures_tokens.position(tokens, n_bins=2).to_dict()
     enc = spec["encoding"] if "encoding" in spec else spec["layer"][0]["encoding"]
     assert enc["x"]["title"] == "position in the context (token)"
     assert (enc["y"]["field"], enc["y"]["title"]) == ("kld_mean", "mean KLD in the bin (log)")
@@ -227,7 +227,7 @@ def test_the_position_figure_names_its_axes_and_its_width_legend():
 
 
 def test_the_decode_figure_colours_by_width_titled_in_bits(tmp_path):
-    spec = F.decode(D.decode_frame(decode_paths(tmp_path))).to_dict()
+    spec = figures_generation.decode(D.decode_frame(decode_paths(tmp_path))).to_dict()
     for panel in spec["hconcat"]:
         color = panel["encoding"]["color"]
         assert (color["field"], color["title"], color["scale"]["domain"]) == ("width", "width (bits)", [4])

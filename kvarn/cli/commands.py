@@ -114,7 +114,8 @@ def layers(spec, args) -> int:
         torch.set_num_threads(args.threads)
     from kvarn.run.torch_engine import setup
     from kvarn.run.layer_error import layer_errors
-    from kvarn.report.figures import layer_error, save_chart
+    from kvarn.report.figures import save_chart
+    from kvarn.report.figures_tokens import layer_error
 
     loaded, chunk_ids, _ = setup(spec, args.ctx, args.chunks, args.text, args.device, args.dtype, args.cache_dir)
     table = layer_errors(loaded.model, chunk_ids, cell, ubatch=args.ubatch)

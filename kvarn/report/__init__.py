@@ -5,7 +5,9 @@
 * `kvarn.report.migrate` — older summaries brought up to the columns the report reads
 * `kvarn.report.tokens`  — the per-token parquets read, binned by position and as an ECDF
 * `kvarn.report.tables`  — the per-model benchmark table (DataFrame, Markdown, HTML)
-* `kvarn.report.figures` — Altair charts and their offline rendering (Vega-Lite JSON, SVG, PNG)
+* `kvarn.report.figures` — the figures' shared style and their offline rendering (Vega-Lite JSON,
+  SVG, PNG); the Altair charts in `figures_pareto`, `figures_compare`, `figures_cells`,
+  `figures_tokens`, `figures_generation`, by name in `figures_catalog`
 * `kvarn.report.claims`  — the study's claims as a computed ledger, and its decision tables
 
 How to read each table and figure: docs/notes/report.md.
@@ -21,9 +23,13 @@ import importlib
 _EXPORTS = {
     **dict.fromkeys(["prepare", "select_token_paths", "standard_floor"], "data"),
     "load_tokens": "tokens",
-    **dict.fromkeys(["FIGURES", "SUMMARY_FIGURES", "TOKEN_FIGURES", "distribution", "heatmap", "pareto", "position",
-                     "same_width", "save_chart", "summary_figure", "tail_effect", "tail_sweep", "token_figure"],
-                    "figures"),
+    **dict.fromkeys(["FIGURES", "SUMMARY_FIGURES", "TOKEN_FIGURES", "summary_figure", "token_figure"],
+                    "figures_catalog"),
+    "save_chart": "figures",
+    "pareto": "figures_pareto",
+    **dict.fromkeys(["same_width", "tail_effect", "tail_sweep"], "figures_compare"),
+    "heatmap": "figures_cells",
+    **dict.fromkeys(["distribution", "position"], "figures_tokens"),
     **dict.fromkeys(["build_table", "to_html", "to_markdown"], "tables"),
 }
 

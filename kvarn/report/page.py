@@ -55,7 +55,7 @@ def ledger_html(ledger: pl.DataFrame, decisions: Mapping[str, str]) -> str:
 def placeholder_reason(spec: dict) -> str | None:
     """Why a figure is only a placeholder, or None if it draws data.
 
-    A placeholder (kvarn.report.figures draws one where a run lacks the cells a figure compares)
+    A placeholder (kvarn.report.figures.placeholder draws one where a run lacks the cells a figure compares)
     is a single text mark whose one datum is `{"why": ...}`; a spec may also say so itself in
     `usermeta: {placeholder: why}`. A figure that holds a placeholder panel beside real ones
     (the Pareto figure without p99) draws data and is kept."""
@@ -85,10 +85,10 @@ def _img(svg: Path, alt: str) -> str:
 
 def figure_caption(figure: str, model: str, summary: pl.DataFrame | None, captions_dir: Path = CAPTIONS_DIR) -> str:
     """A figure's caption as HTML: the Pareto figure's generated from the cells it draws
-    (kvarn.report.figures.pareto_caption), the others workflow/report/{figure}.rst with the model."""
+    (kvarn.report.figures_pareto.pareto_caption), the others workflow/report/{figure}.rst with the model."""
     if figure == "pareto" and summary is not None:
         from kvarn.report.data import prepare
-        from kvarn.report.figures import pareto_caption
+        from kvarn.report.figures_pareto import pareto_caption
 
         return html.escape(pareto_caption(prepare(summary, model)))
     rst = Path(captions_dir) / f"{figure}.rst"

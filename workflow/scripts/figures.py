@@ -16,7 +16,9 @@ start(snakemake)  # noqa: F821
 from kvarn.report import load_tokens, prepare, save_chart, summary_figure, token_figure  # noqa: E402
 from kvarn.report.compare import compute_split  # noqa: E402
 from kvarn.report.data import decode_frame  # noqa: E402
-from kvarn.report.figures import decode, kernel_share, ranked  # noqa: E402
+from kvarn.report.figures_cells import ranked  # noqa: E402
+from kvarn.report.figures_compare import kernel_share  # noqa: E402
+from kvarn.report.figures_generation import decode  # noqa: E402
 from kvarn.report.workflow import PAIRED_FIGURES, SPLIT_FIGURES, TOKEN_FIGURES  # noqa: E402
 
 sm = snakemake  # noqa: F821

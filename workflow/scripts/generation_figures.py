@@ -1,12 +1,12 @@
 """Rule report_generation: the figures of one decode run's statistics (rule generation_stats)
--> per figure .vl.json (Vega-Lite), .svg, .png (kvarn.report.figures.generation_figure), in one job."""
+-> per figure .vl.json (Vega-Lite), .svg, .png (kvarn.report.figures_generation.generation_figure), in one job."""
 
 import polars as pl
 from _wf import start
 
 start(snakemake)  # noqa: F821
 from kvarn.report import save_chart  # noqa: E402
-from kvarn.report.figures import generation_figure  # noqa: E402
+from kvarn.report.figures_generation import generation_figure  # noqa: E402
 from kvarn.plan.generation import GENERATION_FIGURES  # noqa: E402
 
 sm = snakemake  # noqa: F821
