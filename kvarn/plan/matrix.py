@@ -36,9 +36,6 @@ from dataclasses import dataclass, field, fields, replace
 from kvarn.vocab import allocation, facts
 from kvarn.budget.memory import ACCOUNTINGS
 from kvarn.plan.paths import ALL_CHUNKS, RUN_DIR, baseline_path, decode_dir
-# kvarn/report (data.py: parse_cell_dir; advise.py: ALL_CHUNKS, RUN_DIR) still imports these from here: to
-# import them from kvarn.plan.paths once the report's split beside this one lands, and this line to go.
-from kvarn.plan.paths import parse_cell_dir  # noqa: F401
 from kvarn.vocab.allocation import Allocation, AllocationError
 from kvarn.vocab.cell import CellError, CellSpec, cell_spec, parse_opts
 from kvarn.vocab.options import ATTENTIONS, DTYPES, check_sampling, sampling_name

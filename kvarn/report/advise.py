@@ -351,7 +351,7 @@ def token_dirs(summary: pl.DataFrame, root: str | Path) -> dict[tuple[str, str],
     """(model, cell) -> the cell directory under `root` (RUN_DIR/cells/CELL) of every row of each
     model's run (`kvarn.report.data.select_run`: its largest n_ctx, then chunks) whose tokens.parquet
     exists."""
-    from kvarn.plan.matrix import ALL_CHUNKS, RUN_DIR
+    from kvarn.plan.paths import ALL_CHUNKS, RUN_DIR
 
     out = {}
     runs_ = pl.concat([D.select_run(summary, m) for m in summary["model"].unique(maintain_order=True)],

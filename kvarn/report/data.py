@@ -31,7 +31,7 @@ import polars as pl
 from kvarn.vocab import facts
 from kvarn.vocab.cell import CellSpec
 from kvarn.vocab.options import summary_sampling
-from kvarn.plan.matrix import parse_cell_dir
+from kvarn.plan.paths import parse_cell_dir
 from kvarn.report.migrate import migrate_summary
 
 MIB = float(1 << 20)
