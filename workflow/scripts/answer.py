@@ -6,11 +6,11 @@ from pathlib import Path
 import polars as pl
 from _wf import atomic, start
 
-start(snakemake)  # noqa: F821
-from kvarn.report import advise  # noqa: E402
-from kvarn.report.data import parse_cell_path  # noqa: E402
+start(snakemake)
+from kvarn.report import advise
+from kvarn.report.data import parse_cell_path
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 summary = pl.read_parquet(sm.input.summary)
 dirs = {(parse_cell_path(p)["model"], Path(p).parent.name): Path(p).parent for p in sm.input.tokens}
 answers = advise.advise(summary, dirs, n_boot=sm.params.boot, seed=sm.params.seed)

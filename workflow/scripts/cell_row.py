@@ -6,12 +6,12 @@ import json
 import polars as pl
 from _wf import atomic, start
 
-start(snakemake)  # noqa: F821
-from kvarn.plan.rows import summary_row  # noqa: E402  (no torch: columns come as params)
+start(snakemake)
+from kvarn.plan.rows import summary_row  # no torch: columns come as params
 
-with open(snakemake.input[0]) as f:  # noqa: F821
+with open(snakemake.input[0]) as f:
     summary = json.load(f)
-row = summary_row(summary, snakemake.params.columns, where=snakemake.input[0])  # noqa: F821
-with atomic(snakemake.output[0]) as tmp:  # noqa: F821
+row = summary_row(summary, snakemake.params.columns, where=snakemake.input[0])
+with atomic(snakemake.output[0]) as tmp:
     pl.DataFrame([row]).write_parquet(tmp)
 print(row)

@@ -6,12 +6,12 @@ from pathlib import Path
 import polars as pl
 from _wf import atomic, start
 
-start(snakemake)  # noqa: F821
-from kvarn.report.claims.ledger import run_claims  # noqa: E402
-from kvarn.report.claims.render import claims_html, claims_markdown  # noqa: E402
-from kvarn.report.claims.study import load_study  # noqa: E402
+start(snakemake)
+from kvarn.report.claims.ledger import run_claims
+from kvarn.report.claims.render import claims_html, claims_markdown
+from kvarn.report.claims.study import load_study
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 ledger, decisions = run_claims(pl.read_parquet(sm.input.summary), list(sm.input.tokens), load_study(sm.input.study),
                                sm.params.study_models, n_boot=sm.params.boot, seed=sm.params.seed)
 with atomic(sm.output.parquet) as tmp:

@@ -12,16 +12,16 @@ from functools import cache
 import polars as pl
 from _wf import start
 
-start(snakemake)  # noqa: F821
-from kvarn.report import load_tokens, prepare, save_chart, summary_figure, token_figure  # noqa: E402
-from kvarn.report.compare import compute_split  # noqa: E402
-from kvarn.report.data import decode_frame  # noqa: E402
-from kvarn.report.figures_cells import ranked  # noqa: E402
-from kvarn.report.figures_compare import kernel_share  # noqa: E402
-from kvarn.report.figures_generation import decode  # noqa: E402
-from kvarn.report.workflow import PAIRED_FIGURES, SPLIT_FIGURES, TOKEN_FIGURES  # noqa: E402
+start(snakemake)
+from kvarn.report import load_tokens, prepare, save_chart, summary_figure, token_figure
+from kvarn.report.compare import compute_split
+from kvarn.report.data import decode_frame
+from kvarn.report.figures_cells import ranked
+from kvarn.report.figures_compare import kernel_share
+from kvarn.report.figures_generation import decode
+from kvarn.report.workflow import PAIRED_FIGURES, SPLIT_FIGURES, TOKEN_FIGURES
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 model = sm.wildcards.model
 
 

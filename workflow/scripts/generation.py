@@ -3,12 +3,12 @@
 
 from _wf import atomic, start
 
-start(snakemake)  # noqa: F821
-from kvarn.files.atomic import write_text  # noqa: E402
-from kvarn.baseline.dump import open_dump  # noqa: E402
-from kvarn.report import generation as kvgen  # noqa: E402
+start(snakemake)
+from kvarn.files.atomic import write_text
+from kvarn.baseline.dump import open_dump
+from kvarn.report import generation as kvgen
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 idents = [open_dump(b, verify=False).header for b in sm.input.baselines]  # the run identity of each cell's baseline
 tables = kvgen.compute_run([str(p).rsplit("/", 1)[0] for p in sm.input.decode],
                            [str(p).rsplit("/", 1)[0] for p in sm.input.cells], idents,

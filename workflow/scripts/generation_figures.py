@@ -4,12 +4,12 @@
 import polars as pl
 from _wf import start
 
-start(snakemake)  # noqa: F821
-from kvarn.report import save_chart  # noqa: E402
-from kvarn.report.figures_generation import generation_figure  # noqa: E402
-from kvarn.plan.generation import GENERATION_FIGURES  # noqa: E402
+start(snakemake)
+from kvarn.report import save_chart
+from kvarn.report.figures_generation import generation_figure
+from kvarn.plan.generation import GENERATION_FIGURES
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 tables = {key: pl.read_parquet(sm.input[key]) for key in ("cells", "paired", "survival", "curves")}
 for figure in GENERATION_FIGURES:
     for path in save_chart(generation_figure(figure, tables), str(sm.output[f"{figure}_vl"])[: -len(".vl.json")]):

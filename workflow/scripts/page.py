@@ -3,10 +3,10 @@ results found at planning time) -> results/report.html, one self-contained page 
 
 from _wf import start
 
-start(snakemake)  # noqa: F821
-from kvarn.report.page import write_page  # noqa: E402
+start(snakemake)
+from kvarn.report.page import write_page
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 out = write_page(sm.output.html, summary=sm.input.summary, answer_md=sm.input.answer_md, answer=sm.input.answer,
                  claims=sm.input.claims, decisions=list(sm.input.decisions), figures=list(sm.input.figures),
                  found=list(sm.params.found))

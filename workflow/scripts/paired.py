@@ -3,11 +3,11 @@
 import polars as pl
 from _wf import atomic, start
 
-start(snakemake)  # noqa: F821
-from kvarn.report.paired_table import run_table  # noqa: E402
-from kvarn.report import prepare  # noqa: E402
+start(snakemake)
+from kvarn.report.paired_table import run_table
+from kvarn.report import prepare
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 prep = prepare(pl.read_parquet(sm.input.summary), sm.wildcards.model)
 table = run_table(prep, list(sm.input.tokens), n_boot=sm.params.boot, seed=sm.params.seed, tail=sm.params.tail)
 with atomic(sm.output[0]) as tmp:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 from _wf import model_spec, start
 
-start(snakemake)  # noqa: F821
-from kvarn.perlayer import plan, run  # noqa: E402
+start(snakemake)
+from kvarn.perlayer import plan, run
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 result = run.run_search(
     model_spec(sm), sm.input.text, plan.expand(sm.config), sm.wildcards.budget, list(sm.input.sensitivity),
     sm.output[0], eval_n_ctx=sm.params.eval_n_ctx, ubatch=sm.params.ubatch, accounting=sm.params.accounting,

@@ -5,10 +5,10 @@ from pathlib import Path
 
 from _wf import model_spec, start
 
-start(snakemake)  # noqa: F821
-from kvarn.perlayer import plan, run  # noqa: E402
+start(snakemake)
+from kvarn.perlayer import plan, run
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 frame = run.run_sensitivity(
     model_spec(sm), sm.input.text, plan.expand(sm.config), sm.wildcards.type, sm.output[0], ubatch=sm.params.ubatch,
     dtype=sm.params.dtype, cache_dir=Path(sm.input.model).parent, attention=sm.config.get("attention", "auto"),

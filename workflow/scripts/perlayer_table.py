@@ -6,11 +6,11 @@ import json
 import polars as pl
 from _wf import atomic, start
 
-start(snakemake)  # noqa: F821
-from kvarn.perlayer import plan, report  # noqa: E402
-from kvarn.report.figures import save_chart  # noqa: E402
+start(snakemake)
+from kvarn.perlayer import plan, report
+from kvarn.report.figures import save_chart
 
-sm = snakemake  # noqa: F821
+sm = snakemake
 searches = [json.loads(open(p).read()) for p in sm.input.searches]
 frame = report.build(pl.read_parquet(sm.input.summary), searches, report.cell_dir_map(sm.input.tokens),
                     plan.expand(sm.config), n_boot=sm.params.boot, seed=sm.params.seed)

@@ -6,15 +6,15 @@ from pathlib import Path
 
 from _wf import model_spec, start
 
-start(snakemake)  # noqa: F821
-from kvarn.retrieval import run  # noqa: E402
-from kvarn.vocab.cell import CellSpec  # noqa: E402
+start(snakemake)
+from kvarn.retrieval import run
+from kvarn.vocab.cell import CellSpec
 
-p, cfg = snakemake.params, snakemake.config  # noqa: F821
+p, cfg = snakemake.params, snakemake.config
 summary = run.run_cell(
-    model_spec(snakemake), list(snakemake.input.tasks), list(snakemake.output.answers),  # noqa: F821
-    CellSpec.from_wildcards(snakemake.wildcards), ubatch=p.ubatch, dtype=p.dtype,  # noqa: F821
+    model_spec(snakemake), list(snakemake.input.tasks), list(snakemake.output.answers),
+    CellSpec.from_wildcards(snakemake.wildcards), ubatch=p.ubatch, dtype=p.dtype,
     batch=cfg["retrieval"].get("batch", 8), attention=cfg.get("attention", "auto"),  # no rerun trigger
-    cache_dir=Path(snakemake.input.model).parent,  # noqa: F821
+    cache_dir=Path(snakemake.input.model).parent,
 )
 print(json.dumps(summary, indent=1))

@@ -3,10 +3,10 @@ the paragraph and the figure (kvarn.retrieval.report.write_report)."""
 
 from _wf import start
 
-start(snakemake)  # noqa: F821
-from kvarn.retrieval import report  # noqa: E402
+start(snakemake)
+from kvarn.retrieval import report
 
-paths = report.write_report(list(snakemake.input.answers), dict(snakemake.output.items()),  # noqa: F821
-                            teacher_forced=snakemake.params.teacher_forced,  # noqa: F821
-                            bins=snakemake.params.bins)  # noqa: F821
+paths = report.write_report(list(snakemake.input.answers), dict(snakemake.output.items()),
+                            teacher_forced=snakemake.params.teacher_forced,
+                            bins=snakemake.params.bins)
 print("\n".join(map(str, paths)))

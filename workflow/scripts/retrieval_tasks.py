@@ -4,11 +4,11 @@ from pathlib import Path
 
 from _wf import model_spec, start
 
-start(snakemake)  # noqa: F821
-from kvarn.retrieval import run, tasks  # noqa: E402
+start(snakemake)
+from kvarn.retrieval import run, tasks
 
-w, p, out = snakemake.wildcards, snakemake.params, snakemake.output  # noqa: F821
-tokenizer, bos_id = run.load_tokenizer(model_spec(snakemake), Path(snakemake.input.model).parent)  # noqa: F821
+w, p, out = snakemake.wildcards, snakemake.params, snakemake.output
+tokenizer, bos_id = run.load_tokenizer(model_spec(snakemake), Path(snakemake.input.model).parent)
 records = tasks.make_tasks(tokenizer, bos_id, w.task, int(w.n_ctx), p.spec["depths"], p.spec["prompts"],
                            seed=p.spec["seed"], gen_tokens=p.spec["gen_tokens"])
 tasks.write_tasks(out.tasks, records)

@@ -7,15 +7,15 @@ was run in both compute paths (kvarn.report.compare.compute_split).
 import polars as pl
 from _wf import atomic, start
 
-start(snakemake)  # noqa: F821
-from kvarn.report import build_table, to_html, to_markdown  # noqa: E402
-from kvarn.report.compare import compute_split  # noqa: E402
-from kvarn.report.tables import split_markdown  # noqa: E402
+start(snakemake)
+from kvarn.report import build_table, to_html, to_markdown
+from kvarn.report.compare import compute_split
+from kvarn.report.tables import split_markdown
 
-model = snakemake.wildcards.model  # noqa: F821
-out = snakemake.output  # noqa: F821
-summary = pl.read_parquet(snakemake.input.summary)  # noqa: F821
-table = build_table(summary, model, paired=pl.read_parquet(snakemake.input.paired))  # noqa: F821
+model = snakemake.wildcards.model
+out = snakemake.output
+summary = pl.read_parquet(snakemake.input.summary)
+table = build_table(summary, model, paired=pl.read_parquet(snakemake.input.paired))
 split = compute_split(summary, model)
 md = to_markdown(table)
 if not split.is_empty():
