@@ -10,12 +10,11 @@ start(snakemake)
 from kvarn.report import advise
 from kvarn.report.data import parse_cell_path
 
-sm = snakemake
-summary = pl.read_parquet(sm.input.summary)
-dirs = {(parse_cell_path(p)["model"], Path(p).parent.name): Path(p).parent for p in sm.input.tokens}
-answers = advise.advise(summary, dirs, n_boot=sm.params.boot, seed=sm.params.seed)
-with atomic(sm.output.parquet) as tmp:
+summary = pl.read_parquet(snakemake.input.summary)
+dirs = {(parse_cell_path(p)["model"], Path(p).parent.name): Path(p).parent for p in snakemake.input.tokens}
+answers = advise.advise(summary, dirs, n_boot=snakemake.params.boot, seed=snakemake.params.seed)
+with atomic(snakemake.output.parquet) as tmp:
     advise.frontier_frame(answers).write_parquet(tmp)
-with atomic(sm.output.md) as tmp:
+with atomic(snakemake.output.md) as tmp:
     tmp.write_text(advise.answers_markdown(answers), encoding="utf-8")
 print(advise.answers_markdown(answers))

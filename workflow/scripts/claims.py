@@ -11,16 +11,21 @@ from kvarn.report.claims.ledger import run_claims
 from kvarn.report.claims.render import claims_html, claims_markdown
 from kvarn.report.claims.study import load_study
 
-sm = snakemake
-ledger, decisions = run_claims(pl.read_parquet(sm.input.summary), list(sm.input.tokens), load_study(sm.input.study),
-                               sm.params.study_models, n_boot=sm.params.boot, seed=sm.params.seed)
-with atomic(sm.output.parquet) as tmp:
+ledger, decisions = run_claims(
+    pl.read_parquet(snakemake.input.summary),
+    list(snakemake.input.tokens),
+    load_study(snakemake.input.study),
+    snakemake.params.study_models,
+    n_boot=snakemake.params.boot,
+    seed=snakemake.params.seed,
+)
+with atomic(snakemake.output.parquet) as tmp:
     ledger.write_parquet(tmp)
-with atomic(sm.output.md) as tmp:
+with atomic(snakemake.output.md) as tmp:
     tmp.write_text(claims_markdown(ledger, decisions), encoding="utf-8")
-with atomic(sm.output.html) as tmp:
+with atomic(snakemake.output.html) as tmp:
     tmp.write_text(claims_html(ledger, decisions), encoding="utf-8")
-for path in sm.output.decisions:  # results/tables/decisions/{model}.md
+for path in snakemake.output.decisions:  # results/tables/decisions/{model}.md
     with atomic(path) as tmp:
         tmp.write_text(decisions[Path(path).stem], encoding="utf-8")
 print(ledger.group_by("verdict").len())

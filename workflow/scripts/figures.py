@@ -21,25 +21,24 @@ from kvarn.report.figures_compare import kernel_share
 from kvarn.report.figures_generation import decode
 from kvarn.report.workflow import PAIRED_FIGURES, SPLIT_FIGURES, TOKEN_FIGURES
 
-sm = snakemake
-model = sm.wildcards.model
+model = snakemake.wildcards.model
 
 
 @cache
 def summary() -> pl.DataFrame:
-    return pl.read_parquet(sm.input.summary)
+    return pl.read_parquet(snakemake.input.summary)
 
 
 @cache
 def tokens():
-    return load_tokens(sm.input.tokens)
+    return load_tokens(snakemake.input.tokens)
 
 
 def chart(figure: str, options: dict):
     if figure == "decode":
-        return decode(decode_frame(sm.input.decode), **options)
+        return decode(decode_frame(snakemake.input.decode), **options)
     if figure in PAIRED_FIGURES:
-        return ranked(prepare(summary(), model), pl.read_parquet(sm.input.paired), **options)
+        return ranked(prepare(summary(), model), pl.read_parquet(snakemake.input.paired), **options)
     if figure in SPLIT_FIGURES:
         return kernel_share(compute_split(summary(), model), model)
     if figure in TOKEN_FIGURES:
@@ -47,7 +46,7 @@ def chart(figure: str, options: dict):
     return summary_figure(figure, prepare(summary(), model), **options)
 
 
-for figure in sm.params.figures:
-    stem = str(sm.output[f"{figure}_vl"])[: -len(".vl.json")]
-    for path in save_chart(chart(figure, dict(sm.params.options[figure])), stem):
+for figure in snakemake.params.figures:
+    stem = str(snakemake.output[f"{figure}_vl"])[: -len(".vl.json")]
+    for path in save_chart(chart(figure, dict(snakemake.params.options[figure])), stem):
         print(f"{model}/{figure}: wrote {path}")

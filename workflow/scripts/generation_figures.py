@@ -9,8 +9,9 @@ from kvarn.report import save_chart
 from kvarn.report.figures_generation import generation_figure
 from kvarn.plan.generation import GENERATION_FIGURES
 
-sm = snakemake
-tables = {key: pl.read_parquet(sm.input[key]) for key in ("cells", "paired", "survival", "curves")}
+tables = {key: pl.read_parquet(snakemake.input[key]) for key in ("cells", "paired", "survival", "curves")}
 for figure in GENERATION_FIGURES:
-    for path in save_chart(generation_figure(figure, tables), str(sm.output[f"{figure}_vl"])[: -len(".vl.json")]):
-        print(f"{sm.wildcards.model}/{figure}: wrote {path}")
+    for path in save_chart(
+        generation_figure(figure, tables), str(snakemake.output[f"{figure}_vl"])[: -len(".vl.json")]
+    ):
+        print(f"{snakemake.wildcards.model}/{figure}: wrote {path}")

@@ -6,8 +6,14 @@ from _wf import start
 start(snakemake)
 from kvarn.report.page import write_page
 
-sm = snakemake
-out = write_page(sm.output.html, summary=sm.input.summary, answer_md=sm.input.answer_md, answer=sm.input.answer,
-                 claims=sm.input.claims, decisions=list(sm.input.decisions), figures=list(sm.input.figures),
-                 found=list(sm.params.found))
-print(f"wrote {out} ({out.stat().st_size} bytes); optional results shown: {sorted(sm.params.found) or 'none'}")
+out = write_page(
+    snakemake.output.html,
+    summary=snakemake.input.summary,
+    answer_md=snakemake.input.answer_md,
+    answer=snakemake.input.answer,
+    claims=snakemake.input.claims,
+    decisions=list(snakemake.input.decisions),
+    figures=list(snakemake.input.figures),
+    found=list(snakemake.params.found),
+)
+print(f"wrote {out} ({out.stat().st_size} bytes); optional results shown: {sorted(snakemake.params.found) or 'none'}")

@@ -7,9 +7,14 @@ start(snakemake)
 from kvarn.report.paired_table import run_table
 from kvarn.report import prepare
 
-sm = snakemake
-prep = prepare(pl.read_parquet(sm.input.summary), sm.wildcards.model)
-table = run_table(prep, list(sm.input.tokens), n_boot=sm.params.boot, seed=sm.params.seed, tail=sm.params.tail)
-with atomic(sm.output[0]) as tmp:
+prep = prepare(pl.read_parquet(snakemake.input.summary), snakemake.wildcards.model)
+table = run_table(
+    prep,
+    list(snakemake.input.tokens),
+    n_boot=snakemake.params.boot,
+    seed=snakemake.params.seed,
+    tail=snakemake.params.tail,
+)
+with atomic(snakemake.output[0]) as tmp:
     table.write_parquet(tmp)
 print(table)

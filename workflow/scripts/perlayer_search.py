@@ -9,10 +9,18 @@ from _wf import model_spec, start
 start(snakemake)
 from kvarn.perlayer import plan, run
 
-sm = snakemake
 result = run.run_search(
-    model_spec(sm), sm.input.text, plan.expand(sm.config), sm.wildcards.budget, list(sm.input.sensitivity),
-    sm.output[0], eval_n_ctx=sm.params.eval_n_ctx, ubatch=sm.params.ubatch, accounting=sm.params.accounting,
-    dtype=sm.params.dtype, cache_dir=Path(sm.input.model).parent, attention=sm.config.get("attention", "auto"),
+    model_spec(snakemake),
+    snakemake.input.text,
+    plan.expand(snakemake.config),
+    snakemake.wildcards.budget,
+    list(snakemake.input.sensitivity),
+    snakemake.output[0],
+    eval_n_ctx=snakemake.params.eval_n_ctx,
+    ubatch=snakemake.params.ubatch,
+    accounting=snakemake.params.accounting,
+    dtype=snakemake.params.dtype,
+    cache_dir=Path(snakemake.input.model).parent,
+    attention=snakemake.config.get("attention", "auto"),
 )
 print(json.dumps(result, indent=1))

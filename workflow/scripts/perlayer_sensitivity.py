@@ -8,9 +8,15 @@ from _wf import model_spec, start
 start(snakemake)
 from kvarn.perlayer import plan, run
 
-sm = snakemake
 frame = run.run_sensitivity(
-    model_spec(sm), sm.input.text, plan.expand(sm.config), sm.wildcards.type, sm.output[0], ubatch=sm.params.ubatch,
-    dtype=sm.params.dtype, cache_dir=Path(sm.input.model).parent, attention=sm.config.get("attention", "auto"),
+    model_spec(snakemake),
+    snakemake.input.text,
+    plan.expand(snakemake.config),
+    snakemake.wildcards.type,
+    snakemake.output[0],
+    ubatch=snakemake.params.ubatch,
+    dtype=snakemake.params.dtype,
+    cache_dir=Path(snakemake.input.model).parent,
+    attention=snakemake.config.get("attention", "auto"),
 )
 print(frame)
