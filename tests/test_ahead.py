@@ -71,3 +71,36 @@ def test_a_consumer_that_stops_stops_the_producer():
     assert threading.active_count() == before
     with pytest.raises(ValueError, match="depth must be an integer >= 1, got 0"):
         next(ahead([[1]], 0))
+
+
+def test_closing_frees_a_producer_blocked_on_a_full_queue():
+    """The producer waits on a full queue in short timed puts, so a consumer that stops while it waits
+    (the queue full, depth items ahead) ends it at once: close() returns, the thread is gone."""
+    def endless():
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+    it = ahead([endless()], 1)
+    assert next(next(it)) == 0
+    time.sleep(0.3)  # the producer has filled the queue (1 item) and waits to put the next
+    closer = threading.Thread(target=it.close, daemon=True)
+    closer.start()
+    closer.join(timeout=5)
+    assert not closer.is_alive(), "close() hangs on a producer blocked in put()"
+    assert not [t for t in threading.enumerate() if t.name == "kvarn-ahead"]
+
+
+def test_the_producer_is_a_named_daemon_thread():
+    """The producer runs in a daemon thread named kvarn-ahead: a hung forward never keeps the process
+    alive at exit, and a thread dump names it."""
+    seen = []
+
+    def chunk():
+        t = threading.current_thread()
+        seen.append((t.name, t.daemon, t is threading.main_thread()))
+        yield 1
+
+    assert [list(c) for c in ahead([chunk()], 1)] == [[1]]
+    assert seen == [("kvarn-ahead", True, False)]

@@ -71,6 +71,8 @@ def test_choose_greedy_and_gumbel_max_by_hand():
     assert KD.choose(logp, 0.5, noise).tolist() == [0, 2]
     with pytest.raises(ValueError, match=r"needs Gumbel noise of the log-probs' shape \(2, 3\), got None"):
         KD.choose(logp, 1.0)
+    with pytest.raises(ValueError, match=r"needs Gumbel noise of the log-probs' shape \(2, 3\), got \(2, 4\)"):
+        KD.choose(logp, 1.0, torch.zeros(2, 4))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
