@@ -1,46 +1,13 @@
 """Free-running decode through a quantized cache: where generation leaves the baseline.
 
-Owns: the decode prompts (`decode_prompts`), the token choice (`choose`: greedy, or sampled with
-shared Gumbel noise `gumbel`), the decode of a cell scored by the BF16-cache baseline (`decode`,
-in blocks of `block_steps` steps), its per-prompt summary (`summarize_decode`) and the runner
-that writes one (cell, decode) result (`run_decode`).
+Owns the decode prompts (`decode_prompts`), the token choice (`choose`: greedy, or Gumbel-max
+sampled with the shared noise of `gumbel`), the decode of a cell that the BF16-cache baseline
+re-scores in blocks of `block_steps` steps (`decode`), the first divergence and per-prompt
+summary (`first_divergence`, `summarize_decode`) and the runner that writes one (cell, decode)
+result (`run_decode`); the result's columns `STEP_KEYS` and `TIMING_KEYS`.
 
-The teacher-forced KLD of `kvarn.run.torch_engine` never lets an error feed back: every position sees
-the true text. Here the cell generates its own text, one token at a time through its own
-cache (so KVarN groups seal during generation, as in deployment), and the baseline re-scores
-that same text through its own BF16 cache (in blocks, below):
-
-* prompts: the first `n_ctx − tokens` tokens of P consecutive Wikitext chunks of `n_ctx`
-  tokens (BOS at position 0 as in the teacher-forced run), so prompt + generation fills
-  exactly the run's context;
-* step s: the cell's next-token distribution q_s and the baseline's p_s, both conditioned on
-  the prompt and the cell's tokens 0..s−1; the cell emits its choice from q_s (`choose`), fed
-  to both caches, and `base_token` is the baseline's choice from p_s by the same rule;
-* the choice: greedy (temperature 0, the default) is argmax q_s. Sampled (temperature T > 0) is
-  the Gumbel-max sample argmax(log q_s / T + g_s), g_s standard Gumbel noise [P, V] drawn for
-  step s from one generator seeded with `seed` (`gumbel`): an exact sample of softmax(log q_s / T),
-  and since every cell and the baseline read the same g_s (common random numbers), two
-  distributions choose different tokens only where their difference outweighs the noise's gap;
-* per step: KLD(p_s ‖ q_s) (the rule of `kvarn.stats.metrics.token_metrics`, of the model's own
-  distributions whatever T is), whether argmax p_s equals argmax q_s (`same_top`), the baseline
-  NLL of the cell's token;
-* first divergence of a prompt: the first step whose tokens differ (token ≠ base_token). Until
-  then the prefix is the baseline's own text (greedy, or sampled with the same seed), so
-  base_token is exactly the baseline's own choice there; a prompt that never diverges is
-  censored at `tokens`.
-
-All P prompts go as one batch (no padding is needed: equal lengths). Ties break to the
-lowest token id (torch.argmax), the same in both runs. The noise is drawn step by step in one
-order, so it does not depend on the block size below.
-
-The baseline does not steer the text, it only scores it, so it need not run in lock step: the
-cell generates a block of B steps alone, one token at a time (its tokens are those of a
-lock-step run, bit for bit), keeping its fp32 log-probs; then the baseline takes the block's B
-tokens in ONE forward (teacher-forced, as every teacher-forced cell's baseline is computed) and
-the block's metrics are computed at once. B comes from a memory budget (`block_steps`); block=1
-is the lock-step run (the slow reference). A B-token forward and B one-token forwards agree at
-fp32 noise (docs/notes/decode.md "Speed" has the measured difference); `DECODE_VERSION` tells
-results of the two apart.
+Why (prompts, per-step metrics, common random numbers, the block path and the noise it adds
+against lock step, `DECODE_VERSION`): docs/notes/decode.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,15 @@
 """One model load for many cells: a worker process per job identity that the workflow's
 baseline, cell and decode scripts talk to over a unix socket.
 
-Owns `run` (what a job script calls: through a worker, or in this process) and the worker
-itself (`python -m kvarn.run.worker SOCKET IDENTITY_JSON`). Each cell stays its own Snakemake
-job and target; only the model load, the text's tokenization and the baseline's checksum
-move into the worker, which does them once (`kvarn.run.torch_engine.Context`) and then runs the same
-`run_cell` / `run_baseline` / `run_decode` for every request: the same code path, the same
-numbers. A decode of P prompts has the identity of the cells of P chunks (its prompts are
-those chunks), so the generation setting's decodes share their teacher-forced cells' worker.
+Owns `run` (what a job script calls: through a worker, or in this process; this module imports
+no torch at top level), the job's `identity` and `socket_path`, `release_others`, and the worker
+itself (`serve`; `python -m kvarn.run.worker SOCKET IDENTITY_JSON`), which runs the same
+`run_cell` / `run_baseline` / `run_decode` as a job's own process. Environment: KVARN_WORKER
+(`enabled`), KVARN_WORKER_IDLE (seconds without a request before a worker exits, default 120),
+KVARN_WORKER_DIR (the sockets' directory, default .snakemake/kvarn-workers).
 
-* The job script stays thin (this module imports no torch at top level): it finds the
-  worker of its identity, or spawns one (detached, its own session, log beside the
-  socket) under a lock so that only one is started, sends the request as one JSON line
-  and waits for the reply.
-* Identity = the job's arguments (model source and revision, n_ctx, chunks, text, device,
-  dtype, model cache), a fingerprint (size, mtime, inode) of the text and model-marker
-  files and of kvarn's own source files, the interpreter and the thread count. The socket
-  is named by its hash, and the worker refuses any request whose identity is not its own:
-  a changed model, text or kvarn checkout gets a fresh worker, never the old state.
-* Outputs: the worker writes into the temporary path the job script gave it; the script
-  moves them into place only after a successful reply. A worker killed mid-cell closes the
-  socket; the script raises and leaves nothing (snakemake --rerun-incomplete redoes it).
-  A connection closed before the worker said `accepted` never started: it is retried.
-* The worker exits after KVARN_WORKER_IDLE seconds (default 120) without a request.
-* One device, several models: a worker whose first load is refused by `kvarn.budget.preflight`
-  (the device is full) asks the other workers of its directory to release it
-  (`release_others`: each exits after its current request, and is waited for), then
-  checks again. So on one GPU the first job of model B starts once model A's idle worker
-  has exited, while consecutive jobs of one model keep their worker. Chosen over releasing
-  on every change of model (which would reload for interleaved jobs that fit together)
-  and over counting an idle worker's memory as free (it is not free until it exits).
-
-KVARN_WORKER: `1` use a worker, `0` run in the job's own process, unset or `auto`: a
-worker unless under Slurm (SLURM_JOB_ID set), where each job may land on another node and
-its allocation ends with the job. KVARN_WORKER_DIR: the sockets' directory (default
-.snakemake/kvarn-workers under the working directory).
+Why (identity, killed workers, Slurm, several models on one device): docs/notes/scale.md
+"kvarn.run.worker".
 """
 
 from __future__ import annotations
@@ -70,6 +45,9 @@ class WorkerDied(RuntimeError):
 
 
 def enabled(env=None) -> bool:
+    """Whether jobs use a worker (KVARN_WORKER): `1` yes, `0` run in the job's own process, unset or
+    `auto`: a worker unless under Slurm (SLURM_JOB_ID set), where each job may land on another
+    node and its allocation ends with the job."""
     env = os.environ if env is None else env
     value = env.get(ENV, "auto").strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -122,7 +100,7 @@ def run(kind: str, spec, n_ctx: int, chunks: int, *, text=None, device="auto", d
         cache_dir=DEFAULT_CACHE_DIR, files=(), use_worker: bool | None = None, **kwargs) -> dict:
     """kvarn.run.torch_engine.run_cell (kind "cell"), run_baseline ("baseline") or kvarn.run.decode.
     run_decode ("decode"; `chunks` is its prompts) with these arguments, through this identity's
-    worker (KVARN_WORKER, see the module doc) or in this process.
+    worker (KVARN_WORKER, see `enabled`) or in this process.
     `files`: more files whose change must mean a fresh load (the model's fetch marker)."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: expected one of {KINDS}")

@@ -7,30 +7,8 @@ cell's own interval (`cell_interval`) and the text `kvarn compare` prints (`form
 The per-run table behind the report's `band` column and ranked figure is
 `kvarn.report.paired_table.run_table`.
 
-Why paired: every cell of a run is scored on the same tokens against the same BF16
-baseline, so two cells' per-token KLDs are strongly correlated (hard tokens are hard for
-both). Resampling the *same* token indices for both cells keeps that correlation, and the
-interval of the difference is far narrower than two independent intervals would suggest.
-
-Why blocks: per-token KLD is autocorrelated (a confusing passage raises the KLD of its
-neighbours), so an iid bootstrap understates the uncertainty (the coverage test shows it).
-The bootstrap here is a *circular block bootstrap within chunks*: each chunk's scored tokens
-are one series; a resample of a chunk is ceil(m/L) blocks of L consecutive tokens, each
-starting at a uniform position and wrapping around the chunk's end, cut to the chunk's m
-tokens. Chunks are never mixed (each keeps its own token count), because chunk boundaries
-are where the cache is cleared.
-
-Block length L (one rule, `block_length`): the Politis–White (2004) automatic block length
-for the circular bootstrap, with the Patton–Politis–White (2009) correction, computed on
-the pooled within-chunk autocovariance of three series: the ranks of cell A's KLD, of cell
-B's KLD, and of their difference. L is the largest of the three (the most dependent series
-decides), at least 1 and at most half the shortest chunk. Ranks rather than raw KLD because
-KLD is heavy-tailed (a handful of tokens would dominate a raw autocovariance) and the
-headline statistic is a median, which only sees order.
-
-Intervals are percentile intervals of the bootstrap distribution of (stat(B*) − stat(A*)).
-Resampling is seeded (`numpy.random.default_rng(seed)`), so a rerun prints the same digits.
-Numpy only, vectorised over resamples in batches bounded by `MAX_ELEMENTS`.
+Why paired, why blocks within chunks, the block length on ranks, the coverage measured:
+docs/notes/paired.md.
 """
 
 from __future__ import annotations
