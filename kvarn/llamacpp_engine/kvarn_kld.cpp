@@ -41,6 +41,10 @@
 
 namespace {
 
+// llama-perplexity's KLD base file: this header ("_logits_", then n_ctx, n_vocab and n_chunk as 4-byte
+// integers), the tokens of every chunk, then per chunk the scored positions' uint16 log-prob rows.
+constexpr size_t BASE_HEADER_BYTES = 8 + 3 * sizeof(uint32_t);
+
 struct record {
     double kld = 0;       // KLD(base || Q) over the base entries above -16 nats
     float nll = 0;        // -log p_Q(next token)
@@ -280,7 +284,8 @@ int main(int argc, char ** argv) {
                 base.write((const char *) rows.data(), rows.size() * sizeof(uint16_t));
                 for (int i = 0; i < m; ++i) fprintf(out, "%d\t%d\t%.9g\n", c, p0 + i, nlls[i]);
             } else {
-                const size_t at = 20 + size_t(tokens.size()) * 4 + (size_t(c) * n_scored + (p0 - first)) * nv * 2;
+                const size_t at = BASE_HEADER_BYTES + tokens.size() * sizeof(llama_token)
+                                  + (size_t(c) * n_scored + (p0 - first)) * nv * sizeof(uint16_t);
                 base.seekg(at).read((char *) rows.data(), rows.size() * sizeof(uint16_t));
                 if (!base) return fail("truncated base file at chunk ", std::to_string(c));
                 recs.assign(m, record());
