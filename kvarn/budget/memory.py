@@ -1,68 +1,15 @@
 """Persistent KV-cache bytes of one sequence (DESIGN §5): the "KV cache MiB" column. Torch-free.
 
-Owns the named memory accountings and their arithmetic over a model's per-layer
-geometry (`kvarn.vocab.geometry`) and the type facts (`kvarn.vocab.facts`):
+Owns the named memory accountings (`ACCOUNTINGS`, `DEFAULT_ACCOUNTING` `packed`;
+`beellama-qwen`, `beellama-gemma`, `beellama-v043`) and their arithmetic over a model's
+per-layer geometry (`kvarn.vocab.geometry`) and the type facts (`kvarn.vocab.facts`):
+total = body + staging + overlay bytes, one sequence, all layers, K and V, per layer
+(`layer_bytes`, `body_bytes`) and summed (`kv_bytes`); `bits_per_value`; the memory keys of a
+cell's summary.json (`summary_fields`) and their recomputation under another accounting from
+the geometry it recorded (`resummarize`): memory is computed, never measured.
 
-    total = body + staging + overlay        (bytes, one sequence, all layers, K and V)
-
-Notation, per attention layer l: H_l KV heads of head dim D_l, sliding window W_l (None
-on full-attention layers); n = n_ctx, u = ubatch. A "row" of a set of layers is one
-token's K and V over those layers at the exact dtype: sum over them of 2 * H_l * D_l * bytes.
-Layers without a KV cache (Gated DeltaNet) count nothing here.
-
-Both accountings store s_l tokens per layer, as llama.cpp sizes its caches:
-
-    s_l = n on a full-attention layer, min(n, W_l + u) on a sliding one
-
-`packed` (the default): what this cache design (DESIGN §2) must hold.
-
-    body    per head: fmt_K.nbytes(b_l) + fmt_V.nbytes(b_l), the formats' real packed
-            buffers; b_l = s_l for standard types, 128 * floor(s_l / 128) for KVarN
-            (whole 128-token groups only)
-    staging 0. KVarN's incomplete group (s_l mod 128 tokens, no body copy yet) is the
-            newest part of the exact tail, which is at least 128 tokens: design choice,
-            it costs no bytes of its own
-    overlay per layer min(tail_l, s_l) + min(sink_l, s_l) exact rows at the tail dtype;
-            tail_l, sink_l from kvarn.vocab.policy.layer_policy (standard: the tail as asked,
-            0 allowed, no sink; KVarN: max(128, roundup(tail, 128)) capped at W_l, sink
-            128 on full-attention layers). Sink and tail are separate buffers: below
-            n = sink + tail they hold some tokens twice, as two buffers would
-
-`beellama-qwen`, `beellama-gemma`: BeeLlama's runtime allocation, which the study
-printed; two versions of the program, the one its Qwen 3.6 27B runs used and the one its
-Gemma 4 31B runs used. They reproduce every figure of the study to 0.01 MiB
-(tests/test_memory.py; docs/notes/memory.md reconciles them with `packed`).
-
-    body    standard types: s_l tokens, as packed. KVarN: records of whole groups covering
-            every stored token: ceil(n/128) groups on a full layer, a ring of
-            min(ceil(n/128), ceil((W_l + u)/128)) groups on a sliding one
-    staging KVarN: an F16 staging area of 256 rows over all attention layers; standard 0
-    overlay rows over all attention layers at the tail dtype, per layer from its
-            effective tail N_l (tail_l above; no separate sink rows):
-              beellama-qwen   KVarN roundup256(N_l + u) (the tail arena of BeeLlama's
-                              flash-attention layout), standard N_l
-              beellama-gemma  N_l + 1 for both (the 1: BeeLlama's rollback reserve);
-                              a standard tail of 0 allocates nothing
-
-`beellama-v043`: BeeLlama v0.4.3 as its CPU build allocates one sequence, read from its
-own log at context creation (bench/oracles/beellama/memory.py, bench/oracles/beellama/results/beellama.md):
-
-    body    as beellama-gemma, except on a sliding layer whose effective tail covers its
-            window (N_l >= W_l): no body at all (BeeLlama's bodyless "native exact" group)
-    staging KVarN: F16 stage groups of 128 rows per layer, 3 on a full-attention layer (its
-            permanent sink group + 2 tail groups), 2 on a sliding one; none when bodyless
-    overlay N_l + 1 rows per layer at the tail dtype, for both families (0 for a standard
-            tail of 0); KVarN's sink lives in its stage, not here
-
-Memory is computed, never measured: a cell's summary.json records the geometry it ran
-(`kv_geometry`), so an accounting change recomputes the bytes of finished cells without
-rerunning them (`kvarn.plan.rows.summary_row`).
-
-Per-layer types (kvarn.vocab.allocation): every sum above is over the layers, each with its own
-K and V types (`kvarn.vocab.allocation.layer_types`); the tail, sink, tail dtype and group are the
-family's, the same on every layer. A cell of an allocation records it in its summary.json
-(`kv_alloc`: the definition; `kv_alloc_k`, `kv_alloc_v`: the type of each decoder layer), so
-its bytes are recomputed from the summary alone.
+Definitions of each accounting: docs/notes/memory.md "Definitions"; why two, and how they
+reconcile with the study: the same note.
 """
 
 from __future__ import annotations
@@ -194,7 +141,7 @@ def kv_bytes(geom: Geometry, n_ctx: int, cell: CellSpec, ubatch: int = 512,
              accounting: str = DEFAULT_ACCOUNTING, alloc: Allocation | None = None) -> KVBytes:
     """Bytes of the K and V cache of one sequence of n_ctx tokens for `cell` (its types, per layer
     where it has an allocation: `alloc`, else the one its token names; tail, tail dtype, rotation
-    and sink; see the module docstring): the sum of `layer_bytes`."""
+    and sink; docs/notes/memory.md "Definitions"): the sum of `layer_bytes`."""
     layers = layer_bytes(geom, n_ctx, cell, ubatch, accounting, alloc)
     body = sum(x.k_body + x.v_body for x in layers)
     staging = sum(x.staging for x in layers)

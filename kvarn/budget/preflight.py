@@ -1,44 +1,15 @@
 """Will a job fit? Peak device and host memory of a baseline or a cell, before any weights load.
 
-Owns: `estimate` (the parts of one job's peak memory, from the model's config alone),
-`capacity` (free device memory, `torch.cuda.mem_get_info`; available host memory,
-psutil or /proc/meminfo) and `check` (stop with an error naming the estimate, the
-capacity and the knob that lowers the largest part).
+Owns: `estimate` (the parts of one job's peak memory, from the model's config alone: weights,
+cache copies, `attention_temporaries`, activations, logits, the baseline's host log-prob slice),
+`capacity` (free device memory, `torch.cuda.mem_get_info`; available host memory, psutil or
+/proc/meminfo), `check` (stop with a `PreflightError` naming the estimate, the capacity and the
+knob that lowers the largest part), `check_context` (n_ctx beyond the trained context) and
+`preflight` (all of it for one job). An estimate of the large terms, not a measurement:
+`HEADROOM` covers the rest. KVARN_DEVICE_MEMORY (bytes) replaces what the device reports free,
+less what the other live kvarn workers record as held (`record_held`).
 
-What is counted, per job (batch 1, one chunk at a time, the engine's own loop):
-
-* weights: parameter count (the model built on the meta device: exact, no memory) x the
-  compute dtype's bytes;
-* cache copies: the cache model (`kvarn.kvcache.cache`) keeps, on every attention layer, rows of
-  K and V for every position of the chunk (a sliding layer of window W only the
-  W - 1 + ubatch rows a query can still read): a cell an fp32 body and a 16-bit exact
-  copy of each (12 bytes per row and channel, the most any cell stores; bf16 / f16 bodies
-  and cells without an exact copy store less; under compute bf16-attn the body is bf16, 8
-  bytes; under tf32-attn it stays fp32, 12), the baseline only its bf16 body (4 bytes), per layer
-  n_kv_heads x rows x head_dim, from `kvarn.vocab.geometry`;
-  linear-attention layers keep transformers' conv and recurrent state (fp32, a few MB);
-* temporaries: one attention call of the run's path (`attention_temporaries`): on ref
-  (`kvarn.kvcache.attention`) the boolean masks of a ubatch, one 128-query block's gathered K/V
-  in fp32 and its fp32 score matrix and softmax, as SDPA's math path makes them (under
-  bf16-attn also the rounded copies and the numerators; under tf32-attn the numerators and the
-  TF32 rounding's own temporaries, `TF32_ROUNDING_BYTES`); on flex (`kvarn.kvcache.flex`) the
-  masks, the [body ; exact] K and V in the operands' dtype and the mask_mod's dense grid over
-  them while the BlockMask is built (int64 indices), under tf32-attn the larger of that and the
-  fp32 operands while they are rounded (both K and V before and after, the temporaries of one:
-  about 10.5 bytes per element of each); then the MLP activations of a ubatch, and
-  the logits of a ubatch (vocab wide, fp32) plus the log-softmax slices of `kvarn.run.torch_engine`;
-* host, baseline: one LOGIT_ROWS slice of fp32 log-probs on its way to `kvarn.baseline.dump` (the
-  engine streams a chunk slice by slice; the writer encodes it with float64 temporaries
-  and 16-bit codes); cell: the baseline chunk is memory-mapped and the per-token metrics are
-  small. On a CPU device everything is host.
-
-KVARN_DEVICE_MEMORY (bytes; tests, or a device shared with other work): the memory of the job's
-device (the host, for a CPU job) is taken to be this, less what the other live kvarn workers
-of this run record that their loaded model holds (`kvarn.files.workerfiles.held_path`, written here
-when a worker's load passes), instead of what the device reports free.
-
-It is an estimate of the large terms (allocator slack, CUDA context and the framework's
-own workspace are not modelled; `HEADROOM` covers them), not a measurement.
+What is counted, and why: docs/notes/memory.md "A job's peak memory (`kvarn.budget.preflight`)".
 """
 
 from __future__ import annotations

@@ -1,32 +1,16 @@
 """The attention function of the cache model: one fp32 softmax over exact and body keys.
 
-Registered with transformers as attn_implementation "kvarn" (both in `AttentionInterface`
-and in `masking_utils.AttentionMaskInterface`: without the mask registration transformers
-silently passes no mask at all, i.e. no causal masking).
+Owns `kvarn_attention_forward`, registered with transformers as attn_implementation "kvarn"
+(`ATTN_NAME`; in `AttentionInterface`, and with `kvarn_mask` in
+`masking_utils.AttentionMaskInterface`, without which transformers passes no mask at all);
+the checks both paths share (`check_call`, `check_mask_size`); the reference path
+`attention_ref` (keys [body ; exact], mask [allowed & ~sel ; allowed & sel], queries in blocks
+of `QUERY_BLOCK` over the key spans of `block_spans` / `single_query_spans`, masks from
+`split_mask`), its bf16-attn / tf32-attn form `rounded_attention`, and `resolve_attention`
+("auto" to "ref" or "flex"; the flex path is `kvarn.kvcache.flex`).
 
-For a ubatch of queries at positions q_offset .. q_offset + n_q - 1 over the L cached keys
-at positions kv_offset .. kv_offset + L - 1 (kv_offset > 0 only on a sliding layer that
-has forgotten keys no query can read; the model's mask covers the same L keys):
-
-    keys   = [K_body ; K_exact]              (2L rows)
-    values = [V_body ; V_exact]
-    mask   = [allowed & ~sel ; allowed & sel]
-
-where `allowed` is the model's own causal / sliding-window mask and `sel` the DESIGN §2
-selection (`kvarn.kvcache.cache.exact_selection`). Every allowed (query, key position) pair is
-therefore counted exactly once, from one of the two copies, in a single softmax. For
-speed the queries go in blocks of QUERY_BLOCK, each with only the key rows its mask can
-select (body: one span; exact: the sink and the tail band), so the exact half costs about
-one block of extra keys instead of doubling attention, and causal waste is cut too.
-
-Under compute bf16-attn or tf32-attn (`KVarnCache.attn_rounding`, kvarn.vocab.options.ATTENTION_ROUNDING)
-each block is `rounded_attention` instead of fp32 sdpa: the same keys and mask, Q·K and P·V on bf16
-(TF32) operands with fp32 accumulation and an fp32 softmax, as a GPU's flash attention computes it.
-
-That is the reference path (`attention_ref`, attention "ref"). `kvarn.kvcache.flex` computes the
-same thing as one flex_attention call per layer call (attention "flex"); the cache's
-`attention` picks the path (`resolve_attention` turns the option "auto" into one), after
-the checks both share (`check_call`, `check_mask_size`, `kvarn.kvcache.cache.check_body_rows`).
+Why (the one softmax, the blocks, the mask registration): docs/notes/engine.md "Design";
+the rounded computes and flex: docs/notes/scale.md.
 """
 
 from __future__ import annotations

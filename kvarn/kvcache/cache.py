@@ -1,36 +1,15 @@
 """The KV cache model of DESIGN §2 as a transformers `Cache`: per layer an exact and a body copy.
 
-Each layer keeps, for every token a query can still read (every position on a
-full-attention layer; on a sliding-window layer of window W the W - 1 positions before
-the ubatch and the ubatch's own, as transformers' `DynamicSlidingWindowLayer` does, with
-`get_mask_sizes` giving the matching offset):
+Owns `KVarnCache` (one model, one cell; its attention layers are `KVarnLayer`s, its
+linear-attention layers transformers' own state layers, built from
+`kvarn.vocab.geometry.geometry_from_config`), the DESIGN §2 selection (`reads_exact`, and
+`exact_selection` over a call's keys), the check that no query reads KVarN's incomplete group
+(`check_body_rows`), `make_format` and the per-layer sensitivity's cache (`probe_cache`).
+Which copy a (query, key) pair reads is applied in `kvarn.kvcache.attention`.
 
-* the **exact** copy: K (post-RoPE, as `Cache.update` receives it) and V rounded to the
-  tail dtype (bf16 for standard types, f16 for KVarN), stored in that dtype;
-* the **body** copy: K and V through `fmt.roundtrip`, the value attention reads back
-  from the quantized cache (stored in fp32; bf16 / f16 for those float types). Standard
-  types write the body per token, at once (so with tail 0 a query reads even its own key
-  from the body, as llama.cpp does). KVarN writes
-  whole groups of `fmt.group` = 128 tokens aligned to chunk position 0, quantized once
-  their last token has arrived, from the tail-dtype staging copy (BeeLlama stages in
-  F16); rows of an incomplete group stay zero and are never read (the tail, >= 128,
-  always covers them; `kvarn.kvcache.attention` asserts it).
-
-Which copy a (query, key) pair reads is decided in `kvarn.kvcache.attention` from
-`exact_selection` below and the layer's `kvarn.vocab.policy.LayerPolicy`.
-
-Layers are built per layer from `kvarn.vocab.geometry.geometry_from_config` (the one source of
-layer types and per-layer KV heads / head dim / window): attention layers get a
-`KVarnLayer` (its shape comes from the K/V the layer writes, so Gemma 4's 512-wide full
-layers and 256-wide sliding layers each get their own), and layers with their own state
-(Qwen 3.5/3.6 Gated DeltaNet `linear_attention`) get transformers' own cache layer for
-that type, so their conv and recurrent state is exactly what the model's `DynamicCache`
-would keep, in the baseline and in every cell.
-
-Each attention layer stores with its own K and V formats: the cell's pair, or for a cell of
-per-layer types (kvarn.vocab.allocation) the types its allocation gives that layer
-(`kvarn.vocab.allocation.layer_types`, decoder-layer indices as llama.cpp counts them); the tail,
-sink and tail dtype are the family's, the same on every layer.
+Why (the two copies, the tail dtype, KVarN's 128-token groups written once complete, the
+sliding layers' rows, per-layer types): docs/notes/engine.md "Design", docs/notes/scale.md
+"Cache storage", DESIGN §2.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """Teacher-forced KL-divergence metrics, llama-perplexity compatible (DESIGN §6).
 
 Owns: the per-token numbers (`token_metrics`, beside its whole-vocabulary reference
-`token_metrics_ref`), the summary with llama.cpp's ± errors and
-percentiles (`summarize`), and the llama-perplexity `--kl-divergence` text block
-(`format_llama`). Formulas follow llama.cpp `tools/perplexity/perplexity.cpp`
-(`kl_divergence`, `mean_and_uncertainty`, `covariance`, `percentile`); all sums in float64.
+`token_metrics_ref`; columns `PER_TOKEN_KEYS`), the summary with llama.cpp's ± errors and
+percentiles (`summarize`, from `mean_and_uncertainty`, `covariance`, `percentile`), and the
+llama-perplexity `--kl-divergence` text block (`format_llama`). Formulas follow llama.cpp
+`tools/perplexity/perplexity.cpp`; all sums in float64. Percentages are stored as fractions
+(0..1) and multiplied by 100 only in `format_llama`.
 
-Summary keys and the line llama-perplexity prints for each:
-
-| key                                   | llama-perplexity line                          |
-|---------------------------------------|------------------------------------------------|
-| n_tokens                              | (kld.count)                                    |
-| ppl_q, ppl_q_err                      | Mean PPL(Q)                    : v ± err       |
-| ppl_base, ppl_base_err                | Mean PPL(base)                 : v ± err       |
-| ppl_cor                               | Cor(ln(PPL(Q)), ln(PPL(base))) (fraction here) |
-| ln_ppl_ratio, ln_ppl_ratio_err        | Mean ln(PPL(Q)/PPL(base))      : v ± err       |
-| ppl_ratio, ppl_ratio_err              | Mean PPL(Q)/PPL(base)          : v ± err       |
-| ppl_diff, ppl_diff_err (extra)        | Mean PPL(Q)-PPL(base)          : v ± err       |
-| kld_mean, kld_mean_err                | Mean    KLD: v ± err                           |
-| kld_max                               | Maximum KLD                                    |
-| kld_p99_9, kld_p99, kld_p95, kld_p90  | 99.9%   KLD, 99.0%, 95.0%, 90.0%               |
-| kld_median                            | Median  KLD                                    |
-| kld_p10, kld_p05, kld_p01, kld_p00_1  | 10.0%   KLD, 5.0%, 1.0%, 0.1%                  |
-| kld_min                               | Minimum KLD                                    |
-| dp_mean, dp_mean_err                  | Mean    Δp: v ± err % (fraction here)          |
-| dp_max … dp_min                       | Maximum Δp, 99.9% … 0.1% Δp, Minimum Δp        |
-| dp_p75, dp_p25 (extra)                | 75.0%   Δp, 25.0%   Δp                         |
-| dp_rms, dp_rms_err                    | RMS Δp    : v ± err % (fraction here)          |
-| same_top, same_top_err                | Same top p: v ± err % (fraction here)          |
-
-Percentages are stored as fractions (0..1) and multiplied by 100 only in `format_llama`.
+Each summary key and the llama-perplexity line it stands for: docs/notes/reference.md
+"Statistics".
 """
 
 from __future__ import annotations
