@@ -1,31 +1,16 @@
 """The study matrix: `config/matrix.yaml` expanded into cells, and the checks a JSON schema cannot make.
 
-A *cell* is one quantized run: (model, n_ctx, chunks, K type, V type, requested tail,
-rot, tail dtype, KVarN iters). Its identity is its path (kvarn.plan.paths: the results layout,
-which the workflow reads every per-cell parameter back from). Adding a cell to the config adds a
-path; nothing else moves.
+Owns `expand` (a config to a `Matrix` of `Model`s, `Cell`s and their `Decode` axes; a refused
+config raises `MatrixError`, starting with the offending field), `check_pinned` (unpinned model
+sources), `check_attention` and the defaults `MODEL_DEFAULTS`, `CELL_DEFAULTS`. A *cell* is one
+quantized run (model, n_ctx, chunks, K type, V type, requested tail, options); its identity is its
+path (`kvarn.plan.paths`), so adding a cell to the config adds a path and nothing else moves.
+Allocations (`kvarn.vocab.allocation`) are checked here, before any job; their cells are
+`{k}-{v}-t{tail}-a{name}.{digest}`. Pure Python over the type facts (`kvarn.vocab.facts`: no
+torch, no model, no download), so `snakemake -n` of any matrix plans without a network.
 
-Config shape (documented key by key in config/README.md):
-
-    models:
-      - {name: smollm2-135m, source: "embedded:smollm2-135m", n_ctx: [512], chunks: 2}
-    cells:
-      - {types: [q8_0, q4_0], tail: [0, 128]}          # K = V, each tail
-      - {k: [q8_0, q4_0], v: [q8_0, q4_0], tail: 128}  # the K x V product
-      - {pairs: [q8_0/q4_0], tail: 0}                  # explicit K/V pairs
-      - {types: [kvarn4], tail: 0}                     # KVarN: tail 0 runs as 128 ("128*")
-      - {alloc: [edges8], tail: 128}                   # per-layer types, named under allocations:
-    allocations:
-      edges8: {k: "0-1:q8_0,2-27:q4_0,28-29:q8_0", v: q4_0, v_first: "q8_0,2", v_last: "q8_0,2"}
-
-An allocation (kvarn.vocab.allocation) is checked here, before any job: its ranges, types and
-family; a layer past a model is refused where the model's geometry is known (the cache, the
-memory accounting). Its cells are `{k}-{v}-t{tail}-a{name}.{digest}`, K and V its main types:
-an edited definition is a new digest, hence a new path. `kvarn.plan.allocations.publish_allocations`
-writes the definitions where the jobs (and their workers) look them up.
-
-This module is pure Python over the type facts (`kvarn.vocab.facts`: no torch, no model, no
-download), so `snakemake -n` of any matrix, the article's included, plans without a network.
+The config, key by key: config/README.md. Why a cell is a path: docs/notes/workflow.md; why
+an allocation's digest is in its name, and what is checked where: docs/notes/per-layer.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Statistics of long free-running generation (kvarn.run.decode results): torch-free.
 
-Inputs are what `kvarn decode` writes per (cell, decode): `summary.json` (its
-`first_divergence` per prompt is the one source of the divergence step) and `steps.parquet`
-(per (prompt, step) KLD along the cell's own text), and, for the teacher-forced comparison,
-the same cell's teacher-forced `tokens.parquet` (chunk, pos, kld) with its `summary.json` and
-the identity of its baseline dump.
+Owns `survival` (Kaplan–Meier S(t) with its Greenwood band), `kld_curve` (the binned mean
+per-step KLD with a bootstrap band over prompts), `slope` / `paired_slope` (accumulation per
+generated step), `tf_vs_free` (free-running against teacher-forced KLD at the same positions:
+`tf_positions`, `tf_matrix`) after `check_same_run`, the cells' own text (`repeated_ngrams`,
+`text_stats`), one run's tables (`compute_run`) and their Markdown (`to_markdown`). Inputs: what
+`kvarn decode` writes per (cell, decode) (`load_decode`: `summary.json`, whose
+`first_divergence` per prompt is the one source of the divergence step, and `steps.parquet`),
+and the same cell's teacher-forced `tokens.parquet` and `summary.json` with the identity of its
+baseline dump.
 
-* **Survival** (`survival`): Kaplan–Meier estimate (lifelines) of S(t) = P(the first t
-  generated tokens equal the baseline's own choices: greedy, or sampled from the same noise), t = 0..G, with the exponential
-  Greenwood ("log-log") band. A prompt whose first divergence is step k (0-based) has
-  duration k + 1 (event); one that never diverges is censored at G. Without censoring this
-  equals `kvarn.run.decode.summarize_decode`'s empirical `survival`.
-* **KLD curve** (`kld_curve`): mean per-step KLD over prompts, in bins of `bin_width` steps,
-  with a percentile bootstrap band over prompts (seeded).
-* **Accumulation** (`slope`, `paired_slope`): the OLS slope of KLD against the generated step
-  of the mean curve over prompts. Every prompt has the same steps, so this is exactly the mean
-  of the per-prompt OLS slopes (the slope is linear in y): the two choices coincide. CI: the
-  percentile bootstrap over prompts; the paired difference of two cells resamples the same
-  prompt indices for both.
-* **Teacher-forced vs free-running** (`tf_vs_free`): decode step s of a prompt (chunk c)
-  conditions on n_ctx − G + s tokens, so its distribution sits at absolute position
-  n_ctx − G − 1 + s of chunk c: the teacher-forced cell scored that position with the true
-  text in place of the cell's own. Where the teacher-forced run scored it (n_ctx/2 ..
-  n_ctx − 2), the ratio mean free-running KLD / mean teacher-forced KLD over the same
-  (prompt, position) pairs, with a bootstrap CI over prompts. `check_same_run` refuses a
-  pair of runs that do not share model, n_ctx, text, tokenizer, cache settings and chunks.
+Why (each statistic, censoring, the pooled slope, the position mapping, what a same run is):
+docs/notes/decode.md "Long generation and its statistics".
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
 """Scores of retrieval answers (torch-free): accuracy, agreement with the exact cache, flips,
 binomial intervals, exact McNemar tests, accuracy by the needle's distance, the exact-tail check.
 
-Owns `read_answer` (the answer a generated text gives), `wilson`, `mcnemar`, and the tables
-`cell_scores`, `comparisons`, `by_distance`, `exact_tail` built from answer rows (one row per
-(model, cell, task prompt): `id`, `context`, `task`, `cell`, `given`, `correct`, `answer`,
-`needle_start`, `n_prompt`, `gen_tokens`, `distance`). The baseline's rows are those of
-`BASELINE_CELL` (bf16 K and V, tail 0: the exact cache's own answers).
+Owns `read_answer` and `grade` (the answer a generated text gives, and whether it is right),
+`wilson`, `mcnemar`, `flip_test`, `holm`, `signed_rank_p`, `bootstrap_mean`, `tau_bootstrap`, the
+needle's position under a cell's policy (`needle_position`: sink, tail, body or exact), and the
+tables `cell_scores`, `comparisons` (the pairs of `pairs_of`), `paired_continuous`,
+`by_distance`, `exact_tail`, built from answer rows (one row per (model, cell, task prompt):
+`id`, `context`, `task`, `cell`, `given`, `correct`, `answer`, `needle_start`, `n_prompt`,
+`gen_tokens`, `distance`). The baseline's rows are those of `BASELINE_CELL` (bf16 K and V,
+tail 0: the exact cache's own answers); every score is per `GROUP` (model, context).
 
-* accuracy: correct / n with a 95 % Wilson interval (`scipy.stats.binomtest(k, n).proportion_ci`);
-* agreement: the share of prompts whose answer equals the baseline's answer to the same prompt;
-  `lost` = prompts the baseline gets right and the cell wrong, `gained` the reverse (the flips);
-* the continuous measure, paired (`paired_continuous`): per prompt the cell's teacher-forced
-  log-probability of the correct value (`logprob`) and its margin over the best distractor value
-  stated in the prompt (`margin`, none for a pass key) minus the exact cache's on the same prompt;
-  their mean with a paired percentile bootstrap interval (`bootstrap_mean`: prompts resampled
-  with replacement, the same resample for both caches since the differences are paired);
-* McNemar: on the prompts both cells answered, b = A right & B wrong, c = A wrong & B right;
-  exact two-sided p = `binomtest(b, b + c, 0.5).pvalue` (1 when b + c = 0);
-* the pairs compared: each KVarN cell at 128* against the standard type of its width at tail 128
-  (kvarn4 vs q4_0), and each standard type at tail 0 against itself at tail 128;
-* the needle's position (`needle_position`), on full-attention layers under the cell's policy
-  (`kvarn.vocab.policy.layer_policy`: KVarN's 128-token sink, a standard type's `-s<n>`, the
-  effective tail): "sink" when every token of it lies in the sink, "tail" when every token lies
-  within the effective tail of every answering query (the last one at n_prompt + gen_tokens − 2),
-  "body" when some answering query reads some token of it from the quantized body, "exact" for a
-  float cache. (Sliding-window layers keep no sink: there a needle in the sink is read from the body.)
+Why (each score, the pairs compared, the needle's position): docs/notes/retrieval.md "Scores".
 """
 
 from __future__ import annotations

@@ -1,69 +1,16 @@
 """Seeded synthetic retrieval tasks, built in token space, and their JSONL files (torch-free).
 
-Owns the task kinds (`TASKS`) and `TASK_VERSION`, their templates, the prompt assembly, `make_tasks`
-(one (task, context) set: every depth × prompt) and `write_tasks` / `read_tasks`. What the haystack and
-the needles are made of (filler, Wikitext sentences, keys, values, units) is `kvarn.retrieval.haystack`'s.
+Owns the task kinds (`TASKS`: `LEGACY_TASKS` passkey, multikey, kv and RULER's families
+`RULER_TASKS`) and `TASK_VERSION`, their templates (`needle_text`, `question_text`,
+`answer_text`), the prompt assembly (`make_prompt`, `make_ruler_prompt`: `[BOS] + intro +
+haystack + question` from separately tokenized pieces, so the needle's span is exact), each
+prompt's generator (`prompt_seed`, from values only), the answer length (`answer_tokens`,
+`ANSWER_TOKENS`), `make_tasks` (one (task, context) set: every depth × prompt) and
+`write_tasks` / `read_tasks`. What the haystack and the needles are made of (filler, Wikitext
+sentences, keys, values, units) is `kvarn.retrieval.haystack`'s; grading is
+`kvarn.retrieval.score.grade`.
 
-A prompt is `[BOS] + intro + haystack + question`, assembled from separately tokenized pieces so
-that the needle's token span is known exactly; its length is `context − gen_tokens` tokens for
-every prompt of a (task, context) (so they batch without padding, and prompt + greedy answer fill
-the context exactly, as a decode's prompt and generation do). The haystack is a stream of units
-(filler sentences), cut at its front to the exact length, with the needles
-inserted at unit boundaries:
-
-* `passkey`  — one 5-digit pass key in repeated filler; asked for at the end.
-* `multikey` — four pass keys, each of a door of another colour, in the filler; one asked for.
-  The asked needle is at the requested depth, the three others at seeded random depths.
-* `kv`       — eight key–value records, `The value of amber-falcon is 48213.` (keys: two words,
-  values: 5 digits), in the filler; one asked for, at the requested depth, the others at seeded
-  random depths. (A haystack of nothing but records was tried first: SmolLM2 with the exact cache
-  missed the asked value at 256 tokens, as a `key: value` list and as sentences, so the records
-  went into the filler like the pass keys.)
-
-Depth d ∈ [0, 1]: the asked needle starts at the unit boundary nearest to d · (H − L) tokens into
-the haystack (H the haystack's length, L the needle's): 0 right after the intro, 1 right before
-the question. Each record stores its candidates (the asked value first, then the other values the
-prompt states: none for `passkey`, 3 for `multikey`, 7 for `kv`) with their token ids
-(`answer_text`, tokenized alone), the realized span (`needle_start`, `needle_end`: token indices
-into `input_ids`, end exclusive) and `distance` = prompt length − needle_end, the tokens between
-the needle and the end of the prompt.
-
-Seeds: every (task, context, depth, prompt index) draws from its own generator,
-`numpy.random.default_rng([seed, task code, context, depth code, prompt index])`, all from values,
-none from a list position (`prompt_seed`: the task code from the task's name, the depth code
-round(depth · 10⁶)), so adding or reordering depths, tasks or contexts leaves the other prompts as
-they were; ids name the values too (`{task}-c{context}-d{depth}-p{prompt index}`). The tokenizer is any object with
-`encode(text, add_special_tokens=False)` and `decode(ids)` (transformers' tokenizers).
-
-RULER's task families (Hsieh et al. 2024, its `synthetic.yaml` templates; `RULER_TASKS`), built the
-same way (token space, exact spans, seeds from values), the asked needle (the first) at the depth:
-
-* `niah_single_1` — one needle `One of the special magic numbers for {key} is: {value}.` (key: two
-  words, value: 7 digits) in the noise haystack (the filler above), asked for;
-* `niah_single_2` — the same in Wikitext-2 (validation split; RULER's essays);
-* `niah_single_3` — the same in Wikitext-2 with a UUID value;
-* `niah_multikey_1` — four needles of four keys (7-digit values) in Wikitext-2, one asked for, the
-  three others distractors at seeded random boundaries;
-* `niah_multikey_uuid` — the same with UUID values (RULER's `niah_multikey_3` puts UUID keys and
-  values in a haystack of needles; here the haystack is Wikitext);
-* `niah_multivalue` — four needles of one key, four 7-digit values, in Wikitext-2; all four asked;
-* `niah_multiquery` — four needles of four keys in Wikitext-2; all four keys asked at once;
-* `vt` — variable tracking: a chain `VAR ABCDE = 12345.`, `VAR FGHIJ = VAR ABCDE.`, … (five
-  variables, names of five capital letters, a 5-digit value) in the noise haystack; the first
-  statement at the depth, the four hops at seeded random boundaries after it, in order; asked for
-  every variable holding the value.
-
-The Wikitext haystack is described in `kvarn.retrieval.haystack`. A RULER task's record has `answer` = its
-values joined by ", " (the order of the candidate below), `n_answers`, and `spans` (every needle's
-[start, end)); its candidates are the full answer (" v1, v2, v3, v4": multi-value in the order the text states
-the values, multi-query in the order the question asks the keys, variable tracking in the chain's
-order) for the multi-value, multi-query and variable-tracking tasks (nothing else in the prompt is
-a distractor of the whole list), the asked value then the other keys' values for the multi-key tasks, the value alone for
-the single-needle tasks. Scoring (`kvarn.retrieval.score.grade`): RULER's `string_match_all`
-made strict: a prompt is right when every one of its values appears in the generated text
-(case-insensitive), so a multi-value answer with three of four values is wrong.
-A task's greedy answer is max(gen_tokens, `ANSWER_TOKENS[task]`) tokens (room for four 7-digit
-values or five variable names), and its prompts are `context` minus that.
+Why (the tasks, depth, length, seeds, candidates, RULER's wording): docs/notes/retrieval.md "Design".
 """
 
 from __future__ import annotations
@@ -333,7 +280,10 @@ def make_tasks(tokenizer, bos_id, task: str, context: int, depths, prompts: int,
 
     Each prompt is `context − g` tokens long (g = `answer_tokens(task, gen_tokens)`, stored as the
     record's `gen_tokens`), so the greedy answer of g tokens ends exactly at `context`. `bos_id`: the BOS id the model's tokenizer prepends, or
-    None."""
+    None. `tokenizer`: any object with `encode(text, add_special_tokens=False)` and `decode(ids)`
+    (transformers' tokenizers). `needle_start`, `needle_end`: the asked needle's token indices into
+    `input_ids`, end exclusive; `distance` = `n_prompt` − `needle_end`; a RULER task's record also
+    has `answers` and `spans` (every needle's [start, end))."""
     _check(task, context, depths, prompts, seed, gen_tokens)
     gen_tokens = answer_tokens(task, gen_tokens)
     n_prompt = context - gen_tokens
