@@ -1,46 +1,17 @@
 """transformers' `QuantizedCache` backends as body formats: quantoN, hqqN, kiviN (N = 2, 4).
 
-The values are quantized and dequantized by the libraries' own code, through transformers'
-own cache layers (`QuantoQuantizedLayer._quantize` / `HQQQuantizedLayer._quantize` and
-their `_dequantize`), never re-implemented here. What this module adds is the cadence of
-our cache model (DESIGN §2):
+Owns `EcosystemFormat` (the values quantized and dequantized by the libraries' own code,
+through transformers' own cache layers, never re-implemented here; what it adds is our cache
+model's cadence, DESIGN §2: a group of 128 tokens, `kvarn.vocab.facts.ECOSYSTEM_GROUP`, sealed
+once its last token arrives, the >= 128-token exact tail as the residual window; `nbytes`: the
+library's packed codes + one scale and one zero per q_group_size values), the version pin
+(`check_library`: a format refuses another installed version than
+`kvarn.vocab.facts.ECOSYSTEM_LIBRARIES`) and `use_quanto_python_unpack` (quanto's own Python
+`unpack` kernel where its C++ extension is not loaded: the same bits). The variants are
+`kvarn.vocab.facts.ECOSYSTEM_TYPES`.
 
-* transformers' `QuantizedLayer` keeps a full-precision residual window of
-  `residual_length` = 128 tokens; when it fills, the whole cache is re-quantized
-  (dequant(old) + residual, quantized again), and a prefill is quantized whole.
-* Here a body format seals groups of 128 tokens (`kvarn.vocab.facts.ECOSYSTEM_GROUP`, the
-  residual length): each head's group is quantized once, by one library call on a
-  [1, 1, 128, head_dim] tensor, when its last token arrives; the >= 128-token exact tail
-  (`min_tail`) is the residual window. The two cadences coincide wherever the library
-  quantizes exactly the groups we seal, once (tests/test_ecosystem.py finds such a
-  setting and checks the logits there); elsewhere they differ by the library's
-  re-quantization of already quantized groups and by its position-aligned (not sliding)
-  residual window (docs/notes/ecosystem.md measures it).
-
-Variants (`kvarn.vocab.facts.ECOSYSTEM_TYPES`, axes as `QuantizedCache` takes them):
-
-    quantoN  optimum-quanto, K and V axis 0: per token, groups of 64 channels
-             (QuantizedCache's defaults), min/max affine (MaxOptimizer)
-    hqqN     HQQ, K and V axis 1: per token, groups of 64 channels, half-quadratic
-             zero-point optimization (HQQ's default `optimize=True`)
-    kiviN    optimum-quanto, K axis -1 (per channel, groups of 32 consecutive tokens),
-             V axis 0 (per token, groups of 32 channels): KIVI's layout and group size
-
-HQQ's axis 0 is not offered: it groups values strided over the whole tensor
-(`reshape([group_size, -1])`), so its groups depend on the cache length and cannot be a
-per-group body format.
-
-Bytes (`nbytes`, per head): the library's packed codes (n * D * bits / 8) + one scale and
-one zero (quanto: shift) per q_group_size values at the library's dtype, which is the
-model's (bf16 by default: `dtype`).
-
-The library version is pinned (`kvarn.vocab.facts.ECOSYSTEM_LIBRARIES`): a format refuses to be
-built on another installed version, and a packed buffer records the version that wrote it.
-
-optimum-quanto dequantizes through its `quanto::unpack` op, whose CPU kernel is a C++
-extension compiled at first use (minutes on a small CPU). Where it has not been loaded,
-this module gives that extension quanto's own Python implementation of the op (its
-default kernel, `optimum/quanto/library/unpack.py`, reached by redispatch): the same bits.
+Why (the two cadences and where they differ, the variants' axes, no HQQ axis 0, the bytes, the
+pin): docs/notes/ecosystem.md.
 """
 
 from __future__ import annotations

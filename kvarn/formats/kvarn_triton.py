@@ -3,34 +3,13 @@
     quantize_pack(tiles, bits, iters)          == kvarn_type.quantize_pack_ref   (same signature)
     unpack_dequantize(payload, scale, zero, other, bits) == kvarn_type.unpack_dequantize_ref
 
-One program per tile; the whole tile [R, C] (R, C in {64, 128}) sits in registers, fp32
-throughout; the Hadamard rotation stays in torch (one matmul). Imported lazily (a CUDA
-tensor reaching KVarNFormat, or impl="triton"), so `import kvarn` never imports Triton.
-On CPU the kernels only run under TRITON_INTERPRET=1 (set before triton is imported).
+Also `quantize_warps` (warps per tile program). One program per tile [R, C] (R, C in {64, 128}),
+fp32 throughout; the Hadamard rotation stays in torch. Imported lazily (a CUDA tensor reaching
+KVarNFormat, or impl="triton"), so `import kvarn` never imports Triton. On CPU the kernels only
+run under TRITON_INTERPRET=1 (set before triton is imported).
 
-Packing: 32 consecutive codes (32*bits bits) fill exactly `bits` 32-bit words, so each
-chunk of 32 codes is packed with static shifts: code k starts at bit k*bits of the
-chunk, i.e. word (k*bits)//32, shift (k*bits)%32, spilling into the next word when the
-shift + bits > 32. Little-endian 32-bit words are the same bytes as the LSB-first byte
-stream of the reference.
-
-Agreement with the reference: the arithmetic is the same sequence of fp32 operations,
-and on a GPU every one of them is the correctly rounded (or libdevice, <= 1-2 ulp) op:
-division `div_rn` and `sqrt_rn` (Triton's `/` and `tl.sqrt` lower to approximate PTX on
-NVIDIA), exp/log from libdevice (`tl.exp`/`tl.log` lower to the approximate ex2/lg2
-units), no FMA contraction (`enable_fp_fusion=False`). What still differs: the order of
-the float64 std sums (a tree here, torch's order in the reference: ~1e-16 relative before
-the fp32 rounding) and, on a GPU, libdevice's float64 exp/log's last bit, so a value can
-rarely differ in the last fp32 bit. Then an fp16 metadata value can land one
-fp16 ulp apart, a code can move by one where (y - lo)/step is within rounding of a half
-step, and -- where two passes' imbalances are equal up to rounding -- the kernel may keep
-another of the tied passes than the reference (a balanced tile: once every std is equal,
-each pass only shifts a by +c and b by -c, which leaves the normalized tile and its
-imbalance unchanged up to the last bit, but moves scale/other by e^c).
-tests/test_kvarn_triton.py checks exactly that.
-
-Under TRITON_INTERPRET=1 libdevice cannot run (no extern calls in the interpreter), so
-exp/log there are tl.exp/tl.log on float64 (numpy), then rounded to fp32.
+Why (the packing, the precise ops, what can still differ from the reference and how
+tests/test_kvarn_triton.py bounds it): docs/notes/kvarn.md "Triton kernels".
 """
 
 from __future__ import annotations

@@ -1,69 +1,16 @@
 """The compute path (DESIGN §6b): `exact` attention, or llama.cpp's CPU flash-attention arithmetic.
 
-This module emulates the attention; llama.cpp's channel order of Q and K is
-`kvarn.llamacpp_cpu.channel_order`, its Q8 blocks of activations `kvarn.llamacpp_cpu.q8`, and the
+Owns the `llamacpp-cpu` emulation of ggml-cpu's `flash_attn_ext` (llama-cpp-python 0.3.36): the
+routine a ubatch takes (`kernel_path`: tiled, or one-chunk; `FA_TILE_Q`), the operands ggml
+reads (`k_operand`: K in K's `vec_dot` form, in the GGUF channel order and rotated;
+`v_operand`; `append_kv`), the scores (`scores`: Q in K's `vec_dot_type`), the f16 V
+accumulator (`f16_accumulate`) and `attention`. Upstream llama.cpp types and BeeLlama v0.4.3's
+block types, tail 0, no sink; anything else is refused by name. llama.cpp's channel order of Q
+and K is `kvarn.llamacpp_cpu.channel_order`, its Q8 blocks `kvarn.llamacpp_cpu.q8`, the
 rounding of the weight matmuls' activations `kvarn.llamacpp_cpu.activations`.
 
-`exact` (the default, `kvarn.kvcache.attention`) isolates the format: fp32 attention over the
-rounded K and V, nothing else rounded. `llamacpp-cpu` reproduces what ggml-cpu's
-`flash_attn_ext` (ggml/src/ggml-cpu/ops.cpp, llama-cpp-python 0.3.36) does on top of the
-cache rounding, so our numbers can be checked against llama-perplexity and the two modes
-together split a KLD into format damage and kernel arithmetic. What ggml does, per
-(K type, V type, queries in the ubatch `n_q`):
-
-* **tiled path** (`flash_attn_ext_tiled`): K and V of the same type, f16 or f32, and
-  `n_q >= GGML_FA_TILE_Q` (64). Q stays fp32, K/V are widened to fp32, an fp32 GEMM gives
-  the scores, softmax and V accumulation in fp32: the `exact` arithmetic over the rounded
-  cache. With llama-perplexity's ubatch of 512 an f16/f16 cache takes this path.
-* **one-chunk path** (`flash_attn_ext_f16_one_chunk`), everything else: Q is converted
-  to K's `vec_dot_type` (`type_traits_cpu`): bf16 for bf16 K, f16 for f16 K, q8_0 blocks
-  for q8_0/q5_0/q4_0/iq4_nl K (and BeeLlama's q6_0/q3_0/q2_0), q8_1 blocks for q5_1/q4_1 K
-  (and q6_1/q3_1/q2_1); each score is K's `vec_dot`
-  with that Q row, times the scale; an online softmax over the keys in order; V is
-  accumulated in an **f16** vector when V is f16 (`ggml_vec_mad_f16` / `ggml_vec_scale_f16`
-  round the accumulator to f16 at every key), else widened to fp32 and accumulated in
-  fp32. The bf16 baseline (`-ctk bf16 -ctv bf16`) takes this path: its Q is rounded to
-  bf16, which is most of what an f16 cache "costs" in llama-perplexity.
-* Q8 blocks of Q, as the x86 (AVX2/AVX-512) `quantize_row_q8_0/q8_1`: `d = amax/127`,
-  codes `round-half-to-even(x * (127/amax))`, `d` stored fp16; q8_1 also stores
-  `s = fp16(d * Σ codes)` with the fp32 `d`.
-* Quantized dot (`ggml_vec_dot_q*_q8_*`): per 32-block an integer dot of K's codes (q4_0:
-  code − 8, q5_0: code − 16, q6_0 / q3_0 / q2_0: code − 32 / − 4 / − 2, iq4_nl: the table
-  level, q8_0: the code; the _1 types: the unsigned code) with Q's codes, times `d_K·d_Q`;
-  the `_1` types add `m_K·s_Q`.
-* Rotation (llama-graph.cpp `llama_mul_mat_hadamard`, llama-kv-cache.cpp): with a quantized
-  K, Q and K are rotated by the Hadamard of `k_rotation_block(head_dim)` before the kernel
-  (so Q is quantized to q8 in the rotated frame); with a quantized V, V is rotated by the
-  64-Hadamard and the attention output rotated back. f16/bf16 caches are never rotated.
-* Channel order: for an architecture whose GGUF permutes Q/K (`gguf_qk_permuted`, the
-  llama arch), llama.cpp holds each head of Q and K in the GGUF's interleaved order, so its
-  rotation and its 32-wide K blocks see other channels than transformers' order gives
-  them. Q and K are gathered into that order (`gguf_order`) before the rotation and the
-  rounding; the scores do not depend on a common channel order, so nothing is gathered back.
-
-Approximations (each far below the effects this mode exists to show; the slow reference
-in tests/test_compute.py shows how far): dot products are computed exactly (float64) and
-rounded once to fp32, where ggml sums SIMD lanes in fp32 (relative difference ~1e-7);
-on the fp32-accumulator paths the softmax and V sum are done at once in fp32 instead of
-ggml's key-by-key online update (same arithmetic up to fp32 rounding order); the f16
-accumulator path is reproduced key by key (exactly ggml's order, fp32 fma then f16
-rounding); decode with ubatch 1 over >= 512 keys splits the keys across threads in ggml
-(`use_split_kv_path`, thread-count dependent) — we treat it as one chunk. The cache
-itself is written with kvarn.formats.blocks (ggml's reference quantizers; x86's SIMD
-`quantize_row_q8_0` for a q8_0 cache rounds ties to even and uses 127/amax: codes can
-differ on exact ties only).
-
-Supported: the upstream llama.cpp types (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0,
-iq4_nl) and BeeLlama v0.4.3's (q6_0, q6_1, q3_0, q3_1, q2_0, q2_1) for K and V, tail 0 and no
-sink (llama.cpp keeps no token exact). BeeLlama's types take the same one-chunk routine at tail 0
-(`ggml_compute_forward_flash_attn_ext_f16_one_chunk` through `type_traits_cpu`): Q to q8_0 blocks
-for the _0 types, q8_1 for the _1 types, the same integer block dot (`kvarn.vocab.options.
-VEC_DOT_TYPE`), V widened by its `to_float`; rotated like upstream's (`attn_rot_k` / `attn_rot_v`:
-any quantized type). A KVarN pair, or any BeeLlama type with a tail, takes BeeLlama's scalar CPU
-route instead (`kvarn.vocab.options.scalar_route`: `flash_attn_ext_kvarn` /
-`flash_attn_ext_tail_ref`, the exact path's arithmetic over the rounded cache, K rounded in the
-GGUF's order); this module's kernel is not used there. Anything else (the ecosystem's caches) is
-refused with an error naming it, rather than emulating a kernel we have not read.
+What ggml does per path, the approximations, what is supported and why: docs/notes/llamacpp.md
+"The emulated kernel"; BeeLlama's types and its scalar route: docs/notes/beellama.md.
 """
 
 from __future__ import annotations
