@@ -109,7 +109,7 @@ def _scaled(x, a, b, PRECISE: tl.constexpr):
 
 @triton.jit
 def _chunk_layout(BITS: tl.constexpr):
-    """Where code k of a chunk of 32 sits (module docstring): its word (k*BITS)//32, its shift
+    """Where code k of a chunk of 32 sits (docs/notes/kvarn.md "Triton kernels"): its word (k*BITS)//32, its shift
     (k*BITS)%32, and whether it spills into the next word."""
     start = tl.arange(0, 32).to(tl.int64) * BITS
     s_k = start % 32

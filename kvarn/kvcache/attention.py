@@ -218,7 +218,7 @@ def rounded_attention(q, k, v, mask, scale: float, rounding: str, p_rule: str | 
 def attention_ref(module, query, key, value, attention_mask, scaling, layer, policy,
                   attn_rounding: str | None = None) -> torch.Tensor:
     """The reference path: fp32 sdpa per block of QUERY_BLOCK queries over the key spans the
-    block reads (the module docstring); with `attn_rounding` (compute bf16-attn, tf32-attn)
+    block reads (docs/notes/engine.md "Design"); with `attn_rounding` (compute bf16-attn, tf32-attn)
     `rounded_attention` in its place. Returns [b, n_q, H, D] in the query's dtype."""
     b, n_heads, n_q, d = query.shape
     n_kv, L = key.shape[1], key.shape[-2]

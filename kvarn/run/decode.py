@@ -93,7 +93,7 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
     """Generate `n_tokens` per prompt with the cell's cache, the BF16 baseline (on the cell's compute path)
     re-scoring the cell's text in blocks of `block` steps (None: `block_steps`; 1: lock step).
     `temperature` 0: greedy; T > 0: sampled at T with the Gumbel noise of a generator seeded with
-    `seed` (the module doc; `kvarn.vocab.options.check_sampling` names the accepted values).
+    `seed` (docs/notes/decode.md, "Sampled decoding"; `kvarn.vocab.options.check_sampling` names the accepted values).
     Returns the STEP_KEYS columns, [P · n_tokens] rows ordered by (prompt, step). `model` must use
     attn_implementation "kvarn"; `attention`: the attention path of both caches ("ref" or "flex",
     `kvarn.run.torch_engine.attention_path`). `timing`: if given, gets prefill_s (both prompts), steps_s
