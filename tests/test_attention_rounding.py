@@ -19,7 +19,7 @@ import attention_ref as AR
 import kvarn.kvcache.attention as kattn
 import kvarn.kvcache.flex as kflex
 from kvarn.kvcache.cache import KVarnCache
-from kvarn.run import torch_engine
+from kvarn.run import forward
 from kvarn.vocab.cell import CellError, CellSpec
 from kvarn.vocab.options import ATTENTION_ROUNDING, BF16_ATTN, COMPUTE_VERSION, TF32_ATTN, check_compute
 from test_cache import _gemma, _ids, _llama
@@ -224,10 +224,10 @@ def test_the_cell_and_the_cache_of_bf16_attn(model):
 
 def test_the_engine_runs_bf16_attn_on_the_exact_paths_attention():
     # the attention path is recorded (not None as under llamacpp-cpu), and the baseline is its own
-    assert torch_engine.attention_path("auto", "cpu", BF16_ATTN) == "ref"
-    assert torch_engine.attention_path("flex", "cpu", BF16_ATTN) == "flex"
-    assert torch_engine.attention_path("auto", "cpu", "llamacpp-cpu") is None
-    assert torch_engine.baseline_cell(BF16_ATTN) == CellSpec("bf16", "bf16", 0, compute=BF16_ATTN)
+    assert forward.attention_path("auto", "cpu", BF16_ATTN) == "ref"
+    assert forward.attention_path("flex", "cpu", BF16_ATTN) == "flex"
+    assert forward.attention_path("auto", "cpu", "llamacpp-cpu") is None
+    assert forward.baseline_cell(BF16_ATTN) == CellSpec("bf16", "bf16", 0, compute=BF16_ATTN)
 
 
 @pytest.mark.parametrize("k,v,tail", [("q4_0", "q4_0", 8), ("kvarn4", "kvarn4", 0), ("f16", "f16", 3)])

@@ -109,12 +109,16 @@ def test_smoke_runs_every_step_in_order_without_polars(tmp_path):
         assert "GPU-hours" in md and "| qwen3.6-27b | kvarn |" in md
 
 
-def test_the_engine_imports_without_polars(tmp_path):
-    """kvarn.run.torch_engine (Context, chunk_logprobs, new_cache: what the device run times) imports
-    where polars does not; only run_cell's parquet writing imports it."""
-    p = subprocess.run([sys.executable, "-c", "import kvarn.run.torch_engine"], cwd=ROOT, env=_no_polars_env(tmp_path),
-                       capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr[-2000:]
+def test_the_device_path_imports_without_polars_and_the_torch_engine_does_not(tmp_path):
+    """kvarn.run.load and kvarn.run.forward (Context, chunk_logprobs, new_cache: what the device run times)
+    import where polars does not; the torch engine, which writes a cell's parquet, needs it (the block is
+    real) and the device run never imports it."""
+    env = _no_polars_env(tmp_path)
+    for module, ok in (("kvarn.run.load", True), ("kvarn.run.forward", True), ("kvarn.run.torch_engine", False)):
+        p = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+        assert (p.returncode == 0) == ok, (module, p.stderr[-2000:])
+    assert "kvarn.run.torch_engine" not in dr.IMPORT_MODULES
 
 
 def test_a_zero_budget_skips_every_step_and_says_so(tmp_path):
@@ -195,14 +199,14 @@ def test_the_kept_baseline_gives_the_engines_own_numbers(tmp_path, one_thread):
     import polars as pl
 
     from kvarn.baseline import dump
-    from kvarn.run import torch_engine
+    from kvarn.run import forward, load, torch_engine
     from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     cfg = device_models.tiny_config(ROOT / "config" / "models" / "gemma4-31b.json", tmp_path / "tiny.json")
     spec, n_ctx, ubatch = ModelSpec("tiny", f"random:{cfg}"), 256, 64
     common = dict(text=str(WIKI_TEXT), device="cpu", dtype="float32", cache_dir=tmp_path / "models")
-    ctx = torch_engine.Context(spec, n_ctx, 1, **common, ubatch=ubatch, baseline=True)
+    ctx = load.Context(spec, n_ctx, 1, **common, ubatch=ubatch, baseline=True)
     cell = CellSpec("q4_0", "q4_0", 8)
     torch_engine.run_baseline(spec, n_ctx, 1, tmp_path / "base.kvd", ubatch=ubatch, **common, context=ctx, attention="ref")
     torch_engine.run_cell(spec, n_ctx, 1, cell, tmp_path / "base.kvd", tmp_path / "cell", ubatch=ubatch, **common,
@@ -210,7 +214,7 @@ def test_the_kept_baseline_gives_the_engines_own_numbers(tmp_path, one_thread):
     want = pl.read_parquet(tmp_path / "cell" / "tokens.parquet")
 
     ids, model = ctx.chunk_ids[0], ctx.loaded.model
-    kept, timing = device_models.time_baseline(model, ids, torch_engine.baseline_cell(), "ref", ubatch, 1024, lambda: None)
+    kept, timing = device_models.time_baseline(model, ids, forward.baseline_cell(), "ref", ubatch, 1024, lambda: None)
     on_disk = dump.open_dump(tmp_path / "base.kvd")
     assert kept.n == on_disk.n_scored and timing["encode_rows"] == kept.n
     stored = np.asarray(on_disk.payload[:on_disk.header["payload_bytes"]])
@@ -221,7 +225,7 @@ def test_the_kept_baseline_gives_the_engines_own_numbers(tmp_path, one_thread):
     assert got_timing["s_per_chunk"] >= got_timing["forward_s"] > 0
 
     # fewer rows kept than the chunk has: row r reads kept row r mod n, whole slices
-    few, t = device_models.time_baseline(model, ids, torch_engine.baseline_cell(), "ref", ubatch, 64, lambda: None)
+    few, t = device_models.time_baseline(model, ids, forward.baseline_cell(), "ref", ubatch, 64, lambda: None)
     assert few.n == 64 and t["encode_s_chunk"] == pytest.approx(t["encode_s"] * kept.n / 64)
     assert few.decode(0, 64, 128).equal(on_disk.decode(0, 0, 64))
     assert few.decode(0, 192, 255).equal(on_disk.decode(0, 0, 63))

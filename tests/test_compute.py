@@ -590,7 +590,7 @@ def test_smollm2_paths():
 
     from kvarn.baseline import data
 
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
 
     from kvarn.weights import models
 
@@ -603,8 +603,8 @@ def test_smollm2_paths():
                            ctx, 1, lm.info.bos_id)[0]
 
     def run(k, v, mode, ubatch=512):
-        cache = torch_engine.new_cache(lm.model, CellSpec(k, v, 0, compute=mode))
-        lp = torch.cat([x for _, x in torch_engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ctx))])
+        cache = forward.new_cache(lm.model, CellSpec(k, v, 0, compute=mode))
+        lp = torch.cat([x for _, x in forward.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ctx))])
         return lp, {getattr(layer, "last_path", None) for layer in cache.layers}
 
     def kld(a, b):

@@ -97,11 +97,11 @@ def first_chunk(loaded):
 
 
 def _engine_logprobs(lm, ids, k, v, tail=0, ubatch=512):
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
 
     lm.model.set_attn_implementation("kvarn")
-    cache = torch_engine.new_cache(lm.model, CellSpec(k, v, tail))
-    return torch.cat([lp for _, lp in torch_engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(CTX))])
+    cache = forward.new_cache(lm.model, CellSpec(k, v, tail))
+    return torch.cat([lp for _, lp in forward.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(CTX))])
 
 
 @torch.inference_mode()
@@ -133,16 +133,16 @@ SMOL = ("smollm2-135m", "embedded:smollm2-135m")
 
 @pytest.fixture(scope="session")
 def smol_context():
-    """`smol_context(n_ctx)`: one torch_engine.Context (SmolLM2 loaded, the text tokenized) per
+    """`smol_context(n_ctx)`: one load.Context (SmolLM2 loaded, the text tokenized) per
     n_ctx, shared by the cells and baselines below, as kvarn.run.worker shares one per job."""
-    from kvarn.run import torch_engine
+    from kvarn.run import load
     from kvarn.weights import sources
 
     out = {}
 
     def get(n_ctx):
         if n_ctx not in out:
-            out[n_ctx] = torch_engine.Context(sources.ModelSpec(*SMOL), n_ctx, 1, TEXT, cache_dir=CACHE_DIR)
+            out[n_ctx] = load.Context(sources.ModelSpec(*SMOL), n_ctx, 1, TEXT, cache_dir=CACHE_DIR)
         return out[n_ctx]
     return get
 
@@ -196,10 +196,10 @@ def test_baseline_streams_its_log_probs_to_the_dump_in_slices(smol_baseline_run)
     # The host never holds a whole chunk's log-probs (32 GB at Qwen 3.6's 64k): each chunk
     # reaches the writer as LOGIT_ROWS slices (test_dump: the file is the same either way).
     from kvarn.baseline import dump
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
 
     out, seen = smol_baseline_run
-    assert len(seen) > 1 and max(seen) <= torch_engine.LOGIT_ROWS and sum(seen) == CTX - 1 - CTX // 2
+    assert len(seen) > 1 and max(seen) <= forward.LOGIT_ROWS and sum(seen) == CTX - 1 - CTX // 2
     assert dump.open_dump(out).n_chunks == 1
 
 
@@ -211,7 +211,7 @@ def test_the_forward_run_ahead_of_the_writer_writes_the_same_dump(smol_baseline_
     from kvarn.weights import sources
 
     assert torch_engine.AHEAD == 2
-    monkeypatch.setattr(engine, "AHEAD", 0)
+    monkeypatch.setattr(torch_engine, "AHEAD", 0)
     out = tmp_path / "serial.kvd"
     torch_engine.run_baseline(sources.ModelSpec(*SMOL), CTX, 1, out, text=TEXT, cache_dir=CACHE_DIR, context=smol_context(CTX))
     assert out.read_bytes() == smol_baseline_run[0].read_bytes()
@@ -244,13 +244,13 @@ def _cell(base, k, v, tail, tmp_path_factory, context):
 def smol_bf16_cell(loaded, first_chunk):
     """The bf16/bf16 cell's own log-probs on the baseline's chunk, with the baseline's ubatch
     and attention path, through a cache built here (not the engine's baseline constants)."""
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
 
     lm, ids = loaded("smollm2-135m"), first_chunk("smollm2-135m")
     lm.model.set_attn_implementation("kvarn")
-    path = torch_engine.attention_path("auto", lm.info.device, "exact")
-    cache = torch_engine.new_cache(lm.model, CellSpec("bf16", "bf16", 0), attention=path)
-    lp = torch.cat([x.cpu() for _, x in torch_engine.chunk_logprobs(lm.model, ids, cache, 512, scoring.scored_positions(CTX))])
+    path = forward.attention_path("auto", lm.info.device, "exact")
+    cache = forward.new_cache(lm.model, CellSpec("bf16", "bf16", 0), attention=path)
+    lp = torch.cat([x.cpu() for _, x in forward.chunk_logprobs(lm.model, ids, cache, 512, scoring.scored_positions(CTX))])
     return lp, ids[CTX // 2 + 1 : CTX]
 
 
@@ -380,7 +380,7 @@ def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypa
     # test_f32_cache_equals_plain_forward, for Gemma 3 made here), and a q4_0 tail-128 cell
     # is bit for bit the same cache keeping every row.
     from kvarn.baseline import data
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
     from kvarn.kvcache.cache import KVarnLayer
 
     lm, n, ub = loaded("gemma3-270m"), SLIDE_CTX, SLIDE_UB
@@ -396,8 +396,8 @@ def test_gemma3_sliding_layers_forget_and_reproduce_the_forward(loaded, monkeypa
 
     def run(k, v, tail):
         lm.model.set_attn_implementation("kvarn")
-        cache = torch_engine.new_cache(lm.model, CellSpec(k, v, tail))
-        return torch.cat([lp for _, lp in torch_engine.chunk_logprobs(lm.model, ids, cache, ub, sc)]), cache
+        cache = forward.new_cache(lm.model, CellSpec(k, v, tail))
+        return torch.cat([lp for _, lp in forward.chunk_logprobs(lm.model, ids, cache, ub, sc)]), cache
 
     plain = {impl: _plain_logprobs(lm, ids, impl, sc) for impl in ("sdpa", "eager")}
     noise = (plain["eager"] - plain["sdpa"]).abs().max().item()

@@ -54,7 +54,7 @@ def test_a_second_run_into_a_folder_being_written_is_refused_naming_the_first(tm
     from kvarn.run import torch_engine
 
     out, p = holder
-    monkeypatch.setattr(engine, "run_cell", lambda *a, **k: pytest.fail("the second run started"))
+    monkeypatch.setattr(torch_engine, "run_cell", lambda *a, **k: pytest.fail("the second run started"))
     with pytest.raises(SystemExit) as e:
         cli.main(_run_argv(tmp_path, out))
     err = capsys.readouterr().err
@@ -85,7 +85,7 @@ def test_a_run_holds_its_folder_while_it_writes(tmp_path, monkeypatch, capsys):
         (out_dir / "summary.json").write_text("{}")
         raise Stop
 
-    monkeypatch.setattr(engine, "run_cell", run_cell)
+    monkeypatch.setattr(torch_engine, "run_cell", run_cell)
     with pytest.raises(Stop):
         cli.main(_run_argv(tmp_path, out))
     assert seen["holder"].startswith("pid ") and " kvarn run -m " in seen["holder"]
@@ -99,7 +99,7 @@ def test_a_refused_run_leaves_no_folder(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise ValueError("dump is truncated")
 
-    monkeypatch.setattr(engine, "run_cell", refuse)
+    monkeypatch.setattr(torch_engine, "run_cell", refuse)
     with pytest.raises(SystemExit):
         cli.main(_run_argv(tmp_path, tmp_path / "cell"))
     assert not (tmp_path / "cell").exists()
@@ -126,7 +126,7 @@ def test_a_tail_the_format_rounds_runs_and_prints_as_the_tail_it_runs_at(tmp_pat
         got["cell"] = cell
         raise Stop
 
-    monkeypatch.setattr(engine, "run_cell", run_cell)
+    monkeypatch.setattr(torch_engine, "run_cell", run_cell)
     with pytest.raises(Stop):
         cli.main(_run_argv(tmp_path, tmp_path / "c", "kvarn4", "--tail", "500"))
     assert got["cell"].tail == 512 and got["cell"].name == "kvarn4-kvarn4-t512"

@@ -211,7 +211,7 @@ def test_attention_option_is_checked():
     with pytest.raises(ValueError, match="attention 'fast' not accepted; use one of ref, flex, auto"):
         kattn.resolve_attention("fast", "cpu")
     assert kattn.resolve_attention("auto", "cpu") == "ref" and kattn.resolve_attention("auto", "cuda:0") == "flex"
-    from kvarn.run.torch_engine import attention_path
+    from kvarn.run.forward import attention_path
 
     assert attention_path("auto", "cpu", "exact") == "ref" and attention_path("flex", "cpu", "llamacpp-cpu") is None
     with pytest.raises(ValueError, match="attention 'x' not accepted"):
@@ -228,16 +228,16 @@ CELL_CTX = 256  # the engine's bf16 cell and baseline
 
 @pytest.fixture(scope="module")
 def smol():
-    """SmolLM2 loaded once, as an torch_engine.Context at CELL_CTX (the engine runs below share
+    """SmolLM2 loaded once, as an load.Context at CELL_CTX (the engine runs below share
     it), and the first E2E_LEN tokens of the text's first 512-token chunk."""
     from paths import CACHE_DIR, ENGINE_TEXT
 
     from kvarn.baseline import data
 
-    from kvarn.run import torch_engine
+    from kvarn.run import load
     from kvarn.weights.sources import ModelSpec
 
-    context = torch_engine.Context(ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CELL_CTX, 1, ENGINE_TEXT,
+    context = load.Context(ModelSpec("smollm2-135m", "embedded:smollm2-135m"), CELL_CTX, 1, ENGINE_TEXT,
                              cache_dir=CACHE_DIR)
     lm = context.loaded
     ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(ENGINE_TEXT)), 512, 1, lm.info.bos_id)[0]
@@ -245,12 +245,12 @@ def smol():
 
 
 def _logprobs(lm, ids, k, v, tail, attention, ubatch=512):
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
 
     lm.model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = torch_engine.new_cache(lm.model, CellSpec(k, v, tail), attention=attention)
+    cache = forward.new_cache(lm.model, CellSpec(k, v, tail), attention=attention)
     sc = scoring.scored_positions(ids.shape[0])
-    return torch.cat([lp for _, lp in torch_engine.chunk_logprobs(lm.model, ids, cache, ubatch, sc)])
+    return torch.cat([lp for _, lp in forward.chunk_logprobs(lm.model, ids, cache, ubatch, sc)])
 
 
 @torch.inference_mode()

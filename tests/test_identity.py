@@ -7,7 +7,6 @@ directory with the embedded SmolLM2 tokenizer (no download, a second per run).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -130,18 +129,18 @@ def tiny_run(tmp_path_factory, fetched):
     base = tmp_path / "base.kvd"
     kw = dict(text=str(text), device="cpu", cache_dir=str(tmp_path / "cache"))
     h = torch_engine.run_baseline(spec, 32, 2, base, **kw)
-    yield engine, spec, base, kw, h, d, tmp_path
+    yield torch_engine, spec, base, kw, h, d, tmp_path
     mp.undo()
 
 
-def _cell(engine, spec, base, kw, out, **over):
+def _cell(torch_engine, spec, base, kw, out, **over):
     return torch_engine.run_cell(spec, 32, 2, CellSpec("q4_0", "q4_0", 0), base, out, **{**kw, **over})
 
 
 def test_dump_carries_every_identity_field(tiny_run):
     from kvarn.baseline import dump
 
-    engine, spec, base, kw, h, d, tmp = tiny_run
+    torch_engine, spec, base, kw, h, d, tmp = tiny_run
     header = dump.open_dump(base).header
     for key in identity.FIELDS:
         assert key in header, key
@@ -149,14 +148,14 @@ def test_dump_carries_every_identity_field(tiny_run):
     assert header["attn_implementation"] == "kvarn"
     assert header["torch_version"] == torch.__version__
     assert header["weights"].startswith("sha256:")
-    s = _cell(engine, spec, base, kw, tmp / "ok")
+    s = _cell(torch_engine, spec, base, kw, tmp / "ok")
     assert s["n_tokens"] == 2 * (32 - 1 - 16)
 
 
 def test_cell_refuses_other_dtype(tiny_run):
-    engine, spec, base, kw, h, d, tmp = tiny_run
+    torch_engine, spec, base, kw, h, d, tmp = tiny_run
     with pytest.raises(ValueError) as e:
-        _cell(engine, spec, base, kw, tmp / "bf", dtype="bfloat16")
+        _cell(torch_engine, spec, base, kw, tmp / "bf", dtype="bfloat16")
     msg = str(e.value)
     assert "dtype is 'float32' in the baseline but 'bfloat16'" in msg and "kvarn baseline --model" in msg
     assert "--dtype bfloat16" in msg
@@ -166,7 +165,7 @@ def test_cell_refuses_other_dtype(tiny_run):
 def test_cell_refuses_other_versions_and_device(tiny_run, monkeypatch):
     from kvarn.baseline import dump
 
-    engine, spec, base, kw, h, d, tmp = tiny_run
+    torch_engine, spec, base, kw, h, d, tmp = tiny_run
     real_open = dump.open_dump
     for key, fake in (("torch_version", "0.0.1"), ("transformers_version", "0.0.2"), ("device_class", "cuda"),
                       ("attn_implementation", "sdpa")):
@@ -176,16 +175,16 @@ def test_cell_refuses_other_versions_and_device(tiny_run, monkeypatch):
             return d
         monkeypatch.setattr(dump, "open_dump", fake_open)
         with pytest.raises(ValueError, match=rf"{key} is '{fake}' in the baseline"):
-            _cell(engine, spec, base, kw, tmp / key)
+            _cell(torch_engine, spec, base, kw, tmp / key)
         assert not (tmp / key).exists()
 
 
 def test_cell_refuses_changed_weights(tiny_run):
-    engine, spec, base, kw, h, d, tmp = tiny_run
+    torch_engine, spec, base, kw, h, d, tmp = tiny_run
     _tiny_dir(d, 1)  # same directory, other weights
     try:
         with pytest.raises(ValueError, match=r"weights is 'sha256:[0-9a-f]+' in the baseline but 'sha256:"):
-            _cell(engine, spec, base, kw, tmp / "w")
+            _cell(torch_engine, spec, base, kw, tmp / "w")
         assert not (tmp / "w").exists()
     finally:  # the fixture's weights back (seeded: the same bytes), so the module's other tests run in any order
         _tiny_dir(d, 0)

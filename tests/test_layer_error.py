@@ -29,7 +29,7 @@ class _Captured(Exception):
 
 
 def _o_proj_input(lm, ids, k, v, layer=0):
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
     from kvarn.vocab import scoring
 
     got = []
@@ -40,9 +40,9 @@ def _o_proj_input(lm, ids, k, v, layer=0):
 
     h = lm.model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(grab)
     try:
-        cache = torch_engine.new_cache(lm.model, CellSpec(k, v, 0))
+        cache = forward.new_cache(lm.model, CellSpec(k, v, 0))
         with pytest.raises(_Captured):  # one ubatch (512 >= CTX): the whole chunk's rows
-            list(torch_engine.chunk_logprobs(lm.model, ids[0], cache, 512, scoring.scored_positions(CTX)))
+            list(forward.chunk_logprobs(lm.model, ids[0], cache, 512, scoring.scored_positions(CTX)))
     finally:
         h.remove()
     assert len(got) == 1 and got[0].shape[0] == CTX

@@ -423,7 +423,7 @@ def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread, f
         pytest.skip("needs wiki.test.raw")
     from kvarn import cli
     from kvarn.baseline import dump
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
     from kvarn.weights.models import load
     from kvarn.weights.sources import ModelSpec
 
@@ -462,10 +462,10 @@ def test_cli_baseline_and_run(arch, tmp_path, capsys, monkeypatch, one_thread, f
     scored = scoring.scored_positions(CTX)
 
     def logprobs(cache, c):
-        return torch.cat([lp for _, lp in torch_engine.chunk_logprobs(model, ids[c], cache, 512, scored)])
+        return torch.cat([lp for _, lp in forward.chunk_logprobs(model, ids[c], cache, 512, scored)])
 
-    fresh = logprobs(torch_engine.new_cache(model, CellSpec("bf16", "bf16", 0)), 1)
-    stale_cache = torch_engine.new_cache(model, CellSpec("bf16", "bf16", 0))
+    fresh = logprobs(forward.new_cache(model, CellSpec("bf16", "bf16", 0)), 1)
+    stale_cache = forward.new_cache(model, CellSpec("bf16", "bf16", 0))
     logprobs(stale_cache, 0)
     for layer in stale_cache.layers:  # carry only the state layers over: the KV layers restart
         if isinstance(layer, KVarnLayer):

@@ -1,6 +1,6 @@
 """Steps 1 and 2 of the device run (bench/gpu/device_run.py): 1. Qwen 3.6 27B at 65,536, then 2.
 Gemma 4 31B at 16,384: random weights of the study's geometry (`random:config/models/<name>.json`,
-bf16, kvarn.weights.random_model), one `kvarn.run.torch_engine.Context`, then the baseline, q4_0 t128,
+bf16, kvarn.weights.random_model), one `kvarn.run.load.Context`, then the baseline, q4_0 t128,
 kvarn4 and q8_0 t0 (`RUNS`, most needed first) on one chunk on the flex path with `--compute`
 (tf32-attn: TF32 dots in flex, fp32 accumulation). Each run is preceded by a warm-up of the same
 code on the chunk's first 2 ubatches (compiles flex, the KVarN and fla Triton kernels): a line after
@@ -74,16 +74,16 @@ def time_baseline(model, ids, cell, path: str, ubatch: int, encode_rows: int, sy
     packed and hashed as kvarn.baseline.dump.write_dump does, nothing written."""
     from kvarn.baseline.encoding import encode_rows as encode
     from kvarn.baseline.sparse import pack_rows
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
     from kvarn.vocab import scoring
 
     scored = scoring.scored_positions(int(ids.shape[0]))
-    cache = torch_engine.new_cache(model, cell, attention=path)
+    cache = forward.new_cache(model, cell, attention=path)
     timing = {"forward_s": 0.0, "encode_s": 0.0}
     parts, lengths, vocab, h = [], [], None, hashlib.sha256()
     t0 = time.perf_counter()
-    rows = ((a, lp.cpu()) for a, lp in torch_engine.chunk_logprobs(model, ids, cache, ubatch, scored))
-    for a, host in torch_engine.timed(rows, timing):
+    rows = ((a, lp.cpu()) for a, lp in forward.chunk_logprobs(model, ids, cache, ubatch, scored))
+    for a, host in forward.timed(rows, timing):
         vocab = int(host.shape[1])
         if a >= encode_rows:
             continue
@@ -110,17 +110,17 @@ def time_cell(model, ids, cell, path: str, ubatch: int, base, sync) -> tuple[dic
     Returns (timing, the per-token columns)."""
     import numpy as np
 
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
     from kvarn.vocab import scoring
     from kvarn.stats import metrics
 
     scored = scoring.scored_positions(int(ids.shape[0]))
-    cache = torch_engine.new_cache(model, cell, path)
+    cache = forward.new_cache(model, cell, path)
     targets = ids[scored.start + 1: scored.stop + 1]
     cols = {key: [] for key in metrics.PER_TOKEN_KEYS}
     timing = {"forward_s": 0.0, "metrics_s": 0.0}
     t0 = time.perf_counter()
-    for a, lp in torch_engine.timed(torch_engine.chunk_logprobs(model, ids, cache, ubatch, scored), timing):
+    for a, lp in forward.timed(forward.chunk_logprobs(model, ids, cache, ubatch, scored), timing):
         t = time.perf_counter()
         b = a + lp.shape[0]
         tm = metrics.token_metrics(lp, base.decode(0, a, b, lp.device), targets[a:b])
@@ -153,7 +153,7 @@ def step_model(name: str, args, rec: Recorder) -> None:
     import torch
 
     import kvarn.kvcache.flex
-    from kvarn.run import torch_engine
+    from kvarn.run import forward, load
     from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
@@ -173,7 +173,7 @@ def step_model(name: str, args, rec: Recorder) -> None:
     base_rec = {"step": name, "n_ctx": n_ctx, "ubatch": ubatch, "compute": args.compute}
     t = time.perf_counter()
     try:
-        ctx = torch_engine.Context(spec, n_ctx, 1, text=str(args.text), device=device, dtype=dtype,
+        ctx = load.Context(spec, n_ctx, 1, text=str(args.text), device=device, dtype=dtype,
                              cache_dir=work / "models", ubatch=ubatch, baseline=True)
     except Exception as e:  # a preflight refusal or an out-of-memory: recorded, the runs with it
         rec.add({**base_rec, "item": "load", "status": "error", "error": short_error(e)})
@@ -183,14 +183,14 @@ def step_model(name: str, args, rec: Recorder) -> None:
         return
     model = ctx.loaded.model
     sync()
-    load = {**base_rec, "item": "load", "status": "ok", "s": time.perf_counter() - t,
+    loaded = {**base_rec, "item": "load", "status": "ok", "s": time.perf_counter() - t,
             "source": spec.source if smoke else f"random:config/models/{name}.json",
             "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None}
     if "linear_attention" in json.loads(cfg.read_text()).get("layer_types", []):
-        load["linear_attention"] = linear_attention_kernel()
-    rec.add(load)
-    torch_engine.set_compute(model, spec, work / "models", args.compute)
-    path = torch_engine.attention_path("flex", device, args.compute) or "ref"
+        loaded["linear_attention"] = linear_attention_kernel()
+    rec.add(loaded)
+    load.set_compute(model, spec, work / "models", args.compute)
+    path = forward.attention_path("flex", device, args.compute) or "ref"
     ids = ctx.chunk_ids[0]
     base, chunk_s = None, None  # the kept baseline rows; the last timed chunk's seconds
     for label, cell_args, kind in RUNS:
@@ -206,7 +206,7 @@ def step_model(name: str, args, rec: Recorder) -> None:
             r["est_s"] = round(est, 1)
         phase = "warm-up"
         try:
-            cell = torch_engine.baseline_cell(args.compute) if cell_args is None else CellSpec(*cell_args,
+            cell = forward.baseline_cell(args.compute) if cell_args is None else CellSpec(*cell_args,
                                                                                         compute=args.compute)
             r["cell"] = cell.name
 

@@ -8,11 +8,12 @@ GPU, most important first, every result kept the moment it is measured.
 Carry (bench/gpu/prepare.sh measures it; docs/notes/scale.md has the figure): the checkout plus
 .gpu (the wheels transformers' import needs at our pins, gguf, fla, the text), under the 64 MiB a
 call may carry; nothing is fetched on the machine, and nothing here imports polars (the machine
-has none: kvarn.run.torch_engine imports it only where a cell writes its parquet).
+has none: the device run loads through kvarn.run.load and runs kvarn.run.forward, which import none; the
+torch engine, which writes a cell's parquet, is not imported here).
 
 First, the import check (`--check-imports`, its own process, `IMPORT_CHECK_S` at most): torch,
 triton, transformers (whose import checks tokenizers, huggingface-hub, safetensors, regex, ...),
-the Qwen 3.5 and Gemma 4 modules, kvarn.run.torch_engine; each package's version and whether it came
+the Qwen 3.5 and Gemma 4 modules, kvarn.run.load and kvarn.run.forward; each package's version and whether it came
 from the carried site or the image go into the first results line. If one fails, that line says
 so, with every version found, and the run stops there (exit code 3): a second try can be
 prepared at once.
@@ -56,7 +57,7 @@ IMPORTS = [("torch", "torch", True, True), ("triton", "triton", True, False),
            ("regex", "regex", True, True), ("numpy", "numpy", True, True), ("gguf", "gguf", False, False),
            ("fla", "flash-linear-attention", False, False)]
 IMPORT_MODULES = ["transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.gemma4.modeling_gemma4",
-                  "kvarn.run.torch_engine", "kvarn.kvcache.flex"]
+                  "kvarn.run.load", "kvarn.run.forward", "kvarn.kvcache.flex"]
 TRITON_TESTS = ["-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_kvarn_triton.py"]
 
 

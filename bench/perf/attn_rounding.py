@@ -9,7 +9,7 @@ as a GPU's flash attention does: Q·K and P·V on bf16 (TF32) operands, fp32 acc
 that lets the article's attention run on tensor cores (issue 42); it may be used for a format only
 if the KLD it adds is small beside what the format itself does. Per model and format F (every
 standard type and KVarN width of config/article.yaml, symmetric, tail 0), on the same chunks, through
-the engine's own forward (`kvarn.run.torch_engine.chunk_logprobs`):
+the engine's own forward (`kvarn.run.forward.chunk_logprobs`):
 
 * format: the median KLD of F on the exact (fp32) path against the exact baseline: the format's effect;
 * path: the median KLD of the rounded path's baseline against the exact one (the same bf16 cache, only the
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from bench import REPO, TEXT
-from kvarn.run import torch_engine
+from kvarn.run import forward, load
 from kvarn.vocab import scoring
 from kvarn.vocab.cell import CellSpec
 from kvarn.kvcache import rounding
@@ -52,10 +52,10 @@ STANDARD = ["q8_0", "q6_0", "q5_1", "q5_0", "q4_1", "q4_0", "q3_0", "q2_0"]  # c
 KVARN = ["kvarn8", "kvarn6", "kvarn5", "kvarn4", "kvarn3", "kvarn2"]
 
 
-def logprobs(ctx: torch_engine.Context, ids: torch.Tensor, cell: CellSpec, scored: range) -> torch.Tensor:
+def logprobs(ctx: load.Context, ids: torch.Tensor, cell: CellSpec, scored: range) -> torch.Tensor:
     """One chunk's fp32 log-probs with the cell's cache, as run_cell computes them."""
-    cache = torch_engine.new_cache(ctx.loaded.model, cell, attention="ref")
-    return torch.cat([lp for _, lp in torch_engine.chunk_logprobs(ctx.loaded.model, ids, cache, 512, scored)])
+    cache = forward.new_cache(ctx.loaded.model, cell, attention="ref")
+    return torch.cat([lp for _, lp in forward.chunk_logprobs(ctx.loaded.model, ids, cache, 512, scored)])
 
 
 def median_kld(q: list[torch.Tensor], base: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -64,7 +64,7 @@ def median_kld(q: list[torch.Tensor], base: list[torch.Tensor], targets: list[to
 
 def measure(name: str, n_ctx: int, chunks: int, text: str, cache_dir: str, formats: list[str],
             compute: str = BF16_ATTN) -> list[dict]:
-    ctx = torch_engine.Context(sources.ModelSpec(name, f"embedded:{name}"), n_ctx, chunks, text, device="cpu",
+    ctx = load.Context(sources.ModelSpec(name, f"embedded:{name}"), n_ctx, chunks, text, device="cpu",
                          cache_dir=cache_dir)
     scored = scoring.scored_positions(n_ctx)
     ids = list(ctx.chunk_ids)
@@ -73,7 +73,7 @@ def measure(name: str, n_ctx: int, chunks: int, text: str, cache_dir: str, forma
     def run(cell):
         return [logprobs(ctx, c, cell, scored) for c in ids]
 
-    base = {c: run(torch_engine.baseline_cell(c)) for c in (EXACT, compute)}
+    base = {c: run(forward.baseline_cell(c)) for c in (EXACT, compute)}
     rows = [{"model": name, "format": "bf16 (the baseline)", "format_kld": 0.0,
              "path_kld": median_kld(base[compute], base[EXACT], targets), "measured_kld": 0.0}]
     for f in formats:

@@ -32,7 +32,7 @@ from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 BUDGET = 16e9  # bytes per model on disk (issue 9's goal, decimal GB)
-SLICE = 64  # rows a cell decodes at a time (kvarn.run.torch_engine.LOGIT_ROWS)
+SLICE = 64  # rows a cell decodes at a time (kvarn.run.forward.LOGIT_ROWS)
 
 
 def study_models() -> dict[str, tuple[int, int, int]]:
@@ -148,7 +148,7 @@ def report(ms: list[dict], study: dict, errs: dict, args, elapsed: float) -> str
     L += ["", "(Break-even assumes every row sparse; mixed rows cost ≤ that.)", "",
           "## The encoding's KLD error vs the q8_0 median KLD", "",
           f"`dump_error.measure_q8_error(model, {args.err_ctx}, {args.err_chunks} chunk)`: base = the BF16-cache baseline's "
-          "fp32 log-probs, Q = the q8_0 t0 cell's (both from `torch_engine.chunk_logprobs`); per token |KLD against "
+          "fp32 log-probs, Q = the q8_0 t0 cell's (both from `forward.chunk_logprobs`); per token |KLD against "
           "the decoded sparse dump − KLD against the fp32 base|. Goal: ≤ 1 % of the q8_0 median KLD. Encoding "
           "version 3 (the default) takes up the fp32 rounding of the mass-corrected floor; version 2 (the same "
           "with its lattice off) beside it.", "",

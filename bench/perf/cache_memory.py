@@ -7,7 +7,7 @@ and whether the log-probs are bit-identical to another checkout's (e.g. main bef
 Every (code, model, n_ctx, cell) runs in its own process, with PYTHONPATH set to that code,
 on the first Wikitext chunk: peak host memory is that process's high-water mark (ru_maxrss)
 and its rise above the RSS after loading the model; seconds per chunk is the engine's
-forward loop (`kvarn.run.torch_engine.chunk_logprobs`, as run_cell times it); the stored cache bytes
+forward loop (`kvarn.run.forward.chunk_logprobs`, as run_cell times it); the stored cache bytes
 are those of every tensor the cache holds at the end of the chunk; the sha256 of all
 scored fp32 log-probs says whether the two codes agree bit for bit. Also runs
 `kvarn run --dry-run` of both codes for the study's configs (the preflight's device
@@ -64,7 +64,7 @@ def worker(spec: dict) -> dict:
 
     from kvarn.baseline import data
 
-    from kvarn.run import torch_engine
+    from kvarn.run import forward
     from kvarn.vocab.cell import CellSpec
 
     from kvarn.weights import models, sources
@@ -76,10 +76,10 @@ def worker(spec: dict) -> dict:
     ids = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(str(TEXT))), spec["n_ctx"], 1,
                            lm.info.bos_id)[0]
     rss_loaded = _rss()
-    cache = torch_engine.new_cache(lm.model, CellSpec(spec["k"], spec["v"], spec["tail"]))
-    gen = torch_engine.chunk_logprobs(lm.model, ids, cache, spec["ubatch"], scoring.scored_positions(spec["n_ctx"]))
+    cache = forward.new_cache(lm.model, CellSpec(spec["k"], spec["v"], spec["tail"]))
+    gen = forward.chunk_logprobs(lm.model, ids, cache, spec["ubatch"], scoring.scored_positions(spec["n_ctx"]))
     h, forward_s = hashlib.sha256(), 0.0
-    # Its own timing loop, not kvarn.run.torch_engine.timed: it also runs against older kvarn checkouts.
+    # Its own timing loop, not kvarn.run.forward.timed: it also runs against older kvarn checkouts.
     while True:
         t = time.perf_counter()
         item = next(gen, None)

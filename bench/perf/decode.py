@@ -42,7 +42,7 @@ from bench import REPO, TEXT
 
 import kvarn.kvcache.attention as kattn  # noqa: E402
 from kvarn.baseline import data
-from kvarn.run import torch_engine
+from kvarn.run import forward
 from kvarn.vocab.cell import CellSpec  # noqa: E402
 from kvarn.weights import models, sources  # noqa: E402
 from kvarn.run import decode as kdecode  # noqa: E402
@@ -80,7 +80,7 @@ def run_generate(model, prompts, n):
 def run_one_cache(model, prompts, n, k, v, tail, ubatch):
     """(prefill s, per-step s, tokens [P, n]) of a greedy loop through one KVarnCache."""
     model.set_attn_implementation(kattn.ATTN_NAME)
-    cache = torch_engine.new_cache(model, CellSpec(k, v, tail))
+    cache = forward.new_cache(model, CellSpec(k, v, tail))
     t0 = time.perf_counter()
     logits = kdecode.feed(model, prompts, cache, ubatch)
     t1 = time.perf_counter()

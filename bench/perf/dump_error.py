@@ -24,7 +24,7 @@ from kvarn.vocab.cell import CellSpec
 
 from kvarn.baseline import data, dump, encoding
 
-from kvarn.run import torch_engine
+from kvarn.run import forward, load
 
 from kvarn.stats import metrics
 
@@ -107,22 +107,22 @@ def measure_encoding_error(name: str = "smollm2-135m", n_ctx: int = 512, chunks:
 def measure_q8_error(name: str, n_ctx: int, chunks: int, text_path: str | None, cache_dir: str) -> dict:
     """The encoding's KLD error against the study's smallest effect, through the engine:
     base = the BF16-cache baseline's fp32 log-probs, Q = the q8_0 t0 cell's (both from
-    `torch_engine.chunk_logprobs`, as `run_baseline` / `run_cell` compute them). Per token,
+    `forward.chunk_logprobs`, as `run_baseline` / `run_cell` compute them). Per token,
     |KLD(Q ‖ decoded sparse dump) − KLD(Q ‖ fp32 base)|, and the shift of the median KLD,
     relative to the q8_0 median KLD (goal ≤ 1 %)."""
-    ctx = torch_engine.Context(sources.ModelSpec(name, f"embedded:{name}"), n_ctx, chunks, text_path, device="cpu",
+    ctx = load.Context(sources.ModelSpec(name, f"embedded:{name}"), n_ctx, chunks, text_path, device="cpu",
                          cache_dir=cache_dir)
     model, pos = ctx.loaded.model, scoring.scored_positions(n_ctx)
 
     def run(ids, cell):  # one chunk with the cell's cache, as the engine runs a cell
         with torch.inference_mode():
-            cache = torch_engine.new_cache(model, cell)
-            return torch.cat([lp for _, lp in torch_engine.chunk_logprobs(model, ids, cache, 512, pos)])
+            cache = forward.new_cache(model, cell)
+            return torch.cat([lp for _, lp in forward.chunk_logprobs(model, ids, cache, 512, pos)])
 
     ref, got = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for ids in ctx.chunk_ids:
-            base, q = run(ids, torch_engine.BASELINE), run(ids, CellSpec("q8_0", "q8_0", 0))
+            base, q = run(ids, forward.BASELINE), run(ids, CellSpec("q8_0", "q8_0", 0))
             t = ids[pos.start + 1:pos.stop + 1]
             p = Path(tmp) / "base.kvd"
             dump.write_dump(p, {**ctx.ident, "n_chunks": 1}, [base])

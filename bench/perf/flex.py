@@ -3,7 +3,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.perf.flex [--ctx 2048] [--out bench/perf/results/flex.md]
 
-Per model, one process and one model load (`kvarn.run.torch_engine.Context`), first chunk of Wikitext:
+Per model, one process and one model load (`kvarn.run.load.Context`), first chunk of Wikitext:
 
 1. warm-up: one untimed flex baseline run, which compiles `torch.compile(flex_attention,
    dynamic=True)` for this head dim (its wall time, compile included, is reported);
@@ -45,14 +45,14 @@ def _graphs() -> int:
 
 
 def measure(name: str, n_ctx: int, work: Path) -> dict:
-    from kvarn.run import torch_engine
+    from kvarn.run import load, torch_engine
     from kvarn.vocab.cell import CellSpec
     from kvarn.weights.sources import ModelSpec
 
     spec = ModelSpec(name, f"embedded:{name}")
     common = dict(text=str(TEXT), cache_dir=REPO / "resources" / "models")
     t = time.perf_counter()
-    ctx = torch_engine.Context(spec, n_ctx, 1, **common, baseline=True)
+    ctx = load.Context(spec, n_ctx, 1, **common, baseline=True)
     out = {"load_s": time.perf_counter() - t, "runs": {}, "spread": {}}
     t = time.perf_counter()
     torch_engine.run_baseline(spec, n_ctx, 1, work / f"{name}-warm.kvd", **common, context=ctx, attention="flex")

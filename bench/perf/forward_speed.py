@@ -36,7 +36,7 @@ from kvarn.vocab import scoring
 
 from kvarn.baseline import data
 
-from kvarn.run import torch_engine
+from kvarn.run import forward, torch_engine
 from kvarn.vocab.cell import CellSpec  # noqa: E402
 
 from kvarn.weights import models, sources  # noqa: E402
@@ -66,13 +66,13 @@ def label(cell: CellSpec) -> str:
 
 def forward_s(lm, ids, cell: CellSpec, ubatch=512, ref_norm=False) -> float:
     lm.model.set_attn_implementation("kvarn")
-    cache = torch_engine.new_cache(lm.model, cell)
+    cache = forward.new_cache(lm.model, cell)
     fast = kvarn_tiles.quantize_normalized_fast
     if ref_norm:
         kvarn_tiles.quantize_normalized_fast = kvarn_tiles.quantize_normalized
     try:
         t = time.perf_counter()
-        for _ in torch_engine.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ids.shape[0])):
+        for _ in forward.chunk_logprobs(lm.model, ids, cache, ubatch, scoring.scored_positions(ids.shape[0])):
             pass
         return time.perf_counter() - t
     finally:

@@ -38,7 +38,7 @@ ROUNDED_CELL_ROW_BYTES = 2 * (2 + 2)  # compute bf16-attn: the body in bf16 (kva
 TF32_ROUNDING_BYTES = 1 + 4 + 4
 BASELINE_ROW_BYTES = 2 * 2  # the bf16/bf16 tail-0 baseline: bf16 bodies only
 QUERY_BLOCK = 128  # kvarn.kvcache.attention.QUERY_BLOCK (not imported: it pulls in torch and transformers)
-LOGIT_ROWS = 64  # kvarn.run.torch_engine.LOGIT_ROWS
+LOGIT_ROWS = 64  # kvarn.run.forward.LOGIT_ROWS
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # The knob that lowers each part, for the error message.

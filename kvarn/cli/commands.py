@@ -112,7 +112,7 @@ def layers(spec, args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from kvarn.run.torch_engine import setup
+    from kvarn.run.load import setup
     from kvarn.run.layer_error import layer_errors
     from kvarn.report.figures import save_chart
     from kvarn.report.figures_tokens import layer_error

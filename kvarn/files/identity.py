@@ -36,7 +36,7 @@ SIDECAR_SUFFIX = ".kvarn-sha256.json"
 
 
 def job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir) -> dict:
-    """The arguments that decide what a job loads: `kvarn.run.torch_engine.Context`'s key, and the
+    """The arguments that decide what a job loads: `kvarn.run.load.Context`'s key, and the
     worker identity's (`kvarn.run.worker.identity`)."""
     return {"name": spec.name, "source": spec.source, "revision": spec.revision, "n_ctx": int(n_ctx),
             "chunks": None if chunks is None else int(chunks),  # None: every chunk of the text

@@ -18,7 +18,8 @@ import torch
 from kvarn.baseline import data
 from kvarn.kvcache import attention as kattn
 from kvarn.kvcache.cache import probe_cache
-from kvarn.run.torch_engine import BASELINE, chunk_logprobs, new_cache, progress
+from kvarn.run.forward import BASELINE, chunk_logprobs, new_cache
+from kvarn.run.torch_engine import progress
 from kvarn.vocab import scoring
 from kvarn.stats import metrics
 

@@ -1,13 +1,13 @@
 """One cell's greedy answers to retrieval tasks, through the cache model of every cell.
 
 Owns `generate` (a batch of equal-length prompts: prefill in ubatches, then greedy single-token
-steps, through one `KVarnCache` built by `kvarn.run.torch_engine.new_cache` and fed by
+steps, through one `KVarnCache` built by `kvarn.run.forward.new_cache` and fed by
 `kvarn.run.decode.feed`, so a KVarN group seals when its last token arrives, as in a decode),
 `load_model` (the model as a decode job loads it: `kvarn.weights.models.load`, eval mode, the
 cache model's attention, the cell's compute path) and `run_cell` (a cell over one or more task
 files, one answer file per task file).
 
-The baseline is the same function with the baseline's cell (`kvarn.run.torch_engine.baseline_cell`,
+The baseline is the same function with the baseline's cell (`kvarn.run.forward.baseline_cell`,
 bf16 K and V at tail 0): its answers are the exact cache's own, against which flips are counted.
 """
 
@@ -24,7 +24,8 @@ import kvarn.kvcache.attention as kattn
 from kvarn.retrieval import score
 from kvarn.retrieval.tasks import read_tasks, write_tasks
 from kvarn.run.decode import choose, feed
-from kvarn.run.torch_engine import attention_path, new_cache, set_compute
+from kvarn.run.forward import attention_path, new_cache
+from kvarn.run.load import set_compute
 from kvarn.vocab.cell import CellSpec
 from kvarn.weights import models
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
@@ -102,7 +103,7 @@ def model_window(model) -> int | None:
 
 
 def load_model(spec, cache_dir=DEFAULT_CACHE_DIR, device="auto", dtype="auto"):
-    """The model as a decode job has it (kvarn.run.torch_engine.setup without the text): loaded, eval
+    """The model as a decode job has it (kvarn.run.load.setup without the text): loaded, eval
     mode, the cache model's attention."""
     loaded = models.load(spec, cache_dir=cache_dir, device=device, dtype=dtype)
     loaded.model.eval()

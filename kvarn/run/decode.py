@@ -23,7 +23,9 @@ import torch
 import kvarn
 from kvarn.stats import metrics
 from kvarn.files.atomic import atomic_path, write_text
-from kvarn.run.torch_engine import attention_path, baseline_cell, new_cache, progress, set_compute, setup
+from kvarn.run.forward import attention_path, baseline_cell, new_cache
+from kvarn.run.load import set_compute, setup
+from kvarn.run.torch_engine import progress
 from kvarn.vocab.cell import CellSpec
 from kvarn.vocab.options import DECODE_VERSION, check_sampling, sampling_label, sampling_name
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
@@ -96,7 +98,7 @@ def decode(model, prompts: torch.Tensor, cell: CellSpec, n_tokens: int, ubatch=5
     `seed` (docs/notes/decode.md, "Sampled decoding"; `kvarn.vocab.options.check_sampling` names the accepted values).
     Returns the STEP_KEYS columns, [P · n_tokens] rows ordered by (prompt, step). `model` must use
     attn_implementation "kvarn"; `attention`: the attention path of both caches ("ref" or "flex",
-    `kvarn.run.torch_engine.attention_path`). `timing`: if given, gets prefill_s (both prompts), steps_s
+    `kvarn.run.forward.attention_path`). `timing`: if given, gets prefill_s (both prompts), steps_s
     (the rest; of it: cell_s the cell's steps, base_s the baseline's block forwards, metrics_s)
     added, and block (the steps per block) set. `desc`: if given, a progress bar of the generated
     steps with that label."""
@@ -208,7 +210,7 @@ def run_decode(spec, n_ctx, prompts, tokens, cell: CellSpec, out_dir, ubatch=512
     """One (cell, decode) result: out_dir/steps.parquet (STEP_KEYS) and out_dir/summary.json.
 
     `attention`: ref | flex | auto (`kvarn.kvcache.attention.resolve_attention`), recorded in the summary.
-    `context`: a loaded `kvarn.run.torch_engine.Context` of (model, n_ctx, chunks = prompts, text, ...)
+    `context`: a loaded `kvarn.run.load.Context` of (model, n_ctx, chunks = prompts, text, ...)
     (kvarn.run.worker: the teacher-forced cells of the same chunks share it), else loads now.
     `block`: decode steps the baseline scores in one forward (`decode`: None from `block_steps`,
     1 lock step), recorded in the summary. `temperature`, `seed`: how tokens are chosen (`decode`;

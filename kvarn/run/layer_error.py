@@ -20,7 +20,7 @@ import torch
 
 import kvarn.kvcache.attention as kattn
 from kvarn.vocab import scoring
-from kvarn.run.torch_engine import new_cache
+from kvarn.run.forward import new_cache
 from kvarn.vocab.cell import CellSpec
 from kvarn.vocab.options import EXACT
 

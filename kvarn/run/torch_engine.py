@@ -12,174 +12,33 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
+import polars as pl
 
 import kvarn
 import kvarn.kvcache.attention as kattn
 from kvarn.vocab import scoring
-from kvarn.baseline import data, dump
+from kvarn.baseline import dump
 from kvarn.baseline.protocol import Baseline
 from kvarn.budget import memory
 from kvarn.files import identity
 from kvarn.llamacpp_cpu import llamakld
 from kvarn.stats import metrics
-from kvarn.weights import models, sources
 from kvarn.files.atomic import atomic_path, write_text
 from kvarn.kvcache.cache import KVarnCache
-from kvarn.llamacpp_cpu.activations import set_activation_rounding
 from kvarn.vocab.cell import CellSpec
-from kvarn.files.identity import job_key
 from kvarn.run.ahead import ahead
-from kvarn.vocab.options import ATTENTION_ROUNDING, COMPUTE_VERSION, LLAMACPP_CPU
+from kvarn.run.load import load_job, set_compute
+from kvarn.run.forward import attention_path, baseline_cell, chunk_logprobs, new_cache, timed
+from kvarn.vocab.options import ATTENTION_ROUNDING, COMPUTE_VERSION
 from kvarn.vocab.policy import exact_share
-from kvarn.budget.preflight import preflight
 from kvarn.weights.sources import DEFAULT_CACHE_DIR
 
-BASELINE = CellSpec("bf16", "bf16", 0)  # the baseline is the bf16/bf16 cell at tail 0 (its compute aside)
-LOGIT_ROWS = 64  # rows per log-softmax slice: 64 x 262144 x 4 B = 64 MiB at Gemma's vocabulary
 # Log-prob slices the baseline's forward may run ahead of the dump's writer (kvarn.run.ahead: the
 # host's encoding overlaps the next slices' forward); 0: one after the other, in one thread.
 AHEAD = 2
-
-
-# --- loading --------------------------------------------------------------------------
-
-def set_compute(model, spec, cache_dir, compute: str) -> None:
-    """Switch the model's weight-matmul activation rounding for this run's compute path.
-
-    With llamacpp-cpu and GGUF weights every Linear's input is rounded as llama.cpp rounds
-    activations for that weight's type (`kvarn.llamacpp_cpu.activations.set_activation_rounding`); exact
-    and bf16-attn (whose rounding is the attention's only) switch it off. Set at the start of every run, because a `Context` model serves many.
-    """
-    cpu = compute == LLAMACPP_CPU
-    set_activation_rounding(model, sources.gguf_path(spec, cache_dir) if cpu else None, cpu)
-
-
-def setup(spec, n_ctx, chunks, text, device, dtype, cache_dir):
-    """(loaded model, chunk tensor, identity fields): what every dump and cell starts from.
-
-    The model in eval mode with the cache model's attention (`kvarn.kvcache.attention`), the text
-    tokenized and cut into chunks (`kvarn.baseline.data`), and the identity fields every dump and
-    cell carries (`kvarn.files.identity`). No preflight: `Context` and the run functions make it."""
-    loaded = models.load(spec, cache_dir=cache_dir, device=device, dtype=dtype)
-    loaded.model.eval()
-    loaded.model.set_attn_implementation(kattn.ATTN_NAME)
-    raw = data.load_text(text)
-    tokens = data.tokenize(loaded.tokenizer, raw)
-    chunk_ids = data.make_chunks(tokens, n_ctx, chunks, loaded.info.bos_id)
-    scoring.scored_positions(n_ctx)  # validates n_ctx (even, >= 4)
-    ident = identity.run_identity(spec, loaded.info, data.text_sha256(raw), n_ctx, int(chunk_ids.shape[0]),
-                                  kattn.ATTN_NAME)
-    return loaded, chunk_ids, ident
-
-
-class Context:
-    """What one job loads before its first chunk, kept for many cells of the same
-    (model, n_ctx, chunks, text, device, dtype): the model, the chunk tensor, the identity
-    and every baseline dump opened so far (its checksums verified once, on first read).
-
-    `kvarn.run.worker` holds one per process; `run_cell(..., context=)` and
-    `run_baseline(..., context=)` use it instead of loading, after checking that it was
-    made from the same arguments (a different model, text, ... is refused, never served).
-    """
-
-    def __init__(self, spec, n_ctx, chunks, text=None, device="auto", dtype="auto", cache_dir=DEFAULT_CACHE_DIR,
-                 ubatch=512, baseline=False):
-        self.key = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
-        preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline)  # before any weights load
-        self.loaded, self.chunk_ids, self.ident = setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
-        self._dumps: dict = {}
-
-    def for_job(self, spec, n_ctx, chunks, text, device, dtype, cache_dir):
-        """(loaded model, chunk ids, identity) for a job of these arguments; another job's are refused."""
-        want = job_key(spec, n_ctx, chunks, text, device, dtype, cache_dir)
-        diff = [f"{k}: loaded {self.key[k]!r}, requested {want[k]!r}" for k in want if want[k] != self.key[k]]
-        if diff:
-            raise ValueError("this kvarn.run.torch_engine.Context was loaded for another job; " + "; ".join(diff))
-        return self.loaded, self.chunk_ids, self.ident
-
-    def open_dump(self, path):
-        """dump.open_dump, once per (file, size, mtime): a rewritten file is opened (and verified) anew."""
-        if not Path(path).is_file():
-            return dump.open_dump(path)  # raises its own named error
-        st = Path(path).stat()
-        key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-        if key not in self._dumps:
-            self._dumps[key] = dump.open_dump(path)
-        return self._dumps[key]
-
-
-def _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, baseline, attention="auto",
-            compute="exact"):
-    """(loaded model, chunk ids, identity): from `context` if given (checked), else loaded now."""
-    if context is None:
-        preflight(spec, n_ctx, ubatch, device, dtype, cache_dir, baseline=baseline, attention=attention,
-                  compute=compute)  # before any weights load
-        return setup(spec, n_ctx, chunks, text, device, dtype, cache_dir)
-    return context.for_job(spec, n_ctx, chunks, text, device, dtype, cache_dir)
-
-
-# --- the forward ----------------------------------------------------------------------
-
-@torch.inference_mode()
-def chunk_logprobs(model, ids: torch.Tensor, cache: KVarnCache, ubatch: int, scored: range):
-    """Yield (first scored row, fp32 log-probs [r, V]) for one chunk, `LOGIT_ROWS` rows at a time.
-
-    ids: LongTensor [n_ctx]. The whole chunk is fed in ubatches with `cache` persisting;
-    logits are computed only at the scored positions. The caller times the generator.
-    """
-    if not isinstance(ubatch, int) or ubatch < 1:
-        raise ValueError(f"ubatch must be a positive integer, got {ubatch!r}")
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    n = ids.shape[0]
-    cache.reserve(n)  # buffers allocated once at their final size
-    row = 0
-    for start in range(0, n, ubatch):
-        stop = min(start + ubatch, n)
-        lo, hi = max(start, scored.start), min(stop, scored.stop)
-        keep = torch.arange(lo - start, max(hi, lo) - start, device=device)
-        out = model(input_ids=ids[None, start:stop], cache=cache, kvarn_cache=cache, use_cache=True,
-                    logits_to_keep=keep)
-        logits = out.logits[0]
-        for a in range(0, logits.shape[0], LOGIT_ROWS):
-            yield row + a, torch.log_softmax(logits[a : a + LOGIT_ROWS].float(), dim=-1)
-        row += logits.shape[0]
-    assert row == len(scored), (row, len(scored))
-
-
-def timed(gen, timing: dict, key: str = "forward_s"):
-    """Yield the items of `gen`, adding the time spent producing each to timing[key]: the
-    caller's work on an item (metrics, encoding) is not counted."""
-    while True:
-        t = time.perf_counter()
-        item = next(gen, None)
-        timing[key] += time.perf_counter() - t
-        if item is None:
-            return
-        yield item
-
-
-def new_cache(model, cell: CellSpec, attention: str = "ref") -> KVarnCache:
-    """A fresh `KVarnCache` for `model` and one cell: what the engine makes per chunk, and
-    what the decode, layer-error and bench paths feed a model with."""
-    return KVarnCache(model.config, cell, attention=attention)
-
-
-def baseline_cell(compute: str = "exact") -> CellSpec:
-    """The baseline's cell (bf16 K and V, tail 0) on a compute path."""
-    return replace(BASELINE, compute=compute)
-
-
-def attention_path(attention: str, device: str, compute: str) -> str | None:
-    """The attention path a run takes (`kvarn.kvcache.attention.resolve_attention`), None under
-    compute llamacpp-cpu (kvarn.llamacpp_cpu.compute has its own). What summaries and dumps record."""
-    path = kattn.resolve_attention(attention, device)  # validates the option in every case
-    return path if compute in ATTENTION_ROUNDING else None
 
 
 def check_baseline_compute(base: Baseline, compute: str) -> None:
@@ -225,7 +84,7 @@ def run_baseline(spec, n_ctx, chunks, out, ubatch=512, text=None, device="auto",
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, True,
+    loaded, chunk_ids, ident = load_job(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, True,
                                        attention, compute)
     set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
@@ -314,7 +173,7 @@ def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512,
     # A missing, foreign or truncated dump is refused before the model is even looked at.
     base: Baseline | None = (None if llamakld.is_llama_kld(baseline)
                              else (context.open_dump if context else dump.open_dump)(baseline))
-    loaded, chunk_ids, ident = _loaded(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False,
+    loaded, chunk_ids, ident = load_job(context, spec, n_ctx, chunks, text, device, dtype, cache_dir, ubatch, False,
                                        attention, compute)
     set_compute(loaded.model, spec, cache_dir, compute)
     model, info = loaded.model, loaded.info
@@ -345,9 +204,6 @@ def run_cell(spec, n_ctx, chunks, cell: CellSpec, baseline, out_dir, ubatch=512,
                 cols[key].append(tm[key])
         chunk_col.append(np.full(len(pos), c, dtype=np.int32))
         pos_col.append(pos)
-
-    import polars as pl  # here, not at the top: a caller of the forward alone (bench/gpu/device_run.py on a
-    # machine without polars) imports this module too
 
     frame = pl.DataFrame({
         "chunk": np.concatenate(chunk_col),

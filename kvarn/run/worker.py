@@ -275,13 +275,14 @@ class _Released(Exception):
     """A release request was answered: the serve loop exits."""
 
 
-def _load_context(torch_engine, args, common, ubatch):
-    """torch_engine.Context, releasing the other workers of this directory once if the preflight
+def _load_context(args, common, ubatch):
+    """load.Context, releasing the other workers of this directory once if the preflight
     refuses the load (the device is held by another model's idle worker)."""
     from kvarn.budget.preflight import PreflightError
+    from kvarn.run import load
 
     try:
-        return torch_engine.Context(*args, **common, ubatch=ubatch, baseline=True)
+        return load.Context(*args, **common, ubatch=ubatch, baseline=True)
     except PreflightError as e:
         own = os.environ.get(SOCKET_ENV)
         pids = release_others(Path(own)) if own else []
@@ -289,7 +290,7 @@ def _load_context(torch_engine, args, common, ubatch):
             raise
         print(f"preflight refused the load ({str(e).splitlines()[0]}); released workers {pids} "
               f"at {time.time():.3f}; checking again", flush=True)
-        return torch_engine.Context(*args, **common, ubatch=ubatch, baseline=True)
+        return load.Context(*args, **common, ubatch=ubatch, baseline=True)
 
 
 # --- the worker's side -------------------------------------------------------------------------
@@ -387,7 +388,6 @@ def _handle(conn, f, ident: dict, context):
                              f"nothing was run")
         if req.get("kind") not in KINDS:
             raise ValueError(f"request kind {req.get('kind')!r}: expected one of {KINDS}")
-        from kvarn.run import torch_engine
 
         k = ident
         spec = ModelSpec(k["name"], k["source"], k["revision"])
@@ -398,7 +398,7 @@ def _handle(conn, f, ident: dict, context):
             kwargs["cell"] = CellSpec.from_name(kwargs["cell"])
         if context is None:
             t0 = time.perf_counter()
-            context = _load_context(torch_engine, args, common, kwargs.get("ubatch", 512))
+            context = _load_context(args, common, kwargs.get("ubatch", 512))
             print(f"loaded {spec.name} ({spec.source}@{spec.revision}) in {time.perf_counter() - t0:.1f}s "
                   f"at {time.time():.3f}", flush=True)
         t0 = time.perf_counter()

@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     if not args.table_only:
         import torch
 
-        from kvarn.run import torch_engine
+        from kvarn.run import load, torch_engine
         from kvarn.vocab.cell import CellSpec
         from kvarn.weights.sources import parse_model
 
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
         spec = parse_model(args.model)
         cell = CellSpec(args.k, args.v, args.tail, rot=not args.no_rot, compute=args.compute)
         cache_dir = str(REPO / "resources" / "models")
-        ctx = torch_engine.Context(spec, args.ctx, args.chunks, str(TEXT), "cpu", "auto", cache_dir)
+        ctx = load.Context(spec, args.ctx, args.chunks, str(TEXT), "cpu", "auto", cache_dir)
         args.out.mkdir(parents=True, exist_ok=True)
         done = {r["label"] for r in records}
         runs = plan(args.seeds, args.eps, args.position, args.control)

@@ -76,7 +76,7 @@ MLP_NODES = {"ffn_norm": ("pre_feedforward_layernorm", "out"), "ffn_gate": ("mlp
 
 def kvarn_rows(spec, loaded, chunk_ids, n_tokens: int, position: int, compute: str, cache_dir: str, cell):
     """What kvarn computes at `position` on the first n_tokens tokens of chunk_ids[0]
-    (`kvarn.run.torch_engine.setup`), one ubatch, in the cache of `cell` (a CellSpec) under `compute`:
+    (`kvarn.run.load.setup`), one ubatch, in the cache of `cell` (a CellSpec) under `compute`:
     {("k"|"v", layer): fp32 rows [heads, dim] KVarnLayer.update receives} and {"<node>-<layer>":
     fp32 row} for MLP_NODES (`ffn_geglu`: the down projection's input as rounded for its weight)."""
     from dataclasses import replace
@@ -84,8 +84,8 @@ def kvarn_rows(spec, loaded, chunk_ids, n_tokens: int, position: int, compute: s
     import torch
 
     from kvarn.kvcache.cache import KVarnLayer
-    from kvarn.run import torch_engine
-    torch_engine.set_compute(loaded.model, spec, cache_dir, compute)
+    from kvarn.run import forward, load
+    load.set_compute(loaded.model, spec, cache_dir, compute)
     rows = {}
     original = KVarnLayer.update
 
@@ -107,7 +107,7 @@ def kvarn_rows(spec, loaded, chunk_ids, n_tokens: int, position: int, compute: s
                for i, layer in enumerate(decoder) for node, (mod, which) in MLP_NODES.items()]
     KVarnLayer.update = update
     try:
-        cache = torch_engine.new_cache(loaded.model, replace(cell, compute=compute))
+        cache = forward.new_cache(loaded.model, replace(cell, compute=compute))
         with torch.inference_mode():
             loaded.model(input_ids=chunk_ids[0:1, :n_tokens], cache=cache, kvarn_cache=cache, use_cache=True,
                          logits_to_keep=1)
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 0 <= args.position < args.tokens:
         ap.error(f"--position {args.position}: must be in 0..{args.tokens - 1} (--tokens {args.tokens})")
-    from kvarn.run import torch_engine
+    from kvarn.run import load
     from kvarn.weights import sources
 
     spec = sources.parse_model(args.model)
@@ -223,11 +223,11 @@ def main(argv=None) -> int:
         ap.error(f"--type {args.type!r}: accepted f16, bf16, q4_0")
     cell = CellSpec(args.type, args.type, args.tail)
     bee = beellama_rows(sources.gguf_path(spec, cache_dir), args.tokens, args.position, args.type, args.tail)
-    loaded, chunk_ids, _ = torch_engine.setup(spec, args.tokens, 1, str(TEXT), "cpu", "auto", cache_dir)
+    loaded, chunk_ids, _ = load.setup(spec, args.tokens, 1, str(TEXT), "cpu", "auto", cache_dir)
     cpp, exact = (kvarn_rows(spec, loaded, chunk_ids, args.tokens, args.position, c, cache_dir, cell)
                   for c in ("llamacpp-cpu", "exact"))
     text = table(bee, cpp, exact, "q4_0" if args.type in ("f16", "bf16") else args.type)
-    torch_engine.set_compute(loaded.model, spec, cache_dir, "llamacpp-cpu")
+    load.set_compute(loaded.model, spec, cache_dir, "llamacpp-cpu")
     types = loaded.model._kvarn_activation_types  # kvarn.llamacpp_cpu.activations: module name -> its input's rounding
     kinds = {int(n.split("layers.")[1].split(".")[0]): k for n, k in types.items() if n.endswith("mlp.down_proj")}
     text += "\nBOS's MLP, llamacpp-cpu against BeeLlama:\n\n" + mlp_table(bee, cpp, kinds)

@@ -44,13 +44,13 @@ def our_chunk_means(cell: Path) -> list[float]:
 
 def our_llama_kld(model: str, n_ctx: int, chunks: int, dump: Path, out: Path) -> Path:
     """Our baseline dump `dump` as llama-perplexity's KLD base file `out` (written once), on
-    the tokens kvarn computed it on (`kvarn.run.torch_engine.Context`: the same tokenization and BOS)."""
+    the tokens kvarn computed it on (`kvarn.run.load.Context`: the same tokenization and BOS)."""
     if not out.is_file():
         from kvarn.llamacpp_cpu import llamakld
-        from kvarn.run import torch_engine
+        from kvarn.run import load
         from kvarn.weights import sources
 
-        ctx = torch_engine.Context(sources.parse_model(model), n_ctx, chunks, text=str(TEXT),
+        ctx = load.Context(sources.parse_model(model), n_ctx, chunks, text=str(TEXT),
                              cache_dir=str(REPO / "resources" / "models"), baseline=True)
         llamakld.write_from_dump(dump, ctx.chunk_ids, out)
     return out

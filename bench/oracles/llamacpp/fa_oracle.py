@@ -46,7 +46,7 @@ def main() -> None:
 
     from kvarn.llamacpp_cpu import channel_order, compute
 
-    from kvarn.run import torch_engine
+    from kvarn.run import forward, load
 
     from kvarn.vocab import options
     from kvarn.vocab.cell import CellSpec
@@ -57,9 +57,9 @@ def main() -> None:
     exe = build()
     spec = sources.parse_model(a.model)
     cache_dir = str(REPO / "resources" / "models")
-    ctx = torch_engine.Context(spec, 1024, 1, text=str(lc.TEXT), cache_dir=cache_dir, baseline=True)
+    ctx = load.Context(spec, 1024, 1, text=str(lc.TEXT), cache_dir=cache_dir, baseline=True)
     model = ctx.loaded.model
-    torch_engine.set_compute(model, spec, cache_dir, options.LLAMACPP_CPU)
+    load.set_compute(model, spec, cache_dir, options.LLAMACPP_CPU)
     raw, got, n = {}, {}, [0]
     append_kv, attention = compute.append_kv, compute.attention
 
@@ -77,7 +77,7 @@ def main() -> None:
 
     compute.append_kv, compute.attention = append_spy, attention_spy
     try:
-        cache = torch_engine.new_cache(model, CellSpec(a.k, a.k, 0, rot=a.rot, compute=options.LLAMACPP_CPU))
+        cache = forward.new_cache(model, CellSpec(a.k, a.k, 0, rot=a.rot, compute=options.LLAMACPP_CPU))
         with torch.inference_mode():
             model(input_ids=ctx.chunk_ids[0][None, :512], cache=cache, kvarn_cache=cache, use_cache=True,
                   logits_to_keep=torch.arange(1))

@@ -42,7 +42,7 @@ def main() -> None:
 
     from kvarn.llamacpp_cpu import channel_order, compute
 
-    from kvarn.run import torch_engine
+    from kvarn.run import forward, load
 
     from kvarn.vocab import options
     from kvarn.vocab.cell import CellSpec
@@ -59,7 +59,7 @@ def main() -> None:
     n_ctx = lc.CTX[a.model]
     spec = sources.parse_model(a.model)
     cache_dir = str(REPO / "resources" / "models")
-    ctx = torch_engine.Context(spec, n_ctx, 1, text=str(lc.TEXT), cache_dir=cache_dir, baseline=True)
+    ctx = load.Context(spec, n_ctx, 1, text=str(lc.TEXT), cache_dir=cache_dir, baseline=True)
     model = ctx.loaded.model
     cfg = model.config.get_text_config()
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -81,7 +81,7 @@ def main() -> None:
         for L in a.layers:
             ll[L]["o"] = rotate_blocks(ll[L]["o"], V_ROTATION_BLOCK)
 
-    torch_engine.set_compute(model, spec, cache_dir, options.LLAMACPP_CPU)
+    load.set_compute(model, spec, cache_dir, options.LLAMACPP_CPU)
     layer_of: dict[int, int] = {}
     got = {L: {"q": [], "k": [], "v": [], "o": []} for L in a.layers}
     start = [0]
@@ -110,7 +110,7 @@ def main() -> None:
 
     compute.append_kv, compute.attention = append_fed, attention_fed
     try:
-        cache = torch_engine.new_cache(model, CellSpec(t, t, 0, rot=rot, compute=options.LLAMACPP_CPU))
+        cache = forward.new_cache(model, CellSpec(t, t, 0, rot=rot, compute=options.LLAMACPP_CPU))
         cache.reserve(n_ctx)
         with torch.inference_mode():
             for s in range(0, n_ctx, UBATCH):
