@@ -33,9 +33,11 @@ llamacpp: setup
 	$(BIN)/python -m kvarn.llamacpp_engine.build > /dev/null
 
 # The suite on TEST_WORKERS pytest-xdist workers (tests/conftest.py says how the work is split);
-# TEST_WORKERS=0 runs it in one process.
+# TEST_WORKERS=0 runs it in one process. The pinned llama.cpp is built (once per machine) by the first
+# test that needs it, on the worker that holds the llama.cpp engine's tests, while the other worker runs
+# the rest: the build overlaps the tests that do not need it (`make llamacpp` builds it alone).
 TEST_WORKERS ?= 2
-test: setup llamacpp browser
+test: setup browser
 	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 # The Slurm profile against a one-node Slurm cluster set up on this machine (root; README "On a cluster")
