@@ -433,3 +433,42 @@ def test_json_default_writes_scalars_and_refuses_the_rest():
     assert got == {"a": 1.5, "b": 7, "c": 2.25} and type(got["b"]) is int
     with pytest.raises(TypeError, match="not JSON serializable: object"):
         json_default(object())
+
+
+def test_timed_counts_only_the_producer_s_time(monkeypatch):
+    """forward.timed adds to timing[key] the seconds spent producing each item (a clock that steps 1 s per
+    reading: 3 items and the end each take one step), never the consumer's time between items."""
+    from kvarn.run import forward
+
+    ticks = iter(range(100))
+    monkeypatch.setattr(forward.time, "perf_counter", lambda: float(next(ticks)))
+    timing = {"forward_s": 10.0, "other": 0.0}
+    got = []
+    for x in forward.timed(iter("abc"), timing):
+        got.append(x)
+        next(ticks), next(ticks)  # the consumer's own time: two steps per item, not counted
+    assert got == ["a", "b", "c"] and timing == {"forward_s": 14.0, "other": 0.0}
+    timing = {"forward_s": 0.0, "other": 0.5}
+    assert list(forward.timed(iter([1]), timing, "other")) == [1] and timing == {"forward_s": 0.0, "other": 2.5}
+
+
+def test_the_baseline_cell_is_bf16_at_tail_0_on_the_exact_path_by_default():
+    from kvarn.run import forward
+
+    assert forward.baseline_cell() == forward.BASELINE == CellSpec("bf16", "bf16", 0)
+    assert forward.baseline_cell().compute == "exact"
+    assert forward.baseline_cell("tf32-attn") == CellSpec("bf16", "bf16", 0, compute="tf32-attn")
+
+
+def test_set_compute_rounds_activations_only_on_the_llamacpp_cpu_path(monkeypatch):
+    """load.set_compute: under llamacpp-cpu every Linear's input is rounded as llama.cpp rounds it for the
+    weights of the model's own GGUF (its path from the spec and cache); any other path switches it off."""
+    from kvarn.run import load
+
+    calls = []
+    monkeypatch.setattr(load.sources, "gguf_path", lambda spec, cache_dir: f"{cache_dir}/{spec}.gguf")
+    monkeypatch.setattr(load, "set_activation_rounding", lambda model, gguf, on: calls.append((model, gguf, on)))
+    load.set_compute("model", "smol", "/cache", "llamacpp-cpu")
+    for compute in ("exact", "bf16-attn", "tf32-attn"):
+        load.set_compute("model", "smol", "/cache", compute)
+    assert calls == [("model", "/cache/smol.gguf", True)] + [("model", None, False)] * 3

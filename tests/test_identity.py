@@ -7,6 +7,7 @@ directory with the embedded SmolLM2 tokenizer (no download, a second per run).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -188,3 +189,41 @@ def test_cell_refuses_changed_weights(tiny_run):
         assert not (tmp / "w").exists()
     finally:  # the fixture's weights back (seeded: the same bytes), so the module's other tests run in any order
         _tiny_dir(d, 0)
+
+
+def test_the_run_s_own_fields_in_the_header_and_the_summary(tiny_run, monkeypatch):
+    """run_baseline's header names the kvarn version and device, and its tokens/s is the tokens over the
+    seconds timed around the forward alone (a stand-in for `timed` adding 0.25 s per slice: exactly);
+    run_cell's wall time is within the call's, and a numpy scalar in its summary is written as its value."""
+    import time
+
+    import numpy as np
+
+    import kvarn
+    from kvarn.baseline import dump
+    from kvarn.stats import metrics
+
+    torch_engine, spec, base, kw, h, d, tmp = tiny_run
+    header = dump.open_dump(base).header
+    assert header["kvarn_version"] == h["kvarn_version"] == kvarn.__version__
+    assert header["device"] == h["device"] == "cpu"
+    slices = []
+
+    def fake_timed(gen, timing, key="forward_s"):
+        for item in gen:
+            timing[key] += 0.25
+            slices.append(item)
+            yield item
+
+    with monkeypatch.context() as m:
+        m.setattr(torch_engine, "timed", fake_timed)
+        h2 = torch_engine.run_baseline(spec, 32, 2, tmp / "timed.kvd", **kw)
+    assert slices and h2["tokens_per_s"] == 2 * 32 / (0.25 * len(slices))
+
+    summarize = metrics.summarize
+    monkeypatch.setattr(metrics, "summarize", lambda frame: {**summarize(frame), "probe": np.float32(0.25)})
+    t0 = time.perf_counter()
+    s = _cell(torch_engine, spec, base, kw, tmp / "fields")
+    elapsed = time.perf_counter() - t0
+    assert 0 < s["wall_s"] <= elapsed
+    assert json.loads((tmp / "fields" / "summary.json").read_text())["probe"] == 0.25
