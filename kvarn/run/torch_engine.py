@@ -5,7 +5,8 @@ is the `bf16`/`bf16` cell with tail 0. Per chunk: a fresh cache, the chunk fed i
 micro-batches of `ubatch` tokens, logits computed only at the scored positions (the
 model's own head via `logits_to_keep`, so any final softcap or logit scaling is the
 model's), log-softmax in fp32 in row slices (Gemma's 262k vocabulary would otherwise need
-gigabytes), then either the dump (baseline) or per-token metrics against it (cell).
+gigabytes), then either the dump (baseline) or per-token metrics against it (cell). What a run loads is
+`kvarn.run.load`'s, the forward `kvarn.run.forward`'s; this module writes the dump, the tokens and the summary.
 """
 
 from __future__ import annotations
