@@ -113,6 +113,5 @@ def test_the_readme_retrieval_block_is_the_committed_retrieval_study():
     block = readme.split(R.RETRIEVAL_BEGIN)[1].split(R.RETRIEVAL_END)[0]
     comparisons = pl.read_parquet(ROOT / "docs" / "figures" / "retrieval" / "comparisons.parquet")
     assert set(comparisons["model"]) == {"smollm2-135m", "gemma3-270m"}
-    assert block == "\n" + headline.sentences(comparisons, comparisons["model"].unique(),
-                                               comparisons["context"].unique()) + "\n"
+    assert block == "\n" + headline.sentences(comparisons) + "\n"
     assert "after Holm" in block and "Caveat:" in block and "small models" in block

@@ -22,7 +22,8 @@ def _comparisons():
     ]
     cols = ["a_label", "b_label", "dlogprob", "p_dlogprob", "p_dlogprob_holm", "a_only", "b_only", "p", "p_holm"]
     frame = pl.DataFrame([dict(zip(cols, r)) for r in rows], schema_overrides={"p_holm": pl.Float64})
-    return frame.with_columns(model=pl.lit("m"), context=pl.lit(256))
+    # two small models, two lengths: the caveat names them from the table
+    return frame.with_columns(model=pl.Series(["small-a", "small-b"] * 3), context=pl.Series([256, 512] * 3))
 
 
 def test_tally_counts_each_direction_after_holm():
@@ -35,7 +36,7 @@ def test_tally_counts_each_direction_after_holm():
 
 
 def test_the_sentences_say_it_in_words():
-    text = headline.sentences(_comparisons(), ["small-b", "small-a"], [512, 256])
+    text = headline.sentences(_comparisons())
     assert text == (
         "Retrieval (RULER needles at 256–512 tokens, docs/notes/retrieval.md), paired on the same prompts, "
         "significant at 5 % after Holm across each (model, length) run's tests: "
@@ -48,11 +49,11 @@ def test_the_sentences_say_it_in_words():
 
 
 def test_one_gain_and_one_length():
-    one = _comparisons().head(1)
-    text = headline.sentences(one, ["m"], [256])
+    one = _comparisons().head(1)  # one run: small-a at 256 tokens
+    text = headline.sentences(one)
     assert "RULER needles at 256 tokens" in text and "better in 1 of 1 runs (+0.50 nats)" in text
 
 
 def test_an_empty_table_is_refused():
     with pytest.raises(ValueError, match="comparisons table is empty: run the retrieval target first"):
-        headline.sentences(_comparisons().head(0), ["m"], [256])
+        headline.sentences(_comparisons().head(0))

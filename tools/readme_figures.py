@@ -59,8 +59,7 @@ def retrieval_block(path: Path) -> str:
     if not path.is_file():
         raise SystemExit(f"{path} is missing: run the retrieval study (snakemake retrieval --configfile "
                          "config/retrieval.yaml) and copy its outputs there (docs/notes/retrieval.md)")
-    comparisons = pl.read_parquet(path)
-    return headline.sentences(comparisons, comparisons["model"].unique(), comparisons["context"].unique()) + "\n"
+    return headline.sentences(pl.read_parquet(path)) + "\n"
 
 
 def main(argv=None) -> int:

@@ -47,8 +47,9 @@ def _counts(c: dict, runs: int) -> str:
     return ", ".join(parts) + f" of {runs}"
 
 
-def sentences(comparisons: pl.DataFrame, models, contexts, alpha: float = ALPHA) -> str:
-    """The README's retrieval paragraph (Markdown): what each format pair's tests say after Holm, and the caveat."""
+def sentences(comparisons: pl.DataFrame, alpha: float = ALPHA) -> str:
+    """The README's retrieval paragraph (Markdown): what each format pair's tests say after Holm, and the caveat
+    for the table's models and context lengths."""
     if comparisons.height == 0:
         raise ValueError("the retrieval comparisons table is empty: run the retrieval target first "
                          "(snakemake retrieval --configfile config/retrieval.yaml)")
@@ -58,8 +59,8 @@ def sentences(comparisons: pl.DataFrame, models, contexts, alpha: float = ALPHA)
                 else f" ({t['gain'][0]:+.2f} nats)") if "gain" in t else ""
         pairs.append(f"{t['a']} against {t['b']}: on the answer's log-prob {_counts(t['logprob'], t['runs'])} runs"
                      f"{gain}, on right/wrong {_counts(t['right'], t['runs'])}")
-    lengths = sorted(contexts)
+    models, lengths = comparisons["model"].unique(), sorted(comparisons["context"].unique())
     span = f"{lengths[0]}–{lengths[-1]}" if len(lengths) > 1 else str(lengths[0])
     return (f"Retrieval (RULER needles at {span} tokens, docs/notes/retrieval.md), paired on the same prompts, "
             f"significant at {alpha * 100:g} % after Holm across each (model, length) run's tests: " + "; ".join(pairs)
-            + f". Caveat: {caveat(models, contexts)}.").replace("*", "\\*")  # Markdown: `128*` opens no emphasis
+            + f". Caveat: {caveat(models, lengths)}.").replace("*", "\\*")  # Markdown: `128*` opens no emphasis
