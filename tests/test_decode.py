@@ -130,17 +130,39 @@ def test_prompt_length_is_checked():
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol_chunks():
+    """SmolLM2 loaded, and PROMPTS chunks of CTX tokens of the test split (the teacher-forced run's chunks)."""
     from kvarn.baseline import data
     from kvarn.weights import models
 
     lm = models.load(models.ModelSpec("smollm2-135m", "embedded:smollm2-135m"), cache_dir=CACHE_DIR)
     lm.model.eval()
     # 2 chunks of CTX tokens need only the head of the (verified) test split, not all 1.3 MB.
-    chunks = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)[:20000]), CTX, PROMPTS, lm.info.bos_id)
+    return lm, data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)[:20000]), CTX, PROMPTS, lm.info.bos_id)
+
+
+@pytest.fixture(scope="module")
+def smol(smol_chunks):
+    lm, chunks = smol_chunks
     prompts = KD.decode_prompts(chunks, TOKENS)
     assert UBATCH < prompts.shape[1] < 2 * UBATCH  # the prefill crosses one ubatch boundary
     return lm, prompts
+
+
+class Bar:
+    """kvarn.run.torch_engine.progress's tqdm, recorded: (desc, total, unit), its updates, whether closed; each
+    bar made is appended to `Bar.made` (a test sets it to its own list)."""
+    made: list = []
+
+    def __init__(self, iterable, desc, total, unit):
+        self.args, self.n, self.closed = (desc, total, unit), 0, False
+        Bar.made.append(self)
+
+    def update(self):
+        self.n += 1
+
+    def close(self):
+        self.closed = True
 
 
 @pytest.mark.slow
@@ -170,19 +192,7 @@ def test_bf16_cell_never_diverges_and_q2_does(smol, monkeypatch):
     b = KD.decode(lm.model, prompts, CellSpec("bf16", "bf16", 0), TOKENS, ubatch=UBATCH, block=1)
     s = KD.summarize_decode(b, PROMPTS, TOKENS)
     assert s["n_diverged"] == 0 and s["survival"][-1] == 1.0 and (b["kld"] == 0).all() and b["same_top"].all()
-    bars = []
-
-    class Bar:  # kvarn.run.torch_engine.progress's tqdm, recorded
-        def __init__(self, iterable, desc, total, unit):
-            self.args, self.n, self.closed = (desc, total, unit), 0, False
-            bars.append(self)
-
-        def update(self):
-            self.n += 1
-
-        def close(self):
-            self.closed = True
-
+    bars = Bar.made = []
     monkeypatch.setattr(KD, "progress", Bar)
     timing = {}
     q = KD.decode(lm.model, prompts, CellSpec("q2_0", "q2_0", 0), TOKENS, ubatch=UBATCH, timing=timing,
@@ -225,7 +235,7 @@ def test_sampled_decode_follows_the_seed(smol):
 
 
 @pytest.mark.slow
-def test_run_decode_writes_one_cells_result(smol, tmp_path, monkeypatch):
+def test_run_decode_writes_one_cells_result(smol_chunks, tmp_path, monkeypatch):
     """run_decode in this process (the workflow's decode jobs reach it only in a subprocess): it loads
     through `setup` with the job's arguments (or takes them from a `context`), decodes the prompts it
     cut from the chunks, and writes steps.parquet (the decode's rows, exactly) and summary.json (the
@@ -236,28 +246,17 @@ def test_run_decode_writes_one_cells_result(smol, tmp_path, monkeypatch):
     import polars as pl
 
     import kvarn.kvcache.attention  # noqa: F401  (registers "kvarn")
-    from kvarn.baseline import data
     from kvarn.vocab.options import DECODE_VERSION, sampling_label, sampling_name
 
-    lm, _ = smol
-    chunks = data.make_chunks(data.tokenize(lm.tokenizer, data.load_text(TEXT)[:20000]), CTX, PROMPTS, lm.info.bos_id)
+    lm, chunks = smol_chunks
     ident = {"text_sha256": "sha-of-the-text", "tokenizer_hash": "hash-of-the-tokenizer"}
     calls, bars = [], []
+    Bar.made = bars
 
     def fake_setup(*args):  # what `setup` returns: the model on the cache model's attention
         calls.append(args)
         lm.model.set_attn_implementation("kvarn")
         return lm, chunks, ident
-
-    class Bar:
-        def __init__(self, iterable, desc, total, unit):
-            bars.append(desc)
-
-        def update(self):
-            pass
-
-        def close(self):
-            pass
 
     monkeypatch.setattr(KD, "setup", fake_setup)
     monkeypatch.setattr(KD, "progress", Bar)
@@ -265,7 +264,7 @@ def test_run_decode_writes_one_cells_result(smol, tmp_path, monkeypatch):
     job = dict(ubatch=UBATCH, text="the-text", device="cpu", dtype="float32", cache_dir=CACHE_DIR, block=3)
     s = KD.run_decode("the-spec", CTX, PROMPTS, TOKENS, cell, tmp_path / "greedy", **job)
     assert calls == [("the-spec", CTX, PROMPTS, "the-text", "cpu", "float32", CACHE_DIR)]
-    assert bars == [f"{lm.info.name} decode q2_0/q4_0 tail 16"]
+    assert [b.args[0] for b in bars] == [f"{lm.info.name} decode q2_0/q4_0 tail 16"]
     ref = KD.decode(lm.model, KD.decode_prompts(chunks, TOKENS), cell, TOKENS, ubatch=UBATCH, attention="ref",
                     block=3)
     steps = pl.read_parquet(tmp_path / "greedy" / "steps.parquet")
@@ -299,7 +298,7 @@ def test_run_decode_writes_one_cells_result(smol, tmp_path, monkeypatch):
     t = KD.run_decode("the-spec", CTX, PROMPTS, TOKENS, cell, tmp_path / "sampled", context=Context(),
                       temperature=0.5, seed=7, **job)
     assert asked == calls and len(calls) == 1
-    assert bars[-1] == f"{lm.info.name} decode q2_0/q4_0 tail 16, {sampling_label(0.5, 7)}"
+    assert bars[-1].args[0] == f"{lm.info.name} decode q2_0/q4_0 tail 16, {sampling_label(0.5, 7)}"
     assert (t["temperature"], t["seed"], t["sampling"]) == (0.5, 7, sampling_name(0.5, 7))
     sampled = KD.decode(lm.model, KD.decode_prompts(chunks, TOKENS), cell, TOKENS, ubatch=UBATCH, block=3,
                         temperature=0.5, seed=7)
