@@ -55,5 +55,27 @@ def test_one_gain_and_one_length():
 
 
 def test_an_empty_table_is_refused():
-    with pytest.raises(ValueError, match="comparisons table is empty: run the retrieval target first"):
+    with pytest.raises(ValueError, match=r"^the retrieval comparisons table is empty: run the retrieval target first "
+                                         r"\(snakemake retrieval --configfile config/retrieval\.yaml\)$"):
         headline.sentences(_comparisons().head(0))
+
+
+def test_a_significant_test_without_a_direction_counts_neither_way():
+    """A difference of exactly zero (Δ log p 0, as many prompts only a as only b) is neither better nor worse,
+    whatever its p."""
+    row = _comparisons().head(1).with_columns(dlogprob=pl.lit(0.0), a_only=pl.lit(2), b_only=pl.lit(2),
+                                              p_dlogprob_holm=pl.lit(0.001), p_holm=pl.lit(0.001))
+    t = headline.tally(row)[0]
+    assert t["logprob"] == t["right"] == {"better": 0, "worse": 0} and "gain" not in t
+
+
+def test_the_level_and_the_lengths_are_the_table_s():
+    """`alpha` reaches the tally (at 4.5 % the log-prob test at 0.049 no longer counts: 2 better at 5 %, 1 here), and
+    the span runs from the shortest to the longest of three lengths."""
+    three = _comparisons().with_columns(context=pl.Series([256, 1024, 512] * 2))
+    text = headline.sentences(three, alpha=0.045)
+    assert text.startswith("Retrieval (RULER needles at 256–1024 tokens, docs/notes/retrieval.md), paired on the same "
+                           "prompts, significant at 4.5 % after Holm")
+    assert ("on the answer's log-prob better in 1, worse in 1, no significant difference in 2 of 4 runs (+0.50 nats), "
+            "on right/wrong better in 1, worse in 1, no significant difference in 2 of 4") in text
+    assert "(256, 512, 1024 tokens)" in text
