@@ -79,3 +79,10 @@ def test_the_level_and_the_lengths_are_the_table_s():
     assert ("on the answer's log-prob better in 1, worse in 1, no significant difference in 2 of 4 runs (+0.50 nats), "
             "on right/wrong better in 1, worse in 1, no significant difference in 2 of 4") in text
     assert "(256, 512, 1024 tokens)" in text
+
+
+def test_pairs_keep_the_table_s_order():
+    """The pairs are told in the order the table first lists them (the report's order), not a hash's."""
+    names = [f"kvarn{i} 128*" for i in reversed(range(40))]
+    rows = pl.concat([_comparisons().head(1).with_columns(a_label=pl.lit(n)) for n in names * 2])
+    assert [t["a"] for t in headline.tally(rows)] == names
